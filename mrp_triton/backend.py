@@ -1,0 +1,67 @@
+"""Choose, per call, between a Triton kernel and its PyTorch reference.
+
+Rule (in order):
+1. ``use_backend("reference" | "triton")`` context manager, if active.
+2. ``MRP_TRITON_BACKEND=reference|triton`` in the environment.
+3. CUDA tensors -> Triton; CPU tensors -> reference, unless ``TRITON_INTERPRET=1`` is set,
+   in which case CPU tensors run the Triton kernel in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+BACKENDS = ("reference", "triton")
+_override: list[str] = []
+
+
+def _check(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={name!r} is not a backend; use one of {BACKENDS}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force every op inside the ``with`` block onto ``name`` ("reference" or "triton")."""
+    _override.append(_check(name, "backend"))
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def select_backend(device: torch.device) -> str:
+    """Return "triton" or "reference" for an op whose tensors live on ``device``."""
+    if _override:
+        name = _override[-1]
+    elif os.environ.get("MRP_TRITON_BACKEND"):
+        name = _check(os.environ["MRP_TRITON_BACKEND"], "MRP_TRITON_BACKEND")
+    elif device.type == "cuda" or interpreter_on():
+        name = "triton"
+    else:
+        name = "reference"
+    if name == "triton":
+        if not triton_available():
+            raise RuntimeError("the Triton backend was chosen but triton is not installed; "
+                               "pip install triton, or set MRP_TRITON_BACKEND=reference")
+        if device.type != "cuda" and not interpreter_on():
+            raise RuntimeError(f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 "
+                               "before importing mrp_triton to run them on CPU, or use the reference backend")
+    return name

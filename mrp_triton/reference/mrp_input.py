@@ -1,0 +1,17 @@
+"""Reference input of the MRP module's ``eh_proj``: [enorm(E[ids]) | hnorm(h)]."""
+
+from __future__ import annotations
+
+import torch
+
+from .rms_norm import rms_norm
+
+
+def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
+              enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ids: [N] int64, embed_weight: [V, H], hidden: [N, H], norms: [H] -> [N, 2H] (hidden's dtype).
+
+    The embedding half comes first (DeepSeek-V3 MTP layout).
+    """
+    e = embed_weight[ids].to(hidden.dtype)
+    return torch.cat([rms_norm(e, enorm_weight, eps), rms_norm(hidden, hnorm_weight, eps)], dim=-1)
