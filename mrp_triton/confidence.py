@@ -1,0 +1,325 @@
+"""Fused confidence over the vocabulary: token, full-softmax probability and logsumexp per row.
+
+``z = (logits + scale * sum_r residual[r]) / temperature`` (fp32), then per row: the argmax (greedy)
+or Gumbel-max sample of ``z``, the probability of that token under the *full* softmax of ``z`` and
+``lse = logsumexp(z)``. Exact semantics (NaN, mask column, skipped rows, hash) are defined in
+:mod:`mrp_triton.reference.confidence`, which is also the CPU path and the test oracle.
+
+Cost model (N rows, V vocab, R residual slices, b bytes per element):
+  read N*V*b (logits) + R*N*V*b (residual); write 16*N bytes (+ 20*N*S bytes of partials when
+  the vocabulary is split in S pieces). ~6 FLOPs and one exp per element (plus a 2x32-bit integer
+  hash and two logs per element when sampling). Memory-bound: the floor is
+  (1 + R) * N * V * b / copy_bandwidth, e.g. N = 256, V = 151936, bf16, R = 1: 156 MB -> 36 us on an
+  H200 (4.28 TB/s measured copy). The probabilities are never materialised: one streaming pass
+  over V in BLOCK_V tiles keeps a running max m, a rescaled sum d and the running argmax (lowest
+  index on ties; tiles are visited in increasing order and only a strictly larger score replaces).
+
+Parallelism: rows x S vocabulary splits, S chosen so that about 4 programs per SM are in flight
+(small N -> many splits; N >= 2 * SMs -> S = 1). With S = 1 one launch writes the outputs; with
+S > 1 a first launch writes (m, d, best score, best index, z at best) per (row, split) and a tiny
+second launch merges them (two launches, no atomics, deterministic).
+
+Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
+(seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
+< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p: documented slow path:
+the kernel computes lse, the filtered Gumbel-max pick runs as torch ops on the device
+(materialises z [N, V] in fp32), and prob stays the full-softmax probability.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import interpreter_on, select_backend
+from .reference import confidence as _ref
+from .reference.confidence import confidence as confidence_reference
+
+FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _mix32(x):
+    # x: int64 in [0, 2**32). Same steps as reference.confidence.mix32.
+    M = tl.full([], 0xFFFFFFFF, tl.int64)
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & M
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _conf_partial_kernel(
+    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr,
+    part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
+    V, chunk, S, scale, inv_t, mask_id, seed_h,
+    HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, FINAL: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, V)
+    if HAS_SKIP:
+        skip = tl.load(skip_ptr + row)
+        hi = tl.where(skip != 0, lo, hi)
+    M32 = tl.full([], 0xFFFFFFFF, tl.int64)
+    h = tl.full([], 0, tl.int64)
+    if DO_SAMPLE:
+        h = seed_h.to(tl.int64)
+        for j in tl.static_range(3):
+            k = tl.load(keys_ptr + row * 3 + j)
+            h = _mix32(h ^ (k & M32))
+            h = _mix32(h ^ ((k >> 32) & M32))
+    m = tl.full([], float("-inf"), tl.float32)
+    d = tl.full([], 0.0, tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_z = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], -1, tl.int64)
+    ar = tl.arange(0, BLOCK_V)
+    for start in range(lo, hi, BLOCK_V):
+        offs = start + ar
+        msk = offs < hi
+        x = tl.load(logits_ptr + row * stride_ln + offs, mask=msk, other=0.0).to(tl.float32)
+        if HAS_RES:
+            acc = tl.load(res_ptr + row * stride_rn + offs, mask=msk, other=0.0).to(tl.float32)
+            for r in range(1, R):
+                acc += tl.load(res_ptr + r * stride_rr + row * stride_rn + offs, mask=msk, other=0.0).to(tl.float32)
+            x = x + scale * acc
+        x = x * inv_t
+        x = tl.where(x != x, float("-inf"), x)
+        x = tl.minimum(x, FLT_MAX)
+        x = tl.where(msk & (offs != mask_id), x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+        m = m_new
+        if DO_SAMPLE:
+            e = _mix32(h ^ offs.to(tl.int64))
+            e = _mix32((e + 0x9E3779B9) & M32)
+            u = ((e >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            s = x + (-tl.log(-tl.log(u)))
+        else:
+            s = x
+        t_best = tl.max(s, 0)
+        t_arg = tl.argmax(s, 0)
+        t_z = tl.max(tl.where(ar == t_arg, x, float("-inf")), 0)
+        upd = t_best > best
+        best = tl.where(upd, t_best, best)
+        best_z = tl.where(upd, t_z, best_z)
+        best_idx = tl.where(upd, start + t_arg.to(tl.int64), best_idx)
+    if FINAL:
+        valid = best_idx >= 0
+        lse = tl.where(valid, m + tl.log(tl.maximum(d, 1e-38)), float("-inf"))
+        prob = tl.where(valid, tl.exp(best_z - lse), 0.0)
+        tl.store(tok_ptr + row, best_idx)
+        tl.store(prob_ptr + row, prob)
+        tl.store(lse_ptr + row, lse)
+    else:
+        base = (row * S + split) * 4
+        tl.store(part_ptr + base + 0, m)
+        tl.store(part_ptr + base + 1, d)
+        tl.store(part_ptr + base + 2, best)
+        tl.store(part_ptr + base + 3, best_z)
+        tl.store(part_idx_ptr + row * S + split, best_idx)
+
+
+@triton.jit
+def _conf_merge_kernel(part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, S, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_S)
+    msk = offs < S
+    base = (row * S + offs) * 4
+    m_s = tl.load(part_ptr + base + 0, mask=msk, other=float("-inf"))
+    d_s = tl.load(part_ptr + base + 1, mask=msk, other=0.0)
+    b_s = tl.load(part_ptr + base + 2, mask=msk, other=float("-inf"))
+    z_s = tl.load(part_ptr + base + 3, mask=msk, other=float("-inf"))
+    i_s = tl.load(part_idx_ptr + row * S + offs, mask=msk, other=-1)
+    m = tl.max(m_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    d = tl.sum(d_s * tl.exp(m_s - m_safe), 0)
+    best = tl.max(b_s, 0)
+    cand = (b_s == best) & (i_s >= 0)
+    idx = tl.min(tl.where(cand, i_s, 0x7FFFFFFFFFFFFFFF), 0)
+    valid = (best > float("-inf")) & (idx < 0x7FFFFFFFFFFFFFFF)
+    idx = tl.where(valid, idx, -1)
+    bz = tl.max(tl.where(cand & (i_s == idx), z_s, float("-inf")), 0)
+    lse = tl.where(valid, m + tl.log(tl.maximum(d, 1e-38)), float("-inf"))
+    prob = tl.where(valid, tl.exp(bz - lse), 0.0)
+    tl.store(tok_ptr + row, idx)
+    tl.store(prob_ptr + row, prob)
+    tl.store(lse_ptr + row, lse)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None, num_warps=None):
+    """Small table instead of autotune (the interpreter cannot autotune).
+
+    CUDA: aim at ~4 programs per SM; rows with a long chunk stream 4096-wide tiles with 8 warps,
+    short chunks (many splits, small N) use 1024-wide tiles with 4 warps. Interpreter: wide tiles
+    (numpy is faster on big vectors), S = 1 unless the caller forces ``splits``.
+    """
+    if interpreter_on() and device.type != "cuda":
+        bv = block_v or min(4096, triton.next_power_of_2(max(V, 16)))
+        s = splits or 1
+        return max(1, min(s, triton.cdiv(V, bv))), bv, num_warps or 4
+    target = 4 * _num_sms(device)
+    s = splits or (1 if N >= target // 2 else triton.cdiv(target, N))
+    if block_v is None:
+        per_prog = triton.cdiv(V, s)
+        block_v = 4096 if per_prog >= 16384 else 1024
+    s = max(1, min(s, triton.cdiv(V, block_v)))
+    nw = num_warps or (8 if block_v >= 4096 else 4)
+    return s, block_v, nw
+
+
+def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
+                top_k, top_p):
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a 2-D tensor [N, V], got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
+    N, V = logits.shape
+    if V == 0:
+        raise ValueError("logits has an empty vocabulary (V == 0)")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.dim() not in (2, 3) or \
+                tuple(residual.shape[-2:]) != (N, V):
+            raise ValueError(f"residual must be None, [N, V] or [R, N, V] with N, V = {N}, {V}; got "
+                             f"{tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual)}")
+        if residual.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"residual must be float32, float16 or bfloat16, got {residual.dtype}")
+        if residual.device != logits.device:
+            raise ValueError(f"residual is on {residual.device} but logits on {logits.device}; move them together")
+        if residual.dim() == 3 and residual.shape[0] == 0:
+            raise ValueError("residual has R == 0 slices; pass residual=None instead")
+    if not (float(temperature) > 0):
+        raise ValueError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy decoding")
+    if not torch.isfinite(torch.tensor(float(scale))):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if skip_rows is not None:
+        if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or tuple(skip_rows.shape) != (N,):
+            raise ValueError(f"skip_rows must be a bool tensor of shape [{N}] (or None)")
+        if skip_rows.device != logits.device:
+            raise ValueError(f"skip_rows is on {skip_rows.device} but logits on {logits.device}")
+    if mask_token_id is not None and not isinstance(mask_token_id, int):
+        raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
+    if do_sample:
+        if not isinstance(noise_keys, torch.Tensor) or noise_keys.dtype != torch.int64 or \
+                tuple(noise_keys.shape) != (N, 3):
+            raise ValueError(f"do_sample=True needs noise_keys: int64 [{N}, 3] = (sequence id, absolute position, "
+                             "step) per row")
+        if noise_keys.device != logits.device:
+            raise ValueError(f"noise_keys is on {noise_keys.device} but logits on {logits.device}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not (0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
+                      do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+                      splits=None, block_v=None, num_warps=None, out=None):
+    """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
+
+    ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks);
+    ``out = (tokens, probs, lse)`` preallocated outputs (tests poison them).
+    """
+    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
+                top_k, top_p)
+    N, V = logits.shape
+    dev = logits.device
+    if out is None:
+        tok = torch.empty(N, dtype=torch.int64, device=dev)
+        prob = torch.empty(N, dtype=torch.float32, device=dev)
+        lse = torch.empty(N, dtype=torch.float32, device=dev)
+    else:
+        tok, prob, lse = out
+    if N == 0:
+        return tok, prob, lse
+    filtered = top_k is not None or top_p is not None
+    sample_in_kernel = bool(do_sample) and not filtered
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    res = residual
+    if res is not None:
+        if res.dim() == 2:
+            res = res.unsqueeze(0)
+        if res.stride(-1) != 1:
+            res = res.contiguous()
+    S, BLOCK_V, nw = _pick_config(N, V, dev, splits, block_v, num_warps)
+    chunk = triton.cdiv(triton.cdiv(V, S), BLOCK_V) * BLOCK_V
+    S = triton.cdiv(V, chunk)
+    dummy = tok
+    skip = skip_rows.view(torch.uint8) if skip_rows is not None else dummy
+    keys = noise_keys.contiguous() if sample_in_kernel else dummy
+    seed_h = _ref.seed_hash(seed) if sample_in_kernel else 0
+    mask_id = -1 if mask_token_id is None else int(mask_token_id)
+    inv_t = float(torch.tensor(1.0 / float(temperature), dtype=torch.float32))
+    if S > 1:
+        part = torch.empty(N * S * 4, dtype=torch.float32, device=dev)
+        part_idx = torch.empty(N * S, dtype=torch.int64, device=dev)
+    else:
+        part, part_idx = prob, tok
+    _conf_partial_kernel[(N, S)](
+        logits, logits.stride(0),
+        res if res is not None else logits, res.stride(0) if res is not None else 0,
+        res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
+        skip, keys, part, part_idx, tok, prob, lse,
+        V, chunk, S, float(scale), inv_t, mask_id, seed_h,
+        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, FINAL=S == 1,
+        BLOCK_V=BLOCK_V, num_warps=nw,
+    )
+    if S > 1:
+        _conf_merge_kernel[(N,)](part, part_idx, tok, prob, lse, S,
+                                 BLOCK_S=max(16, triton.next_power_of_2(S)), num_warps=1)
+    if filtered:
+        # Slow path (documented): kernel lse (above) + filtered Gumbel-max pick as torch ops.
+        z = _ref.effective_logits(logits, residual, scale=scale, temperature=temperature,
+                                  mask_token_id=mask_token_id)
+        t = _ref.pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+        if skip_rows is not None:
+            t = t.masked_fill(skip_rows, -1)
+        valid = t >= 0
+        zt = z.gather(1, t.clamp(min=0)[:, None])[:, 0]
+        tok.copy_(t)
+        prob.copy_(torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse)))
+        lse.copy_(torch.where(valid, lse, torch.full_like(lse, float("-inf"))))
+    return tok, prob, lse
+
+
+def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
+               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+    """Per-row token, full-softmax probability and logsumexp of the effective logits.
+
+    logits: [N, V] bf16/fp16/fp32; residual: None, [N, V] or [R, N, V] (summed over R);
+    skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); noise_keys: int64 [N, 3] =
+    (sequence id, absolute position, step), required when ``do_sample``.
+    Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
+    for a row with no finite candidate. Dispatches with :func:`mrp_triton.backend.select_backend`.
+    """
+    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
+                top_k, top_p)
+    if select_backend(logits.device) == "triton":
+        return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
+                                 mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
+                                 noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+    return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
+                                mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
+                                noise_keys=noise_keys, top_k=top_k, top_p=top_p)

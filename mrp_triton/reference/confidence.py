@@ -1,0 +1,145 @@
+"""Reference confidence over the vocabulary (the oracle and the CPU path of :mod:`mrp_triton.confidence`).
+
+Defined behaviour (shared with the Triton kernel):
+
+* effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (the residual
+  is summed in fp32 in order r = 0..R-1; the division is a multiplication by ``1 / temperature``
+  rounded to fp32, exactly as the kernel does it);
+* NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
+* the ``mask_token_id`` column is excluded (never chosen, not in the softmax);
+* greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
+  ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
+  a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order);
+* ``prob`` = full-softmax probability of ``token`` under ``z`` (before top-k / top-p), ``lse`` =
+  logsumexp of ``z`` over the non-excluded vocabulary;
+* skipped rows and rows with no finite candidate: ``token = -1, prob = 0, lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_M1 = 0x7FEB352D  # multipliers < 2**31, so (x < 2**32) * M never overflows int64
+_M2 = 0x2C1B3C6D
+_GOLDEN = 0x9E3779B9
+FLT_MAX = 3.4028234663852886e38
+
+
+def mix32(x):
+    """32-bit integer mixer on values in [0, 2**32); works on Python ints and int64 tensors.
+
+    Bit-identical to ``mrp_triton.confidence._mix32`` (same wrapping-free int64 arithmetic).
+    """
+    x = x ^ (x >> 16)
+    x = (x * _M1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * _M2) & MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def seed_hash(seed: int) -> int:
+    """Host-side part of the noise hash: folds a Python int seed (any size) into 32 bits."""
+    seed = int(seed)
+    h = mix32((seed & MASK32) ^ _GOLDEN)
+    return mix32(h ^ ((seed >> 32) & MASK32))
+
+
+def row_hash(seed: int, noise_keys: torch.Tensor) -> torch.Tensor:
+    """noise_keys: [N, 3] int64 -> [N] int64 in [0, 2**32): hash of (seed, key0, key1, key2)."""
+    k = noise_keys.to(torch.int64)
+    h = torch.full_like(k[:, 0], seed_hash(seed))
+    for j in range(3):
+        h = mix32(h ^ (k[:, j] & MASK32))
+        h = mix32(h ^ ((k[:, j] >> 32) & MASK32))
+    return h
+
+
+def gumbel_uniform(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
+    """[N, V] float32 uniforms in (0, 1), never 0 or 1: ``((h >> 9) + 0.5) / 2**23``."""
+    h = row_hash(seed, noise_keys)[:, None]
+    v = torch.arange(V, device=noise_keys.device, dtype=torch.int64)[None, :]
+    x = mix32(h ^ v)
+    x = mix32((x + _GOLDEN) & MASK32)
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+def gumbel_noise(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
+    """[N, V] float32 standard Gumbel noise ``-log(-log(u))``."""
+    u = gumbel_uniform(seed, noise_keys, V)
+    return -torch.log(-torch.log(u))
+
+
+def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_token_id=None):
+    """z: [N, V] float32 with NaN -> -inf, +inf -> FLT_MAX, mask column -> -inf."""
+    z = logits.float()
+    if residual is not None:
+        res = residual if residual.dim() == 3 else residual.unsqueeze(0)
+        acc = res[0].float()
+        for r in range(1, res.shape[0]):
+            acc = acc + res[r].float()
+        z = z + torch.tensor(scale, dtype=torch.float32) * acc
+    inv_t = torch.tensor(1.0 / temperature, dtype=torch.float32)
+    z = z * inv_t
+    z = torch.nan_to_num(z, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
+    if mask_token_id is not None and 0 <= mask_token_id < z.shape[-1]:
+        z[:, mask_token_id] = float("-inf")
+    return z
+
+
+def filter_top_k_top_p(z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+    """Set to -inf every z outside the top-k, then outside the top-p nucleus (HF order).
+
+    Ties are broken by lowest index (stable sort). The nucleus keeps the smallest prefix of the
+    sorted distribution whose mass reaches ``top_p`` (at least one token).
+    """
+    z = z.clone()
+    V = z.shape[-1]
+    if top_k is not None and top_k < V:
+        _, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        drop = order[:, top_k:]
+        z.scatter_(1, drop, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        p = torch.softmax(sz, dim=-1)
+        p = torch.nan_to_num(p, nan=0.0)
+        before = torch.cumsum(p, dim=-1) - p  # mass strictly before each sorted token
+        drop_sorted = before >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+    """Token per row of effective logits z [N, V]: -1 where no finite candidate."""
+    score = z
+    if top_k is not None or top_p is not None:
+        score = filter_top_k_top_p(z, top_k, top_p)
+    if do_sample:
+        score = score + gumbel_noise(seed, noise_keys, z.shape[-1])
+    best, tok = score.max(dim=-1)  # torch returns the first maximal index
+    return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
+
+
+def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
+               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+    """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; noise_keys: int64 [N, 3].
+
+    Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])`` (see the module docstring).
+    Argument checking lives in :func:`mrp_triton.confidence.confidence`.
+    """
+    z = effective_logits(logits, residual, scale=scale, temperature=temperature, mask_token_id=mask_token_id)
+    lse = torch.logsumexp(z, dim=-1)
+    tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+    valid = tok >= 0
+    zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
+    prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))
+    lse = torch.where(valid, lse, torch.full_like(lse, float("-inf")))
+    if skip_rows is not None:
+        skip = skip_rows.to(torch.bool)
+        tok = tok.masked_fill(skip, -1)
+        prob = prob.masked_fill(skip, 0.0)
+        lse = lse.masked_fill(skip, float("-inf"))
+    return tok, prob.float(), lse.float()
