@@ -5,9 +5,16 @@ kernel, CPU tensors run :mod:`mrp_triton.reference` unless ``TRITON_INTERPRET=1`
 """
 
 from .backend import select_backend, use_backend
+from .confidence import confidence, confidence_triton
 from .mrp_input import mrp_input
 from .qk_norm_rope import qk_norm_rope
+from .remask import remask, remask_triton
 from .rms_norm import rms_norm
+from .select import select_commit, select_commit_triton
 from .swiglu import swiglu
+from .verify import verify_drafts, verify_drafts_triton
 
-__all__ = ["mrp_input", "qk_norm_rope", "rms_norm", "select_backend", "swiglu", "use_backend"]
+__all__ = [
+    "confidence", "confidence_triton", "remask", "remask_triton", "select_commit", "select_commit_triton",
+    "verify_drafts", "verify_drafts_triton",
+    "mrp_input", "qk_norm_rope", "rms_norm", "select_backend", "swiglu", "use_backend"]

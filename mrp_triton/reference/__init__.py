@@ -1,8 +1,13 @@
 """Plain-PyTorch twins of every op in :mod:`mrp_triton`: the test oracle and the CPU path."""
 
+from .confidence import confidence
 from .mrp_input import mrp_input
 from .qk_norm_rope import qk_norm_rope
+from .remask import remask
 from .rms_norm import rms_norm
+from .select import select_commit
 from .swiglu import swiglu
+from .verify import verify_drafts
 
-__all__ = ["mrp_input", "qk_norm_rope", "rms_norm", "swiglu"]
+__all__ = ["confidence", "remask", "select_commit", "verify_drafts",
+           "mrp_input", "qk_norm_rope", "rms_norm", "swiglu"]
