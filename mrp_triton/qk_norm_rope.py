@@ -1,13 +1,133 @@
-"""q/k head RMSNorm + RoPE. (Triton kernel: pending, see issue 5; reference for now.)"""
+"""Per-head RMSNorm of q and k over head_dim, then rotate-half RoPE (Qwen3 attention), fused.
+
+Cost model per token (Hq q heads, Hkv k heads, head_dim D, b bytes per element):
+read q and k ((Hq + Hkv)*D*b), cos and sin (2*D*b_cos), the two weights (L2-resident);
+write q and k ((Hq + Hkv)*D*b). Eager torch moves each head ~8 times (norm: read, temp,
+write; rope: two products, a cat and a sum) in ~12 launches; this is one launch.
+
+One program per (batch, time) token holds all its q heads as a [BLOCK_HQ, BLOCK_D] tile and all
+its k heads as a [BLOCK_HK, BLOCK_D] tile. The rotate-half partner of element d is read at
+``(d + D/2) mod D`` from the same (L1-hot) row, so no in-register shuffle is needed. cos/sin
+may be broadcast over the batch (stride 0). Computed in fp32; the normalised heads are rounded to
+the output dtype before RoPE, and cos/sin are rounded to it, as the reference does.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from .backend import select_backend
 from .reference.qk_norm_rope import qk_norm_rope as qk_norm_rope_reference
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos, sin, cols, cols_rot, sign, col_mask,
+                     n_heads, D, eps, BLOCK_H: tl.constexpr):
+    """Normalise and rotate the [n_heads, D] rows starting at x_ptr; store at o_ptr."""
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < n_heads) & col_mask[None, :]
+    base = heads[:, None] * D
+    x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_rot = tl.load(x_ptr + base + cols_rot[None, :], mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=1) / D
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w_rot = tl.load(w_ptr + cols_rot, mask=col_mask, other=0.0).to(tl.float32)
+    # rms_norm rounding points: norm -> x dtype, * weight -> output dtype
+    xn = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    xn = (xn * w[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
+    xr = (x_rot * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    xr = (xr * w_rot[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
+    out = xn * cos[None, :] + sign[None, :] * xr * sin[None, :]
+    tl.store(o_ptr + base + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
+                         T, Hq, Hkv, D, eps,
+                         stride_cb, stride_ct, stride_sb, stride_st,
+                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // T
+    t = tok % T
+    half = D // 2
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    cols_rot = tl.where(cols < half, cols + half, cols - half)
+    sign = tl.where(cols < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + b * stride_cb + t * stride_ct + cols, mask=col_mask, other=0.0)
+    sin = tl.load(sin_ptr + b * stride_sb + t * stride_st + cols, mask=col_mask, other=0.0)
+    # the reference casts cos/sin to each output's dtype before the products
+    cos_q = cos.to(qo_ptr.dtype.element_ty).to(tl.float32)
+    sin_q = sin.to(qo_ptr.dtype.element_ty).to(tl.float32)
+    cos_k = cos.to(ko_ptr.dtype.element_ty).to(tl.float32)
+    sin_k = sin.to(ko_ptr.dtype.element_ty).to(tl.float32)
+    _norm_rope_heads(q_ptr + tok * Hq * D, qo_ptr + tok * Hq * D, qw_ptr, cos_q, sin_q,
+                     cols, cols_rot, sign, col_mask, Hq, D, eps, BLOCK_HQ)
+    _norm_rope_heads(k_ptr + tok * Hkv * D, ko_ptr + tok * Hkv * D, kw_ptr, cos_k, sin_k,
+                     cols, cols_rot, sign, col_mask, Hkv, D, eps, BLOCK_HK)
+
+
+def _rope_table(name: str, t: torch.Tensor, B: int, T: int, D: int, device: torch.device) -> torch.Tensor:
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"q is on {device} but {name} is on {t.device}")
+    if t.dim() != 3 or t.shape[-1] != D or t.shape[1] != T or t.shape[0] not in (1, B):
+        raise ValueError(f"{name} must have shape [B={B} (or 1), T={T}, D={D}], got {tuple(t.shape)}")
+    t = t.expand(B, T, D)
+    if t.stride(2) != 1:
+        t = t.contiguous()
+    return t
+
+
+def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """Triton launcher of :func:`qk_norm_rope` (same arguments and results)."""
+    for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"q is on {q.device} but {name} is on {t.device}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, T, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, T or D")
+    Hkv = k.shape[2]
+    if D % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
+    if q_weight.shape != (D,) or k_weight.shape != (D,):
+        raise ValueError(f"q_weight and k_weight must have shape ({D},), got "
+                         f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
+    cos = _rope_table("cos", cos, B, T, D, q.device)
+    sin = _rope_table("sin", sin, B, T, D, q.device)
+    qc, kc = q.contiguous(), k.contiguous()
+    q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, q_weight.dtype), device=q.device)
+    k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, k_weight.dtype), device=k.device)
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_HQ = triton.next_power_of_2(max(Hq, 1))
+    BLOCK_HK = triton.next_power_of_2(max(Hkv, 1))
+    tile = max(BLOCK_HQ, BLOCK_HK) * BLOCK_D
+    num_warps = 8 if tile >= 4096 else 4
+    if B * T > 0 and (Hq > 0 or Hkv > 0):
+        _qk_norm_rope_kernel[(B * T,)](
+            qc, kc, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out,
+            T, Hq, Hkv, D, float(eps),
+            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+            BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D, num_warps=num_warps)
+    return q_out, k_out
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float):
-    """q: [B, T, Hq, D], k: [B, T, Hkv, D], weights: [D], cos/sin: [B, T, D] -> (q, k)."""
+    """RMSNorm over head_dim of q and k, then RoPE (rotate-half convention).
+
+    q: [B, T, Hq, D], k: [B, T, Hkv, D], q_weight, k_weight: [D], cos, sin: [B, T, D].
+    Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) with the input shapes and dtypes.
+    """
+    if select_backend(q.device) == "triton":
+        return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)

@@ -1,0 +1,39 @@
+"""Helpers shared by the kernel tests: poisoned allocations and per-dtype tolerances."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+# Triton's CPU interpreter truncates fp32 -> bf16 (round toward zero) where CUDA rounds to
+# nearest even, so bf16 results may differ from torch by up to ~2 ulp (2^-6 relative).
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return TOL[dtype]
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Make ``torch.empty``/``empty_like`` return NaN (floats) or -7 (ints) filled tensors, so
+    any output element a kernel forgets to write fails the comparison."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(-7)
+        return t
+
+    with mock.patch.object(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k))), \
+            mock.patch.object(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k))):
+        yield

@@ -1,0 +1,187 @@
+"""Triton kernels (interpreter on CPU) vs the PyTorch reference: rms_norm, swiglu, qk_norm_rope,
+mrp_input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_utils import DTYPES, poisoned_allocations, tol
+from mrp_triton import mrp_input, qk_norm_rope, rms_norm, swiglu
+from mrp_triton import reference as ref
+from mrp_triton.mrp_input import mrp_input_triton
+from mrp_triton.qk_norm_rope import qk_norm_rope_triton
+from mrp_triton.rms_norm import rms_norm_triton
+from mrp_triton.swiglu import swiglu_triton
+
+dtypes = st.sampled_from(DTYPES)
+EPS = 1e-6
+
+
+def _close(out: torch.Tensor, expect: torch.Tensor) -> None:
+    assert out.shape == expect.shape and out.dtype == expect.dtype
+    torch.testing.assert_close(out.float(), expect.float(), **tol(expect.dtype))
+
+
+def _randn(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------- rms_norm
+@settings(max_examples=20)
+@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2), H=st.integers(1, 300), dtype=dtypes,
+       with_residual=st.booleans(), seed=st.integers(0, 2**16))
+def test_rms_norm_matches_reference(lead, H, dtype, with_residual, seed):
+    shape = (*lead, H)
+    x = _randn(shape, dtype, seed, 3.0)
+    w = _randn((H,), dtype, seed + 1)
+    r = _randn(shape, dtype, seed + 2) if with_residual else None
+    with poisoned_allocations():
+        out = rms_norm_triton(x, w, EPS, r)
+    expect = ref.rms_norm(x, w, EPS, r)
+    if with_residual:
+        _close(out[0], expect[0])
+        _close(out[1], expect[1])
+    else:
+        _close(out, expect)
+
+
+def test_rms_norm_fp32_weight_promotes_like_reference():
+    x = _randn((3, 40), torch.bfloat16, 0)
+    w = _randn((40,), torch.float32, 1)
+    out = rms_norm_triton(x, w, EPS)
+    expect = ref.rms_norm(x, w, EPS)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expect, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.triton
+def test_rms_norm_public_dispatch_runs_kernel():
+    x = _randn((2, 5, 33), torch.float32, 3)
+    r = _randn((2, 5, 33), torch.float32, 4)
+    w = _randn((33,), torch.float32, 5)
+    with poisoned_allocations():
+        y, s = rms_norm(x, w, EPS, residual=r)
+    ey, es = ref.rms_norm(x, w, EPS, r)
+    _close(y, ey)
+    _close(s, es)
+
+
+def test_rms_norm_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm_triton(x, torch.ones(7), EPS)
+    with pytest.raises(ValueError, match="residual shape"):
+        rms_norm_triton(x, torch.ones(8), EPS, torch.randn(2, 7))
+    with pytest.raises(TypeError, match="residual dtype"):
+        rms_norm_triton(x, torch.ones(8), EPS, torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="floating-point"):
+        rms_norm_triton(torch.ones(2, 8, dtype=torch.int64), torch.ones(8), EPS)
+
+
+# ------------------------------------------------------------------------------------------ swiglu
+@settings(max_examples=15)
+@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=2), F=st.integers(1, 3000), dtype=dtypes,
+       seed=st.integers(0, 2**16))
+def test_swiglu_matches_reference(lead, F, dtype, seed):
+    g = _randn((*lead, F), dtype, seed, 4.0)
+    u = _randn((*lead, F), dtype, seed + 1, 2.0)
+    with poisoned_allocations():
+        out = swiglu_triton(g, u)
+    _close(out, ref.swiglu(g, u))
+
+
+@pytest.mark.triton
+def test_swiglu_public_dispatch_and_errors():
+    g = _randn((3, 77), torch.float16, 0)
+    u = _randn((3, 77), torch.float16, 1)
+    _close(swiglu(g, u), ref.swiglu(g, u))
+    with pytest.raises(ValueError, match="shape"):
+        swiglu_triton(g, u[:, :-1])
+    with pytest.raises(TypeError, match="dtype"):
+        swiglu_triton(g, u.float())
+
+
+# ------------------------------------------------------------------------------------ qk_norm_rope
+@settings(max_examples=15)
+@given(B=st.integers(1, 3), T=st.integers(1, 5), Hkv=st.integers(1, 3), groups=st.integers(1, 3),
+       half=st.integers(1, 40), dtype=dtypes, table_dtype=st.sampled_from((torch.float32, None)),
+       broadcast_batch=st.booleans(), seed=st.integers(0, 2**16))
+def test_qk_norm_rope_matches_reference(B, T, Hkv, groups, half, dtype, table_dtype, broadcast_batch, seed):
+    D = 2 * half
+    Hq = Hkv * groups
+    q = _randn((B, T, Hq, D), dtype, seed, 2.0)
+    k = _randn((B, T, Hkv, D), dtype, seed + 1, 2.0)
+    qw = _randn((D,), dtype, seed + 2)
+    kw = _randn((D,), dtype, seed + 3)
+    angle = _randn((1 if broadcast_batch else B, T, D), torch.float32, seed + 4, 3.0)
+    cos, sin = angle.cos().to(table_dtype or dtype), angle.sin().to(table_dtype or dtype)
+    with poisoned_allocations():
+        oq, ok = qk_norm_rope_triton(q, k, qw, kw, cos, sin, EPS)
+    eq, ek = ref.qk_norm_rope(q, k, qw, kw, cos, sin, EPS)
+    _close(oq, eq)
+    _close(ok, ek)
+
+
+@pytest.mark.triton
+def test_qk_norm_rope_public_dispatch_qwen_shape():
+    # head_dim 128, 4 q / 2 kv heads (GQA): the layout of the real models, scaled down
+    B, T, D = 2, 3, 128
+    q = _randn((B, T, 4, D), torch.bfloat16, 0)
+    k = _randn((B, T, 2, D), torch.bfloat16, 1)
+    qw, kw = _randn((D,), torch.bfloat16, 2), _randn((D,), torch.bfloat16, 3)
+    pos = torch.arange(T, dtype=torch.float32)[None, :, None].expand(B, T, D // 2)
+    inv_freq = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+    ang = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)
+    with poisoned_allocations():
+        oq, ok = qk_norm_rope(q, k, qw, kw, ang.cos(), ang.sin(), EPS)
+    eq, ek = ref.qk_norm_rope(q, k, qw, kw, ang.cos(), ang.sin(), EPS)
+    _close(oq, eq)
+    _close(ok, ek)
+
+
+def test_qk_norm_rope_errors():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 2, 8)
+    w = torch.ones(8)
+    cs = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="even"):
+        qk_norm_rope_triton(q[..., :7], k[..., :7], w[:7], w[:7], cs[..., :7], cs[..., :7], EPS)
+    with pytest.raises(ValueError, match="does not match"):
+        qk_norm_rope_triton(q, torch.randn(1, 3, 2, 8), w, w, cs, cs, EPS)
+    with pytest.raises(ValueError, match="cos must have shape"):
+        qk_norm_rope_triton(q, k, w, w, torch.randn(1, 3, 8), cs, EPS)
+    with pytest.raises(ValueError, match="q_weight"):
+        qk_norm_rope_triton(q, k, torch.ones(4), w, cs, cs, EPS)
+
+
+# --------------------------------------------------------------------------------------- mrp_input
+@settings(max_examples=15)
+@given(N=st.integers(1, 9), H=st.integers(1, 200), V=st.integers(1, 60), dtype=dtypes,
+       embed_dtype=st.sampled_from((None, torch.float32)), seed=st.integers(0, 2**16))
+def test_mrp_input_matches_reference(N, H, V, dtype, embed_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (N,), generator=g)
+    E = _randn((V, H), embed_dtype or dtype, seed + 1)
+    h = _randn((N, H), dtype, seed + 2, 5.0)
+    ew, hw = _randn((H,), dtype, seed + 3), _randn((H,), dtype, seed + 4)
+    with poisoned_allocations():
+        out = mrp_input_triton(ids, E, h, ew, hw, EPS)
+    _close(out, ref.mrp_input(ids, E, h, ew, hw, EPS))
+
+
+@pytest.mark.triton
+def test_mrp_input_public_dispatch_and_errors():
+    ids = torch.tensor([3, 0, 3, 7], dtype=torch.int32)
+    E, h = _randn((8, 24), torch.float32, 0), _randn((4, 24), torch.float32, 1)
+    ew, hw = _randn((24,), torch.float32, 2), _randn((24,), torch.float32, 3)
+    out = mrp_input(ids, E, h, ew, hw, EPS)
+    _close(out, ref.mrp_input(ids.long(), E, h, ew, hw, EPS))
+    with pytest.raises(IndexError, match="ids must lie"):
+        mrp_input_triton(torch.tensor([8, 0, 0, 0]), E, h, ew, hw, EPS)
+    with pytest.raises(ValueError, match="embed_weight must be"):
+        mrp_input_triton(ids, E[:, :5], h, ew, hw, EPS)
+    with pytest.raises(TypeError, match="ids must be"):
+        mrp_input_triton(ids.float(), E, h, ew, hw, EPS)
