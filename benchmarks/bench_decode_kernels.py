@@ -1,0 +1,199 @@
+"""Benchmark of the decode kernels: confidence (with / without residual), select, verify, remask.
+
+On CUDA: ``python benchmarks/bench_decode_kernels.py --out benchmarks/results`` (about a minute on
+an H200; ``--no-compile`` skips torch.compile, ``--sweep`` also times a few split / tile configs
+of the confidence kernel). Times are ``triton.testing.do_bench`` quantiles [0.5, 0.2, 0.8] in us;
+GB/s counts bytes read + written once; ``copy_ratio`` = GB/s / measured device-to-device copy
+bandwidth (measured in the same run). Rows go to ``<out>/decode_kernels.csv`` and ``.json``.
+
+Without CUDA it exits with a message, unless ``--smoke``: tiny shapes through the Triton
+interpreter (CPU), timed with perf_counter, to check that the script runs end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "gbps", "copy_ratio",
+          "speedup_vs_eager", "gpu", "torch", "triton", "commit"]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results", help="directory for decode_kernels.csv / .json")
+    ap.add_argument("--rows", default="4,16,64,256,1024,4096", help="comma-separated N for confidence")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
+    ap.add_argument("--sweep", action="store_true", help="also time a few (splits, block_v) configs")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
+    args = ap.parse_args(argv)
+
+    import torch
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("bench_decode_kernels: no CUDA device found; this benchmark needs a GPU "
+              "(run with --smoke for a tiny CPU check through the Triton interpreter)", file=sys.stderr)
+        return 2
+    if args.smoke and not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before mrp_triton's kernels are decorated
+    import triton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import mrp_triton as mt
+    from mrp_triton import reference as ref
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    if args.smoke:
+        rows, V = [2, 5], 1000
+    else:
+        rows, V = [int(r) for r in args.rows.split(",")], args.vocab
+    gpu = torch.cuda.get_device_name(dev) if cuda else f"cpu-interpreter ({platform.processor() or 'cpu'})"
+    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": _commit()}
+
+    def bench(fn):
+        if cuda:
+            q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=40)
+            return [x * 1e3 for x in q]
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        ts.sort()
+        return [ts[1], ts[0], ts[2]]
+
+    results = []
+    copy_bw = None
+    if cuda:
+        nbytes = 512 * 2**20
+        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+        dst = torch.empty_like(src)
+        med, p20, p80 = bench(lambda: dst.copy_(src))
+        copy_bw = 2 * nbytes / (med * 1e-6) / 1e9
+        results.append(dict(kernel="copy", shape=f"{nbytes // 2**20}MiB", provider="torch", median_us=med,
+                            p20_us=p20, p80_us=p80, gbps=copy_bw, copy_ratio=1.0, speedup_vs_eager=None))
+        del src, dst
+
+    def eager_res(L, R):
+        return torch.softmax((L + R).float(), dim=-1).max(dim=-1)
+
+    def eager_nores(L):
+        return torch.softmax(L.float(), dim=-1).max(dim=-1)
+
+    compiled = {}
+    if cuda and not args.no_compile:
+        compiled = {"res": torch.compile(eager_res, dynamic=True), "nores": torch.compile(eager_nores, dynamic=True)}
+
+    def add(kernel, shape, provider, q, nbytes, eager_med=None):
+        med, p20, p80 = q
+        gbps = nbytes / (med * 1e-6) / 1e9 if nbytes else None
+        results.append(dict(kernel=kernel, shape=shape, provider=provider, median_us=med, p20_us=p20, p80_us=p80,
+                            gbps=gbps, copy_ratio=(gbps / copy_bw if (gbps and copy_bw) else None),
+                            speedup_vs_eager=(eager_med / med if eager_med else None)))
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for N in rows:
+        L = torch.randn(N, V, device=dev, generator=gen).to(torch.bfloat16)
+        Rr = torch.randn(N, V, device=dev, generator=gen).to(torch.bfloat16)
+        for variant, res in (("res", Rr), ("nores", None)):
+            kname = f"confidence_{variant}"
+            shape = f"N={N},V={V},bf16"
+            nbytes = (2 if res is not None else 1) * N * V * 2 + 16 * N
+            e = bench((lambda: eager_res(L, Rr)) if res is not None else (lambda: eager_nores(L)))
+            add(kname, shape, "torch_eager", e, nbytes)
+            if variant in compiled:
+                try:
+                    c = bench((lambda: compiled["res"](L, Rr)) if res is not None else (lambda: compiled["nores"](L)))
+                    add(kname, shape, "torch_compile", c, nbytes, e[0])
+                except Exception as exc:  # keep the run going; report the failure
+                    print(f"torch.compile failed for {kname} {shape}: {exc!r}", file=sys.stderr)
+            t = bench(lambda: mt.confidence_triton(L, res, mask_token_id=151669 % V))
+            add(kname, shape, "triton", t, nbytes, e[0])
+            if args.sweep and cuda:
+                for s, bv in ((1, 4096), (0, 1024), (0, 2048), (0, 4096)):
+                    sp = None if s == 0 else s
+                    try:
+                        q = bench(lambda: mt.confidence_triton(L, res, splits=sp, block_v=bv))
+                        add(kname, shape, f"triton[s={s or 'auto'},bv={bv}]", q, nbytes, e[0])
+                    except Exception as exc:
+                        print(f"sweep config s={s} bv={bv} failed: {exc!r}", file=sys.stderr)
+        del L, Rr
+        if cuda:
+            torch.cuda.empty_cache()
+
+    # select / verify / remask at batch 8, L = 16, K = 3
+    B, Lb, K, M = 8, 16, 3, 151669
+    blk0 = torch.randint(0, 1000, (B, Lb), device=dev, generator=gen)
+    blk0[:, Lb // 2:] = M
+    tok = torch.randint(0, 1000, (B, Lb), device=dev, generator=gen)
+    conf = torch.rand(B, Lb, device=dev, generator=gen)
+    ttok = torch.randint(0, 1000, (B, K + 1, Lb), device=dev, generator=gen)
+    tconf = torch.rand(B, K + 1, Lb, device=dev, generator=gen)
+    dpos = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+    dtok = torch.zeros((B, K), dtype=torch.int64, device=dev)
+    rev = blk0 == M
+    blk = blk0.clone()
+    shape = f"B={B},L={Lb},K={K}"
+    small = {
+        "select_static": (lambda: mt.select_commit_triton(blk.copy_(blk0), tok, conf, mask_token_id=M, n=2),
+                          lambda: ref.select_commit(blk.copy_(blk0), tok, conf, mask_token_id=M, n=2)),
+        "select_dynamic": (lambda: mt.select_commit_triton(blk.copy_(blk0), tok, conf, mask_token_id=M, n=1,
+                                                           threshold=0.9),
+                           lambda: ref.select_commit(blk.copy_(blk0), tok, conf, mask_token_id=M, n=1,
+                                                     threshold=0.9)),
+        "verify": (lambda: mt.verify_drafts_triton(blk.copy_(blk0), dpos, dtok, ttok, tconf, mask_token_id=M),
+                   lambda: ref.verify_drafts(blk.copy_(blk0), dpos, dtok, ttok, tconf, mask_token_id=M)),
+        "remask_tau": (lambda: mt.remask_triton(blk.copy_(blk0), rev, conf, 0.5, mask_token_id=M),
+                       lambda: ref.remask(blk.copy_(blk0), rev, conf, 0.5, mask_token_id=M)),
+    }
+    for name, (tfn, rfn) in small.items():
+        e = bench(rfn)
+        add(name, shape, "torch_eager", e, 0)
+        add(name, shape, "triton", bench(tfn), 0, e[0])
+
+    for r in results:
+        r.update(meta)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "decode_kernels_smoke" if args.smoke else "decode_kernels"
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in results:
+            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "copy_gbps": copy_bw, "rows": results}, indent=1))
+
+    def fmt(v, spec):
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+    print(f"# {gpu}  torch {meta['torch']}  triton {meta['triton']}  commit {meta['commit']}  "
+          f"copy {fmt(copy_bw, '.0f')} GB/s")
+    print(f"{'kernel':<18} {'shape':<24} {'provider':<26} {'median_us':>10} {'p20':>9} {'p80':>9} "
+          f"{'GB/s':>8} {'%copy':>6} {'x eager':>8}")
+    for r in results:
+        print(f"{r['kernel']:<18} {r['shape']:<24} {r['provider']:<26} {r['median_us']:>10.1f} {r['p20_us']:>9.1f} "
+              f"{r['p80_us']:>9.1f} {fmt(r['gbps'], '8.0f'):>8} "
+              f"{fmt(100 * r['copy_ratio'] if r['copy_ratio'] else None, '6.0f'):>6} "
+              f"{fmt(r['speedup_vs_eager'], '8.2f'):>8}")
+    print(f"wrote {out / (stem + '.csv')} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
