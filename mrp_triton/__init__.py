@@ -6,15 +6,18 @@ kernel, CPU tensors run :mod:`mrp_triton.reference` unless ``TRITON_INTERPRET=1`
 
 from .backend import select_backend, use_backend
 from .confidence import confidence, confidence_triton
-from .mrp_input import mrp_input
-from .qk_norm_rope import qk_norm_rope
+from .lm_head_confidence import lm_head_confidence, lm_head_confidence_triton
+from .mrp_input import mrp_input, mrp_input_triton
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_triton
 from .remask import remask, remask_triton
-from .rms_norm import rms_norm
+from .rms_norm import rms_norm, rms_norm_triton
 from .select import select_commit, select_commit_triton
-from .swiglu import swiglu
+from .swiglu import swiglu, swiglu_triton
 from .verify import verify_drafts, verify_drafts_triton
 
 __all__ = [
     "confidence", "confidence_triton", "remask", "remask_triton", "select_commit", "select_commit_triton",
     "verify_drafts", "verify_drafts_triton",
-    "mrp_input", "qk_norm_rope", "rms_norm", "select_backend", "swiglu", "use_backend"]
+    "lm_head_confidence", "lm_head_confidence_triton", "mrp_input", "mrp_input_triton",
+    "qk_norm_rope", "qk_norm_rope_triton", "rms_norm", "rms_norm_triton", "swiglu", "swiglu_triton",
+    "select_backend", "use_backend"]

@@ -1,6 +1,7 @@
 """Plain-PyTorch twins of every op in :mod:`mrp_triton`: the test oracle and the CPU path."""
 
 from .confidence import confidence
+from .lm_head_confidence import lm_head_confidence
 from .mrp_input import mrp_input
 from .qk_norm_rope import qk_norm_rope
 from .remask import remask
@@ -10,4 +11,4 @@ from .swiglu import swiglu
 from .verify import verify_drafts
 
 __all__ = ["confidence", "remask", "select_commit", "verify_drafts",
-           "mrp_input", "qk_norm_rope", "rms_norm", "swiglu"]
+           "lm_head_confidence", "mrp_input", "qk_norm_rope", "rms_norm", "swiglu"]

@@ -1,0 +1,236 @@
+"""Greedy token + full-softmax confidence of ``lm_head(hidden) [+ base_logits]`` without logits.
+
+For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` over the vocabulary
+V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
+``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three. The [N, V]
+logits are never written.
+
+Cost model (b bytes per weight element, N <= 128 rows, one row block):
+    reads  V*H*b (the lm_head weight, once) + N*H*b per V tile (L2-resident)
+           [+ N*V*b_base when base_logits is given]
+    writes 3 * N * n_splits partials (12 bytes each) and 3*N results
+    FLOPs  2*N*V*H.
+At decode sizes the weight read dominates: V=151936, H=2048, bf16 is 622 MB, 145 us at the
+4.28 TB/s copy ceiling of an H200; H=4096 doubles it. Materialising the logits instead would
+add N*V*(write + read) bytes and a softmax launch. Rows above BLOCK_N = 128 re-read the weight
+once per row block (adjacent programs share a V tile, so the re-read is mostly served by L2).
+
+Two launches:
+1. ``_partials_kernel``, grid (row blocks, splits): split s owns the vocabulary slice
+   [s*v_per_split, (s+1)*v_per_split) and walks it in BLOCK_V tiles. Each tile is a
+   ``tl.dot(W_tile [BLOCK_V, BLOCK_K], hidden_tile^T [BLOCK_K, BLOCK_N])`` accumulated over H in
+   fp32 (V is the MMA's M side, so a handful of rows still fills the tensor cores), then an online
+   softmax per row: running max m, rescaled sum d, and the argmax (a later tile only wins with a
+   strictly larger max, so the lowest index is kept). It writes (m, d, argmax) per (row, split).
+2. ``_merge_kernel``, grid (N,): M = max_s m_s, d = sum_s d_s exp(m_s - M), the token of the
+   first split reaching M (splits are in vocabulary order, so ties still go to the lowest
+   index), lse = M + log d, prob = exp(M - lse).
+
+dtypes: the matmul runs in weight's dtype (hidden is cast to it, as ``F.linear`` would need);
+fp32 weights use IEEE fp32 products (no TF32). Under TRITON_INTERPRET=1, tl.dot on bf16 is
+broken, so the tiles are cast to fp32 before the dot there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import interpreter_on, select_backend
+from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
+
+
+@triton.jit
+def _partials_kernel(h_ptr, w_ptr, base_ptr, m_ptr, d_ptr, idx_ptr,
+                     N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
+                     v_per_split, n_splits,
+                     HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr,
+                     DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows64 = rows.to(tl.int64)
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    d = tl.zeros([BLOCK_N], tl.float32)
+    best = tl.zeros([BLOCK_N], tl.int32) + v_start
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        cols64 = cols.to(tl.int64)
+        acc = tl.zeros([BLOCK_V, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < H
+            w = tl.load(w_ptr + cols64[:, None] * stride_w + ks[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            h = tl.load(h_ptr + rows64[:, None] * stride_h + ks[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            h = h.to(w_ptr.dtype.element_ty)
+            if DOT_FP32:
+                w = w.to(tl.float32)
+                h = h.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(w, tl.trans(h), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(h), acc)
+        z = acc
+        if HAS_BASE:
+            b = tl.load(base_ptr + rows64[None, :] * stride_base + cols64[:, None],
+                        mask=row_mask[None, :] & col_mask[:, None], other=0.0)
+            z = z + b.to(tl.float32)
+        z = z * inv_temp
+        valid = col_mask
+        if HAS_MASK:
+            valid = valid & (cols != mask_token)
+        z = tl.where(valid[:, None], z, float("-inf"))
+        tile_max = tl.max(z, axis=0)
+        tile_arg = tl.argmax(z, axis=0, tie_break_left=True).to(tl.int32)
+        best = tl.where(tile_max > m, v0 + tile_arg, best)
+        new_m = tl.maximum(m, tile_max)
+        safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+        p = tl.exp(z - safe_m[None, :])
+        d = d * tl.exp(m - safe_m) + tl.sum(p, axis=0)
+        m = new_m
+    out = rows64 * n_splits + pid_s
+    tl.store(m_ptr + out, m, mask=row_mask)
+    tl.store(d_ptr + out, d, mask=row_mask)
+    tl.store(idx_ptr + out, best, mask=row_mask)
+
+
+@triton.jit
+def _merge_kernel(m_ptr, d_ptr, idx_ptr, tok_ptr, prob_ptr, lse_ptr, n_splits, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * n_splits
+    offs = tl.arange(0, BLOCK_S)
+    # pass 1, lane-wise over chunks of splits: the max and the token of the first split reaching it
+    m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    t_vec = tl.zeros([BLOCK_S], tl.int64)
+    for s0 in range(0, n_splits, BLOCK_S):
+        mask = s0 + offs < n_splits
+        ms = tl.load(m_ptr + base + s0 + offs, mask=mask, other=float("-inf"))
+        ts = tl.load(idx_ptr + base + s0 + offs, mask=mask, other=0).to(tl.int64)
+        t_vec = tl.where(ms > m_vec, ts, t_vec)
+        m_vec = tl.maximum(m_vec, ms)
+    M = tl.max(m_vec, axis=0)
+    # tokens grow with the split index, so the smallest token among the lanes at M is the first
+    tok = tl.min(tl.where(m_vec == M, t_vec, 9223372036854775807), axis=0)
+    tok = tl.where(M == float("-inf"), 0, tok)
+    # pass 2: the rescaled sum
+    safe_M = tl.where(M == float("-inf"), 0.0, M)
+    d_vec = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        mask = s0 + offs < n_splits
+        ms = tl.load(m_ptr + base + s0 + offs, mask=mask, other=float("-inf"))
+        ds = tl.load(d_ptr + base + s0 + offs, mask=mask, other=0.0)
+        d_vec += ds * tl.exp(ms - safe_M)
+    lse = safe_M + tl.log(tl.sum(d_vec, axis=0))
+    tl.store(tok_ptr + row, tok)
+    tl.store(lse_ptr + row, lse)
+    tl.store(prob_ptr + row, tl.exp(M - lse))
+
+
+def _config(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
+    """Tile sizes: {BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages, tiles_per_split}
+    (an override may also set BLOCK_S, the merge kernel's chunk of splits)."""
+    block_n = min(max(16, triton.next_power_of_2(N)), 128)
+    if interpreter_on():
+        # the interpreter runs one numpy call per op per program: few, large programs
+        return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=64, num_warps=4, num_stages=1, tiles_per_split=8)
+    if dtype == torch.float32:
+        return dict(BLOCK_N=min(block_n, 64), BLOCK_V=64, BLOCK_K=32, num_warps=4, num_stages=3,
+                    tiles_per_split=4)
+    if block_n <= 32:
+        return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=2)
+    if block_n <= 64:
+        return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=128, num_warps=8, num_stages=3, tiles_per_split=2)
+    return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=2)
+
+
+def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
+                              mask_token_id: int | None = None, temperature: float = 1.0,
+                              config: dict | None = None):
+    """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
+
+    ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
+    """
+    if not hidden.dtype.is_floating_point or not weight.dtype.is_floating_point:
+        raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if weight.device != hidden.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    N, H = hidden.shape
+    V = weight.shape[0]
+    if V == 0 or H == 0:
+        raise ValueError(f"empty vocabulary or hidden size: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
+    if base_logits is not None:
+        if base_logits.shape != (N, V):
+            raise ValueError(f"base_logits must be [N={N}, V={V}], got {tuple(base_logits.shape)}")
+        if not base_logits.dtype.is_floating_point:
+            raise TypeError(f"base_logits must be floating point, got {base_logits.dtype}")
+        if base_logits.device != hidden.device:
+            raise ValueError(f"hidden is on {hidden.device} but base_logits is on {base_logits.device}")
+        if base_logits.stride(1) != 1:
+            base_logits = base_logits.contiguous()
+    if mask_token_id is not None:
+        mask_token_id = int(mask_token_id)
+        if not 0 <= mask_token_id < V:
+            raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {V})")
+        if V == 1:
+            raise ValueError("the vocabulary has only the mask token: nothing left to pick")
+    temperature = float(temperature)
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+    tokens = torch.empty(N, dtype=torch.int64, device=hidden.device)
+    probs = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    if N == 0:
+        return tokens, probs, lse
+    cfg = dict(_config(N, V, H, weight.dtype))
+    if config:
+        cfg.update(config)
+    h = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    v_per_split = cfg["BLOCK_V"] * cfg["tiles_per_split"]
+    n_splits = triton.cdiv(V, v_per_split)
+    m_part = torch.empty((N, n_splits), dtype=torch.float32, device=hidden.device)
+    d_part = torch.empty_like(m_part)
+    i_part = torch.empty((N, n_splits), dtype=torch.int32, device=hidden.device)
+    base = base_logits if base_logits is not None else m_part  # dummy pointer when HAS_BASE=False
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
+    _partials_kernel[grid](
+        h, w, base, m_part, d_part, i_part,
+        N, V, H, h.stride(0), w.stride(0), base.stride(0), 1.0 / temperature,
+        mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
+        HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None,
+        DOT_FP32=interpreter_on() and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    block_s = cfg.get("BLOCK_S") or min(triton.next_power_of_2(n_splits), 1024)
+    _merge_kernel[(N,)](m_part, d_part, i_part, tokens, probs, lse, n_splits, BLOCK_S=block_s, num_warps=4)
+    return tokens, probs, lse
+
+
+def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
+                       mask_token_id: int | None = None, temperature: float = 1.0):
+    """Greedy pick and its full-softmax confidence, never materialising the logits.
+
+    hidden: [N, H], weight: [V, H] (the lm_head), base_logits: [N, V] or None,
+    mask_token_id: a column excluded from the argmax and the softmax, temperature > 0.
+    Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) for
+    ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index.
+    """
+    if select_backend(hidden.device) == "triton":
+        return lm_head_confidence_triton(hidden, weight, base_logits=base_logits,
+                                         mask_token_id=mask_token_id, temperature=temperature)
+    return lm_head_confidence_reference(hidden, weight, base_logits=base_logits,
+                                        mask_token_id=mask_token_id, temperature=temperature)

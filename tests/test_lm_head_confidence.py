@@ -1,0 +1,139 @@
+"""Fused lm_head + online softmax (interpreter on CPU) vs the PyTorch reference and vs
+``softmax(h @ W.T).max(-1)``.
+
+Exactness: hidden, weight and base logits are small integers, so every logit is an exact
+integer whatever the summation order, ties are frequent, and the token must match exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_utils import DTYPES, poisoned_allocations
+from mrp_triton import lm_head_confidence
+from mrp_triton.lm_head_confidence import lm_head_confidence_triton
+from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
+
+# tiny tiles, so that small vocabularies still span several tiles, splits and H chunks
+configs = st.fixed_dictionaries(dict(
+    BLOCK_N=st.sampled_from((16, 32)), BLOCK_V=st.sampled_from((16, 32)), BLOCK_K=st.sampled_from((16, 32)),
+    tiles_per_split=st.integers(1, 3), BLOCK_S=st.sampled_from((None, 2, 4)),
+))
+
+
+def _ints(shape, lo, hi, dtype, g):
+    return torch.randint(lo, hi + 1, shape, generator=g).to(dtype)
+
+
+def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
+    tok, prob, lse = out
+    assert tok.dtype == torch.int64 and prob.dtype == torch.float32 and lse.dtype == torch.float32
+    if exact_tokens:
+        assert torch.equal(tok, expect[0]), (tok, expect[0])
+    torch.testing.assert_close(prob, expect[1], atol=prob_tol, rtol=1e-4)
+    torch.testing.assert_close(lse, expect[2], atol=1e-4, rtol=1e-5)
+
+
+@settings(max_examples=25)
+@given(N=st.integers(1, 20), H=st.integers(1, 40), V=st.integers(2, 300), dtype=st.sampled_from(DTYPES),
+       base=st.sampled_from((None, torch.float32, torch.bfloat16)), use_mask=st.booleans(),
+       temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, seed=st.integers(0, 2**16))
+def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = _ints((N, H), -2, 2, dtype, g)
+    weight = _ints((V, H), -2, 2, dtype, g)
+    base_logits = _ints((N, V), -4, 4, base, g) if base is not None else None
+    mask = int(torch.randint(0, V, (1,), generator=g)) if use_mask else None
+    kw = dict(base_logits=base_logits, mask_token_id=mask, temperature=temperature)
+    with poisoned_allocations():
+        out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
+    expect = lm_head_confidence_reference(hidden, weight, **kw)
+    _check(out, expect)
+    if mask is not None:
+        assert not (out[0] == mask).any()
+
+
+def test_equals_softmax_max_with_default_tiles():
+    g = torch.Generator().manual_seed(0)
+    hidden = _ints((5, 64), -2, 2, torch.float32, g)
+    weight = _ints((1500, 64), -2, 2, torch.float32, g)
+    with poisoned_allocations():
+        tok, prob, lse = lm_head_confidence_triton(hidden, weight)
+    logits = hidden @ weight.T
+    p, _ = torch.softmax(logits, dim=-1).max(-1)
+    first_max = (logits == logits.max(-1, keepdim=True).values).int().argmax(-1)  # lowest index
+    assert torch.equal(tok, first_max)
+    torch.testing.assert_close(prob, p, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_constructed_ties_across_tiles_and_splits(dtype):
+    # V = 200 with 16-wide tiles, 2 tiles per split: copies of the best row sit in the same tile
+    # (5, 9), in a later tile of the same split (20), in later splits (70, 197)
+    V, H = 200, 24
+    g = torch.Generator().manual_seed(1)
+    weight = _ints((V, H), -1, 1, dtype, g)
+    for j in (5, 9, 20, 70, 197):
+        weight[j] = 2
+    hidden = torch.ones(3, H, dtype=dtype)
+    cfg = dict(BLOCK_V=16, BLOCK_K=16, tiles_per_split=2)
+    for mask, want in ((None, 5), (5, 9), (9, 5), (197, 5)):
+        tok, prob, _ = lm_head_confidence_triton(hidden, weight, mask_token_id=mask, config=cfg)
+        assert tok.tolist() == [want] * 3, (mask, tok)
+        _check((tok, prob, _), lm_head_confidence_reference(hidden, weight, mask_token_id=mask))
+    # only the last copies survive once earlier ones are masked out via base logits
+    base = torch.zeros(3, V)
+    base[:, [5, 9, 20]] = -1.0
+    tok, _, _ = lm_head_confidence_triton(hidden, weight, base_logits=base, config=cfg)
+    assert tok.tolist() == [70] * 3
+
+
+@settings(max_examples=10)
+@given(N=st.integers(1, 6), H=st.integers(1, 70), V=st.integers(2, 700), dtype=st.sampled_from(DTYPES),
+       with_base=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_logits_close_to_reference(N, H, V, dtype, with_base, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    base_logits = torch.randn(N, V, generator=g) * 2 if with_base else None
+    out = lm_head_confidence_triton(hidden, weight, base_logits=base_logits, mask_token_id=V // 2,
+                                    config=dict(BLOCK_V=32, tiles_per_split=2))
+    expect = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V // 2)
+    _check(out, expect, exact_tokens=False, prob_tol=1e-4)
+    # the token may differ only on a near-tie: its reference logit must be the max within 1e-4
+    z = hidden.to(weight.dtype).float() @ weight.float().T + (base_logits if with_base else 0)
+    z[:, V // 2] = float("-inf")
+    picked = z.gather(1, out[0][:, None]).squeeze(1)
+    torch.testing.assert_close(picked, z.max(-1).values, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.triton
+def test_public_dispatch_fp16_with_base_and_mask():
+    g = torch.Generator().manual_seed(3)
+    hidden = _ints((4, 33), -2, 2, torch.float16, g)
+    weight = _ints((517, 33), -2, 2, torch.float16, g)
+    base = _ints((4, 517), -3, 3, torch.bfloat16, g)
+    kw = dict(base_logits=base, mask_token_id=100, temperature=0.5)
+    with poisoned_allocations():
+        out = lm_head_confidence(hidden, weight, **kw)
+    _check(out, lm_head_confidence_reference(hidden, weight, **kw))
+
+
+def test_errors():
+    h, w = torch.randn(2, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match="hidden must be"):
+        lm_head_confidence_triton(h[:, :7], w)
+    with pytest.raises(ValueError, match="base_logits must be"):
+        lm_head_confidence_triton(h, w, base_logits=torch.zeros(2, 9))
+    with pytest.raises(ValueError, match="mask_token_id"):
+        lm_head_confidence_triton(h, w, mask_token_id=10)
+    with pytest.raises(ValueError, match="temperature"):
+        lm_head_confidence_triton(h, w, temperature=0.0)
+    with pytest.raises(ValueError, match="only the mask token"):
+        lm_head_confidence_triton(h, w[:1], mask_token_id=0)
+    tok, prob, lse = lm_head_confidence_triton(h[:0], w)
+    assert tok.shape == prob.shape == lse.shape == (0,)
