@@ -20,9 +20,17 @@ dtypes = st.sampled_from(DTYPES)
 EPS = 1e-6
 
 
-def _close(out: torch.Tensor, expect: torch.Tensor) -> None:
+def _close(out: torch.Tensor, expect: torch.Tensor, atol: float | None = None) -> None:
     assert out.shape == expect.shape and out.dtype == expect.dtype
-    torch.testing.assert_close(out.float(), expect.float(), **tol(expect.dtype))
+    t = dict(tol(expect.dtype))
+    if atol is not None:
+        t["atol"] = atol
+    torch.testing.assert_close(out.float(), expect.float(), **t)
+
+
+# RoPE: the reference rounds x*cos and rot(x)*sin to the dtype before adding them, the kernel
+# adds in fp32; where the two products cancel, the difference is an ulp of the products (|x| ~ 4)
+ROPE_ATOL = {torch.float32: 1e-5, torch.float16: 8e-3, torch.bfloat16: 6e-2}
 
 
 def _randn(shape, dtype, seed, scale=1.0):
@@ -122,8 +130,8 @@ def test_qk_norm_rope_matches_reference(B, T, Hkv, groups, half, dtype, table_dt
     with poisoned_allocations():
         oq, ok = qk_norm_rope_triton(q, k, qw, kw, cos, sin, EPS)
     eq, ek = ref.qk_norm_rope(q, k, qw, kw, cos, sin, EPS)
-    _close(oq, eq)
-    _close(ok, ek)
+    _close(oq, eq, ROPE_ATOL[dtype])
+    _close(ok, ek, ROPE_ATOL[dtype])
 
 
 @pytest.mark.triton
@@ -139,8 +147,8 @@ def test_qk_norm_rope_public_dispatch_qwen_shape():
     with poisoned_allocations():
         oq, ok = qk_norm_rope(q, k, qw, kw, ang.cos(), ang.sin(), EPS)
     eq, ek = ref.qk_norm_rope(q, k, qw, kw, ang.cos(), ang.sin(), EPS)
-    _close(oq, eq)
-    _close(ok, ek)
+    _close(oq, eq, ROPE_ATOL[torch.bfloat16])
+    _close(ok, ek, ROPE_ATOL[torch.bfloat16])
 
 
 def test_qk_norm_rope_errors():

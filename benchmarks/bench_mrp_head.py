@@ -1,0 +1,297 @@
+"""Benchmark of the MRP-head and backbone building blocks.
+
+(a) ``lm_head_confidence`` (fused lm_head matmul + online softmax, no logits written) vs torch
+    ``softmax(h @ W.T).max(-1)`` and vs the time to read the lm_head weight once at the copy
+    bandwidth measured in the same run (V=151936, H in {2048, 4096}, N in {1,4,16,64,128}, bf16).
+    ``x_weight_read`` = median / that floor (the goal is <= 1.3 for N <= 128).
+(b) rms_norm (plain and with residual), qk_norm_rope, swiglu and mrp_input at decode shapes of
+    SDAR-1.7B (H 2048, 16 q / 8 kv heads, head_dim 128, ffn 6144) and SDAR-8B
+    (4096 / 32 / 8 / 128 / 12288), tokens x batch in {16, 64, 128} x {1, 8}: Triton vs eager (the
+    reference ops) vs ``torch.compile(reference, dynamic=True)``.
+
+On CUDA: ``python benchmarks/bench_mrp_head.py --out benchmarks/results`` (about 2 minutes on an
+H200, most of it torch.compile; ``--no-compile`` skips that provider, ``--sweep`` also times a
+few tile configs of lm_head_confidence and prints the best per shape). Every kernel is first
+checked against its reference on the GPU (odd shapes, fp32/fp16/bf16); a mismatch is printed and
+recorded, timing goes on. Times are ``triton.testing.do_bench`` quantiles [0.5, 0.2, 0.8] in us;
+GB/s counts the bytes each op must move once. Rows go to ``<out>/mrp_head.csv`` and ``.json``.
+
+Without CUDA it exits with a message, unless ``--smoke``: tiny shapes through the Triton
+interpreter on CPU, timed with perf_counter, only to check that the script runs end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "gbps", "x_weight_read",
+          "speedup_vs_eager", "gpu", "torch", "triton", "commit", "note"]
+
+MODELS = {  # name: (hidden, q heads, kv heads, head_dim, ffn)
+    "1.7B": (2048, 16, 8, 128, 6144),
+    "8B": (4096, 32, 8, 128, 12288),
+}
+
+# tile configs tried by --sweep (BLOCK_N follows N unless given)
+SWEEP = [
+    dict(BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=1),
+    dict(BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=2),
+    dict(BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=4),
+    dict(BLOCK_V=128, BLOCK_K=128, num_warps=8, num_stages=3, tiles_per_split=2),
+    dict(BLOCK_V=128, BLOCK_K=64, num_warps=4, num_stages=5, tiles_per_split=2),
+    dict(BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
+    dict(BLOCK_V=64, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=4),
+    dict(BLOCK_V=64, BLOCK_K=256, num_warps=4, num_stages=3, tiles_per_split=4),
+    dict(BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
+    dict(BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
+]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results", help="directory for mrp_head.csv / .json")
+    ap.add_argument("--rows", default="1,4,16,64,128", help="comma-separated N for lm_head_confidence")
+    ap.add_argument("--hidden", default="2048,4096", help="comma-separated H for lm_head_confidence")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--models", default="1.7B,8B", help=f"op-level shapes, from {list(MODELS)}")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configs of lm_head_confidence")
+    ap.add_argument("--only", default="lm_head,ops", help="parts to run: lm_head, ops")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
+    args = ap.parse_args(argv)
+
+    import torch
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("bench_mrp_head: no CUDA device found; this benchmark needs a GPU "
+              "(run with --smoke for a tiny CPU check through the Triton interpreter)", file=sys.stderr)
+        return 2
+    if args.smoke and not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before mrp_triton's kernels are decorated
+    import triton
+    import triton.testing
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import mrp_triton as mt
+    from mrp_triton import reference as ref
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    dt = torch.bfloat16
+    parts = set(args.only.split(","))
+    if args.smoke:
+        rows, hiddens, V = [1, 5], [64], 1000
+        models = {"tiny": (64, 4, 2, 16, 96)}
+        seq = [(1, 4), (2, 3)]
+    else:
+        rows, hiddens, V = [int(r) for r in args.rows.split(",")], [int(h) for h in args.hidden.split(",")], args.vocab
+        models = {m: MODELS[m] for m in args.models.split(",")}
+        seq = [(b, t) for b in (1, 8) for t in (16, 64, 128)]
+    gpu = torch.cuda.get_device_name(dev) if cuda else f"cpu-interpreter ({platform.processor() or 'cpu'})"
+    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": _commit()}
+    print(f"# {meta}")
+    results: list[dict] = []
+    failures: list[str] = []
+
+    def bench(fn):
+        if cuda:
+            q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=5, rep=25)
+            return [x * 1e3 for x in q]
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        ts.sort()
+        return [ts[1], ts[0], ts[2]]
+
+    def record(kernel, shape, provider, q, nbytes=None, floor_us=None, eager_us=None, note=""):
+        med = q[0]
+        row = dict(kernel=kernel, shape=shape, provider=provider, median_us=round(med, 2), p20_us=round(q[1], 2),
+                   p80_us=round(q[2], 2), gbps=round(nbytes / med / 1e3, 1) if nbytes else "",
+                   x_weight_read=round(med / floor_us, 2) if floor_us else "",
+                   speedup_vs_eager=round(eager_us / med, 2) if eager_us else "", note=note, **meta)
+        results.append(row)
+        print(f"{kernel:20s} {shape:34s} {provider:16s} {med:10.1f} us  [{q[1]:.1f}, {q[2]:.1f}]"
+              f"  {row['gbps']!s:>8} GB/s  x_read {row['x_weight_read']!s:>5}  vs_eager {row['speedup_vs_eager']!s:>5}"
+              + (f"  {note}" if note else ""))
+        return med
+
+    def check(name, got, want, atol, rtol):
+        try:
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        except AssertionError as e:
+            msg = f"MISMATCH {name}: {str(e).splitlines()[0:3]}"
+            print(msg)
+            failures.append(msg)
+
+    # ------------------------------------------------------------ copy bandwidth (the ceiling)
+    if cuda:
+        buf = torch.empty(2**29, dtype=torch.uint8, device=dev)  # 512 MiB
+        dst = torch.empty_like(buf)
+        t_copy = bench(lambda: dst.copy_(buf))[0]
+        copy_bw = 2 * buf.numel() / (t_copy * 1e-6)  # bytes/s, read + written
+        del buf, dst
+        print(f"# device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + written)")
+    else:
+        copy_bw = 1e10
+    meta_bw = copy_bw
+
+    # ------------------------------------------------------------ correctness on this device
+    g = torch.Generator(device=dev).manual_seed(0)
+    for wdt in (torch.float32, torch.float16, torch.bfloat16):
+        Nv, Hv, Vv = 5, 100, 1003
+        h = torch.randint(-2, 3, (Nv, Hv), device=dev, generator=g).to(wdt)
+        W = torch.randint(-2, 3, (Vv, Hv), device=dev, generator=g).to(wdt)
+        base = torch.randint(-3, 4, (Nv, Vv), device=dev, generator=g).to(torch.bfloat16)
+        W[[7, 600, 1000]] = 2
+        h[0] = 1
+        kw = dict(base_logits=base, mask_token_id=7, temperature=0.5)
+        out = mt.lm_head_confidence_triton(h, W, **kw)
+        exp = ref.lm_head_confidence(h, W, **kw)
+        if not torch.equal(out[0], exp[0]):
+            failures.append(f"MISMATCH lm_head_confidence tokens {wdt}: {out[0].tolist()} vs {exp[0].tolist()}")
+            print(failures[-1])
+        check(f"lm_head_confidence probs {wdt}", out[1], exp[1], 1e-5, 1e-4)
+        check(f"lm_head_confidence lse {wdt}", out[2], exp[2], 1e-4, 1e-5)
+        tol = dict(atol=1e-5, rtol=1e-5) if wdt == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        x = torch.randn(3, 7, 333, device=dev, dtype=wdt)
+        r = torch.randn_like(x)
+        w = torch.randn(333, device=dev, dtype=wdt)
+        y, s = mt.rms_norm_triton(x, w, 1e-6, r)
+        ey, es = ref.rms_norm(x, w, 1e-6, r)
+        check(f"rms_norm y {wdt}", y, ey, **tol)
+        check(f"rms_norm s {wdt}", s, es, **tol)
+        gg, uu = torch.randn(5, 3001, device=dev, dtype=wdt), torch.randn(5, 3001, device=dev, dtype=wdt)
+        check(f"swiglu {wdt}", mt.swiglu_triton(gg, uu), ref.swiglu(gg, uu), **tol)
+        q, k = torch.randn(2, 3, 6, 130, device=dev, dtype=wdt), torch.randn(2, 3, 2, 130, device=dev, dtype=wdt)
+        qw, kw_ = torch.randn(130, device=dev, dtype=wdt), torch.randn(130, device=dev, dtype=wdt)
+        ang = torch.randn(2, 3, 130, device=dev)
+        got = mt.qk_norm_rope_triton(q, k, qw, kw_, ang.cos(), ang.sin(), 1e-6)
+        want = ref.qk_norm_rope(q, k, qw, kw_, ang.cos(), ang.sin(), 1e-6)
+        rtol_ = dict(tol, atol={torch.float32: 1e-5, torch.float16: 8e-3, torch.bfloat16: 6e-2}[wdt])
+        check(f"qk_norm_rope q {wdt}", got[0], want[0], **rtol_)
+        check(f"qk_norm_rope k {wdt}", got[1], want[1], **rtol_)
+        ids = torch.randint(0, Vv, (9,), device=dev, generator=g)
+        hh = torch.randn(9, Hv, device=dev, dtype=wdt)
+        check(f"mrp_input {wdt}", mt.mrp_input_triton(ids, W, hh, w[:Hv], w[:Hv], 1e-6),
+              ref.mrp_input(ids, W, hh, w[:Hv], w[:Hv], 1e-6), **tol)
+    print(f"# device check: {'all kernels match their references' if not failures else f'{len(failures)} MISMATCHES'}")
+
+    # ------------------------------------------------------------ (a) lm_head_confidence
+    if "lm_head" in parts:
+        for H in hiddens:
+            W = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt)
+            w_bytes = W.numel() * W.element_size()
+            floor_us = w_bytes / copy_bw * 1e6
+            for N in rows:
+                h = torch.randn(N, H, device=dev, generator=g).to(dt)
+                shape = f"N={N} H={H} V={V}"
+                tok, prob, lse = mt.lm_head_confidence_triton(h, W)
+                z = h.float() @ W.float().T
+                check(f"lm_head_confidence prob {shape}", prob, torch.softmax(z, -1).max(-1).values, 1e-4, 1e-3)
+                check(f"lm_head_confidence picked logit {shape}", z.gather(1, tok[:, None]).squeeze(1),
+                      z.max(-1).values, 2e-3, 1e-3)
+                nbytes = w_bytes + N * H * 2
+                record("lm_head_confidence", shape, "weight_read_floor", [floor_us] * 3, nbytes, floor_us)
+                eager = record("lm_head_confidence", shape, "torch_eager",
+                               bench(lambda: torch.softmax((h @ W.T).float(), -1).max(-1)), nbytes, floor_us)
+                record("lm_head_confidence", shape, "triton_fused",
+                       bench(lambda: mt.lm_head_confidence_triton(h, W)), nbytes, floor_us, eager)
+                if args.sweep and cuda:
+                    best = None
+                    for i, cfg in enumerate(SWEEP):
+                        try:
+                            t = bench(lambda: mt.lm_head_confidence_triton(h, W, config=cfg))
+                        except Exception as e:  # e.g. out of shared memory for big tiles
+                            print(f"  sweep cfg {i} failed: {type(e).__name__}: {str(e)[:100]}")
+                            continue
+                        record("lm_head_confidence", shape, f"sweep_{i}", t, nbytes, floor_us, eager, note=str(cfg))
+                        if best is None or t[0] < best[0]:
+                            best = (t[0], i)
+                    if best:
+                        print(f"  best sweep config for {shape}: {best[1]} {SWEEP[best[1]]} at {best[0]:.1f} us")
+            del W
+
+    # ------------------------------------------------------------ (b) op-level decode shapes
+    if "ops" in parts:
+        compiled = {}
+        if not args.no_compile and cuda:
+            for name, fn in (("rms_norm", ref.rms_norm), ("qk_norm_rope", ref.qk_norm_rope),
+                             ("swiglu", ref.swiglu), ("mrp_input", ref.mrp_input)):
+                compiled[name] = torch.compile(fn, dynamic=True)
+        for mname, (H, Hq, Hkv, D, F) in models.items():
+            E = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt)
+            w_h = torch.rand(H, device=dev, generator=g).to(dt) + 0.5
+            w_d = torch.rand(D, device=dev, generator=g).to(dt) + 0.5
+            for B, T in seq:
+                M = B * T
+                x = torch.randn(M, H, device=dev, generator=g).to(dt)
+                r = torch.randn(M, H, device=dev, generator=g).to(dt)
+                q = torch.randn(B, T, Hq, D, device=dev, generator=g).to(dt)
+                k = torch.randn(B, T, Hkv, D, device=dev, generator=g).to(dt)
+                ang = torch.randn(B, T, D, device=dev, generator=g)
+                cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+                gate = torch.randn(M, F, device=dev, generator=g).to(dt)
+                up = torch.randn(M, F, device=dev, generator=g).to(dt)
+                ids = torch.randint(0, V, (M,), device=dev, generator=g)
+                cases = [
+                    ("rms_norm", f"{mname} B={B} T={T} H={H}", 2 * M * H * 2,
+                     (x, w_h, 1e-6), mt.rms_norm_triton, ref.rms_norm, "rms_norm"),
+                    ("rms_norm+residual", f"{mname} B={B} T={T} H={H}", 4 * M * H * 2,
+                     (x, w_h, 1e-6, r), mt.rms_norm_triton, ref.rms_norm, "rms_norm"),
+                    ("qk_norm_rope", f"{mname} B={B} T={T} {Hq}q/{Hkv}kv D={D}", 2 * M * (Hq + Hkv) * D * 2 + 4 * M * D,
+                     (q, k, w_d, w_d, cos, sin, 1e-6), mt.qk_norm_rope_triton, ref.qk_norm_rope, "qk_norm_rope"),
+                    ("swiglu", f"{mname} B={B} T={T} F={F}", 3 * M * F * 2,
+                     (gate, up), mt.swiglu_triton, ref.swiglu, "swiglu"),
+                    ("mrp_input", f"{mname} B={B} T={T} H={H}", 4 * M * H * 2,
+                     (ids, E, x, w_h, w_h, 1e-6), mt.mrp_input_triton, ref.mrp_input, "mrp_input"),
+                ]
+                for kernel, shape, nbytes, a, tri, eag, cname in cases:
+                    got, want = tri(*a), eag(*a)
+                    for gg_, ww_ in zip(got if isinstance(got, tuple) else (got,),
+                                        want if isinstance(want, tuple) else (want,)):
+                        check(f"{kernel} {shape}", gg_.float(), ww_.float(), 6e-2, 2e-2)
+                    eager = record(kernel, shape, "torch_eager", bench(lambda: eag(*a)), nbytes)
+                    if cname in compiled:
+                        try:
+                            record(kernel, shape, "torch_compile", bench(lambda: compiled[cname](*a)), nbytes,
+                                   eager_us=eager)
+                        except Exception as e:
+                            print(f"  torch.compile failed for {kernel}: {type(e).__name__}: {str(e)[:200]}")
+                            compiled.pop(cname)
+                    record(kernel, shape, "triton", bench(lambda: tri(*a)), nbytes, eager_us=eager)
+            del E
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "mrp_head_smoke" if args.smoke else "mrp_head"
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=FIELDS)
+        wr.writeheader()
+        wr.writerows(results)
+    with open(out / f"{stem}.json", "w") as f:
+        json.dump({"meta": {**meta, "copy_bw_tbps": round(meta_bw / 1e12, 3)}, "failures": failures,
+                   "rows": results}, f, indent=1)
+    print(f"# wrote {out / stem}.csv and .json ({len(results)} rows, {len(failures)} mismatches)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
