@@ -1,0 +1,123 @@
+import json
+import os
+
+import pytest
+import torch
+
+from training_fixtures import make_tokenizer, write_corpus
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def test_formats_and_flags(tok, corpus):
+    from training.data import read_records, record_to_segments, tokenize_documents
+
+    for kind in ("text", "plain"):
+        recs = read_records([corpus[kind]])
+        ids, flags = tokenize_documents([record_to_segments(r, tok) for r in recs], tok, tok.eos_token_id)
+        assert not any(flags), "plain text has no prompt tokens"
+        assert ids.count(tok.eos_token_id) == len(recs)
+        assert ids[-1] == tok.eos_token_id
+    assert len(read_records([corpus["plain"]])) == 1  # a text file is one document
+
+    recs = read_records([corpus["pairs"]])
+    segs = record_to_segments(recs[0], tok)
+    assert [f for _, f in segs] == [True, False]
+    ids, flags = tokenize_documents([segs], tok, tok.eos_token_id)
+    n_prompt = len(tok(segs[0][0], add_special_tokens=False)["input_ids"])
+    assert flags == [True] * n_prompt + [False] * (len(ids) - n_prompt)
+    assert tok.decode(ids[n_prompt:-1]) == recs[0]["response"]
+
+    recs = read_records([corpus["chat"]])
+    segs = record_to_segments(recs[0], tok)
+    answers = "".join(t for t, f in segs if not f)
+    msgs = recs[0]["messages"]
+    assert msgs[2]["content"] in answers and msgs[4]["content"] in answers
+    assert "be brief" not in answers and "again" not in answers
+    prompts = "".join(t for t, f in segs if f)
+    assert "be brief" in prompts and "again" in prompts
+
+
+def test_pack_multiple_of_block_and_padding(tok, corpus):
+    from training.data import build_datasets
+
+    train, held = build_datasets([corpus["pairs"], corpus["text"]], tok, seq_len=16, block_size=4,
+                                 heldout_fraction=0.1, seed=0)
+    assert train.input_ids.shape[1] == 16 and train.input_ids.shape == train.is_prompt.shape
+    assert len(held) > 0
+    # the tail is padded with pad flagged as prompt (never masked / scored)
+    assert (~train.is_prompt).any() and train.is_prompt.any()
+    from training.data import pack
+
+    ds = pack([5, 6, 7, 8, 9], [True, False, False, False, False], seq_len=4, pad_id=0)
+    assert ds.input_ids.tolist() == [[5, 6, 7, 8], [9, 0, 0, 0]]
+    assert ds.is_prompt.tolist() == [[True, False, False, False], [False, True, True, True]]
+
+
+def test_split_is_deterministic_and_disjoint(corpus):
+    from training.data import read_records, split_records
+
+    recs = read_records([corpus["text"]])
+    a = split_records(recs, 0.2, seed=3)
+    b = split_records(recs, 0.2, seed=3)
+    c = split_records(recs, 0.2, seed=4)
+    assert a == b and a != c
+    tr, he = a
+    assert len(he) == round(0.2 * len(recs)) and len(tr) + len(he) == len(recs)
+    assert not {r["text"] for r in tr} & {r["text"] for r in he}
+
+
+def test_bad_inputs(tmp_path, tok):
+    from training.config import ConfigError
+    from training.data import build_datasets, read_records
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"foo": 1}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2"):
+        read_records([str(bad)])
+    bad.write_text("{not json\n")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        read_records([str(bad)])
+    with pytest.raises(ConfigError, match="--data"):
+        read_records([str(tmp_path / "missing.txt")])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="--data.*empty"):
+        build_datasets([str(empty)], tok, 16, 4)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"text": "hello"}\n')
+    with pytest.raises(ConfigError, match="--seq-len.*--block-size"):
+        build_datasets([str(ok)], tok, 10, 4)
+
+
+def test_stdlib_corpus(tmp_path):
+    from training.stdlib_corpus import build_manifest, collect_stdlib_files, split_files, write_manifest, load_manifest
+
+    files = collect_stdlib_files()
+    assert "os.py" in files and "json/decoder.py" in files
+    for f in files:
+        parts = f.split("/")
+        assert f.endswith(".py")
+        assert not {"test", "tests", "idlelib", "__pycache__", "site-packages"} & set(parts), f
+        assert not parts[-1].startswith("test_")
+    tr, he = split_files(files, 0.05, seed=0)
+    assert (tr, he) == split_files(list(reversed(files)), 0.05, seed=0)  # order-independent
+    assert not set(tr) & set(he) and sorted(tr + he) == sorted(files)
+    assert 0 < len(he) < 0.15 * len(files)
+    # adding a file does not move any other file between the splits
+    tr2, he2 = split_files(files + ["zzz_new.py"], 0.05, seed=0)
+    assert set(he2) - {"zzz_new.py"} == set(he)
+    m = build_manifest(0.05, seed=0)
+    p = str(tmp_path / "m.json")
+    write_manifest(p, m)
+    m2 = load_manifest(p)
+    assert m2["heldout"] and m2["train"] and not set(m2["train"]) & set(m2["heldout"])
+    assert all(not os.path.isabs(f) for f in m2["train"])

@@ -1,0 +1,72 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from training.noising import (block_diffusion_mask, make_generators, pack_noisy_clean, reveal_one_per_block,
+                              sample_mask, sample_seed)
+
+
+@given(st.integers(1, 4), st.sampled_from([1, 2, 4]), st.integers(1, 6), st.integers(0, 2**31), st.floats(0, 1))
+def test_mask_invariants(B, bs, nb, seed, prompt_frac):
+    T = bs * nb
+    g = torch.Generator().manual_seed(seed)
+    is_prompt = torch.rand(B, T, generator=g) < prompt_frac
+    gens = make_generators([seed + b for b in range(B)])
+    masked, p = sample_mask(is_prompt, gens)
+    assert masked.shape == (B, T) and masked.dtype == torch.bool
+    assert not (masked & is_prompt).any(), "prompt tokens are never masked"
+    has_answer = (~is_prompt).any(1)
+    assert (masked.any(1) == has_answer).all(), "at least one masked where there is an answer"
+    assert ((p >= 1e-3) & (p <= 1.0)).all()
+    # reveal: one still-masked position per block that has one, a subset of masked
+    r = reveal_one_per_block(masked, bs, gens)
+    assert not (r & ~masked).any()
+    per_block = r.view(B, nb, bs).sum(-1)
+    assert (per_block == masked.view(B, nb, bs).any(-1).long()).all()
+
+
+def test_noise_is_per_sample_and_reproducible():
+    is_prompt = torch.zeros(3, 64, dtype=torch.bool)
+    seeds = [sample_seed(0, "train", 5, i) for i in (10, 11, 12)]
+    m1, p1 = sample_mask(is_prompt, make_generators(seeds))
+    m2, p2 = sample_mask(is_prompt[1:], make_generators(seeds[1:]))  # same sample, other batch slot
+    assert torch.equal(m1[1:], m2) and torch.equal(p1[1:], p2)
+    assert len(set(seeds)) == 3
+
+
+def test_masking_rate_follows_p():
+    T = 4096
+    is_prompt = torch.zeros(8, T, dtype=torch.bool)
+    masked, p = sample_mask(is_prompt, make_generators(range(8)))
+    rate = masked.float().mean(1)
+    assert torch.allclose(rate, p, atol=0.05)
+
+
+def test_block_diffusion_mask_rules():
+    T, bs = 8, 2
+    m = block_diffusion_mask(T, bs)
+    assert m.shape == (1, 1, 2 * T, 2 * T) and m.dtype == torch.bool
+    m = m[0, 0]
+    blk = lambda i: (i % T) // bs  # noqa: E731
+    for i in range(2 * T):
+        for j in range(2 * T):
+            qi_noisy, kj_noisy = i < T, j < T
+            if qi_noisy and kj_noisy:
+                want = blk(i) == blk(j)
+            elif qi_noisy:
+                want = blk(j) < blk(i)
+            elif kj_noisy:
+                want = False
+            else:
+                want = blk(j) <= blk(i)
+            assert bool(m[i, j]) == want, (i, j)
+    with pytest.raises(ValueError):
+        block_diffusion_mask(7, 2)
+
+
+def test_pack_noisy_clean():
+    clean = torch.arange(8).view(2, 4)
+    ids, pos = pack_noisy_clean(clean + 100, clean)
+    assert ids.shape == (2, 8) and torch.equal(ids[:, 4:], clean)
+    assert pos.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]] * 2

@@ -1,0 +1,233 @@
+"""``mrp-train``: train an SDAR backbone from scratch, or an MRP head on a frozen backbone.
+
+    mrp-train backbone --data corpus.jsonl --out runs/tiny --seq-len 256 --block-size 4 \\
+        --hidden-size 256 --num-layers 4 --num-heads 4 --num-kv-heads 2 --vocab-size 4096
+    mrp-train backbone --stdlib --out runs/stdlib ...          # the CPython stdlib corpus
+    mrp-train mrp --model runs/tiny --data sft.jsonl --out runs/tiny-mrp --mrp-layers 3 --unroll-k 2
+    torchrun --nproc_per_node 2 -m training.cli backbone ...    # same flags, DDP
+
+Exit status 2 with a message naming the flag on a bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import torch
+
+from .config import ConfigError, TrainConfig
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    g = p.add_argument_group("data")
+    g.add_argument("--data", nargs="+", default=[], metavar="PATH",
+                   help="text files, JSONL ({text} | {prompt,response} | {messages}) or folders")
+    g.add_argument("--heldout-fraction", type=float, default=0.01, help="documents held out for evaluation")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed sequence (multiple of --block-size)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (AutoTokenizer)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--out", required=True, help="output folder (checkpoints, metrics.jsonl, final model)")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per process per micro-step")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-steps per optimizer step")
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
+    g.add_argument("--epochs", type=float, default=d.epochs)
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
+    g.add_argument("--warmup-steps", type=int, default=None, help="overrides --warmup-ratio")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--adam-beta2", type=float, default=d.adam_beta2)
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max grad norm (<= 0: off)")
+    g.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
+    g = p.add_argument_group("bookkeeping")
+    g.add_argument("--log-every", type=int, default=d.log_every)
+    g.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out loss every N steps (0: at the end)")
+    g.add_argument("--eval-batches", type=int, default=d.eval_batches, help="micro-batches per process per evaluation")
+    g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: none)")
+    g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mrp-train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("backbone", help="train an SDAR backbone from scratch",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _common(b)
+    g = b.add_argument_group("corpus / tokenizer")
+    g.add_argument("--stdlib", action="store_true",
+                   help="train on the CPython standard library's .py files (file-level split; see --stdlib-manifest)")
+    g.add_argument("--stdlib-manifest", default=None, help="read (if it exists) or write this manifest; default OUT/stdlib_manifest.json")
+    g.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary when training a tokenizer")
+    g = b.add_argument_group("model size")
+    g.add_argument("--block-size", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--intermediate-size", type=int, default=None, help="default: 3 x --hidden-size")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--num-heads", type=int, default=4)
+    g.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads")
+    g.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: max(--seq-len, 4096)")
+    g.add_argument("--rope-theta", type=float, default=1e6)
+    g.add_argument("--tie-word-embeddings", action="store_true")
+
+    m = sub.add_parser("mrp", help="train an MRP head on a frozen backbone",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _common(m)
+    g = m.add_argument_group("MRP")
+    g.add_argument("--model", required=True, help="backbone folder (save_pretrained); its tokenizer is used unless --tokenizer")
+    g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
+    g.add_argument("--mrp-layers", type=int, default=3, help="D decoder layers of a new head")
+    g.add_argument("--unroll-k", type=int, default=1, help="K successive reveals per sample")
+    g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default="kd_diff_sum")
+    g.add_argument("--mrp-init", choices=("default", "normal"), default="default",
+                   help="'normal': N(0, --mrp-init-std) for the head's matrices (authors' recipe: 0.2)")
+    g.add_argument("--mrp-init-std", type=float, default=0.2)
+    return ap
+
+
+def _config(args, block_size: int) -> TrainConfig:
+    return TrainConfig(
+        mode=args.command, out_dir=args.out, seq_len=args.seq_len, block_size=block_size,
+        micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, max_steps=args.max_steps,
+        epochs=args.epochs, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_ratio=args.warmup_ratio,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, adam_beta2=args.adam_beta2,
+        grad_clip=args.grad_clip, bf16=not args.no_bf16, seed=args.seed, log_every=args.log_every,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, progress=not args.no_progress,
+        device=args.device,
+        unroll_k=getattr(args, "unroll_k", 1), mrp_loss=getattr(args, "mrp_loss", "kd_diff_sum"),
+        num_mrp_layers=getattr(args, "mrp_layers", 3), mrp_init=getattr(args, "mrp_init", "default"),
+        mrp_init_std=getattr(args, "mrp_init_std", 0.2),
+        extra={"argv": sys.argv[1:]},
+    ).validate()
+
+
+def _export(out_dir: str, tokenizer, cfg: TrainConfig):
+    def export(model) -> None:
+        from transformers import GenerationConfig
+
+        from .tokenizer import special_token_ids
+
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        ids = special_token_ids(tokenizer)
+        gen = GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=ids["eos_token_id"],
+                               pad_token_id=ids["pad_token_id"])
+        gen.mask_token_id = ids["mask_token_id"]
+        gen.block_size = cfg.block_size
+        gen.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, "training_config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+
+    return export
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Parse ``argv``, train, export. Raises ConfigError on a bad configuration."""
+    args = build_parser().parse_args(argv)
+    from .data import build_datasets, read_records, record_texts, split_records
+    from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
+    from .trainer import barrier, init_distributed, train
+
+    if args.command == "mrp":
+        if not os.path.isdir(args.model) or not os.path.exists(os.path.join(args.model, "config.json")):
+            raise ConfigError(f"--model: {args.model!r} is not a model folder (no config.json)")
+        block = args.block_size
+        if block is None:
+            with open(os.path.join(args.model, "config.json")) as f:
+                block = json.load(f).get("block_size") or 4
+    else:
+        block = args.block_size
+    cfg = _config(args, block)
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        raise ConfigError(f"--tokenizer: {args.tokenizer!r} does not exist")
+    if args.command == "backbone" and args.stdlib and args.data:
+        raise ConfigError("--stdlib and --data are mutually exclusive")
+    if not args.data and not (args.command == "backbone" and args.stdlib):
+        raise ConfigError("--data: no training data given (or use --stdlib for backbone training)")
+
+    rank, world, device = init_distributed(cfg.device)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if rank == 0:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+
+    # records and their split (every rank reads the same files deterministically)
+    if args.command == "backbone" and args.stdlib:
+        from .stdlib_corpus import build_manifest, load_manifest, manifest_records, write_manifest
+
+        mpath = args.stdlib_manifest or os.path.join(cfg.out_dir, "stdlib_manifest.json")
+        if rank == 0 and not os.path.exists(mpath):
+            write_manifest(mpath, build_manifest(args.heldout_fraction if args.heldout_fraction > 0 else 0.02, cfg.seed))
+        barrier()
+        train_r, held_r = manifest_records(load_manifest(mpath))
+    else:
+        train_r, held_r = split_records(read_records(args.data), args.heldout_fraction, cfg.seed)
+    if not train_r:
+        raise ConfigError(f"--data: no documents found in {args.data!r}")
+
+    # tokenizer
+    if args.command == "mrp":
+        tok_dir = args.tokenizer or args.model
+        tokenizer = load_tokenizer(tok_dir, "--tokenizer" if args.tokenizer else "--tokenizer (none in --model)")
+    else:
+        tok_dir = args.tokenizer
+        if tok_dir is None:
+            tok_dir = os.path.join(cfg.out_dir, "tokenizer")
+            if rank == 0 and not (cfg.resume and os.path.exists(os.path.join(tok_dir, "tokenizer.json"))):
+                train_tokenizer(record_texts(train_r), tok_dir, args.vocab_size)
+            barrier()
+        tokenizer = load_tokenizer(tok_dir)
+    ids = special_token_ids(tokenizer)
+
+    train_ds, held_ds = build_datasets(None, tokenizer, cfg.seq_len, cfg.block_size, records=(train_r, held_r))
+
+    if args.command == "backbone":
+        from .models import build_backbone
+
+        model = build_backbone(
+            ids, len(tokenizer), hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size or 3 * args.hidden_size, num_layers=args.num_layers,
+            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads or args.num_heads, head_dim=args.head_dim,
+            block_size=cfg.block_size, max_position_embeddings=args.max_position_embeddings or max(cfg.seq_len, 4096),
+            rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings).to(device)
+    else:
+        from .models import prepare_mrp_model
+
+        model = prepare_mrp_model(args.model, cfg.num_mrp_layers, cfg.mrp_init, cfg.mrp_init_std,
+                                  block_size=cfg.block_size, device=device)
+        if int(model.config.mask_token_id) != ids["mask_token_id"]:
+            raise ConfigError(f"--tokenizer: its <|MASK|> id {ids['mask_token_id']} differs from the model's "
+                              f"mask_token_id {model.config.mask_token_id}")
+    return train(cfg, model, train_ds, held_ds, mask_token_id=ids["mask_token_id"],
+                 export=_export(cfg.out_dir, tokenizer, cfg), device=device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    try:
+        res = run(argv)
+    except ConfigError as e:
+        parser.exit(2, f"mrp-train: error: {e}\n")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: res[k] for k in ("step", "loss", "eval_loss")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Documents -> tokens -> packed training sequences with a per-token ``is_prompt`` flag.
+
+Inputs (``read_records``):
+- plain text files (any extension other than .jsonl/.json): one document per file;
+- JSONL, one JSON object per line, one of
+  ``{"text": ...}`` (plain document),
+  ``{"prompt": ..., "response": ...}`` (instruction pair),
+  ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat; every ``assistant`` turn is answer).
+  Blank lines are skipped; anything else is an error naming the file and line.
+- directories: every regular file below them (sorted), recursively.
+
+Rendering (``record_to_segments``) turns a record into ``(text, is_prompt)`` segments. When the
+tokenizer has a chat template (the real SDAR tokenizer), chat records are rendered with it: an
+assistant turn's answer text is the part the template adds on top of the prompt rendered with
+``add_generation_prompt=True``. Otherwise a plain template is used:
+``"<|user|>\\n{prompt}\\n<|assistant|>\\n"`` (prompt) followed by the response (answer).
+
+Tokenization encodes each segment separately (so the flags are exact) and appends the EOS
+token after every document (documents are separated by EOS; the EOS carries the flag of the
+document's last segment, so a response learns to stop). Packing concatenates the documents and
+cuts the stream into ``seq_len`` pieces (``seq_len`` a multiple of the block size); the last
+partial piece is padded with the pad token flagged as prompt, so it is never masked and never
+scored. Plain text has no prompt tokens.
+
+The held-out split is by document and deterministic: a permutation drawn from ``seed`` picks
+``round(fraction * n)`` documents (at least one when ``fraction > 0`` and there are >= 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from .config import ConfigError
+
+Segment = tuple[str, bool]  # (text, is_prompt)
+
+JSON_EXTS = (".jsonl", ".json")
+
+
+def iter_files(paths: Sequence[str], flag: str = "--data") -> list[str]:
+    """Expand files and directories (recursively, sorted) into a list of files."""
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            for root, dirs, names in os.walk(p):
+                dirs.sort()
+                for n in sorted(names):
+                    if not n.startswith("."):
+                        files.append(os.path.join(root, n))
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise ConfigError(f"{flag}: {p!r} does not exist")
+    return files
+
+
+def read_records(paths: Sequence[str], flag: str = "--data") -> list[dict]:
+    """Read every record from ``paths`` (see the module docstring for the formats)."""
+    records: list[dict] = []
+    for path in iter_files(paths, flag):
+        if path.endswith(JSON_EXTS):
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"{flag}: {path}:{lineno}: not valid JSON ({e.msg})") from None
+                    _check_record(rec, f"{flag}: {path}:{lineno}")
+                    records.append(rec)
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            if text:
+                records.append({"text": text})
+    return records
+
+
+def _check_record(rec, where: str) -> None:
+    if not isinstance(rec, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "text" in rec:
+        if not isinstance(rec["text"], str):
+            raise ConfigError(f"{where}: 'text' must be a string")
+    elif "prompt" in rec and "response" in rec:
+        if not isinstance(rec["prompt"], str) or not isinstance(rec["response"], str):
+            raise ConfigError(f"{where}: 'prompt' and 'response' must be strings")
+    elif "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        ):
+            raise ConfigError(f"{where}: 'messages' must be a list of {{role, content}} strings")
+    else:
+        raise ConfigError(f"{where}: a record needs 'text', 'prompt'+'response' or 'messages' (got keys {sorted(rec)})")
+
+
+def _plain_chat_segments(messages: list[dict]) -> list[Segment]:
+    segs: list[Segment] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            segs.append(("<|assistant|>\n", True))
+            segs.append((m["content"], False))
+            segs.append(("\n", False))
+        else:
+            segs.append((f"<|{m['role']}|>\n{m['content']}\n", True))
+    return segs
+
+
+def _template_chat_segments(messages: list[dict], tokenizer) -> list[Segment]:
+    segs: list[Segment] = []
+    done = ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not prefix.startswith(done) or not full.startswith(prefix):
+            return _plain_chat_segments(messages)  # template is not prefix-stable: fall back
+        segs.append((prefix[len(done):], True))
+        segs.append((full[len(prefix):], False))
+        done = full
+    if len(done) == 0:
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        return [(full, True)]
+    return segs
+
+
+def record_to_segments(rec: dict, tokenizer=None) -> list[Segment]:
+    """``(text, is_prompt)`` segments of one record (empty segments dropped)."""
+    if "text" in rec:
+        segs = [(rec["text"], False)]
+    else:
+        if "messages" in rec:
+            messages = rec["messages"]
+        else:
+            messages = [{"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": rec["response"]}]
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            segs = _template_chat_segments(messages, tokenizer)
+        elif "messages" in rec:
+            segs = _plain_chat_segments(messages)
+        else:
+            segs = [(f"<|user|>\n{rec['prompt']}\n<|assistant|>\n", True), (rec["response"], False)]
+    return [(t, fl) for t, fl in segs if t]
+
+
+def split_records(records: list, heldout_fraction: float, seed: int) -> tuple[list, list]:
+    """Deterministic document-level split: ``(train, heldout)``, both in original order."""
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ConfigError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
+    n = len(records)
+    n_held = 0
+    if heldout_fraction > 0 and n >= 2:
+        n_held = min(n - 1, max(1, round(heldout_fraction * n)))
+    g = torch.Generator().manual_seed(seed)
+    held = set(torch.randperm(n, generator=g)[:n_held].tolist())
+    train = [r for i, r in enumerate(records) if i not in held]
+    heldout = [r for i, r in enumerate(records) if i in held]
+    return train, heldout
+
+
+def tokenize_documents(docs: Iterable[list[Segment]], tokenizer, eos_id: int) -> tuple[list[int], list[bool]]:
+    """Tokenize segment lists into one token stream with flags; EOS after every document."""
+    docs = list(docs)
+    flat = [t for d in docs for t, _ in d]
+    enc = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    ids: list[int] = []
+    flags: list[bool] = []
+    k = 0
+    for d in docs:
+        if not d:
+            continue
+        for _, is_prompt in d:
+            toks = enc[k]
+            k += 1
+            ids.extend(toks)
+            flags.extend([is_prompt] * len(toks))
+        ids.append(eos_id)
+        flags.append(d[-1][1])
+    return ids, flags
+
+
+@dataclass
+class PackedDataset:
+    """``input_ids`` [N, T] long and ``is_prompt`` [N, T] bool."""
+
+    input_ids: torch.Tensor
+    is_prompt: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def num_answer_tokens(self) -> int:
+        return int((~self.is_prompt).sum())
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(str(tuple(self.input_ids.shape)).encode())
+        h.update(self.input_ids.numpy().tobytes())
+        h.update(self.is_prompt.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def save(self, path: str) -> None:
+        torch.save({"input_ids": self.input_ids, "is_prompt": self.is_prompt}, path)
+
+    @classmethod
+    def load(cls, path: str) -> "PackedDataset":
+        d = torch.load(path)
+        return cls(d["input_ids"], d["is_prompt"])
+
+
+def pack(ids: Sequence[int], flags: Sequence[bool], seq_len: int, pad_id: int, block_size: int | None = None) -> PackedDataset:
+    """Cut a token stream into ``seq_len`` rows; pad the tail with ``pad_id`` flagged as prompt."""
+    if block_size is not None and seq_len % block_size:
+        raise ConfigError(f"--seq-len ({seq_len}) must be a multiple of --block-size ({block_size})")
+    n = len(ids)
+    rows = -(-n // seq_len)
+    t_ids = torch.full((rows * seq_len,), pad_id, dtype=torch.long)
+    t_pr = torch.ones(rows * seq_len, dtype=torch.bool)
+    if n:
+        t_ids[:n] = torch.tensor(list(ids), dtype=torch.long)
+        t_pr[:n] = torch.tensor(list(flags), dtype=torch.bool)
+    return PackedDataset(t_ids.view(rows, seq_len), t_pr.view(rows, seq_len))
+
+
+def build_datasets(
+    paths: Sequence[str] | None,
+    tokenizer,
+    seq_len: int,
+    block_size: int,
+    heldout_fraction: float = 0.01,
+    seed: int = 0,
+    records: tuple[list, list] | None = None,
+    flag: str = "--data",
+) -> tuple[PackedDataset, PackedDataset]:
+    """Read, split, tokenize and pack. ``records=(train, heldout)`` skips reading and splitting.
+
+    Raises ``ConfigError`` (naming ``flag``) when the training split yields no answer tokens.
+    """
+    from .tokenizer import special_token_ids
+
+    if seq_len % block_size:
+        raise ConfigError(f"--seq-len ({seq_len}) must be a multiple of --block-size ({block_size})")
+    if records is None:
+        recs = read_records(paths or [], flag)
+        train_r, held_r = split_records(recs, heldout_fraction, seed)
+    else:
+        train_r, held_r = records
+    ids = special_token_ids(tokenizer)
+    eos, pad = ids["eos_token_id"], ids["pad_token_id"]
+    out = []
+    for part in (train_r, held_r):
+        toks, flags = tokenize_documents((record_to_segments(r, tokenizer) for r in part), tokenizer, eos)
+        out.append(pack(toks, flags, seq_len, pad))
+    train, held = out
+    if len(train) == 0 or train.num_answer_tokens() == 0:
+        raise ConfigError(f"{flag}: the training data is empty (no answer tokens in {list(paths or [])!r})")
+    return train, held
+
+
+def record_texts(records: Iterable[dict]) -> Iterable[str]:
+    """Plain texts of records (for tokenizer training)."""
+    for r in records:
+        for t, _ in record_to_segments(r, None):
+            yield t

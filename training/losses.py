@@ -1,0 +1,119 @@
+"""Losses. Each returns the weighted **sum** over the batch plus statistics; the trainer divides
+by the number of answer tokens of the whole global batch (clamped to >= 1), which makes
+gradient accumulation and multi-process runs equal to one big batch.
+
+No logit shift anywhere: the logits at position i predict the token at position i.
+
+Model interface used (``hf_integration.SDARMRPForCausalLM``):
+``model.model(input_ids, position_ids, attention_mask) -> hidden`` (after the final norm),
+``model.lm_head(h) -> logits``, ``model.mrp_forward(input_ids, hidden_states, position_ids,
+attention_mask) -> h_p`` (after the MRP's final norm).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .noising import pack_noisy_clean, reveal_one_per_block
+
+
+def _weights(p: torch.Tensor, T: int) -> torch.Tensor:
+    return (1.0 / p.float())[:, None].expand(-1, T)
+
+
+def backbone_loss_sum(model, ids, masked, p, attn_mask, mask_token_id: int):
+    """Masked-token cross entropy on the noisy half, each masked token weighted by 1/p.
+
+    ids: [B, T] clean tokens; masked: [B, T] bool; p: [B]; attn_mask: [1, 1, 2T, 2T].
+    Returns ``(sum_b sum_{i masked} CE_i / p_b, n_masked)``.
+    """
+    B, T = ids.shape
+    noisy = ids.masked_fill(masked, mask_token_id)
+    inp, pos = pack_noisy_clean(noisy, ids)
+    h = model.model(inp, pos, attention_mask=attn_mask)[:, :T]
+    logits = model.lm_head(h[masked]).float()
+    ce = F.cross_entropy(logits, ids[masked], reduction="none")
+    w = _weights(p, T)[masked]
+    return (ce * w).sum(), int(masked.sum())
+
+
+def kl_teacher_student(t_logits: torch.Tensor, s_logits: torch.Tensor) -> torch.Tensor:
+    """Forward KL(softmax(t) || softmax(s)) per row, in fp32."""
+    t = F.log_softmax(t_logits.float(), dim=-1)
+    s = F.log_softmax(s_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(dim=-1)
+
+
+def mrp_loss_sum(
+    model,
+    ids: torch.Tensor,
+    masked: torch.Tensor,
+    p: torch.Tensor,
+    attn_mask: torch.Tensor,
+    mask_token_id: int,
+    block_size: int,
+    generators: Sequence[torch.Generator],
+    unroll_k: int = 1,
+    loss_type: str = "kd_diff_sum",
+):
+    """MRP distillation (method.md section 4), averaged over a K-step unroll.
+
+    Pass A (frozen, no grad): backbone on ``[noisy | clean]`` -> h_A (post-norm).
+    For k = 1..K: reveal one random still-masked position per block with its ground-truth token
+    (state_k); teacher h_B_k = backbone on ``[state_k | clean]`` (no grad);
+    ``h_p_k = MRP([state_k | clean], [h_in_k | h_A(clean)])`` with the same mask/positions.
+    - ``kd_diff_sum``: h_in_k = h_A + acc_{k-1}, acc_k = acc_{k-1} + h_p_k (acc_0 = 0), student
+      logits lm_head(h_A + acc_k) with h_A detached (method.md section 3, "chaining", s = 1).
+    - ``direct``: h_in_k = h_p_{k-1} (h_p_0 = h_A), student logits lm_head(h_p_k) alone.
+    The clean half of the MRP input always carries h_A of the clean tokens (the MRP's prefix).
+    Loss_k = sum over positions still masked in state_k of KL(teacher || student) / p.
+    Gradients flow through the whole unroll (acc / h_p chain) into the MRP only.
+
+    Returns ``(sum_k Loss_k / K, stats)``.
+    """
+    if unroll_k < 1:
+        raise ValueError(f"--unroll-k (K) must be >= 1, got {unroll_k}")
+    if loss_type not in ("kd_diff_sum", "direct"):
+        raise ValueError(f"--mrp-loss must be 'kd_diff_sum' or 'direct', got {loss_type!r}")
+    B, T = ids.shape
+    w = _weights(p, T)
+    noisy = ids.masked_fill(masked, mask_token_id)
+    inp, pos = pack_noisy_clean(noisy, ids)
+    with torch.no_grad():
+        h = model.model(inp, pos, attention_mask=attn_mask)
+    h_a, h_a_clean = h[:, :T].detach(), h[:, T:].detach()
+
+    state, state_mask = noisy, masked
+    acc = None
+    prev = h_a
+    total = torch.zeros((), device=ids.device, dtype=torch.float32)
+    n_scored = 0
+    for _ in range(unroll_k):
+        reveal = reveal_one_per_block(state_mask, block_size, generators).to(ids.device)
+        state = torch.where(reveal, ids, state)
+        state_mask = state_mask & ~reveal
+        inp, _ = pack_noisy_clean(state, ids)
+        with torch.no_grad():
+            h_b = model.model(inp, pos, attention_mask=attn_mask)[:, :T]
+        h_in = (h_a if acc is None else h_a + acc) if loss_type == "kd_diff_sum" else prev
+        h_p = model.mrp_forward(inp, torch.cat([h_in, h_a_clean], dim=1), pos, attention_mask=attn_mask)[:, :T]
+        if loss_type == "kd_diff_sum":
+            acc = h_p if acc is None else acc + h_p
+            student = h_a + acc
+        else:
+            prev = h_p
+            student = h_p
+        sel = state_mask
+        if bool(sel.any()):
+            with torch.no_grad():
+                t_logits = model.lm_head(h_b[sel])
+            s_logits = model.lm_head(student[sel])
+            kl = kl_teacher_student(t_logits, s_logits)
+            total = total + (kl * w[sel]).sum()
+        else:
+            total = total + student.sum() * 0.0  # keep the graph connected (DDP needs every grad)
+        n_scored += int(sel.sum())
+    return total / unroll_k, {"scored": n_scored / unroll_k}

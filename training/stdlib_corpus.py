@@ -1,0 +1,136 @@
+"""The CPython standard library's own ``.py`` sources as a code corpus, split by file.
+
+``collect_stdlib_files`` walks ``sysconfig.get_paths()["stdlib"]`` and keeps ``.py`` files,
+excluding test suites, IDLE, demos, caches and installed third-party packages (see
+``EXCLUDED_DIRS`` / ``_excluded_file``). ``split_files`` assigns every file to train or
+held-out by a hash of its relative path and the seed: deterministic, independent of the file
+order and stable when files are added or removed. The manifest (JSON) records the Python
+version, the stdlib root and both file lists (relative POSIX paths), so the corpus of a
+shipped model can be rebuilt and audited.
+
+    python -m training.stdlib_corpus --out stdlib_manifest.json [--heldout-fraction 0.02]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+
+EXCLUDED_DIRS = frozenset({
+    "test", "tests", "idle_test", "idlelib", "__pycache__", "site-packages", "dist-packages",
+    "turtledemo", "_bundled", "__phello__",
+})
+
+
+def _excluded_dir(name: str) -> bool:
+    return name in EXCLUDED_DIRS or name.startswith(("config-", ".", "test_"))
+
+
+def _excluded_file(name: str) -> bool:
+    return not name.endswith(".py") or name.startswith("test_") or name.endswith("_test.py")
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def collect_stdlib_files(root: str | None = None) -> list[str]:
+    """Sorted relative POSIX paths of the stdlib's own ``.py`` files."""
+    root = root or stdlib_root()
+    out: list[str] = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if not _excluded_dir(x))
+        for n in names:
+            if not _excluded_file(n):
+                out.append(os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _bucket(rel: str, seed: int) -> float:
+    h = hashlib.sha256(f"{seed}:{rel}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2.0**64
+
+
+def split_files(files: list[str], heldout_fraction: float = 0.02, seed: int = 0) -> tuple[list[str], list[str]]:
+    """``(train, heldout)`` by file; a file is held out iff hash(seed, path) < fraction.
+
+    If that leaves no held-out file while ``fraction > 0`` (tiny lists), the file with the
+    smallest hash is held out; train is never left empty when there are >= 2 files.
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
+    files = sorted(set(files))
+    held = {f for f in files if _bucket(f, seed) < heldout_fraction}
+    if heldout_fraction > 0 and not held and len(files) >= 2:
+        held = {min(files, key=lambda f: _bucket(f, seed))}
+    if len(held) == len(files) and len(files) >= 2:
+        held.discard(max(files, key=lambda f: _bucket(f, seed)))
+    return [f for f in files if f not in held], [f for f in files if f in held]
+
+
+def build_manifest(heldout_fraction: float = 0.02, seed: int = 0, root: str | None = None) -> dict:
+    root = root or stdlib_root()
+    files = [f for f in collect_stdlib_files(root) if _readable(os.path.join(root, f))]
+    train, held = split_files(files, heldout_fraction, seed)
+    return {
+        "python_version": sys.version.split()[0],
+        "stdlib_root": root,
+        "seed": seed,
+        "heldout_fraction": heldout_fraction,
+        "excluded_dirs": sorted(EXCLUDED_DIRS),
+        "train": train,
+        "heldout": held,
+    }
+
+
+def _readable(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return bool(f.read().strip())
+    except (UnicodeDecodeError, OSError):
+        return False
+
+
+def write_manifest(path: str, manifest: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp, path)
+
+
+def load_manifest(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def manifest_records(manifest: dict) -> tuple[list[dict], list[dict]]:
+    """``(train, heldout)`` records ``{"text": source}`` for :func:`training.data.build_datasets`."""
+    root = manifest["stdlib_root"]
+
+    def read(rels):
+        out = []
+        for r in rels:
+            with open(os.path.join(root, r), encoding="utf-8") as f:
+                out.append({"text": f.read()})
+        return out
+
+    return read(manifest["train"]), read(manifest["heldout"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Write the file-split manifest of the CPython stdlib corpus.")
+    ap.add_argument("--out", required=True, help="manifest JSON path")
+    ap.add_argument("--heldout-fraction", type=float, default=0.02)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    m = build_manifest(args.heldout_fraction, args.seed)
+    write_manifest(args.out, m)
+    print(f"{len(m['train'])} train / {len(m['heldout'])} held-out files from {m['stdlib_root']} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,489 @@
+"""The training loop shared by backbone and MRP training.
+
+- Global batch per optimizer step: ``G = micro_batch_size * world_size * grad_accum`` sequences.
+  Step s takes G consecutive indices of an epoch permutation (seeded by ``(seed, epoch)``) and
+  rank r, micro-step j trains on slice ``(j * world + r) * micro``. The data position is just
+  the step counter, so resuming needs nothing but the step.
+- Loss = weighted sum over the global batch / number of answer tokens of the global batch
+  (>= 1). Each rank back-propagates ``sum_rank * world / denom`` and DDP averages, so 1 process
+  and N processes with the same global batch compute the same gradient.
+- Noise is drawn per sample from ``(seed, step, dataset index)`` (see :mod:`training.noising`).
+- AdamW; linear warmup then cosine decay to ``min_lr_ratio * lr``; grad-norm clipping;
+  bf16 autocast on CUDA; tqdm bar (loss, lr, tokens/s) and ``metrics.jsonl`` on rank 0;
+  held-out loss every ``eval_every`` steps (fixed noise, so values are comparable).
+- Checkpoints ``checkpoints/step_XXXXXXXX.pt`` are written to a temp file, fsynced and
+  ``os.replace``d; they hold the trainable weights (for MRP: the MRP head only, the frozen
+  backbone is re-read from ``--model``), optimizer, scheduler, RNG states of every rank
+  (python, torch, cuda) and the data position. ``resume`` loads the newest readable one.
+- Model ops run on the reference (PyTorch) backend of :mod:`mrp_triton` during training: the
+  Triton kernels have no backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+import warnings
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ConfigError, TrainConfig
+from .data import PackedDataset
+from .losses import backbone_loss_sum, mrp_loss_sum
+from .noising import block_diffusion_mask, make_generators, sample_mask, sample_seed
+
+CKPT_DIR = "checkpoints"
+CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
+METRICS = "metrics.jsonl"
+
+
+# ----------------------------------------------------------------------------------- distributed
+def init_distributed(device: str | None = None) -> tuple[int, int, torch.device]:
+    """Join the torchrun group if there is one. Returns ``(rank, world_size, device)``.
+
+    nccl on CUDA, gloo on CPU. Without torchrun (no ``WORLD_SIZE``) this is a no-op.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dev
+    return 0, 1, dev
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------------------ schedule
+def lr_lambda_factory(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Linear warmup (step 0 gets 1/warmup), then cosine from 1 to ``min_lr_ratio``."""
+
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+# ------------------------------------------------------------------------------------- sampler
+class GlobalBatchSampler:
+    """Stateless: the indices of optimizer step s are a function of s alone."""
+
+    def __init__(self, n: int, global_batch: int, seed: int):
+        if n < global_batch:
+            raise ConfigError(
+                f"the training set has {n} sequences, fewer than one global batch of {global_batch} "
+                "(--micro-batch-size x processes x --grad-accum): lower them or add --data")
+        self.n, self.g, self.seed = n, global_batch, seed
+        self.steps_per_epoch = n // global_batch
+        self._cache: tuple[int, torch.Tensor] | None = None
+
+    def perm(self, epoch: int) -> torch.Tensor:
+        if self._cache is None or self._cache[0] != epoch:
+            g = torch.Generator().manual_seed(sample_seed(self.seed, "epoch", epoch))
+            self._cache = (epoch, torch.randperm(self.n, generator=g))
+        return self._cache[1]
+
+    def step_indices(self, step: int) -> torch.Tensor:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self.perm(epoch)[k * self.g:(k + 1) * self.g]
+
+
+# --------------------------------------------------------------------------------- loss module
+class LossModule(nn.Module):
+    """Wraps the model so the loss is computed inside ``forward`` (what DDP needs)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, mask_token_id: int):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        self.mask_token_id = mask_token_id
+        self._mask_cache: dict = {}
+
+    def attn_mask(self, T: int, device) -> torch.Tensor:
+        key = (T, str(device))
+        if key not in self._mask_cache:
+            self._mask_cache[key] = block_diffusion_mask(T, self.cfg.block_size, device)
+        return self._mask_cache[key]
+
+    def forward(self, ids: torch.Tensor, is_prompt: torch.Tensor, seeds: Sequence[int]):
+        gens = make_generators(seeds)
+        masked, p = sample_mask(is_prompt, gens, self.cfg.noise_eps)
+        masked, p = masked.to(ids.device), p.to(ids.device)
+        am = self.attn_mask(ids.shape[1], ids.device)
+        if self.cfg.mode == "backbone":
+            num, _ = backbone_loss_sum(self.model, ids, masked, p, am, self.mask_token_id)
+        else:
+            num, _ = mrp_loss_sum(self.model, ids, masked, p, am, self.mask_token_id, self.cfg.block_size,
+                                  gens, self.cfg.unroll_k, self.cfg.mrp_loss)
+        return num
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def rng_state() -> dict:
+    st = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    """Write ``path`` so that it is either the old file or the complete new one, never partial."""
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    try:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
+    """``[(step, path)]`` of complete checkpoint files, newest first (temp files are ignored)."""
+    out = []
+    for p in glob.glob(os.path.join(out_dir, CKPT_DIR, "step_*.pt")):
+        m = CKPT_RE.match(os.path.basename(p))
+        if m:
+            out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+def load_latest_checkpoint(out_dir: str) -> dict | None:
+    """The newest checkpoint that loads; unreadable ones are skipped with a warning."""
+    for step, path in list_checkpoints(out_dir):
+        try:
+            ck = torch.load(path, map_location="cpu", weights_only=False)
+            if ck.get("step") != step:
+                raise ValueError(f"step {ck.get('step')} in a file named for step {step}")
+            return ck
+        except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older one
+            warnings.warn(f"skipping unreadable checkpoint {path}: {e}")
+    return None
+
+
+def _prune(out_dir: str, keep: int) -> None:
+    for _, path in list_checkpoints(out_dir)[keep:]:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop log lines of steps after ``step`` (written by a run that died before checkpointing them)."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+    atomic_write_text(path, "".join(keep))
+
+
+# ------------------------------------------------------------------------------------- helpers
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW on the trainable parameters; no weight decay on 1-D ones (norm weights)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise ConfigError("the model has no trainable parameters")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def total_steps_for(cfg: TrainConfig, n: int, world: int) -> int:
+    g = cfg.micro_batch_size * world * cfg.grad_accum
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return max(1, int(cfg.epochs * (n // max(1, g))))
+
+
+def check_only_trainable_grads(model: nn.Module, allowed: set[str]) -> None:
+    """Raise if a parameter outside ``allowed`` received a gradient, or requires one."""
+    for n, p in model.named_parameters():
+        if n not in allowed and (p.requires_grad or p.grad is not None):
+            raise AssertionError(f"parameter {n} is outside the MRP head but has a gradient / requires grad")
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    if device.type == "cuda" and cfg.bf16:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _reference_backend():
+    try:
+        from mrp_triton import use_backend
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    return use_backend("reference")
+
+
+@torch.no_grad()
+def evaluate(loss_mod: LossModule, ds: PackedDataset, cfg: TrainConfig, device: torch.device) -> float | None:
+    """Held-out loss over the first ``eval_batches * micro * world`` sequences, fixed noise."""
+    rank, world = _world()
+    n = min(len(ds), cfg.eval_batches * cfg.micro_batch_size * world)
+    if n == 0:
+        return None
+    was_training = loss_mod.training
+    loss_mod.eval()
+    num = torch.zeros((), dtype=torch.float64)
+    den = torch.zeros((), dtype=torch.float64)
+    mine = list(range(rank, n, world))
+    with _reference_backend():
+        for i in range(0, len(mine), cfg.micro_batch_size):
+            idx = torch.tensor(mine[i:i + cfg.micro_batch_size])
+            ids, isp = ds.input_ids[idx].to(device), ds.is_prompt[idx]
+            with _autocast(cfg, device):
+                s = loss_mod(ids, isp, [sample_seed(cfg.seed, "eval", int(j)) for j in idx])
+            num += float(s)
+            den += float((~isp).sum())
+    if world > 1:
+        t = torch.stack([num, den]).to(device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t)
+        num, den = t[0].cpu(), t[1].cpu()
+    loss_mod.train(was_training)
+    return float(num / max(1.0, float(den)))
+
+
+# ---------------------------------------------------------------------------------------- train
+def train(
+    cfg: TrainConfig,
+    model: nn.Module,
+    train_ds: PackedDataset,
+    eval_ds: PackedDataset | None = None,
+    mask_token_id: int | None = None,
+    export: Callable[[nn.Module], None] | None = None,
+    callbacks: Sequence[Callable[[int, dict], None]] = (),
+    device: torch.device | None = None,
+) -> dict:
+    """Train ``model`` in place. Returns ``{"step", "loss", "eval_loss", "history"}``.
+
+    ``mode == "mrp"``: only parameters with ``requires_grad`` train (the caller freezes the
+    rest); after the first backward this checks that no other parameter got a gradient.
+    ``export(model)`` runs on rank 0 at the end (final ``save_pretrained``).
+    ``callbacks(step, info)`` run after each optimizer step (and its checkpoint) on every rank.
+    """
+    cfg.validate()
+    rank, world = _world()
+    if device is None:
+        device = next(model.parameters()).device
+    if train_ds.seq_len != cfg.seq_len:
+        raise ConfigError(f"--seq-len is {cfg.seq_len} but the packed data has length {train_ds.seq_len}")
+    if len(train_ds) == 0 or train_ds.num_answer_tokens() == 0:
+        raise ConfigError("--data: the training data is empty (no answer tokens)")
+    if mask_token_id is None:
+        mask_token_id = int(model.config.mask_token_id)
+    if rank == 0:
+        os.makedirs(os.path.join(cfg.out_dir, CKPT_DIR), exist_ok=True)
+
+    G = cfg.micro_batch_size * world * cfg.grad_accum
+    sampler = GlobalBatchSampler(len(train_ds), G, cfg.seed)
+    total = total_steps_for(cfg, len(train_ds), world)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total)
+
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    loss_mod = LossModule(model, cfg, mask_token_id).to(device)
+    optim = build_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda_factory(total, warmup, cfg.min_lr_ratio))
+    fingerprint = train_ds.fingerprint()
+    data_info = {"fingerprint": fingerprint, "num_sequences": len(train_ds), "global_batch": G,
+                 "seq_len": cfg.seq_len, "block_size": cfg.block_size, "seed": cfg.seed, "total_steps": total}
+
+    start_step, tokens_seen = 0, 0
+    metrics_path = os.path.join(cfg.out_dir, METRICS)
+    if cfg.resume:
+        ck = load_latest_checkpoint(cfg.out_dir)
+        if ck is None:
+            if rank == 0:
+                print(f"--resume: no checkpoint in {cfg.out_dir}/{CKPT_DIR}; starting from step 0", file=sys.stderr)
+        else:
+            for k, v in data_info.items():
+                if ck["data"].get(k) != v:
+                    raise ConfigError(f"--resume: the checkpoint was made with {k}={ck['data'].get(k)!r}, "
+                                      f"this run has {k}={v!r}; use the same data and flags (or a new --out)")
+            sd = ck["model"]
+            if set(sd) != trainable:
+                raise ConfigError(f"--resume: the checkpoint's trainable parameters do not match the model "
+                                  f"({len(set(sd) ^ trainable)} differ)")
+            with torch.no_grad():
+                params = dict(model.named_parameters())
+                for n, v in sd.items():
+                    params[n].copy_(v)
+            optim.load_state_dict(ck["optimizer"])
+            sched.load_state_dict(ck["scheduler"])
+            rngs = ck["rng"]
+            set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
+            start_step, tokens_seen = ck["step"], ck["tokens_seen"]
+            if rank == 0:
+                _truncate_metrics(metrics_path, start_step)
+    elif rank == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+    ddp = None
+    if world > 1:
+        ddp = nn.parallel.DistributedDataParallel(
+            loss_mod, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    fwd = ddp if ddp is not None else loss_mod
+
+    def save(step: int) -> None:
+        rngs = [None] * world
+        if world > 1:
+            dist.all_gather_object(rngs, rng_state())
+        else:
+            rngs = [rng_state()]
+        if rank == 0:
+            ck = {"step": step, "tokens_seen": tokens_seen, "model": trainable_state(model),
+                  "optimizer": optim.state_dict(), "scheduler": sched.state_dict(), "rng": rngs,
+                  "data": data_info, "config": cfg.to_dict(), "world_size": world}
+            atomic_torch_save(ck, os.path.join(cfg.out_dir, CKPT_DIR, f"step_{step:08d}.pt"))
+            _prune(cfg.out_dir, cfg.keep_checkpoints)
+        barrier()
+
+    def log(rec: dict) -> None:
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    try:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, initial=start_step, disable=not (cfg.progress and rank == 0),
+                   desc=f"train {cfg.mode}", dynamic_ncols=True)
+    except ImportError:  # pragma: no cover
+        bar = None
+
+    history: list[dict] = []
+    last_loss, eval_loss = float("nan"), None
+    checked = False
+    loss_mod.train()
+    t_start = time.perf_counter()
+    step = start_step
+    with _reference_backend():
+        while step < total:
+            t0 = time.perf_counter()
+            idx = sampler.step_indices(step)
+            denom = max(1, int((~train_ds.is_prompt[idx]).sum()))
+            scale = world / denom
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for j in range(cfg.grad_accum):
+                lo = (j * world + rank) * cfg.micro_batch_size
+                sub = idx[lo:lo + cfg.micro_batch_size]
+                ids = train_ds.input_ids[sub].to(device, non_blocking=True)
+                isp = train_ds.is_prompt[sub]
+                seeds = [sample_seed(cfg.seed, "train", step, int(i)) for i in sub]
+                sync = ddp.no_sync() if (ddp is not None and j < cfg.grad_accum - 1) else contextlib.nullcontext()
+                with sync:
+                    with _autocast(cfg, device):
+                        num = fwd(ids, isp, seeds)
+                    (num.float() * scale).backward()
+                loss_sum += float(num.detach())
+            if cfg.mode == "mrp" and not checked:
+                check_only_trainable_grads(model, trainable)
+                checked = True
+            grad_norm = None
+            params = [p for p in model.parameters() if p.requires_grad]
+            if cfg.grad_clip > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            lr = optim.param_groups[0]["lr"]
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += G * cfg.seq_len
+            if world > 1:
+                t = loss_sum.to(device if device.type == "cuda" else "cpu")
+                dist.all_reduce(t)
+                loss_sum = t.cpu()
+            last_loss = float(loss_sum) / denom
+            dt = time.perf_counter() - t0
+            rec = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+                   "tokens_per_s": G * cfg.seq_len / max(dt, 1e-9), "elapsed_s": time.perf_counter() - t_start}
+            history.append(rec)
+            if step % cfg.log_every == 0 or step == total:
+                log(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                bar.update(1)
+            if eval_ds is not None and len(eval_ds) and cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                eval_loss = evaluate(loss_mod, eval_ds, cfg, device)
+                log({"step": step, "eval_loss": eval_loss})
+            if cfg.save_every and step % cfg.save_every == 0:
+                save(step)
+            for cb in callbacks:
+                cb(step, rec)
+    if bar is not None:
+        bar.close()
+    if eval_ds is not None and len(eval_ds) and cfg.eval_batches:
+        eval_loss = evaluate(loss_mod, eval_ds, cfg, device)
+        log({"step": step, "eval_loss": eval_loss})
+    if cfg.save_every and step % cfg.save_every != 0 and step > start_step:
+        save(step)
+    if rank == 0 and export is not None:
+        export(model)
+    barrier()
+    return {"step": step, "loss": last_loss, "eval_loss": eval_loss, "history": history}
