@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_on, select_backend
-from .reference import confidence as _ref
 from .reference.confidence import confidence as confidence_reference
+from .reference.confidence import effective_logits, pick_tokens, seed_hash
 
 FLT_MAX = 3.4028234663852886e38
 
@@ -269,7 +269,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     dummy = tok
     skip = skip_rows.view(torch.uint8) if skip_rows is not None else dummy
     keys = noise_keys.contiguous() if sample_in_kernel else dummy
-    seed_h = _ref.seed_hash(seed) if sample_in_kernel else 0
+    seed_h = seed_hash(seed) if sample_in_kernel else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     inv_t = float(torch.tensor(1.0 / float(temperature), dtype=torch.float32))
     if S > 1:
@@ -291,9 +291,9 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
                                  BLOCK_S=max(16, triton.next_power_of_2(S)), num_warps=1)
     if filtered:
         # Slow path (documented): kernel lse (above) + filtered Gumbel-max pick as torch ops.
-        z = _ref.effective_logits(logits, residual, scale=scale, temperature=temperature,
+        z = effective_logits(logits, residual, scale=scale, temperature=temperature,
                                   mask_token_id=mask_token_id)
-        t = _ref.pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+        t = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p)
         if skip_rows is not None:
             t = t.masked_fill(skip_rows, -1)
         valid = t >= 0
