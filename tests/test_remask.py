@@ -1,0 +1,103 @@
+"""remask: Triton kernel vs the torch reference and a plain-Python oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mrp_triton as mt
+from mrp_triton.reference.remask import remask as remask_ref
+from mrp_triton.remask import remask_triton
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+M = 99
+
+
+def _oracle(revealed, score, thr, rule):
+    B, L = revealed.shape
+    out = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        rev = [i for i in range(L) if revealed[b, i]]
+        s = [float(x) for x in score[b]]
+        keep = [i for i in rev if (s[i] >= thr if rule == "tau" else s[i] <= thr)]
+        if rev and not keep:
+            def key(i):
+                v = s[i] if s[i] == s[i] else (float("-inf") if rule == "tau" else float("inf"))
+                return (-v if rule == "tau" else v, i)
+            keep = [min(rev, key=key)]
+        for i in rev:
+            out[b, i] = i not in keep
+    return out
+
+
+@st.composite
+def _cases(draw):
+    B, L = draw(st.integers(1, 8)), draw(st.integers(1, 40))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    block = torch.randint(0, 20, (B, L), generator=g)
+    revealed = torch.rand(B, L, generator=g) < draw(st.sampled_from([0.0, 0.3, 1.0]))
+    rule = draw(st.sampled_from(["tau", "delta"]))
+    score = (torch.rand(B, L, generator=g) * 4).round() / 4 if draw(st.booleans()) else torch.rand(B, L, generator=g)
+    if rule == "delta":
+        score = score * 3
+    score[torch.rand(B, L, generator=g) < 0.05] = float("nan")
+    thr = draw(st.sampled_from([0.5, 1.0, 0.25] if rule == "tau" else [0.5, 1.0, 2.0]))
+    return block, revealed, score, thr, rule, draw(st.booleans())
+
+
+@given(_cases())
+def test_kernel_matches_reference_and_oracle(case):
+    block, revealed, score, thr, rule, poison = case
+    b_ref = block.clone()
+    exp = remask_ref(b_ref, revealed, score, thr, mask_token_id=M, rule=rule)
+    assert torch.equal(exp, _oracle(revealed, score, thr, rule))
+    b_k = block.to(DEV)
+    out = torch.full(block.shape, poison, dtype=torch.bool, device=DEV)
+    got = remask_triton(b_k, revealed.to(DEV), score.to(DEV), thr, mask_token_id=M, rule=rule, out=out)
+    assert torch.equal(got.cpu(), exp)
+    assert torch.equal(b_k.cpu(), b_ref)
+    assert (b_ref[exp] == M).all() and torch.equal(b_ref[~exp], block[~exp])
+
+
+def test_exact_cases():
+    block = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
+    rev = torch.tensor([[True, True, False, True], [True, True, False, False], [False] * 4])
+    score = torch.tensor([[0.6, 0.2, 0.0, 0.4], [0.3, 0.3, 0.99, 0.0], [0.0] * 4])
+    for fn in (remask_ref, remask_triton):
+        b = block.clone().to(DEV)
+        got = fn(b, rev.to(DEV), score.to(DEV), 0.5, mask_token_id=M)
+        # row 0 keeps 0.6; row 1: none pass -> keeps the best (tie -> index 0); row 2: nothing revealed
+        assert got.cpu().tolist() == [[False, True, False, True], [False, True, False, False], [False] * 4]
+        assert b.cpu().tolist() == [[1, M, 3, M], [5, M, 7, 8], [9, 10, 11, 12]]
+        b = block.clone().to(DEV)
+        got = fn(b, rev.to(DEV), score.to(DEV), 0.25, mask_token_id=M, rule="delta")
+        # delta: keep |C| <= 0.25 -> row 0 keeps index 1; row 1: none -> smallest (tie -> index 0)
+        assert got.cpu().tolist() == [[True, False, False, True], [False, True, False, False], [False] * 4]
+
+
+@pytest.mark.triton
+def test_public_function_dispatches():
+    b = torch.tensor([[1, 2]]).to(DEV)
+    got = mt.remask(b, torch.tensor([[True, True]]).to(DEV), torch.tensor([[0.9, 0.1]]).to(DEV), 0.5,
+                    mask_token_id=M)
+    assert got.cpu().tolist() == [[False, True]] and b.cpu().tolist() == [[1, M]]
+
+
+def test_errors():
+    b, r, s = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.bool), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="rule"):
+        mt.remask(b, r, s, 0.5, mask_token_id=M, rule="gamma")
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        mt.remask(b, r, s, 1.5, mask_token_id=M)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        mt.remask(b, r, s, 0.0, mask_token_id=M)
+    with pytest.raises(ValueError, match="> 0"):
+        mt.remask(b, r, s, 0.0, mask_token_id=M, rule="delta")
+    with pytest.raises(ValueError, match="revealed"):
+        mt.remask(b, r.int(), s, 0.5, mask_token_id=M)
+    with pytest.raises(ValueError, match="score"):
+        mt.remask(b, r, s[:, :2], 0.5, mask_token_id=M)

@@ -1,0 +1,118 @@
+"""select_commit: Triton kernel vs the torch reference and a plain-Python oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mrp_triton as mt
+from mrp_triton.reference.select import select_commit as select_ref
+from mrp_triton.select import select_commit_triton
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+M = 50
+
+
+def _oracle(block, tokens, conf, n, threshold):
+    """Plain-Python statement of the rule (one row at a time)."""
+    B, L = block.shape
+    out = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        nb = int(n[b]) if isinstance(n, torch.Tensor) else int(n)
+        if nb <= 0:
+            continue
+        cands = [i for i in range(L) if block[b, i] == M and tokens[b, i] >= 0 and tokens[b, i] != M]
+        key = lambda i: (-(float("-inf") if conf[b, i] != conf[b, i] else float(conf[b, i])), i)  # noqa: E731
+        top = sorted(cands, key=key)[:min(nb, len(cands))]
+        chosen = top
+        if threshold is not None:
+            passed = [i for i in cands if conf[b, i] > threshold]
+            if len(passed) >= min(nb, len(cands)):
+                chosen = passed
+        out[b, chosen] = True
+    return out
+
+
+@st.composite
+def _cases(draw):
+    B, L = draw(st.integers(1, 8)), draw(st.integers(1, 40))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    block = torch.randint(0, 10, (B, L), generator=g)
+    block[torch.rand(B, L, generator=g) < draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))] = M
+    tokens = torch.randint(-1, 12, (B, L), generator=g)
+    tokens[torch.rand(B, L, generator=g) < 0.1] = M
+    conf = (torch.rand(B, L, generator=g) * 4).round() / 4 if draw(st.booleans()) else torch.rand(B, L, generator=g)
+    conf[torch.rand(B, L, generator=g) < 0.05] = float("nan")
+    if draw(st.booleans()):
+        n = draw(st.integers(0, 6))
+    else:
+        n = torch.randint(0, 6, (B,), generator=g)
+    threshold = draw(st.sampled_from([None, 0.5, 1.0, 0.25]))
+    return block, tokens, conf, n, threshold, draw(st.booleans())
+
+
+@given(_cases())
+def test_kernel_matches_reference_and_oracle(case):
+    block, tokens, conf, n, threshold, poison = case
+    b_ref = block.clone()
+    exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=n, threshold=threshold)
+    assert torch.equal(exp, _oracle(block, tokens, conf, n, threshold))
+    b_k = block.to(DEV)
+    out = torch.full(block.shape, poison, dtype=torch.bool, device=DEV)
+    nd = n.to(DEV) if isinstance(n, torch.Tensor) else n
+    got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=nd, threshold=threshold,
+                               out=out)
+    assert torch.equal(got.cpu(), exp)
+    assert torch.equal(b_k.cpu(), b_ref)
+    assert torch.equal(b_ref[exp], tokens[exp])
+
+
+def test_exact_cases():
+    block = torch.tensor([[M, M, M, M, 1], [M, M, 2, M, M], [M, M, M, 3, 4], [5, 6, 7, 8, 9]])
+    tokens = torch.tensor([[10, 11, 12, 13, 14]] * 4)
+    conf = torch.tensor([[0.2, 0.9, 0.9, 0.1, 0.99],   # tie 0.9: lowest index first
+                         [0.95, 0.97, 0.1, 0.2, 0.96],
+                         [0.1, 0.3, 0.2, 0.9, 0.9],
+                         [0.9, 0.9, 0.9, 0.9, 0.9]])
+    for fn in (select_ref, select_commit_triton):
+        b = block.clone().to(DEV)
+        got = fn(b, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=torch.tensor([1, 1, 0, 2]).to(DEV))
+        assert got.cpu().tolist() == [[False, True, False, False, False], [False, True, False, False, False],
+                                      [False] * 5, [False] * 5]
+        b = block.clone().to(DEV)
+        got = fn(b, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=2, threshold=0.9)
+        # row 0: none > 0.9 -> top 2; row 1: three pass; row 2: none -> top 2 (0.3, 0.2)
+        assert got.cpu().tolist() == [[False, True, True, False, False], [True, True, False, False, True],
+                                      [False, True, True, False, False], [False] * 5]
+        assert b.cpu()[1].tolist() == [10, 11, 2, M, 14]
+
+
+@pytest.mark.triton
+def test_public_function_dispatches():
+    block = torch.tensor([[M, M, 1]]).to(DEV)
+    got = mt.select_commit(block, torch.tensor([[3, 4, 5]]).to(DEV), torch.tensor([[0.1, 0.5, 0.9]]).to(DEV),
+                           mask_token_id=M, n=1)
+    assert got.cpu().tolist() == [[False, True, False]] and block.cpu().tolist() == [[M, 4, 1]]
+
+
+def test_errors():
+    b, t, c = torch.full((2, 4), M), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="threshold"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1, threshold=0.0)
+    with pytest.raises(ValueError, match="threshold"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1, threshold=1.5)
+    with pytest.raises(ValueError, match="tokens"):
+        mt.select_commit(b, t[:, :3], c, mask_token_id=M, n=1)
+    with pytest.raises(ValueError, match="block"):
+        mt.select_commit(b.int(), t, c, mask_token_id=M, n=1)
+    with pytest.raises(ValueError, match="n must"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="n must"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1.0)
+    with pytest.raises(ValueError, match="L=300"):
+        select_commit_triton(torch.full((1, 300), M), torch.zeros(1, 300, dtype=torch.int64), torch.zeros(1, 300),
+                             mask_token_id=M, n=1)
