@@ -36,7 +36,7 @@ from .backend import interpreter_on, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import effective_logits, pick_tokens, seed_hash
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _mix32(x):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "chunk", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
@@ -127,7 +127,7 @@ def _conf_partial_kernel(
         tl.store(part_idx_ptr + row * S + split, best_idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _conf_merge_kernel(part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, S, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_S)
@@ -193,8 +193,8 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
-    if logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
+    if logits.dtype not in _FLOAT_DTYPES + (torch.float64,):
+        raise TypeError(f"logits must be float32, float16 or bfloat16 (float64: reference only), got {logits.dtype}")
     N, V = logits.shape
     if V == 0:
         raise ValueError("logits has an empty vocabulary (V == 0)")
@@ -203,8 +203,9 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
                 tuple(residual.shape[-2:]) != (N, V):
             raise ValueError(f"residual must be None, [N, V] or [R, N, V] with N, V = {N}, {V}; got "
                              f"{tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual)}")
-        if residual.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"residual must be float32, float16 or bfloat16, got {residual.dtype}")
+        if residual.dtype not in _FLOAT_DTYPES + (torch.float64,):
+            raise TypeError(f"residual must be float32, float16 or bfloat16 (float64: reference only), got "
+                            f"{residual.dtype}")
         if residual.device != logits.device:
             raise ValueError(f"residual is on {residual.device} but logits on {logits.device}; move them together")
         if residual.dim() == 3 and residual.shape[0] == 0:
@@ -308,7 +309,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
                do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
     """Per-row token, full-softmax probability and logsumexp of the effective logits.
 
-    logits: [N, V] bf16/fp16/fp32; residual: None, [N, V] or [R, N, V] (summed over R);
+    logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); noise_keys: int64 [N, 3] =
     (sequence id, absolute position, step), required when ``do_sample``.
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
@@ -316,7 +317,8 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
                 top_k, top_p)
-    if select_backend(logits.device) == "triton":
+    # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
+    if logits.dtype != torch.float64 and select_backend(logits.device) == "triton":
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                  mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
                                  noise_keys=noise_keys, top_k=top_k, top_p=top_p)

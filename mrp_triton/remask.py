@@ -20,7 +20,7 @@ from .reference.remask import RULES
 from .reference.remask import remask as remask_reference
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["mask_id"])
 def _remask_kernel(block_ptr, rev_ptr, score_ptr, out_ptr, L, thr, mask_id,
                    IS_TAU: tl.constexpr, BLOCK_L: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -23,7 +23,7 @@ from .reference.select import select_commit as select_commit_reference
 MAX_L = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_scalar", "mask_id"])
 def _select_kernel(block_ptr, tok_ptr, conf_ptr, n_ptr, out_ptr, L, n_scalar, mask_id, thr,
                    N_TENSOR: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_L: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

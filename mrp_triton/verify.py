@@ -35,7 +35,7 @@ def _static_pick(cur, conf_row_ptr, tok_row_ptr, offs, msk, mask_id, BLOCK_L: tl
     return pos, t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "mask_id"])
 def _verify_kernel(block_ptr, dpos_ptr, dtok_ptr, ttok_ptr, tconf_ptr, acc_ptr, bonus_ptr,
                    L, K, mask_id, BLOCK_L: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
