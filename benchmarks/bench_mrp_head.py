@@ -43,15 +43,15 @@ MODELS = {  # name: (hidden, q heads, kv heads, head_dim, ffn)
 # tile configs tried by --sweep (BLOCK_N follows N unless given)
 SWEEP = [
     dict(BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=1),
-    dict(BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=2),
-    dict(BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=4),
     dict(BLOCK_V=128, BLOCK_K=128, num_warps=8, num_stages=3, tiles_per_split=2),
-    dict(BLOCK_V=128, BLOCK_K=64, num_warps=4, num_stages=5, tiles_per_split=2),
     dict(BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
-    dict(BLOCK_V=64, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=4),
-    dict(BLOCK_V=64, BLOCK_K=256, num_warps=4, num_stages=3, tiles_per_split=4),
+    dict(BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
+    dict(BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=6, tiles_per_split=1),
     dict(BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
-    dict(BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
+    dict(BLOCK_V=256, BLOCK_K=128, num_warps=8, num_stages=2, tiles_per_split=1),
+    dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=1),
+    dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
+    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
 ]
 
 

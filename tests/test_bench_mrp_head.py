@@ -1,0 +1,18 @@
+"""The MRP-head benchmark runs end to end in its --smoke mode (Triton interpreter, tiny shapes)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+
+def test_bench_mrp_head_smoke(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_mrp_head.py"
+    spec = importlib.util.spec_from_file_location("bench_mrp_head", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--smoke", "--no-compile", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "mrp_head_smoke.json").read_text())
+    assert not data["failures"]
+    kernels = {r["kernel"] for r in data["rows"]}
+    assert {"lm_head_confidence", "rms_norm", "qk_norm_rope", "swiglu", "mrp_input"} <= kernels
+    assert (tmp_path / "mrp_head_smoke.csv").read_text().startswith("kernel,shape,provider,median_us")
