@@ -41,7 +41,7 @@ from .backend import interpreter_on, select_backend
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
 def _partials_kernel(h_ptr, w_ptr, base_ptr, m_ptr, d_ptr, idx_ptr,
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
