@@ -159,10 +159,14 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """As :meth:`PreTrainedModel.from_pretrained`; also accepts legacy ``mtp_modules.`` keys and
         warns (then refuses MRP decoding) when the checkpoint has no MRP weights."""
+        legacy_only = "key_mapping" not in kwargs
         kwargs.setdefault("key_mapping", dict(LEGACY_MRP_KEYS))
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                               **kwargs)
+        if legacy_only and getattr(model, "_weight_conversions", None) is not None:
+            # The legacy renaming is one-way: save_pretrained must keep writing mrp_modules.* keys.
+            model._weight_conversions = None
         missing_mrp = [k for k in info.get("missing_keys", []) if k.startswith("mrp_modules.")]
         if not model.config.has_mrp:
             logger.warning(f"{pretrained_model_name_or_path} has no MRP head: strategies 'static' and "

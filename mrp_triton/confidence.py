@@ -60,8 +60,8 @@ def _conf_partial_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
-    lo = split * chunk
+    split = tl.program_id(1)
+    lo = split * chunk  # int32 vocabulary offsets (V < 2**31)
     hi = tl.minimum(lo + chunk, V)
     if HAS_SKIP:
         skip = tl.load(skip_ptr + row)
@@ -74,11 +74,14 @@ def _conf_partial_kernel(
             k = tl.load(keys_ptr + row * 3 + j)
             h = _mix32(h ^ (k & M32))
             h = _mix32(h ^ ((k >> 32) & M32))
+    # One cross-warp reduction per tile (the running max m); the rescaled sum and the argmax are
+    # kept per lane (lane i sees offsets i, i + BLOCK_V, ... in increasing order, and only a strictly
+    # larger score replaces, so each lane holds its earliest maximum) and reduced once at the end.
     m = tl.full([], float("-inf"), tl.float32)
-    d = tl.full([], 0.0, tl.float32)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_z = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], -1, tl.int64)
+    d_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    best_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    z_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    idx_vec = tl.full([BLOCK_V], -1, tl.int32)
     ar = tl.arange(0, BLOCK_V)
     for start in range(lo, hi, BLOCK_V):
         offs = start + ar
@@ -95,22 +98,33 @@ def _conf_partial_kernel(
         x = tl.where(msk & (offs != mask_id), x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d = d * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+        d_vec = d_vec * tl.exp(m - m_safe) + tl.exp(x - m_safe)
         m = m_new
         if DO_SAMPLE:
             e = _mix32(h ^ offs.to(tl.int64))
             e = _mix32((e + 0x9E3779B9) & M32)
             u = ((e >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            s = x + (-tl.log(-tl.log(u)))
+            sc = x + (-tl.log(-tl.log(u)))
+            upd = sc > best_vec
+            best_vec = tl.where(upd, sc, best_vec)
+            z_vec = tl.where(upd, x, z_vec)
         else:
-            s = x
-        t_best = tl.max(s, 0)
-        t_arg = tl.argmax(s, 0)
-        t_z = tl.max(tl.where(ar == t_arg, x, float("-inf")), 0)
-        upd = t_best > best
-        best = tl.where(upd, t_best, best)
-        best_z = tl.where(upd, t_z, best_z)
-        best_idx = tl.where(upd, start + t_arg.to(tl.int64), best_idx)
+            upd = x > best_vec
+            best_vec = tl.where(upd, x, best_vec)
+        idx_vec = tl.where(upd, offs, idx_vec)
+    d = tl.sum(d_vec, 0)
+    best = tl.max(best_vec, 0)
+    cand = (best_vec == best) & (idx_vec >= 0)
+    best_i = tl.min(tl.where(cand, idx_vec, 0x7FFFFFFF), 0)
+    found = (best > float("-inf")) & (best_i < 0x7FFFFFFF)
+    best_idx = tl.where(found, best_i, -1).to(tl.int64)
+    if DO_SAMPLE:
+        best_z = tl.max(tl.where(idx_vec == best_i, z_vec, float("-inf")), 0)
+    else:
+        best_z = best
+    best_z = tl.where(found, best_z, float("-inf"))
+    best = tl.where(found, best, float("-inf"))
+    split = split.to(tl.int64)
     if FINAL:
         valid = best_idx >= 0
         lse = tl.where(valid, m + tl.log(tl.maximum(d, 1e-38)), float("-inf"))

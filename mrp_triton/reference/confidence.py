@@ -2,7 +2,7 @@
 
 Defined behaviour (shared with the Triton kernel):
 
-* effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (the residual
+* effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (fp64 for fp64 logits; the residual
   is summed in fp32 in order r = 0..R-1; the division is a multiplication by ``1 / temperature``
   rounded to fp32, exactly as the kernel does it);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
@@ -73,12 +73,12 @@ def gumbel_noise(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
 
 def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_token_id=None):
     """z: [N, V] float32 with NaN -> -inf, +inf -> FLT_MAX, mask column -> -inf."""
-    z = logits.float()
+    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if residual is not None:
         res = residual if residual.dim() == 3 else residual.unsqueeze(0)
-        acc = res[0].float()
+        acc = res[0].to(z.dtype)
         for r in range(1, res.shape[0]):
-            acc = acc + res[r].float()
+            acc = acc + res[r].to(z.dtype)
         z = z + torch.tensor(scale, dtype=torch.float32) * acc
     inv_t = torch.tensor(1.0 / temperature, dtype=torch.float32)
     z = z * inv_t

@@ -1,0 +1,32 @@
+"""Tiny random SDAR(+MRP) models for CPU tests."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
+
+VOCAB = 67
+MASK_ID = 66
+
+
+def tiny_config(**overrides) -> SDARMRPConfig:
+    kwargs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=MASK_ID, num_nextn_predict_layers=2,
+                  max_position_embeddings=512, rope_theta=10000.0)
+    kwargs.update(overrides)
+    return SDARMRPConfig(**kwargs)
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> SDARMRPForCausalLM:
+    torch.manual_seed(seed)
+    model = SDARMRPForCausalLM(tiny_config(**overrides)).to(dtype).eval()
+    # Random init keeps logits nearly flat; sharpen them so greedy choices are well separated.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+def random_prompts(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MASK_ID - 3, (batch, length), generator=g)
