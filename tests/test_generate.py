@@ -1,0 +1,230 @@
+"""generate(): layout, KV cache, batching, commit rules, EOS, statistics and bad input (float64, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import mrp_triton
+from hf_integration import SDARMRPForCausalLM
+from tiny_models import MASK_ID, random_prompts, tiny_config, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int) -> torch.Tensor:
+    """One token per step, recomputing the whole block-causal sequence with no cache (the oracle)."""
+    P = prompt.shape[0]
+    end = -(-(P + max_new) // block) * block
+    x = torch.full((1, end), MASK_ID, dtype=torch.long)
+    x[0, :P] = prompt
+    for start in range(P // block * block, end, block):
+        while (x[0, start : start + block] == MASK_ID).any():
+            logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
+            logits[:, MASK_ID] = float("-inf")
+            probs = logits.softmax(-1)
+            conf, tok = probs.max(-1)
+            conf = torch.where(x[0, start : start + block] == MASK_ID, conf, torch.full_like(conf, -1.0))
+            pos = int(conf.argmax())
+            x[0, start + pos] = tok[pos]
+    return x[0, : P + max_new]
+
+
+@pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (5, 12)])
+def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new):
+    prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
+    out = model.generate(prompt[None], max_new_tokens=max_new)
+    assert torch.equal(out[0], naive_static_decode(model, prompt, max_new, model.config.block_size))
+
+
+def test_cached_denoising_forward_equals_uncached_logits(model):
+    """Logits of the current block read over the cache equal a full forward of prefix + block."""
+    from hf_integration.decoding import BlockDecoder
+    from hf_integration.generation_settings import GenerationSettings
+    from hf_integration.prompts import PromptBatch
+
+    ids = random_prompts(2, 10, seed=7)
+    settings = GenerationSettings.resolve(model, None, {"max_new_tokens": 6})
+    dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
+    T = model.config.block_size
+    pos = torch.arange(8).expand(2, -1)
+    dec.commit(ids[:, :8], pos, None)
+    block = torch.cat([ids[:, 8:10], torch.full((2, 2), MASK_ID)], dim=1)
+    cached = model.lm_head(dec.backbone(block, torch.arange(8, 8 + T).expand(2, -1)))
+    full = model(torch.cat([ids[:, :8], block], dim=1)).logits[:, 8:]
+    torch.testing.assert_close(cached, full, rtol=1e-10, atol=1e-10)
+
+
+STRATEGIES = [
+    dict(strategy="static"),
+    dict(strategy="static", denoising_steps=2),
+    dict(strategy="dynamic", threshold=0.3),
+    dict(strategy="direct", mrp_steps=2),
+    dict(strategy="speculative", mrp_steps=3),
+    dict(strategy="speculative", mrp_steps=2, draft_schedule="authors"),
+    dict(strategy="remask", threshold=0.4),
+    dict(strategy="remask", threshold=0.4, remask_rule="delta", residual_delta=0.5),
+]
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_batched_equals_one_by_one(model, kwargs, padding):
+    lens = [3, 9, 6]
+    rows = [random_prompts(1, n, seed=10 + n)[0] for n in lens]
+    P = max(lens)
+    ids = torch.zeros((3, P), dtype=torch.long)
+    mask = torch.zeros((3, P), dtype=torch.long)
+    for b, r in enumerate(rows):
+        span = slice(P - len(r), P) if padding == "left" else slice(0, len(r))
+        ids[b, span], mask[b, span] = r, 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=7, return_dict_in_generate=True, **kwargs)
+    for b, r in enumerate(rows):
+        alone = model.generate(r[None], max_new_tokens=7, return_dict_in_generate=True, **kwargs)
+        row = out.sequences[b]
+        real = row[P - len(r):] if padding == "left" else row[: len(r) + 7]
+        assert torch.equal(real, alone.sequences[0]), (b, kwargs)
+        assert torch.equal(real[: len(r)], r)  # the prompt is never changed
+        assert not (real == MASK_ID).any()
+        for name in ("backbone_forwards", "mrp_forwards", "tokens_committed", "tokens_remasked"):
+            assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
+
+
+def _spy_select(monkeypatch):
+    calls = []
+    original = mrp_triton.select_commit
+
+    def spy(block, tokens, conf, *, mask_token_id, n, threshold=None):
+        masked = (block == mask_token_id).clone()
+        committed = original(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)
+        calls.append((masked, conf.clone(), torch.as_tensor(n).clone(), threshold, committed.clone()))
+        return committed
+
+    monkeypatch.setattr(mrp_triton, "select_commit", spy)
+    return calls
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_static_commits_exactly_the_scheduled_count(model, monkeypatch, steps):
+    calls = _spy_select(monkeypatch)
+    ids = random_prompts(2, 4, seed=3)
+    out = model.generate(ids, max_new_tokens=8, denoising_steps=steps, return_dict_in_generate=True)
+    block = model.config.block_size
+    for masked, conf, n, _, committed in calls:
+        assert torch.equal(committed.sum(-1), torch.minimum(n, masked.sum(-1)))
+        # the committed positions are the most confident masked ones
+        for b in range(committed.shape[0]):
+            if committed[b].any() and (masked[b] & ~committed[b]).any():
+                assert conf[b][committed[b]].min() >= conf[b][masked[b] & ~committed[b]].max()
+    assert out.stats.backbone_forwards.tolist() == [8 // block * steps] * 2
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.3, 0.9, 1.0])
+def test_dynamic_commits_every_position_above_threshold_or_the_top_n(model, monkeypatch, threshold):
+    calls = _spy_select(monkeypatch)
+    model.generate(random_prompts(2, 5, seed=4), max_new_tokens=11, strategy="dynamic", threshold=threshold)
+    for masked, conf, n, thr, committed in calls:
+        above = masked & (conf > threshold)
+        for b in range(masked.shape[0]):
+            if above[b].sum() >= n[b]:
+                assert torch.equal(committed[b], above[b])
+            else:
+                assert committed[b].sum() == min(int(n[b]), int(masked[b].sum()))
+
+
+def test_eos_cuts_rows_and_pads(model):
+    ids = random_prompts(2, 5, seed=8)
+    free = model.generate(ids, max_new_tokens=12)
+    eos = int(free[0, 7])  # a token that row 0 produces as its 3rd new token
+    out = model.generate(ids, max_new_tokens=12, eos_token_id=[eos], pad_token_id=0,
+                         return_dict_in_generate=True)
+    for b in range(2):
+        new = out.sequences[b, 5:]
+        hits = (free[b, 5:] == eos).nonzero()
+        if len(hits):
+            first = int(hits[0])
+            assert torch.equal(new[: first + 1], free[b, 5 : 6 + first]) and (new[first + 1 :] == 0).all()
+        else:
+            assert torch.equal(new, free[b, 5:])
+    assert out.stats.tokens_committed[0] < 12  # row 0 stopped after the block holding its EOS
+
+
+def test_generation_config_and_kwargs_precedence(model):
+    ids = random_prompts(1, 4, seed=9)
+    via_config = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=6, strategy="dynamic",
+                                                                        threshold=0.5))
+    via_kwargs = model.generate(ids, max_new_tokens=6, strategy="dynamic", threshold=0.5)
+    assert torch.equal(via_config, via_kwargs) and via_config.shape == (1, 10)
+    overridden = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=6), max_new_tokens=3)
+    assert overridden.shape == (1, 7)
+
+
+def test_stats_report_tokens_per_forward(model):
+    out = model.generate(random_prompts(1, 4, seed=1), max_new_tokens=8, denoising_steps=2,
+                         return_dict_in_generate=True)
+    s = out.stats.as_dict()
+    assert s["tokens_committed"] == [8] and s["backbone_forwards"] == [4] and s["tokens_per_forward"] == [2.0]
+
+
+def test_block_length_other_than_config(model):
+    ids = random_prompts(1, 5, seed=2)
+    out = model.generate(ids, max_new_tokens=10, block_length=8, return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 15) and not (out.sequences == MASK_ID).any()
+
+
+BAD_INPUTS = [
+    (dict(input_ids=torch.tensor([[1, 2, 99]])), ValueError, "outside the vocabulary"),
+    (dict(input_ids=torch.tensor([[1, -1]])), ValueError, "outside the vocabulary"),
+    (dict(input_ids=torch.zeros((1, 0), dtype=torch.long)), ValueError, "empty"),
+    (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[0, 0]])), ValueError, "all padding"),
+    (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 1]])), ValueError, "contiguous"),
+    (dict(input_ids=torch.tensor([[1, MASK_ID]])), ValueError, "mask token"),
+    (dict(input_ids=torch.tensor([[1.0, 2.0]])), ValueError, "integer tensor"),
+    (dict(input_ids=[[1, 2]]), TypeError, "torch.Tensor"),
+    (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3)), ValueError, "shape of input_ids"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (dict(max_new_tokens=2.5), TypeError, "max_new_tokens"),
+    (dict(max_new_tokens=600), ValueError, "max_position_embeddings"),
+    (dict(strategy="greedy"), ValueError, "strategy"),
+    (dict(strategy="dynamic", threshold=0.0), ValueError, "threshold"),
+    (dict(strategy="dynamic", threshold=1.5), ValueError, "threshold"),
+    (dict(denoising_steps=0), ValueError, "denoising_steps"),
+    (dict(denoising_steps=5), ValueError, "denoising_steps"),
+    (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
+    (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
+    (dict(do_sample=True, top_k=0), ValueError, "top_k"),
+    (dict(eos_token_id=1000), ValueError, "eos_token_id"),
+    (dict(strategy="speculative", mrp_steps=0), ValueError, "mrp_steps"),
+    (dict(strategy="speculative", draft_schedule="eagle"), ValueError, "draft_schedule"),
+    (dict(strategy="remask", remask_rule="maybe"), ValueError, "remask_rule"),
+    (dict(strategy="remask", remask_rule="delta", residual_delta=0.0), ValueError, "residual_delta"),
+    (dict(strategy="direct", mrp_mix="product"), ValueError, "mrp_mix"),
+    (dict(strategy="speculative", denoising_steps=2), ValueError, "denoising_steps"),
+    (dict(frobnicate=True), TypeError, "frobnicate"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", BAD_INPUTS, ids=lambda x: str(x)[:40])
+def test_bad_input_is_rejected_with_a_clear_message(model, overrides, error, message):
+    kwargs = dict(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    kwargs.update(overrides)
+    with pytest.raises(error, match=message):
+        model.generate(**kwargs)
+
+
+def test_device_mismatch_is_rejected(model):
+    with pytest.raises(ValueError, match="attention_mask is on"):
+        model.generate(torch.tensor([[1, 2]]), attention_mask=torch.ones((1, 2), dtype=torch.long, device="meta"))
+
+
+def test_mrp_strategies_need_mrp_weights():
+    plain = SDARMRPForCausalLM(tiny_config(num_nextn_predict_layers=0)).eval()
+    for strategy in ("direct", "speculative", "remask"):
+        with pytest.raises(ValueError, match="needs MRP weights"):
+            plain.generate(torch.tensor([[1, 2]]), max_new_tokens=2, strategy=strategy)
+    with pytest.raises(ValueError, match="needs MRP weights"):
+        plain.mrp_forward(torch.tensor([[1]]), torch.zeros(1, 1, 32), torch.tensor([[0]]))
