@@ -127,11 +127,11 @@ def main(argv=None) -> int:
             t = bench(lambda: mt.confidence_triton(L, res, mask_token_id=151669 % V))
             add(kname, shape, "triton", t, nbytes, e[0])
             if args.sweep and cuda:
-                for s, bv in ((1, 4096), (0, 1024), (0, 2048), (0, 4096)):
+                for s, bv, nw in ((1, 2048, 8), (0, 1024, 4), (0, 2048, 8), (0, 4096, 8), (0, 4096, 16), (0, 8192, 16)):
                     sp = None if s == 0 else s
                     try:
-                        q = bench(lambda: mt.confidence_triton(L, res, splits=sp, block_v=bv))
-                        add(kname, shape, f"triton[s={s or 'auto'},bv={bv}]", q, nbytes, e[0])
+                        q = bench(lambda: mt.confidence_triton(L, res, splits=sp, block_v=bv, num_warps=nw))
+                        add(kname, shape, f"triton[s={s or 'auto'},bv={bv},w={nw}]", q, nbytes, e[0])
                     except Exception as exc:
                         print(f"sweep config s={s} bv={bv} failed: {exc!r}", file=sys.stderr)
         del L, Rr

@@ -28,6 +28,9 @@ the kernel computes lse, the filtered Gumbel-max pick runs as torch ops on the d
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -184,8 +187,10 @@ def _num_sms(device: torch.device) -> int:
 def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None, num_warps=None):
     """Small table instead of autotune (the interpreter cannot autotune).
 
-    CUDA: aim at ~4 programs per SM; rows with a long chunk stream 4096-wide tiles with 8 warps,
-    short chunks (many splits, small N) use 1024-wide tiles with 4 warps. Interpreter: wide tiles
+    CUDA: aim at ~4 programs per SM; rows with a long chunk stream 2048-wide tiles with 8 warps
+    (8 elements per thread: ~110 registers with the per-lane state, so 2 programs per SM; 4096-wide
+    tiles need ~200 registers), short chunks (many splits, small N) use 1024-wide tiles with 4 warps.
+    Untuned on hardware so far: ``benchmarks/bench_decode_kernels.py --sweep`` times the alternatives. Interpreter: wide tiles
     (numpy is faster on big vectors), S = 1 unless the caller forces ``splits``.
     """
     if interpreter_on() and device.type != "cuda":
@@ -196,9 +201,9 @@ def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None
     s = splits or (1 if N >= target // 2 else triton.cdiv(target, N))
     if block_v is None:
         per_prog = triton.cdiv(V, s)
-        block_v = 4096 if per_prog >= 16384 else 1024
+        block_v = 2048 if per_prog >= 16384 else 1024
     s = max(1, min(s, triton.cdiv(V, block_v)))
-    nw = num_warps or (8 if block_v >= 4096 else 4)
+    nw = num_warps or (8 if block_v >= 2048 else 4)
     return s, block_v, nw
 
 
@@ -224,9 +229,10 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
             raise ValueError(f"residual is on {residual.device} but logits on {logits.device}; move them together")
         if residual.dim() == 3 and residual.shape[0] == 0:
             raise ValueError("residual has R == 0 slices; pass residual=None instead")
-    if not (float(temperature) > 0):
-        raise ValueError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy decoding")
-    if not torch.isfinite(torch.tensor(float(scale))):
+    if not (float(temperature) > 0) or not math.isfinite(float(temperature)) or 1.0 / float(temperature) > 3.4e38:
+        raise ValueError(f"temperature must be a finite float > 0 (and > 3e-39), got {temperature}; "
+                         "use do_sample=False for greedy decoding")
+    if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
     if skip_rows is not None:
         if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or tuple(skip_rows.shape) != (N,):
@@ -286,7 +292,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     keys = noise_keys.contiguous() if sample_in_kernel else dummy
     seed_h = seed_hash(seed) if sample_in_kernel else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
-    inv_t = float(torch.tensor(1.0 / float(temperature), dtype=torch.float32))
+    inv_t = struct.unpack("f", struct.pack("f", 1.0 / float(temperature)))[0]  # fp32-rounded, as the reference
     if S > 1:
         part = torch.empty(N * S * 4, dtype=torch.float32, device=dev)
         part_idx = torch.empty(N * S, dtype=torch.int64, device=dev)
@@ -299,7 +305,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         skip, keys, part, part_idx, tok, prob, lse,
         V, chunk, S, float(scale), inv_t, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, FINAL=S == 1,
-        BLOCK_V=BLOCK_V, num_warps=nw,
+        BLOCK_V=BLOCK_V, num_warps=nw, enable_fp_fusion=False,  # no FMA: same rounding as the reference
     )
     if S > 1:
         _conf_merge_kernel[(N,)](part, part_idx, tok, prob, lse, S,
