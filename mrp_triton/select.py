@@ -1,8 +1,8 @@
 """Commit rule of one denoising step, fused: rank, threshold, fallback and in-place write.
 
-One program per row (grid [B]); the row (L <= 256 positions, a block is 4..64 in practice) lives in
+One program per row (grid [B]); the row (L <= 8192 positions, a block is 4..64 in practice) lives in
 registers. Rank of every candidate = number of candidates that beat it (higher confidence, or equal
-confidence and lower index): an L x L comparison, no sort. Static: commit rank < n. Dynamic: commit
+confidence and lower index): an L x L comparison in [L, 16] tiles, no sort. Static: commit rank < n. Dynamic: commit
 conf > threshold, or rank < n when fewer than n pass. All decisions stay on the device (no
 ``.item()``), one launch.
 
@@ -20,12 +20,12 @@ import triton.language as tl
 from .backend import select_backend
 from .reference.select import select_commit as select_commit_reference
 
-MAX_L = 256
+MAX_L = 8192
 
 
 @triton.jit(do_not_specialize=["n_scalar", "mask_id"])
 def _select_kernel(block_ptr, tok_ptr, conf_ptr, n_ptr, out_ptr, L, n_scalar, mask_id, thr,
-                   N_TENSOR: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_L: tl.constexpr):
+                   N_TENSOR: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_L: tl.constexpr, JB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_L)
     msk = offs < L
@@ -40,10 +40,19 @@ def _select_kernel(block_ptr, tok_ptr, conf_ptr, n_ptr, out_ptr, L, n_scalar, ma
     cand = msk & (blk == mask_id) & (tok >= 0) & (tok != mask_id)
     n_cand = tl.sum(cand.to(tl.int64), 0)
     n_eff = tl.minimum(tl.maximum(n, 0), n_cand)
-    ci = c[:, None]
-    cj = c[None, :]
-    beats = ((cj > ci) | ((cj == ci) & (offs[None, :] < offs[:, None]))) & cand[None, :]
-    rank = tl.sum(beats.to(tl.int32), 1)
+    # rank_i = #candidates j beating i, in [BLOCK_L, JB] tiles (registers stay O(BLOCK_L * JB))
+    rank = tl.zeros([BLOCK_L], dtype=tl.int32)
+    jr = tl.arange(0, JB)
+    for j0 in range(0, L, JB):
+        oj = j0 + jr
+        mj = oj < L
+        bj = tl.load(block_ptr + row * L + oj, mask=mj, other=0)
+        tj = tl.load(tok_ptr + row * L + oj, mask=mj, other=-1)
+        cj = tl.load(conf_ptr + row * L + oj, mask=mj, other=float("-inf")).to(tl.float32)
+        cj = tl.where(cj != cj, float("-inf"), cj)
+        cand_j = mj & (bj == mask_id) & (tj >= 0) & (tj != mask_id)
+        beats = ((cj[None, :] > c[:, None]) | ((cj[None, :] == c[:, None]) & (oj[None, :] < offs[:, None])))
+        rank += tl.sum((beats & cand_j[None, :]).to(tl.int32), 1)
     commit = cand & (rank < n_eff)
     if DYNAMIC:
         passed = cand & (c > thr)
@@ -98,7 +107,7 @@ def select_commit_triton(block, tokens, conf, *, mask_token_id, n, threshold=Non
         0 if isinstance(n, torch.Tensor) else int(n), int(mask_token_id),
         0.0 if threshold is None else float(threshold),
         N_TENSOR=isinstance(n, torch.Tensor), DYNAMIC=threshold is not None,
-        BLOCK_L=max(16, triton.next_power_of_2(L)), num_warps=4,
+        BLOCK_L=max(16, triton.next_power_of_2(L)), JB=16, num_warps=4,
     )
     return committed
 

@@ -113,6 +113,17 @@ def test_errors():
         mt.select_commit(b, t, c, mask_token_id=M, n=torch.ones(3, dtype=torch.int64))
     with pytest.raises(TypeError, match="n must"):
         mt.select_commit(b, t, c, mask_token_id=M, n=1.0)
-    with pytest.raises(ValueError, match="L=300"):
-        select_commit_triton(torch.full((1, 300), M), torch.zeros(1, 300, dtype=torch.int64), torch.zeros(1, 300),
+    with pytest.raises(ValueError, match="L=9000"):
+        select_commit_triton(torch.full((1, 9000), M), torch.zeros(1, 9000, dtype=torch.int64), torch.zeros(1, 9000),
                              mask_token_id=M, n=1)
+
+
+def test_long_row_matches_reference():
+    g = torch.Generator().manual_seed(7)
+    block = torch.full((2, 300), M)
+    tokens = torch.randint(0, 9, (2, 300), generator=g)
+    conf = (torch.rand(2, 300, generator=g) * 8).round() / 8
+    b_ref, b_k = block.clone(), block.clone().to(DEV)
+    exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=torch.tensor([5, 40]))
+    got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=torch.tensor([5, 40]).to(DEV))
+    assert torch.equal(got.cpu(), exp) and torch.equal(b_k.cpu(), b_ref) and exp.sum().item() == 45
