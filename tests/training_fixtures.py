@@ -62,3 +62,22 @@ def tiny_backbone(tokenizer, block_size: int = 4, seed: int = 0, **kw):
     size = dict(TINY)
     size.update(kw)
     return build_backbone(special_token_ids(tokenizer), len(tokenizer), block_size=block_size, **size)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run much faster on one thread, above all on a shared, busy CPU."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def subprocess_env(repo: str) -> dict:
+    return dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -169,7 +169,7 @@ def run(argv: list[str] | None = None) -> dict:
 
         mpath = args.stdlib_manifest or os.path.join(cfg.out_dir, "stdlib_manifest.json")
         if rank == 0 and not os.path.exists(mpath):
-            write_manifest(mpath, build_manifest(args.heldout_fraction if args.heldout_fraction > 0 else 0.02, cfg.seed))
+            write_manifest(mpath, build_manifest(args.heldout_fraction, cfg.seed))
         barrier()
         train_r, held_r = manifest_records(load_manifest(mpath))
     else:

@@ -40,6 +40,13 @@ def backbone_loss_sum(model, ids, masked, p, attn_mask, mask_token_id: int):
     return (ce * w).sum(), int(masked.sum())
 
 
+def lm_head_fp32(model, h: torch.Tensor) -> torch.Tensor:
+    """``lm_head(h)`` in fp32 even under bf16 autocast: the KD targets are small logit differences."""
+    w = model.lm_head.weight
+    with torch.autocast(h.device.type, enabled=False):
+        return F.linear(h.float(), w.float())
+
+
 def kl_teacher_student(t_logits: torch.Tensor, s_logits: torch.Tensor) -> torch.Tensor:
     """Forward KL(softmax(t) || softmax(s)) per row, in fp32."""
     t = F.log_softmax(t_logits.float(), dim=-1)
@@ -70,7 +77,8 @@ def mrp_loss_sum(
     - ``direct``: h_in_k = h_p_{k-1} (h_p_0 = h_A), student logits lm_head(h_p_k) alone.
     The clean half of the MRP input always carries h_A of the clean tokens (the MRP's prefix).
     Loss_k = sum over positions still masked in state_k of KL(teacher || student) / p.
-    Gradients flow through the whole unroll (acc / h_p chain) into the MRP only.
+    Gradients flow through the whole unroll (acc / h_p chain) into the MRP only. Teacher and
+    student logits are computed in fp32 (also under bf16 autocast).
 
     Returns ``(sum_k Loss_k / K, stats)``.
     """
@@ -109,8 +117,8 @@ def mrp_loss_sum(
         sel = state_mask
         if bool(sel.any()):
             with torch.no_grad():
-                t_logits = model.lm_head(h_b[sel])
-            s_logits = model.lm_head(student[sel])
+                t_logits = lm_head_fp32(model, h_b[sel])
+            s_logits = lm_head_fp32(model, student[sel])
             kl = kl_teacher_student(t_logits, s_logits)
             total = total + (kl * w[sel]).sum()
         else:

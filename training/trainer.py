@@ -382,8 +382,13 @@ def train(
             start_step, tokens_seen = ck["step"], ck["tokens_seen"]
             if rank == 0:
                 _truncate_metrics(metrics_path, start_step)
-    elif rank == 0 and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    else:
+        if list_checkpoints(cfg.out_dir):
+            raise ConfigError(f"--out: {cfg.out_dir} already holds checkpoints of another run; pass --resume "
+                              "to continue it or choose a new --out")
+        barrier()
+        if rank == 0 and os.path.exists(metrics_path):
+            os.remove(metrics_path)
 
     ddp = None
     if world > 1:

@@ -1,0 +1,245 @@
+"""The training loop: loss falls, bit-exact resume, crash / kill recovery, bad configs, CLI."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from training_fixtures import make_tokenizer, one_thread, subprocess_env, tiny_backbone, write_corpus  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+from training.config import ConfigError, TrainConfig
+from training.data import build_datasets
+from training.trainer import CKPT_DIR, LossModule, evaluate, list_checkpoints, train
+
+T, BS = 16, 4
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    tok_dir = str(root / "tok")
+    tok = make_tokenizer(tok_dir)
+    paths = write_corpus(str(root / "corpus"))
+    train_ds, held = build_datasets([paths["text"], paths["pairs"]], tok, T, BS, 0.1, 0)
+    bb = str(root / "backbone")
+    m = tiny_backbone(tok)
+    m.save_pretrained(bb)
+    tok.save_pretrained(bb)
+    return {"root": root, "tok": tok, "tok_dir": tok_dir, "paths": paths, "train": train_ds, "held": held, "backbone": bb}
+
+
+def _cfg(out, mode="backbone", **kw):
+    base = dict(mode=mode, out_dir=str(out), seq_len=T, block_size=BS, micro_batch_size=4, max_steps=8,
+                lr=1e-2, warmup_steps=2, progress=False, eval_batches=2, num_mrp_layers=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _model(env, mode, seed=0):
+    if mode == "backbone":
+        return tiny_backbone(env["tok"], seed=seed)
+    from training.models import prepare_mrp_model
+
+    torch.manual_seed(seed)
+    return prepare_mrp_model(env["backbone"], 1)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode,kw", [("backbone", {}), ("mrp", {"unroll_k": 2, "lr": 3e-3})])
+def test_loss_falls(env, tmp_path, mode, kw):
+    model = _model(env, mode)
+    cfg = _cfg(tmp_path, mode, max_steps=40, micro_batch_size=8, **kw)
+    before = evaluate(LossModule(model, cfg, env["tok"].mask_token_id), env["train"], cfg, torch.device("cpu"))
+    res = train(cfg, model, env["train"], env["train"])
+    assert res["eval_loss"] < 0.8 * before, (before, res["eval_loss"])
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [x["step"] for x in lines if "loss" in x] == list(range(1, 41))
+    assert all({"lr", "tokens_per_s", "grad_norm"} <= set(x) for x in lines if "loss" in x)
+    assert any("eval_loss" in x for x in lines)
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _crash_at(n):
+    def cb(step, rec):
+        if step == n:
+            raise Crash(step)
+    return cb
+
+
+@pytest.mark.parametrize("mode", ["backbone", "mrp"])
+def test_resume_is_bit_identical(env, tmp_path, mode):
+    kw = dict(max_steps=8, save_every=4, grad_accum=2, micro_batch_size=2, eval_every=3)
+    full = _model(env, mode)
+    train(_cfg(tmp_path / "full", mode, **kw), full, env["train"], env["held"])
+
+    part = _model(env, mode)
+    with pytest.raises(Crash):
+        train(_cfg(tmp_path / "part", mode, **kw), part, env["train"], env["held"], callbacks=[_crash_at(5)])
+    assert [s for s, _ in list_checkpoints(str(tmp_path / "part"))] == [4]
+    torch.manual_seed(1234)  # the resumed run must not depend on the process's RNG state
+    resumed = _model(env, mode, seed=99)  # different init: the checkpoint must overwrite it
+    res = train(_cfg(tmp_path / "part", mode, resume=True, **kw), resumed, env["train"], env["held"])
+    assert res["step"] == 8
+    a, b = _weights(full), _weights(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the metrics log of the resumed run has each step once
+    steps = [json.loads(x)["step"] for x in open(tmp_path / "part" / "metrics.jsonl") if '"loss"' in x]
+    assert steps == list(range(1, 9))
+
+
+def test_crash_with_corrupt_leftovers_resumes_from_last_good(env, tmp_path):
+    kw = dict(max_steps=9, save_every=3, keep_checkpoints=3)
+    full = _model(env, "backbone")
+    train(_cfg(tmp_path / "full", **kw), full, env["train"])
+    part = _model(env, "backbone")
+    with pytest.raises(Crash):
+        train(_cfg(tmp_path / "part", **kw), part, env["train"], callbacks=[_crash_at(7)])
+    ck = tmp_path / "part" / CKPT_DIR
+    assert sorted(os.listdir(ck)) == ["step_00000003.pt", "step_00000006.pt"]
+    # leftovers of a kill during a write: a temp file, and (had the write not been atomic) a torn file
+    (ck / ".step_00000009.pt.tmp.4242").write_bytes(b"\x80garbage")
+    good = (ck / "step_00000006.pt").read_bytes()
+    (ck / "step_00000009.pt").write_bytes(good[: len(good) // 2])
+    resumed = _model(env, "backbone", seed=5)
+    with pytest.warns(UserWarning, match="step_00000009"):
+        res = train(_cfg(tmp_path / "part", resume=True, **kw), resumed, env["train"])
+    assert res["step"] == 9
+    for k, v in _weights(full).items():
+        assert torch.equal(v, _weights(resumed)[k]), k
+
+
+def _cli_args(env, out, *extra):
+    return ["backbone", "--data", env["paths"]["text"], "--tokenizer", env["tok_dir"], "--out", str(out),
+            "--seq-len", str(T), "--block-size", str(BS), "--hidden-size", "32", "--intermediate-size", "64",
+            "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2", "--micro-batch-size", "4",
+            "--heldout-fraction", "0.1", "--no-progress", "--lr", "1e-2", *extra]
+
+
+def _safetensors(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        out.update(load_file(f))
+    assert out
+    return out
+
+
+@pytest.mark.slow
+def test_killed_subprocess_resumes(env, tmp_path):
+    from training.cli import run
+
+    steps = "60"
+    out = tmp_path / "killed"
+    args = _cli_args(env, out, "--max-steps", steps, "--save-every", "5")
+    envv = subprocess_env(REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "training.cli", *args], env=envv, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ck = out / CKPT_DIR
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if ck.exists() and list_checkpoints(str(out)):
+            break
+        time.sleep(0.005)
+    killed = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert killed, proc.stderr.read().decode()[-2000:]
+    first = list_checkpoints(str(out))
+    assert first and first[0][0] < 60
+    assert not os.path.exists(out / "model.safetensors")
+    run(_cli_args(env, out, "--max-steps", steps, "--save-every", "5", "--resume"))
+    run(_cli_args(env, tmp_path / "straight", "--max-steps", steps, "--save-every", "5"))
+    a, b = _safetensors(out), _safetensors(tmp_path / "straight")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_cli_backbone_then_mrp_export(env, tmp_path):
+    from transformers import AutoTokenizer
+
+    from hf_integration import SDARMRPForCausalLM
+    from training.cli import run
+
+    bb = tmp_path / "bb"
+    res = run(_cli_args(env, bb, "--max-steps", "3"))
+    assert res["step"] == 3 and res["eval_loss"] is not None
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "training_config.json"):
+        assert (bb / f).exists(), f
+    gen = json.load(open(bb / "generation_config.json"))
+    assert gen["mask_token_id"] == 1 and gen["block_size"] == BS
+    mrp = tmp_path / "mrp"
+    res = run(["mrp", "--model", str(bb), "--data", env["paths"]["pairs"], "--out", str(mrp), "--seq-len", str(T),
+               "--mrp-layers", "1", "--unroll-k", "2", "--micro-batch-size", "2", "--max-steps", "3",
+               "--mrp-init", "normal", "--no-progress"])
+    assert res["step"] == 3
+    m = SDARMRPForCausalLM.from_pretrained(str(mrp))
+    assert m.config.num_nextn_predict_layers == 1 and m.has_mrp
+    base = SDARMRPForCausalLM.from_pretrained(str(bb))
+    for k, v in base.state_dict().items():  # the backbone did not move
+        assert torch.equal(v, m.state_dict()[k]), k
+    assert AutoTokenizer.from_pretrained(str(mrp)).mask_token_id == 1
+
+
+def test_bad_configs_rejected(env, tmp_path):
+    from training.cli import main, run
+
+    with pytest.raises(ConfigError, match=r"--seq-len \(18\) must be a multiple of --block-size \(4\)"):
+        run(_cli_args(env, tmp_path / "a", "--seq-len", "18"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ConfigError, match="--data"):
+        run(["backbone", "--data", str(empty), "--tokenizer", env["tok_dir"], "--out", str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match="--data"):
+        run(["backbone", "--out", str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match=r"--unroll-k \(K\) must be >= 1"):
+        run(["mrp", "--model", env["backbone"], "--data", env["paths"]["text"], "--out", str(tmp_path / "c"),
+             "--unroll-k", "0"])
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        run(_cli_args(env, tmp_path / "d")[:4] + ["/nonexistent/tok"] + _cli_args(env, tmp_path / "d")[5:])
+    no_tok = tmp_path / "no_tok"
+    tiny_backbone(env["tok"]).save_pretrained(str(no_tok))
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        run(["mrp", "--model", str(no_tok), "--data", env["paths"]["text"], "--out", str(tmp_path / "e")])
+    with pytest.raises(ConfigError, match="--model"):
+        run(["mrp", "--model", str(tmp_path / "nope"), "--data", env["paths"]["text"], "--out", str(tmp_path / "f")])
+    with pytest.raises(ConfigError, match="--micro-batch-size"):  # fewer sequences than one global batch
+        run(_cli_args(env, tmp_path / "g", "--micro-batch-size", "100000"))
+    with pytest.raises(SystemExit) as e:
+        main(_cli_args(env, tmp_path / "h", "--seq-len", "18"))
+    assert e.value.code == 2
+
+
+def test_cli_help(capsys):
+    from training.cli import main
+
+    for argv in (["--help"], ["backbone", "--help"], ["mrp", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--unroll-k" in out and "--block-size" in out and "--resume" in out
+
+
+def test_fresh_run_refuses_out_with_checkpoints(env, tmp_path):
+    train(_cfg(tmp_path, max_steps=2, save_every=1), _model(env, "backbone"), env["train"])
+    with pytest.raises(ConfigError, match="--resume"):
+        train(_cfg(tmp_path, max_steps=2, save_every=1), _model(env, "backbone"), env["train"])

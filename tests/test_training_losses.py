@@ -1,0 +1,142 @@
+"""Backbone / MRP losses on tiny real models, with test doubles for the MRP head."""
+
+import pytest
+import torch
+
+from training_fixtures import make_tokenizer, one_thread, subprocess_env, tiny_backbone, write_corpus  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+from training.config import TrainConfig
+from training.data import build_datasets
+from training.losses import backbone_loss_sum, kl_teacher_student, mrp_loss_sum
+from training.noising import block_diffusion_mask, make_generators, pack_noisy_clean, reveal_one_per_block, sample_mask
+
+T, BS = 16, 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loss")
+    tok = make_tokenizer(str(root / "tok"))
+    paths = write_corpus(str(root / "corpus"))
+    train, _ = build_datasets([paths["text"], paths["pairs"]], tok, T, BS, 0.0, 0)
+    return tok, train
+
+
+class ExactResidualMRP:
+    """Test double: an MRP head that outputs exactly h_B - h_in (the backbone on its ids minus its
+    input hidden), i.e. the residual the real head is trained to predict."""
+
+    def __init__(self, model):
+        self.model, self.lm_head, self.config = model.model, model.lm_head, model.config
+
+    def mrp_forward(self, input_ids, hidden_states, position_ids, attention_mask=None):
+        return self.model(input_ids, position_ids, attention_mask=attention_mask) - hidden_states
+
+
+class ZeroMRP(ExactResidualMRP):
+    def mrp_forward(self, input_ids, hidden_states, position_ids, attention_mask=None):
+        return torch.zeros_like(hidden_states)
+
+
+def _batch(train, n=6, seed=0):
+    ids, isp = train.input_ids[:n], train.is_prompt[:n]
+    seeds = [seed * 1000 + i for i in range(n)]
+    return ids, isp, seeds
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_exact_residual_gives_zero_kd(setup, K):
+    tok, train = setup
+    model = tiny_backbone(tok).eval()
+    ids, isp, seeds = _batch(train)
+    gens = make_generators(seeds)
+    masked, p = sample_mask(isp, gens)
+    am = block_diffusion_mask(T, BS)
+    with torch.no_grad():
+        exact, st = mrp_loss_sum(ExactResidualMRP(model), ids, masked, p, am, tok.mask_token_id, BS, gens, K)
+        gens = make_generators(seeds)
+        masked, p = sample_mask(isp, gens)
+        zero, _ = mrp_loss_sum(ZeroMRP(model), ids, masked, p, am, tok.mask_token_id, BS, gens, K)
+    assert st["scored"] > 0
+    assert abs(float(exact)) < 1e-5 * max(1.0, float(zero))
+    assert float(zero) > 1e-4  # the backbone's own step-to-step change is not zero
+
+
+def test_kd_matches_hand_computation(setup):
+    """K = 1 with a zero head: sum over still-masked positions of KL(P_B || P_A) / p."""
+    tok, train = setup
+    model = tiny_backbone(tok).eval()
+    ids, isp, seeds = _batch(train)
+    am = block_diffusion_mask(T, BS)
+    gens = make_generators(seeds)
+    masked, p = sample_mask(isp, gens)
+    with torch.no_grad():
+        got, _ = mrp_loss_sum(ZeroMRP(model), ids, masked, p, am, tok.mask_token_id, BS, gens, 1)
+        gens = make_generators(seeds)
+        masked, p = sample_mask(isp, gens)
+        reveal = reveal_one_per_block(masked, BS, gens)
+        noisy = ids.masked_fill(masked, tok.mask_token_id)
+        after = torch.where(reveal, ids, noisy)
+        la = model.lm_head(model.model(*pack_noisy_clean(noisy, ids), attention_mask=am)[:, :T])
+        lb = model.lm_head(model.model(*pack_noisy_clean(after, ids), attention_mask=am)[:, :T])
+        want = 0.0
+        for b in range(ids.shape[0]):
+            for i in range(T):
+                if masked[b, i] and not reveal[b, i]:
+                    want += float(kl_teacher_student(lb[b, i], la[b, i])) / float(p[b])
+    assert float(got) == pytest.approx(want, rel=1e-4)
+
+
+def test_backbone_loss_is_weighted_masked_ce(setup):
+    tok, train = setup
+    model = tiny_backbone(tok).eval()
+    ids, isp, seeds = _batch(train, 3)
+    masked, p = sample_mask(isp, make_generators(seeds))
+    am = block_diffusion_mask(T, BS)
+    with torch.no_grad():
+        got, n = backbone_loss_sum(model, ids, masked, p, am, tok.mask_token_id)
+        logits = model.lm_head(model.model(*pack_noisy_clean(ids.masked_fill(masked, tok.mask_token_id), ids),
+                                           attention_mask=am))[:, :T]  # no shift: position i predicts token i
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+        want = -(lp * masked / p[:, None]).sum()
+    assert n == int(masked.sum())
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_clean_half_never_sees_noisy(setup):
+    """Changing the noisy half must not change the clean half's hidden states."""
+    tok, train = setup
+    model = tiny_backbone(tok).eval()
+    ids = train.input_ids[:2]
+    am = block_diffusion_mask(T, BS)
+    with torch.no_grad():
+        a = model.model(*pack_noisy_clean(ids.masked_fill(torch.ones_like(ids, dtype=torch.bool), 1), ids), attention_mask=am)
+        b = model.model(*pack_noisy_clean(ids, ids), attention_mask=am)
+    assert torch.allclose(a[:, T:], b[:, T:], atol=1e-6)
+    assert not torch.allclose(a[:, :T], b[:, :T])
+
+
+@pytest.mark.parametrize("loss_type,K", [("kd_diff_sum", 2), ("direct", 1)])
+def test_only_mrp_gets_gradients(setup, tmp_path, loss_type, K):
+    from training.models import freeze_all_but_mrp
+    from training.trainer import LossModule
+
+    tok, train = setup
+    model = tiny_backbone(tok)
+    model.add_mrp_head(1)
+    names = freeze_all_but_mrp(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = TrainConfig(mode="mrp", seq_len=T, block_size=BS, unroll_k=K, mrp_loss=loss_type)
+    lm = LossModule(model, cfg, tok.mask_token_id)
+    ids, isp, seeds = _batch(train)
+    lm(ids, isp, seeds).backward()
+    for n, prm in model.named_parameters():
+        if n in names:
+            assert prm.requires_grad and prm.grad is not None, n
+        else:
+            assert not prm.requires_grad and prm.grad is None, n
+    assert any(float(model.get_parameter(n).grad.abs().sum()) > 0 for n in names if "eh_proj" in n)
+    assert all(n.startswith("mrp_modules.") for n in names)
+    assert not any(n.startswith("mrp_modules.") for n in before if n not in names)
