@@ -1,0 +1,154 @@
+"""MRP decoding modes: speculative is lossless, an oracle MRP reaches the maximum, direct and remask behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_integration.kv_cache import AttentionInputs
+from tiny_models import MASK_ID, random_prompts, tiny_model
+
+
+def install_oracle_mrp(model, monkeypatch):
+    """Replace the MRP head by a test double whose residual is the exact next-step difference.
+
+    For ids = the state after a commit and hidden = what the chain feeds, the double returns h_p such
+    that the corrected hidden equals the backbone's own hidden state on ids: (h_B - hidden) / s for the
+    residual mode, h_B itself for mode "none". Cache writes (prefix fills) are no-ops."""
+    scale = {"value": 1.0, "mix": "logits_sum"}
+
+    def oracle(input_ids, hidden_states, position_ids, attention_mask=None, attn=None):
+        if attn.write_len:
+            return torch.zeros_like(hidden_states)
+        h_b = model.model(input_ids, position_ids, attn=AttentionInputs(mask=attn.mask, cache=attn.cache))
+        if scale["mix"] == "none":
+            return h_b
+        return (h_b - hidden_states) / scale["value"]
+
+    monkeypatch.setattr(model, "mrp_forward", oracle)
+    return scale
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 4), k=st.integers(1, 4), block=st.sampled_from([4, 8, 16]),
+       schedule=st.sampled_from(["mrp", "authors"]), max_new=st.integers(1, 20))
+def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, block, schedule, max_new):
+    model = tiny_model(seed=seed % 7, block_size=block)
+    lens = torch.randint(1, 12, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = random_prompts(batch, max(lens), seed=seed)
+    mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).long()
+    static = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, return_dict_in_generate=True)
+    spec = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, strategy="speculative", mrp_steps=k,
+                          draft_schedule=schedule, return_dict_in_generate=True)
+    assert torch.equal(spec.sequences, static.sequences)
+    assert (spec.stats.tokens_per_forward >= 1.0).all()
+    assert torch.equal(spec.stats.tokens_committed, static.stats.tokens_committed)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_oracle_mrp_reaches_k_plus_one_tokens_per_verify_forward(monkeypatch, k):
+    model = tiny_model(seed=2, block_size=8)
+    install_oracle_mrp(model, monkeypatch)
+    ids = random_prompts(2, 8, seed=5)  # whole prompt blocks: every decoded block starts fully masked
+    out = model.generate(ids, max_new_tokens=24, strategy="speculative", mrp_steps=k, return_dict_in_generate=True)
+    static = model.generate(ids, max_new_tokens=24)
+    assert torch.equal(out.sequences, static)
+    # Each decoded block (3 of them): an opening forward commits 1 token, then every verify round with r
+    # masks left accepts min(K, r) drafts and commits min(K + 1, r) tokens.
+    expected = torch.zeros(k + 1, dtype=torch.long)
+    left, forwards = model.config.block_size - 1, 1
+    while left:
+        expected[min(k, left)] += 1
+        left -= min(k + 1, left)
+        forwards += 1
+    assert out.stats.backbone_forwards.tolist() == [3 * forwards] * 2
+    assert out.stats.accepted_lengths.tolist() == [(3 * expected).tolist()] * 2
+
+
+@pytest.mark.parametrize("mix", ["logits_sum", "none"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_oracle_direct_decoding_equals_static(monkeypatch, mix, k):
+    model = tiny_model(seed=4, block_size=8)
+    install_oracle_mrp(model, monkeypatch)["mix"] = mix
+    ids = random_prompts(3, 5, seed=6)
+    out = model.generate(ids, max_new_tokens=19, strategy="direct", mrp_steps=k, mrp_mix=mix,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=19))
+    assert (out.stats.tokens_per_forward > 1.0).all()
+
+
+def test_oracle_mrp_scale_is_respected(monkeypatch):
+    model = tiny_model(seed=4, block_size=8)
+    install_oracle_mrp(model, monkeypatch)["value"] = 0.5
+    ids = random_prompts(1, 8, seed=1)
+    out = model.generate(ids, max_new_tokens=8, strategy="speculative", mrp_steps=3, mrp_scale=0.5,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=8))
+    assert out.stats.backbone_forwards.tolist() == [3]  # 1 opening + 2 rounds of 4 (then 3)
+
+
+def test_direct_decoding_is_bounded_and_counts_mrp_forwards():
+    model = tiny_model(seed=3, block_size=8)
+    out = model.generate(random_prompts(2, 3, seed=2), max_new_tokens=13, strategy="direct", mrp_steps=2,
+                         return_dict_in_generate=True)
+    stats = out.stats
+    assert not (out.sequences == MASK_ID).any()
+    assert (stats.tokens_committed >= 13).all()
+    assert (stats.tokens_committed <= stats.backbone_forwards * 3).all()
+    assert (stats.mrp_forwards <= stats.backbone_forwards * 2).all() and (stats.mrp_forwards > 0).all()
+
+
+@pytest.mark.parametrize("rule", ["tau", "delta"])
+@pytest.mark.parametrize("threshold", [0.05, 0.5, 0.95])
+def test_remask_terminates_without_masks(rule, threshold):
+    model = tiny_model(seed=5, block_size=8)
+    out = model.generate(random_prompts(3, 6, seed=3), max_new_tokens=15, strategy="remask", threshold=threshold,
+                         remask_rule=rule, residual_delta=0.2, return_dict_in_generate=True)
+    assert not (out.sequences == MASK_ID).any()
+    stats = out.stats
+    assert (stats.mrp_forwards == stats.backbone_forwards).all()
+    assert (stats.backbone_forwards <= 24 - 6).all()  # at most one step per masked position (blocks to 24)
+
+
+def test_remask_actually_remasks_with_a_strict_threshold():
+    model = tiny_model(seed=5, block_size=8)
+    out = model.generate(random_prompts(2, 6, seed=3), max_new_tokens=15, strategy="remask", threshold=0.05,
+                         remask_rule="delta", residual_delta=1e-6, return_dict_in_generate=True)
+    assert (out.stats.tokens_remasked > 0).any()
+
+
+def test_remask_with_infinite_delta_equals_dynamic():
+    model = tiny_model(seed=6, block_size=8)
+    ids = random_prompts(2, 4, seed=4)
+    for tau in (0.2, 0.6):
+        dynamic = model.generate(ids, max_new_tokens=12, strategy="dynamic", threshold=tau)
+        remask = model.generate(ids, max_new_tokens=12, strategy="remask", threshold=tau, remask_rule="delta",
+                                residual_delta=float("inf"), return_dict_in_generate=True)
+        assert torch.equal(remask.sequences, dynamic)
+        assert (remask.stats.tokens_remasked == 0).all()
+
+
+@pytest.mark.parametrize("schedule", ["mrp", "authors"])
+def test_speculative_sampling_commits_exact_backbone_samples(schedule):
+    """Draft and target share Gumbel noise per (row, position, state): with the same seed, speculative
+    sampling commits exactly the tokens that static one-token-a-step sampling commits."""
+    model = tiny_model(seed=7, block_size=8)
+    ids = random_prompts(3, 5, seed=9)
+    for seed in (0, 1):
+        kwargs = dict(max_new_tokens=14, do_sample=True, temperature=1.3, seed=seed)
+        static = model.generate(ids, **kwargs)
+        spec = model.generate(ids, strategy="speculative", mrp_steps=3, draft_schedule=schedule, **kwargs)
+        assert torch.equal(spec, static)
+    assert not torch.equal(model.generate(ids, max_new_tokens=14, do_sample=True, seed=0),
+                           model.generate(ids, max_new_tokens=14, do_sample=True, seed=1))
+
+
+def test_sampling_with_top_k_and_top_p_is_reproducible():
+    model = tiny_model(seed=7, block_size=4)
+    ids = random_prompts(2, 3, seed=1)
+    kwargs = dict(max_new_tokens=8, do_sample=True, top_k=5, top_p=0.8, seed=3)
+    assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, **kwargs))
+    greedy_top1 = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=1, seed=3)
+    assert torch.equal(greedy_top1, model.generate(ids, max_new_tokens=8))
