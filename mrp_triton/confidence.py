@@ -29,6 +29,7 @@ the kernel computes lse, the filtered Gumbel-max pick runs as torch ops on the d
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 
 import torch
@@ -190,8 +191,8 @@ def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None
     CUDA: aim at ~4 programs per SM; rows with a long chunk stream 2048-wide tiles with 8 warps
     (8 elements per thread: ~110 registers with the per-lane state, so 2 programs per SM; 4096-wide
     tiles need ~200 registers), short chunks (many splits, small N) use 1024-wide tiles with 4 warps.
-    Untuned on hardware so far: ``benchmarks/bench_decode_kernels.py --sweep`` times the alternatives. Interpreter: wide tiles
-    (numpy is faster on big vectors), S = 1 unless the caller forces ``splits``.
+    Untuned on hardware so far: ``benchmarks/bench_decode_kernels.py --sweep`` times the alternatives.
+    Interpreter: wide tiles (numpy is faster on big vectors), S = 1 unless the caller forces ``splits``.
     """
     if interpreter_on() and device.type != "cuda":
         bv = block_v or min(4096, triton.next_power_of_2(max(V, 16)))
@@ -239,7 +240,8 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
             raise ValueError(f"skip_rows must be a bool tensor of shape [{N}] (or None)")
         if skip_rows.device != logits.device:
             raise ValueError(f"skip_rows is on {skip_rows.device} but logits on {logits.device}")
-    if mask_token_id is not None and not isinstance(mask_token_id, int):
+    if mask_token_id is not None and (isinstance(mask_token_id, bool) or
+                                      not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
     if do_sample:
         if not isinstance(noise_keys, torch.Tensor) or noise_keys.dtype != torch.int64 or \
@@ -264,6 +266,10 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
                 top_k, top_p)
+    if logits.device.type != "cuda" and not interpreter_on():
+        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {logits.device}); set "
+                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
+                           "mrp_triton.confidence() (reference path on CPU)")
     N, V = logits.shape
     dev = logits.device
     if out is None:

@@ -11,11 +11,13 @@ Semantics: :mod:`mrp_triton.reference.remask`.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
 
-from .backend import select_backend
+from .backend import interpreter_on, select_backend
 from .reference.remask import RULES
 from .reference.remask import remask as remask_reference
 
@@ -61,7 +63,7 @@ def _check_args(block, revealed, score, threshold, mask_token_id, rule):
     for name, t in (("revealed", revealed), ("score", score)):
         if t.device != block.device:
             raise ValueError(f"{name} is on {t.device} but block on {block.device}; move them together")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int):
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral):
         raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
     if isinstance(threshold, torch.Tensor) or not isinstance(threshold, (int, float)):
         raise TypeError(f"threshold must be a Python float, got {type(threshold).__name__}")
@@ -75,6 +77,10 @@ def _check_args(block, revealed, score, threshold, mask_token_id, rule):
 def remask_triton(block, revealed, score, threshold, *, mask_token_id, rule="tau", out=None):
     """Triton launcher; ``out``: optional preallocated bool [B, L] (tests poison it)."""
     _check_args(block, revealed, score, threshold, mask_token_id, rule)
+    if block.device.type != "cuda" and not interpreter_on():
+        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {block.device}); set "
+                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
+                           "mrp_triton.remask() (reference path on CPU)")
     if not block.is_contiguous():
         raise ValueError("block must be contiguous (it is updated in place)")
     B, L = block.shape

@@ -13,11 +13,13 @@ Semantics: :mod:`mrp_triton.reference.select`.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
 
-from .backend import select_backend
+from .backend import interpreter_on, select_backend
 from .reference.select import select_commit as select_commit_reference
 
 MAX_L = 8192
@@ -74,7 +76,7 @@ def _check_args(block, tokens, conf, mask_token_id, n, threshold):
     for name, t in (("tokens", tokens), ("conf", conf)):
         if t.device != block.device:
             raise ValueError(f"{name} is on {t.device} but block on {block.device}; move them together")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int):
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral):
         raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
     if isinstance(n, torch.Tensor):
         if n.dtype.is_floating_point or n.dtype == torch.bool or n.numel() != B:
@@ -91,6 +93,10 @@ def _check_args(block, tokens, conf, mask_token_id, n, threshold):
 def select_commit_triton(block, tokens, conf, *, mask_token_id, n, threshold=None, out=None):
     """Triton launcher; ``out``: optional preallocated bool [B, L] (tests poison it)."""
     _check_args(block, tokens, conf, mask_token_id, n, threshold)
+    if block.device.type != "cuda" and not interpreter_on():
+        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {block.device}); set "
+                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
+                           "mrp_triton.select_commit() (reference path on CPU)")
     B, L = block.shape
     if L > MAX_L:
         raise ValueError(f"block length L={L} > {MAX_L} is not supported by the Triton select kernel; "

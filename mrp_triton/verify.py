@@ -13,11 +13,13 @@ Cost model: read (K+1) * L * 12 + K * 16 + L * 8 bytes per row, write L * 8 + 12
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
 
-from .backend import select_backend
+from .backend import interpreter_on, select_backend
 from .reference.verify import verify_drafts as verify_drafts_reference
 
 
@@ -85,13 +87,17 @@ def _check_args(block, draft_pos, draft_tok, target_tok, target_conf, mask_token
                     ("target_conf", target_conf)):
         if t.device != block.device:
             raise ValueError(f"{name} is on {t.device} but block on {block.device}; move them together")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int):
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral):
         raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
 
 
 def verify_drafts_triton(block, draft_pos, draft_tok, target_tok, target_conf, *, mask_token_id, out=None):
     """Triton launcher; ``out = (accepted, bonus_pos)`` optional preallocated outputs (tests poison them)."""
     _check_args(block, draft_pos, draft_tok, target_tok, target_conf, mask_token_id)
+    if block.device.type != "cuda" and not interpreter_on():
+        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {block.device}); set "
+                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
+                           "mrp_triton.verify_drafts() (reference path on CPU)")
     if not block.is_contiguous():
         raise ValueError("block must be contiguous (it is updated in place)")
     B, L = block.shape
