@@ -27,7 +27,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="+", default=[], metavar="PATH",
                    help="text files, JSONL ({text} | {prompt,response} | {messages}) or folders")
-    g.add_argument("--heldout-fraction", type=float, default=0.01, help="documents held out for evaluation")
+    g.add_argument("--heldout-fraction", type=float, default=None,
+                   help="documents (files for --stdlib) held out for evaluation; default 0.01 (0.02 with --stdlib)")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed sequence (multiple of --block-size)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (AutoTokenizer)")
     g = p.add_argument_group("optimisation")
@@ -169,11 +170,13 @@ def run(argv: list[str] | None = None) -> dict:
 
         mpath = args.stdlib_manifest or os.path.join(cfg.out_dir, "stdlib_manifest.json")
         if rank == 0 and not os.path.exists(mpath):
-            write_manifest(mpath, build_manifest(args.heldout_fraction, cfg.seed))
+            frac = 0.02 if args.heldout_fraction is None else args.heldout_fraction
+            write_manifest(mpath, build_manifest(frac, cfg.seed))
         barrier()
         train_r, held_r = manifest_records(load_manifest(mpath))
     else:
-        train_r, held_r = split_records(read_records(args.data), args.heldout_fraction, cfg.seed)
+        frac = 0.01 if args.heldout_fraction is None else args.heldout_fraction
+        train_r, held_r = split_records(read_records(args.data), frac, cfg.seed)
     if not train_r:
         raise ConfigError(f"--data: no documents found in {args.data!r}")
 
