@@ -121,3 +121,20 @@ def test_stdlib_corpus(tmp_path):
     m2 = load_manifest(p)
     assert m2["heldout"] and m2["train"] and not set(m2["train"]) & set(m2["heldout"])
     assert all(not os.path.isabs(f) for f in m2["train"])
+
+
+def test_chat_template_is_used_when_present(tok, corpus):
+    import copy
+
+    from training.data import read_records, record_to_segments
+
+    t = copy.deepcopy(tok)
+    t.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rec = read_records([corpus["chat"]])[0]
+    segs = record_to_segments(rec, t)
+    full = t.apply_chat_template(rec["messages"], tokenize=False)
+    assert "".join(s for s, _ in segs) == full
+    answers = [s for s, f in segs if not f]
+    assert answers == [rec["messages"][2]["content"] + "<|im_end|>\n", rec["messages"][4]["content"] + "<|im_end|>\n"]
+    assert all(s.endswith("<|im_start|>assistant\n") for s, f in segs if f)
