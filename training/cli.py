@@ -4,6 +4,7 @@
         --hidden-size 256 --num-layers 4 --num-heads 4 --num-kv-heads 2 --vocab-size 4096
     mrp-train backbone --stdlib --out runs/stdlib ...          # the CPython stdlib corpus
     mrp-train mrp --model runs/tiny --data sft.jsonl --out runs/tiny-mrp --mrp-layers 3 --unroll-k 2
+    mrp-train mrp --model runs/stdlib --stdlib --out runs/stdlib-mrp   # same corpus and split as the backbone
     torchrun --nproc_per_node 2 -m training.cli backbone ...    # same flags, DDP
 
 Exit status 2 with a message naming the flag on a bad configuration.
@@ -57,6 +58,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
 
 
+def _stdlib_args(p: argparse.ArgumentParser, default_manifest: str) -> argparse._ArgumentGroup:
+    g = p.add_argument_group("corpus / tokenizer")
+    g.add_argument("--stdlib", action="store_true",
+                   help="train on the CPython standard library's .py files (file-level split; see --stdlib-manifest)")
+    g.add_argument("--stdlib-manifest", default=None,
+                   help=f"read (if it exists) or write this manifest; default {default_manifest}")
+    return g
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mrp-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,10 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("backbone", help="train an SDAR backbone from scratch",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _common(b)
-    g = b.add_argument_group("corpus / tokenizer")
-    g.add_argument("--stdlib", action="store_true",
-                   help="train on the CPython standard library's .py files (file-level split; see --stdlib-manifest)")
-    g.add_argument("--stdlib-manifest", default=None, help="read (if it exists) or write this manifest; default OUT/stdlib_manifest.json")
+    g = _stdlib_args(b, "OUT/stdlib_manifest.json")
     g.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary when training a tokenizer")
     g = b.add_argument_group("model size")
     g.add_argument("--block-size", type=int, default=4)
@@ -85,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mrp", help="train an MRP head on a frozen backbone",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _common(m)
+    _stdlib_args(m, "MODEL/stdlib_manifest.json (the backbone's split) if it exists, else OUT/stdlib_manifest.json")
     g = m.add_argument_group("MRP")
     g.add_argument("--model", required=True, help="backbone folder (save_pretrained); its tokenizer is used unless --tokenizer")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
@@ -134,6 +142,13 @@ def _export(out_dir: str, tokenizer, cfg: TrainConfig):
     return export
 
 
+def _default_manifest(args, out_dir: str) -> str:
+    """An MRP head trains on its backbone's split when the backbone recorded one."""
+    if args.command == "mrp" and os.path.exists(os.path.join(args.model, "stdlib_manifest.json")):
+        return os.path.join(args.model, "stdlib_manifest.json")
+    return os.path.join(out_dir, "stdlib_manifest.json")
+
+
 def run(argv: list[str] | None = None) -> dict:
     """Parse ``argv``, train, export. Raises ConfigError on a bad configuration."""
     args = build_parser().parse_args(argv)
@@ -153,10 +168,10 @@ def run(argv: list[str] | None = None) -> dict:
     cfg = _config(args, block)
     if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
         raise ConfigError(f"--tokenizer: {args.tokenizer!r} does not exist")
-    if args.command == "backbone" and args.stdlib and args.data:
+    if args.stdlib and args.data:
         raise ConfigError("--stdlib and --data are mutually exclusive")
-    if not args.data and not (args.command == "backbone" and args.stdlib):
-        raise ConfigError("--data: no training data given (or use --stdlib for backbone training)")
+    if not args.data and not args.stdlib:
+        raise ConfigError("--data: no training data given (or use --stdlib)")
 
     rank, world, device = init_distributed(cfg.device)
     random.seed(cfg.seed)
@@ -165,15 +180,18 @@ def run(argv: list[str] | None = None) -> dict:
         os.makedirs(cfg.out_dir, exist_ok=True)
 
     # records and their split (every rank reads the same files deterministically)
-    if args.command == "backbone" and args.stdlib:
+    if args.stdlib:
         from .stdlib_corpus import build_manifest, load_manifest, manifest_records, write_manifest
 
-        mpath = args.stdlib_manifest or os.path.join(cfg.out_dir, "stdlib_manifest.json")
+        mpath = args.stdlib_manifest or _default_manifest(args, cfg.out_dir)
         if rank == 0 and not os.path.exists(mpath):
             frac = 0.02 if args.heldout_fraction is None else args.heldout_fraction
             write_manifest(mpath, build_manifest(frac, cfg.seed))
         barrier()
-        train_r, held_r = manifest_records(load_manifest(mpath))
+        manifest = load_manifest(mpath)
+        if rank == 0 and os.path.abspath(mpath) != os.path.abspath(os.path.join(cfg.out_dir, "stdlib_manifest.json")):
+            write_manifest(os.path.join(cfg.out_dir, "stdlib_manifest.json"), manifest)  # recorded with the model
+        train_r, held_r = manifest_records(manifest)
     else:
         frac = 0.01 if args.heldout_fraction is None else args.heldout_fraction
         train_r, held_r = split_records(read_records(args.data), frac, cfg.seed)

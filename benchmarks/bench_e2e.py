@@ -1,0 +1,218 @@
+"""End-to-end decoding benchmark on held-out code: every strategy against static one-token-a-step decoding.
+
+Prompts are function signatures plus their first body line, taken from the held-out standard-library files
+recorded with the model (``stdlib_manifest.json``). For each mode the script reports tokens per backbone
+forward (TPF), backbone and MRP forwards, tokens/s, speedup over static, whether each completion is
+identical to the static one, and quality: token agreement with the static output and the share of
+completions that parse with ``ast.parse`` once the function is closed.
+
+    python benchmarks/bench_e2e.py                       # the shipped model, results to benchmarks/results/
+    python benchmarks/bench_e2e.py --model DIR --prompts 8 --max-new-tokens 32 --out /tmp/e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import platform
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
+
+MODES = (
+    [("static", {})]
+    + [(f"dynamic tau={t}", {"strategy": "dynamic", "threshold": t}) for t in (0.5, 0.6, 0.7, 0.8, 0.9)]
+    + [(f"direct K={k}", {"strategy": "direct", "mrp_steps": k}) for k in (1, 2)]
+    + [(f"speculative K={k} {s}", {"strategy": "speculative", "mrp_steps": k, "draft_schedule": s})
+       for s in ("mrp", "authors") for k in (1, 2, 3, 4)]
+    + [(f"remask {r} tau={t}", {"strategy": "remask", "threshold": t, "remask_rule": r})
+       for r in ("tau", "delta") for t in (0.5, 0.6, 0.7, 0.8, 0.9)]
+)
+
+
+def heldout_prompts(manifest_path: Path, limit: int, max_lines: int = 2) -> list[str]:
+    """``def`` line(s) and the first body line of functions from the held-out files, dedented."""
+    manifest = json.loads(manifest_path.read_text())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts: list[str] = []
+    for rel in manifest["heldout"]:
+        path = root / rel
+        if not path.exists():
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        lines = source.splitlines()
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for fn in sorted(functions, key=lambda n: n.lineno)[:3]:
+            first_body = fn.body[0].lineno
+            if first_body - fn.lineno >= max_lines:
+                continue
+            indent = len(lines[fn.lineno - 1]) - len(lines[fn.lineno - 1].lstrip())
+            chunk = [line[indent:] for line in lines[fn.lineno - 1 : first_body]]
+            prompts.append("\n".join(chunk) + "\n")
+    return prompts[:limit]
+
+
+def closes_and_parses(prompt: str, completion: str) -> bool:
+    """Whether prompt + completion parses once cut where the function ends (first line back at column 0)
+    and with the last, possibly unfinished, line dropped."""
+    lines = (prompt + completion).split("\n")
+    body = [lines[0]]
+    for line in lines[1:]:
+        if line.strip() and not line[0].isspace():
+            break
+        body.append(line)
+    else:
+        body = body[:-1]  # generation stopped inside the function: drop the cut line
+    text = "\n".join(body).rstrip()
+    if len(text.split("\n")) < 2:
+        text += "\n    pass"
+    try:
+        ast.parse(text)
+    except SyntaxError:
+        return False
+    return True
+
+
+def run_mode(model, tokenizer, prompts: list[str], settings: dict, batch_size: int):
+    """Returns per-prompt completions (token lists) and summed stats, plus wall seconds."""
+    completions, totals, seconds = [], {}, 0.0
+    tokenizer.padding_side = "left"
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        enc = tokenizer(chunk, return_tensors="pt", padding=True)
+        ids, mask = enc.input_ids.to(model.device), enc.attention_mask.to(model.device)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **settings)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - t0
+        completions += out.sequences[:, ids.shape[1]:].tolist()
+        for key, values in out.stats.as_dict().items():
+            if key != "accepted_lengths":
+                totals[key] = totals.get(key, 0) + sum(values)
+    return completions, totals, seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(SHIPPED_MODEL))
+    p.add_argument("--manifest", type=Path, help="default: MODEL/stdlib_manifest.json")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--modes", nargs="*", help="substrings selecting modes (default: all)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--tag", default=None, help="file name stem (default: e2e_<device>)")
+    args = p.parse_args(argv)
+
+    tokenizer, model = load(args.model, args.device, args.dtype)
+    manifest = args.manifest or Path(args.model) / "stdlib_manifest.json"
+    prompts = heldout_prompts(manifest, args.prompts)
+    if not prompts:
+        raise SystemExit(f"no held-out prompts found from {manifest}")
+    modes = [m for m in MODES if not args.modes or any(s in m[0] for s in args.modes)]
+    if modes[0][0] != "static":
+        modes.insert(0, MODES[0])
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    base = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos)
+
+    rows, static = [], None
+    for name, extra in modes:
+        completions, totals, seconds = run_mode(model, tokenizer, prompts, {**base, **extra}, args.batch_size)
+        static = static or (completions, totals, seconds)
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        agree = [sum(a == b for a, b in zip(c, s)) / len(c) for c, s in zip(completions, static[0])]
+        row = {
+            "mode": name,
+            "tpf": totals["tokens_committed"] / max(totals["backbone_forwards"], 1),
+            "backbone_forwards": totals["backbone_forwards"],
+            "mrp_forwards": totals["mrp_forwards"],
+            "tokens": totals["tokens_committed"],
+            "tokens_per_s": totals["tokens_committed"] / seconds,
+            "speedup_vs_static": (totals["tokens_committed"] / seconds) / (static[1]["tokens_committed"] / static[2]),
+            "identical_to_static": sum(c == s for c, s in zip(completions, static[0])) / len(prompts),
+            "agreement_with_static": sum(agree) / len(agree),
+            "parses": sum(closes_and_parses(pr, t) for pr, t in zip(prompts, texts)) / len(prompts),
+            "tokens_remasked": totals["tokens_remasked"],
+        }
+        rows.append(row)
+        print(f"{name:<26} TPF {row['tpf']:5.2f}  tok/s {row['tokens_per_s']:7.1f}  x{row['speedup_vs_static']:.2f}  "
+              f"identical {row['identical_to_static']:.0%}  agree {row['agreement_with_static']:.0%}  "
+              f"parses {row['parses']:.0%}", flush=True)
+
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    meta = {"model": str(args.model), "device": device_name, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "batch_size": args.batch_size, "commit": commit, "example_prompt": prompts[0],
+            "example_static_completion": tokenizer.decode(static[0][0], skip_special_tokens=True)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.tag or f"e2e_{'gpu' if args.device.startswith('cuda') else 'cpu'}"
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    with open(args.out / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out / f"{stem}.md").write_text(markdown_table(rows, meta))
+    plot(rows, args.out / f"{stem}.png", meta)
+    print(f"wrote {args.out / stem}.{{json,csv,md,png}}")
+    return 0
+
+
+def markdown_table(rows: list[dict], meta: dict) -> str:
+    head = ("| mode | TPF | backbone fwd | MRP fwd | tok/s | speedup | identical to static | agreement | parses |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    body = "".join(f"| {r['mode']} | {r['tpf']:.2f} | {r['backbone_forwards']} | {r['mrp_forwards']} | "
+                   f"{r['tokens_per_s']:.1f} | {r['speedup_vs_static']:.2f}x | {r['identical_to_static']:.0%} | "
+                   f"{r['agreement_with_static']:.0%} | {r['parses']:.0%} |\n" for r in rows)
+    return (f"{meta['prompts']} held-out prompts, {meta['max_new_tokens']} new tokens, batch {meta['batch_size']}, "
+            f"{meta['device']} ({meta['threads']} threads), torch {meta['torch']}, commit {meta['commit']}\n\n"
+            + head + body)
+
+
+def plot(rows: list[dict], path: Path, meta: dict) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    families = {"static": "k", "dynamic": "tab:blue", "direct": "tab:orange", "speculative": "tab:green",
+                "remask": "tab:red"}
+    for family, color in families.items():
+        pts = [r for r in rows if r["mode"].startswith(family)]
+        ax.scatter([r["tpf"] for r in pts], [r["agreement_with_static"] for r in pts], c=color, label=family)
+    ax.set_xlabel("tokens per backbone forward (TPF)")
+    ax.set_ylabel("agreement with static decoding")
+    ax.set_title(f"Quality vs TPF, {meta['prompts']} held-out prompts ({meta['device']})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
