@@ -136,6 +136,20 @@ class BlockDecoder:
             top_p=s.top_p if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
+    def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
+                    counter: torch.Tensor):
+        """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]). Greedy picks go through the fused
+        LM-head confidence, which never writes the [B, T, V] logits; sampling builds them."""
+        s = self.settings
+        if s.do_sample:
+            return self.pick(self.model.lm_head(hidden), positions, candidates, counter)
+        B, T, H = hidden.shape
+        tok, conf, lse = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), self.model.lm_head.weight,
+                                                       mask_token_id=self.mask_id)
+        tok, conf, lse = tok.view(B, T), conf.view(B, T), lse.view(B, T)
+        return (tok.masked_fill(~candidates, -1), conf.masked_fill(~candidates, 0.0),
+                lse.masked_fill(~candidates, float("-inf")))
+
     def step_quota(self, masked_at_start: torch.Tensor, step: int) -> torch.Tensor:
         """SDAR's schedule: n = m // S per step, the first m % S steps one more. masked_at_start: [B]."""
         S = self.settings.denoising_steps
@@ -194,8 +208,7 @@ def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: to
         masked = dec.masked(block, active)
         if not masked.any():
             break
-        logits = dec.model.lm_head(dec.backbone(block, positions))
-        tok, conf, _ = dec.pick(logits, positions, masked, dec.counter)
+        tok, conf, _ = dec.pick_hidden(dec.backbone(block, positions), positions, masked, dec.counter)
         quota = dec.step_quota(quota_base, step) * active
         committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                              threshold=threshold)

@@ -26,14 +26,14 @@ class MRPChain:
         self.last = h_a
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: [B, T] (state after the newest commit) -> corrected logits [B, T, V]."""
-        head = self.dec.model.lm_head
+        """ids: [B, T] (state after the newest commit) -> the hidden state whose lm_head gives the
+        corrected logits, [B, T, H]."""
         if self.dec.settings.mrp_mix == "logits_sum":
             h_p = self.dec.mrp(ids, self.h_a + self.scale * self.residual_sum, self.positions)
             self.residual_sum = self.residual_sum + h_p
-            return head(self.h_a + self.scale * self.residual_sum)
+            return self.h_a + self.scale * self.residual_sum
         self.last = self.dec.mrp(ids, self.last, self.positions)
-        return head(self.last)
+        return self.last
 
 
 def _one_each(masked: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch
         if not masked.any():
             return
         h_a = dec.backbone(block, positions)
-        tok, conf, _ = dec.pick(dec.model.lm_head(h_a), positions, masked, dec.counter)
+        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
         committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
         dec.record(masked.any(-1), committed)
         chain = MRPChain(dec, h_a, positions)
@@ -66,14 +66,14 @@ def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch
             masked = dec.masked(block, active)
             if not masked.any():
                 return
-            tok, conf, _ = dec.pick(chain.step(block), positions, masked, dec.counter)
+            tok, conf, _ = dec.pick_hidden(chain.step(block), positions, masked, dec.counter)
             committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id,
                                                  n=_one_each(masked))
             dec.record(masked.any(-1), committed, mrp=True)
 
 
 def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
-           seed_h: torch.Tensor, seed_logits: torch.Tensor):
+           seed_h: torch.Tensor):
     """K one-token drafts from the current state C(0) = block.
 
     Returns draft_pos, draft_tok [B, K] (-1 = no draft) and the candidate states [B, K+1, T]."""
@@ -84,11 +84,11 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, acti
     for k in range(K):
         masked = dec.masked(state, active)
         if k == 0 and dec.settings.draft_schedule == "authors":
-            logits = seed_logits  # the backbone's own (stale) pick from the seed forward
+            hidden = seed_h  # the backbone's own (stale) pick from the seed forward
         else:
-            logits = chain.step(state)
+            hidden = chain.step(state)
             dec.stats.mrp_forwards += masked.any(-1).long()
-        tok, conf, _ = dec.pick(logits, positions, masked, dec.counter + k)
+        tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k)
         committed = mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
         pos, t = _only_position(committed, tok)
         draft_pos.append(pos)
@@ -103,12 +103,10 @@ def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: 
     per-row acceptance of the longest prefix the backbone agrees with, plus its bonus token."""
     K = dec.settings.mrp_steps
     B, T = block.shape
-    head = dec.model.lm_head
     # Opening forward of the block: the backbone's exact pick (a verify round with no drafts).
     masked = dec.masked(block, active)
     seed_h = dec.backbone(block, positions)
-    seed_logits = head(seed_h)
-    tok, conf, _ = dec.pick(seed_logits, positions, masked, dec.counter)
+    tok, conf, _ = dec.pick_hidden(seed_h, positions, masked, dec.counter)
     committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
     dec.record(masked.any(-1), committed)
     copies = torch.arange(K + 1, device=block.device)
@@ -118,27 +116,26 @@ def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: 
         live = dec.masked(block, active).any(-1)
         if not live.any():
             return
-        draft_pos, draft_tok, states = _draft(dec, block, positions, active, seed_h, seed_logits)
+        draft_pos, draft_tok, states = _draft(dec, block, positions, active, seed_h)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, segments)
-        logits_all = head(h_all)
         candidates = (states == dec.mask_id) & active[:, None, None]
         counters = (dec.counter[:, None] + copies).repeat_interleave(T, dim=1)
-        tok, conf, _ = dec.pick(logits_all, flat_positions, candidates.reshape(B, -1), counters)
+        tok, conf, _ = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters)
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, tok.view(B, K + 1, T),
                                                    conf.view(B, K + 1, T), mask_token_id=dec.mask_id)
         accepted = accepted.long()
         dec.record(live, (accepted + (bonus >= 0).long()) * live)
         dec.stats.accepted_lengths[dec.rows, accepted] += live.long()
         seed_h = h_all.view(B, K + 1, T, -1)[dec.rows, accepted]
-        seed_logits = logits_all.view(B, K + 1, T, -1)[dec.rows, accepted]
 
 
-def _token_scores(dec: BlockDecoder, logits: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
+def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
                   revealed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Per revealed position [B, T]: the corrected confidence of its token (rule "tau") or the residual
-    magnitude |C[pos, token]| with C = corrected - A (rule "delta")."""
+    magnitude |C[pos, token]| with C = corrected - A, A = lm_head(h_A) (rule "delta")."""
     t = tokens.clamp(min=0)[..., None]
     if dec.settings.remask_rule == "delta":
+        logits = dec.model.lm_head(h_a)
         return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
     _, _, lse = dec.pick(corrected, positions, revealed, dec.counter)
     temperature = dec.settings.temperature if dec.settings.do_sample else 1.0
@@ -159,14 +156,13 @@ def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch
         if not masked.any():
             return
         h_a = dec.backbone(block, positions)
-        logits = head(h_a)
-        tok, conf, _ = dec.pick(logits, positions, masked, dec.counter)
+        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
         before = block.clone()
         quota = torch.maximum(dec.step_quota(quota_base, step), _one_each(masked)) * masked.any(-1)
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=s.threshold)
-        corrected = MRPChain(dec, h_a, positions).step(block if rule == "tau" else before)
-        score = _token_scores(dec, logits, corrected, tok, revealed, positions)
+        corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
+        score = _token_scores(dec, h_a, corrected, tok, revealed, positions)
         limit = s.threshold if rule == "tau" else s.residual_delta
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
         dec.record(masked.any(-1), revealed & ~remasked)
