@@ -13,25 +13,14 @@ interpreter (CPU), timed with perf_counter, to check that the script runs end to
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness  # noqa: E402
 
 FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "gbps", "copy_ratio",
           "speedup_vs_eager", "gpu", "torch", "triton", "commit"]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -44,17 +33,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     args = ap.parse_args(argv)
 
-    import torch
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        print("bench_decode_kernels: no CUDA device found; this benchmark needs a GPU "
-              "(run with --smoke for a tiny CPU check through the Triton interpreter)", file=sys.stderr)
+    cuda = _harness.cuda_or_smoke("bench_decode_kernels", args.smoke)
+    if cuda is None:
         return 2
-    if args.smoke and not cuda:
-        os.environ["TRITON_INTERPRET"] = "1"  # before mrp_triton's kernels are decorated
-    import triton
+    import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import mrp_triton as mt
     from mrp_triton import reference as ref
 
@@ -63,33 +46,18 @@ def main(argv=None) -> int:
         rows, V = [2, 5], 1000
     else:
         rows, V = [int(r) for r in args.rows.split(",")], args.vocab
-    gpu = torch.cuda.get_device_name(dev) if cuda else f"cpu-interpreter ({platform.processor() or 'cpu'})"
-    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": _commit()}
-
-    def bench(fn):
-        if cuda:
-            q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=10, rep=40)
-            return [x * 1e3 for x in q]
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        ts.sort()
-        return [ts[1], ts[0], ts[2]]
+    meta = _harness.run_meta(cuda)
+    gpu = meta["gpu"]
+    bench = _harness.make_bench(cuda, warmup=10, rep=40)
 
     results = []
     copy_bw = None
     if cuda:
         nbytes = 512 * 2**20
-        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
-        dst = torch.empty_like(src)
-        med, p20, p80 = bench(lambda: dst.copy_(src))
-        copy_bw = 2 * nbytes / (med * 1e-6) / 1e9
+        (med, p20, p80), bytes_per_s = _harness.copy_bandwidth(bench, nbytes)
+        copy_bw = bytes_per_s / 1e9
         results.append(dict(kernel="copy", shape=f"{nbytes // 2**20}MiB", provider="torch", median_us=med,
                             p20_us=p20, p80_us=p80, gbps=copy_bw, copy_ratio=1.0, speedup_vs_eager=None))
-        del src, dst
 
     def eager_res(L, R):
         return torch.softmax((L + R).float(), dim=-1).max(dim=-1)
@@ -170,15 +138,9 @@ def main(argv=None) -> int:
 
     for r in results:
         r.update(meta)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = "decode_kernels_smoke" if args.smoke else "decode_kernels"
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in results:
-            w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "copy_gbps": copy_bw, "rows": results}, indent=1))
+    out = _harness.write_results(args.out, stem, FIELDS, results,
+                                 {"meta": meta, "copy_gbps": copy_bw, "rows": results}, float_format=".4g")
 
     def fmt(v, spec):
         return format(v, spec) if isinstance(v, (int, float)) else "-"

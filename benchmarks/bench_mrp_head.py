@@ -23,14 +23,11 @@ interpreter on CPU, timed with perf_counter, only to check that the script runs 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness  # noqa: E402
 
 FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "gbps", "x_weight_read",
           "speedup_vs_eager", "gpu", "torch", "triton", "commit", "note"]
@@ -55,14 +52,6 @@ SWEEP = [
 ]
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="directory for mrp_head.csv / .json")
@@ -76,18 +65,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     args = ap.parse_args(argv)
 
-    import torch
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        print("bench_mrp_head: no CUDA device found; this benchmark needs a GPU "
-              "(run with --smoke for a tiny CPU check through the Triton interpreter)", file=sys.stderr)
+    cuda = _harness.cuda_or_smoke("bench_mrp_head", args.smoke)
+    if cuda is None:
         return 2
-    if args.smoke and not cuda:
-        os.environ["TRITON_INTERPRET"] = "1"  # before mrp_triton's kernels are decorated
-    import triton
-    import triton.testing
+    import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import mrp_triton as mt
     from mrp_triton import reference as ref
 
@@ -102,24 +84,11 @@ def main(argv=None) -> int:
         rows, hiddens, V = [int(r) for r in args.rows.split(",")], [int(h) for h in args.hidden.split(",")], args.vocab
         models = {m: MODELS[m] for m in args.models.split(",")}
         seq = [(b, t) for b in (1, 8) for t in (16, 64, 128)]
-    gpu = torch.cuda.get_device_name(dev) if cuda else f"cpu-interpreter ({platform.processor() or 'cpu'})"
-    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": _commit()}
+    meta = _harness.run_meta(cuda)
     print(f"# {meta}")
     results: list[dict] = []
     failures: list[str] = []
-
-    def bench(fn):
-        if cuda:
-            q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=5, rep=25)
-            return [x * 1e3 for x in q]
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        ts.sort()
-        return [ts[1], ts[0], ts[2]]
+    bench = _harness.make_bench(cuda, warmup=5, rep=25)
 
     def record(kernel, shape, provider, q, nbytes=None, floor_us=None, eager_us=None, note=""):
         med = q[0]
@@ -143,11 +112,7 @@ def main(argv=None) -> int:
 
     # ------------------------------------------------------------ copy bandwidth (the ceiling)
     if cuda:
-        buf = torch.empty(2**29, dtype=torch.uint8, device=dev)  # 512 MiB
-        dst = torch.empty_like(buf)
-        t_copy = bench(lambda: dst.copy_(buf))[0]
-        copy_bw = 2 * buf.numel() / (t_copy * 1e-6)  # bytes/s, read + written
-        del buf, dst
+        copy_bw = _harness.copy_bandwidth(bench, 2**29)[1]  # 512 MiB; bytes/s, read + written
         print(f"# device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + written)")
     else:
         copy_bw = 1e10
@@ -279,16 +244,10 @@ def main(argv=None) -> int:
                     record(kernel, shape, "triton", bench(lambda: tri(*a)), nbytes, eager_us=eager)
             del E
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = "mrp_head_smoke" if args.smoke else "mrp_head"
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=FIELDS)
-        wr.writeheader()
-        wr.writerows(results)
-    with open(out / f"{stem}.json", "w") as f:
-        json.dump({"meta": {**meta, "copy_bw_tbps": round(meta_bw / 1e12, 3)}, "failures": failures,
-                   "rows": results}, f, indent=1)
+    out = _harness.write_results(args.out, stem, FIELDS, results,
+                                 {"meta": {**meta, "copy_bw_tbps": round(meta_bw / 1e12, 3)}, "failures": failures,
+                                  "rows": results})
     print(f"# wrote {out / stem}.csv and .json ({len(results)} rows, {len(failures)} mismatches)")
     return 1 if failures else 0
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_kernel_device
 from .backend import interpreter_on, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import effective_logits, pick_tokens, seed_hash
@@ -266,10 +267,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
                 top_k, top_p)
-    if logits.device.type != "cuda" and not interpreter_on():
-        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {logits.device}); set "
-                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
-                           "mrp_triton.confidence() (reference path on CPU)")
+    check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
     if out is None:

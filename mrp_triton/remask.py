@@ -11,13 +11,13 @@ Semantics: :mod:`mrp_triton.reference.remask`.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreter_on, select_backend
+from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_kernel_device,
+                      check_on_block_device, check_token_id)
+from .backend import select_backend
 from .reference.remask import RULES
 from .reference.remask import remask as remask_reference
 
@@ -53,18 +53,11 @@ def _check_args(block, revealed, score, threshold, mask_token_id, rule):
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES} ('tau': keep score >= threshold, 'delta': keep "
                          f"|residual| <= threshold), got {rule!r}")
-    if not isinstance(block, torch.Tensor) or block.dim() != 2 or block.dtype != torch.int64:
-        raise ValueError("block must be an int64 tensor [B, L] (it is updated in place)")
-    B, L = block.shape
-    if not isinstance(revealed, torch.Tensor) or revealed.dtype != torch.bool or tuple(revealed.shape) != (B, L):
-        raise ValueError(f"revealed must be a bool tensor of block's shape [{B}, {L}]")
-    if not isinstance(score, torch.Tensor) or not score.is_floating_point() or tuple(score.shape) != (B, L):
-        raise ValueError(f"score must be a float tensor of block's shape [{B}, {L}] (float32 preferred)")
-    for name, t in (("revealed", revealed), ("score", score)):
-        if t.device != block.device:
-            raise ValueError(f"{name} is on {t.device} but block on {block.device}; move them together")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral):
-        raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
+    shape = check_block(block)
+    check_block_shaped("revealed", revealed, shape, torch.bool)
+    check_block_shaped("score", score, shape)
+    check_on_block_device(block, revealed=revealed, score=score)
+    check_token_id(mask_token_id)
     if isinstance(threshold, torch.Tensor) or not isinstance(threshold, (int, float)):
         raise TypeError(f"threshold must be a Python float, got {type(threshold).__name__}")
     if rule == "tau" and not (0.0 < threshold <= 1.0):
@@ -77,12 +70,8 @@ def _check_args(block, revealed, score, threshold, mask_token_id, rule):
 def remask_triton(block, revealed, score, threshold, *, mask_token_id, rule="tau", out=None):
     """Triton launcher; ``out``: optional preallocated bool [B, L] (tests poison it)."""
     _check_args(block, revealed, score, threshold, mask_token_id, rule)
-    if block.device.type != "cuda" and not interpreter_on():
-        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {block.device}); set "
-                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
-                           "mrp_triton.remask() (reference path on CPU)")
-    if not block.is_contiguous():
-        raise ValueError("block must be contiguous (it is updated in place)")
+    check_kernel_device(block.device, "remask")
+    check_contiguous_block(block)
     B, L = block.shape
     remasked = torch.empty(B, L, dtype=torch.bool, device=block.device) if out is None else out
     if B == 0 or L == 0:

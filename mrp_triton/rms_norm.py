@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_float, check_matches
 from .backend import select_backend
 from .reference.rms_norm import rms_norm as rms_norm_reference
 
@@ -62,16 +63,11 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_cols, eps,
     tl.store(y_ptr + row * stride_y + cols, (xn * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if not t.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-
-
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None):
     """Triton launcher of :func:`rms_norm` (same arguments and results)."""
-    _check_float("x", x)
-    _check_float("weight", weight)
+    check_float("x", x)
+    check_float("weight", weight)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
     H = x.shape[-1]
@@ -80,12 +76,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if weight.device != x.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
-        if residual.device != x.device:
-            raise ValueError(f"x is on {x.device} but residual is on {residual.device}")
+        check_matches("residual", residual, "x", x)
     BLOCK, num_warps = row_settings(H)
     x2 = x.reshape(-1, H).contiguous()
     w = weight.contiguous()

@@ -13,13 +13,13 @@ Semantics: :mod:`mrp_triton.reference.select`.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreter_on, select_backend
+from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_kernel_device,
+                      check_on_block_device, check_token_id)
+from .backend import select_backend
 from .reference.select import select_commit as select_commit_reference
 
 MAX_L = 8192
@@ -66,18 +66,11 @@ def _select_kernel(block_ptr, tok_ptr, conf_ptr, n_ptr, out_ptr, L, n_scalar, ma
 
 
 def _check_args(block, tokens, conf, mask_token_id, n, threshold):
-    if not isinstance(block, torch.Tensor) or block.dim() != 2 or block.dtype != torch.int64:
-        raise ValueError("block must be an int64 tensor [B, L] (it is updated in place)")
-    B, L = block.shape
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tuple(tokens.shape) != (B, L):
-        raise ValueError(f"tokens must be an int64 tensor of block's shape [{B}, {L}]")
-    if not isinstance(conf, torch.Tensor) or tuple(conf.shape) != (B, L) or not conf.is_floating_point():
-        raise ValueError(f"conf must be a float tensor of block's shape [{B}, {L}] (float32 preferred)")
-    for name, t in (("tokens", tokens), ("conf", conf)):
-        if t.device != block.device:
-            raise ValueError(f"{name} is on {t.device} but block on {block.device}; move them together")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral):
-        raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
+    B, L = check_block(block)
+    check_block_shaped("tokens", tokens, (B, L), torch.int64)
+    check_block_shaped("conf", conf, (B, L))
+    check_on_block_device(block, tokens=tokens, conf=conf)
+    check_token_id(mask_token_id)
     if isinstance(n, torch.Tensor):
         if n.dtype.is_floating_point or n.dtype == torch.bool or n.numel() != B:
             raise ValueError(f"n must be an int or an integer tensor [B] = [{B}], got {n.dtype} {tuple(n.shape)}")
@@ -93,16 +86,12 @@ def _check_args(block, tokens, conf, mask_token_id, n, threshold):
 def select_commit_triton(block, tokens, conf, *, mask_token_id, n, threshold=None, out=None):
     """Triton launcher; ``out``: optional preallocated bool [B, L] (tests poison it)."""
     _check_args(block, tokens, conf, mask_token_id, n, threshold)
-    if block.device.type != "cuda" and not interpreter_on():
-        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {block.device}); set "
-                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
-                           "mrp_triton.select_commit() (reference path on CPU)")
+    check_kernel_device(block.device, "select_commit")
     B, L = block.shape
     if L > MAX_L:
         raise ValueError(f"block length L={L} > {MAX_L} is not supported by the Triton select kernel; "
                          "use the reference backend (MRP_TRITON_BACKEND=reference)")
-    if not block.is_contiguous():
-        raise ValueError("block must be contiguous (it is updated in place)")
+    check_contiguous_block(block)
     committed = torch.empty(B, L, dtype=torch.bool, device=block.device) if out is None else out
     if B == 0 or L == 0:
         committed.zero_()

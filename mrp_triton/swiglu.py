@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_float, check_matches
 from .backend import select_backend
 from .reference.swiglu import swiglu as swiglu_reference
 
@@ -35,14 +36,8 @@ def _swiglu_kernel(g_ptr, u_ptr, o_ptr, n_elements, BLOCK: tl.constexpr):
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Triton launcher of :func:`swiglu` (same arguments and result)."""
-    if not gate.dtype.is_floating_point:
-        raise TypeError(f"gate must be a floating-point tensor, got {gate.dtype}")
-    if gate.shape != up.shape:
-        raise ValueError(f"gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
-    if gate.dtype != up.dtype:
-        raise TypeError(f"gate dtype {gate.dtype} != up dtype {up.dtype}")
-    if gate.device != up.device:
-        raise ValueError(f"gate is on {gate.device} but up is on {up.device}")
+    check_float("gate", gate)
+    check_matches("gate", gate, "up", up)
     g = gate.contiguous()
     u = up.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)

@@ -13,13 +13,12 @@ Cost model: read (K+1) * L * 12 + K * 16 + L * 8 bytes per row, write L * 8 + 12
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreter_on, select_backend
+from ._checks import check_block, check_contiguous_block, check_kernel_device, check_on_block_device, check_token_id
+from .backend import select_backend
 from .reference.verify import verify_drafts as verify_drafts_reference
 
 
@@ -65,9 +64,7 @@ def _verify_kernel(block_ptr, dpos_ptr, dtok_ptr, ttok_ptr, tconf_ptr, acc_ptr, 
 
 
 def _check_args(block, draft_pos, draft_tok, target_tok, target_conf, mask_token_id):
-    if not isinstance(block, torch.Tensor) or block.dim() != 2 or block.dtype != torch.int64:
-        raise ValueError("block must be an int64 tensor [B, L] = state C(0) (it is updated in place)")
-    B, L = block.shape
+    B, L = check_block(block, "[B, L] = state C(0)")
     if not isinstance(draft_pos, torch.Tensor) or draft_pos.dim() != 2 or draft_pos.dtype != torch.int64 \
             or draft_pos.shape[0] != B:
         raise ValueError(f"draft_pos must be an int64 tensor [B, K] with B = {B} (-1 = no draft)")
@@ -83,23 +80,16 @@ def _check_args(block, draft_pos, draft_tok, target_tok, target_conf, mask_token
     if not isinstance(target_conf, torch.Tensor) or not target_conf.is_floating_point() or \
             tuple(target_conf.shape) != (B, K + 1, L):
         raise ValueError(f"target_conf must be a float tensor [B, K+1, L] = [{B}, {K + 1}, {L}]")
-    for name, t in (("draft_pos", draft_pos), ("draft_tok", draft_tok), ("target_tok", target_tok),
-                    ("target_conf", target_conf)):
-        if t.device != block.device:
-            raise ValueError(f"{name} is on {t.device} but block on {block.device}; move them together")
-    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral):
-        raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
+    check_on_block_device(block, draft_pos=draft_pos, draft_tok=draft_tok, target_tok=target_tok,
+                          target_conf=target_conf)
+    check_token_id(mask_token_id)
 
 
 def verify_drafts_triton(block, draft_pos, draft_tok, target_tok, target_conf, *, mask_token_id, out=None):
     """Triton launcher; ``out = (accepted, bonus_pos)`` optional preallocated outputs (tests poison them)."""
     _check_args(block, draft_pos, draft_tok, target_tok, target_conf, mask_token_id)
-    if block.device.type != "cuda" and not interpreter_on():
-        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {block.device}); set "
-                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
-                           "mrp_triton.verify_drafts() (reference path on CPU)")
-    if not block.is_contiguous():
-        raise ValueError("block must be contiguous (it is updated in place)")
+    check_kernel_device(block.device, "verify_drafts")
+    check_contiguous_block(block)
     B, L = block.shape
     K = draft_pos.shape[1]
     if out is None:

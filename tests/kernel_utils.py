@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel tests: poisoned allocations and per-dtype tolerances."""
+"""Helpers shared by the kernel tests: poisoned allocations, per-dtype tolerances, and the row /
+score draws of the decode-op strategies."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 from unittest import mock
 
 import torch
+from hypothesis import strategies as st
 
 # Triton's CPU interpreter truncates fp32 -> bf16 (round toward zero) where CUDA rounds to
 # nearest even, so bf16 results may differ from torch by up to ~2 ulp (2^-6 relative).
@@ -37,3 +39,18 @@ def poisoned_allocations():
     with mock.patch.object(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k))), \
             mock.patch.object(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k))):
         yield
+
+
+def draw_rows(draw, max_rows: int = 8, max_len: int = 40):
+    """Inside an ``@st.composite``: draw B in [1, max_rows], L in [1, max_len] and a seeded
+    ``torch.Generator`` (hypothesis picks the seed, torch makes the tensors)."""
+    B, L = draw(st.integers(1, max_rows)), draw(st.integers(1, max_len))
+    return B, L, torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+
+
+def draw_scores(draw, B: int, L: int, g: torch.Generator) -> torch.Tensor:
+    """float32 [B, L] scores in [0, 1]: either rounded to quarters (many ties, to check the
+    lowest-index tie break) or continuous; about 5% NaN."""
+    score = (torch.rand(B, L, generator=g) * 4).round() / 4 if draw(st.booleans()) else torch.rand(B, L, generator=g)
+    score[torch.rand(B, L, generator=g) < 0.05] = float("nan")
+    return score

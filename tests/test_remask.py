@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mrp_triton as mt
+from kernel_utils import draw_rows, draw_scores
 from mrp_triton.reference.remask import remask as remask_ref
 from mrp_triton.remask import remask_triton
 
@@ -36,15 +37,13 @@ def _oracle(revealed, score, thr, rule):
 
 @st.composite
 def _cases(draw):
-    B, L = draw(st.integers(1, 8)), draw(st.integers(1, 40))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    B, L, g = draw_rows(draw)
     block = torch.randint(0, 20, (B, L), generator=g)
     revealed = torch.rand(B, L, generator=g) < draw(st.sampled_from([0.0, 0.3, 1.0]))
     rule = draw(st.sampled_from(["tau", "delta"]))
-    score = (torch.rand(B, L, generator=g) * 4).round() / 4 if draw(st.booleans()) else torch.rand(B, L, generator=g)
+    score = draw_scores(draw, B, L, g)
     if rule == "delta":
         score = score * 3
-    score[torch.rand(B, L, generator=g) < 0.05] = float("nan")
     thr = draw(st.sampled_from([0.5, 1.0, 0.25] if rule == "tau" else [0.5, 1.0, 2.0]))
     return block, revealed, score, thr, rule, draw(st.booleans())
 

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mrp_triton as mt
+from kernel_utils import draw_rows, draw_scores
 from mrp_triton.reference.select import select_commit as select_ref
 from mrp_triton.select import select_commit_triton
 
@@ -39,14 +40,12 @@ def _oracle(block, tokens, conf, n, threshold):
 
 @st.composite
 def _cases(draw):
-    B, L = draw(st.integers(1, 8)), draw(st.integers(1, 40))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    B, L, g = draw_rows(draw)
     block = torch.randint(0, 10, (B, L), generator=g)
     block[torch.rand(B, L, generator=g) < draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))] = M
     tokens = torch.randint(-1, 12, (B, L), generator=g)
     tokens[torch.rand(B, L, generator=g) < 0.1] = M
-    conf = (torch.rand(B, L, generator=g) * 4).round() / 4 if draw(st.booleans()) else torch.rand(B, L, generator=g)
-    conf[torch.rand(B, L, generator=g) < 0.05] = float("nan")
+    conf = draw_scores(draw, B, L, g)
     if draw(st.booleans()):
         n = draw(st.integers(0, 6))
     else:

@@ -1,0 +1,120 @@
+"""Pieces shared by the kernel benchmark scripts (``bench_decode_kernels.py``, ``bench_mrp_head.py``).
+
+Typical use, in this order (torch and triton are imported lazily so ``--help`` stays fast, and the
+Triton interpreter is switched on before any ``mrp_triton`` kernel is decorated)::
+
+    cuda = _harness.cuda_or_smoke("bench_x", args.smoke)   # None: no GPU and no --smoke, exit 2
+    meta = _harness.run_meta(cuda)                         # gpu, torch, triton, commit
+    bench = _harness.make_bench(cuda, warmup=10, rep=40)   # fn -> [median, p20, p80] in us
+    q, bw = _harness.copy_bandwidth(bench)                 # the memory ceiling (CUDA only)
+    _harness.write_results(out, stem, FIELDS, rows, {...}) # <out>/<stem>.csv and .json
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUANTILES = [0.5, 0.2, 0.8]  # median, p20, p80
+
+
+def commit() -> str:
+    """Short hash of the checked-out commit, or "unknown" (no git, not a checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def cuda_or_smoke(script: str, smoke: bool) -> bool | None:
+    """True with a CUDA device; False for ``--smoke`` without one (sets ``TRITON_INTERPRET=1``, so call
+    this before importing ``mrp_triton``); None after printing to stderr why the benchmark cannot run.
+
+    Also puts the repository root on ``sys.path`` so ``import mrp_triton`` finds this checkout.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not smoke:
+        print(f"{script}: no CUDA device found; this benchmark needs a GPU "
+              "(run with --smoke for a tiny CPU check through the Triton interpreter)", file=sys.stderr)
+        return None
+    if smoke and not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before mrp_triton's kernels are decorated
+    sys.path.insert(0, str(ROOT))
+    return cuda
+
+
+def run_meta(cuda: bool) -> dict:
+    """Columns every result row carries: GPU name (or the CPU interpreter), torch / triton versions, commit."""
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name(torch.device("cuda")) if cuda \
+        else f"cpu-interpreter ({platform.processor() or 'cpu'})"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": commit()}
+
+
+def make_bench(cuda: bool, *, warmup: int, rep: int):
+    """Return ``bench(fn) -> [median, p20, p80]`` in microseconds.
+
+    CUDA: ``triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)`` (ms -> us).
+    CPU (--smoke): one warm-up call, then three perf_counter timings (middle, fastest, slowest):
+    only to show that the script runs, the numbers mean nothing.
+    """
+    def bench(fn):
+        if cuda:
+            import triton.testing
+
+            q = triton.testing.do_bench(fn, quantiles=QUANTILES, warmup=warmup, rep=rep)
+            return [x * 1e3 for x in q]
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        ts.sort()
+        return [ts[1], ts[0], ts[2]]
+
+    return bench
+
+
+def copy_bandwidth(bench, nbytes: int = 512 * 2**20) -> tuple[list[float], float]:
+    """Time a device-to-device copy of ``nbytes`` (default 512 MiB) on the current CUDA device.
+
+    Returns ``(quantiles_us, bytes_per_s)``, the bandwidth counting bytes read + written (2 * nbytes)
+    at the median: the ceiling a memory-bound kernel is compared with.
+    """
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    q = bench(lambda: dst.copy_(src))
+    del src, dst
+    return q, 2 * nbytes / (q[0] * 1e-6)
+
+
+def write_results(out_dir, stem: str, fields: list[str], rows: list[dict], doc: dict,
+                  float_format: str | None = None) -> Path:
+    """Write ``rows`` to ``<out_dir>/<stem>.csv`` (columns ``fields``, floats formatted with
+    ``float_format`` if given) and ``doc`` to ``<stem>.json``; creates ``out_dir``; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            if float_format:
+                r = {k: (format(v, float_format) if isinstance(v, float) else v) for k, v in r.items()}
+            w.writerow(r)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    return out

@@ -1,0 +1,78 @@
+"""Argument checks shared by the op launchers; every error names the offending argument.
+
+Decode ops (select, verify, remask) work on a ``block``: int64 [B, L], updated in place, with
+the other tensors on its device. Row ops (rms_norm, swiglu) pair an operand with another
+that it must match in shape, dtype and device.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .backend import interpreter_on
+
+_KIND = {None: "a float", torch.bool: "a bool", torch.int64: "an int64"}
+
+
+def check_kernel_device(device: torch.device, op: str) -> None:
+    """Refuse non-CUDA tensors unless the Triton interpreter is on; ``op`` names the public
+    ``mrp_triton`` function that would run the reference instead."""
+    if device.type != "cuda" and not interpreter_on():
+        raise RuntimeError(f"the Triton kernel needs CUDA tensors (got {device}); set "
+                           "TRITON_INTERPRET=1 before importing mrp_triton, or call "
+                           f"mrp_triton.{op}() (reference path on CPU)")
+
+
+def check_block(block, desc: str = "[B, L]") -> tuple[int, int]:
+    """``block`` must be an int64 tensor [B, L]; returns (B, L). ``desc`` extends the shape in the message."""
+    if not isinstance(block, torch.Tensor) or block.dim() != 2 or block.dtype != torch.int64:
+        raise ValueError(f"block must be an int64 tensor {desc} (it is updated in place)")
+    return tuple(block.shape)
+
+
+def check_block_shaped(name: str, t, shape: tuple[int, int], dtype: torch.dtype | None = None) -> None:
+    """``t`` must be a tensor of block's ``shape`` [B, L] with ``dtype`` (bool or int64), or any
+    floating dtype when ``dtype`` is None."""
+    B, L = shape
+    ok = isinstance(t, torch.Tensor) and tuple(t.shape) == (B, L) and \
+        (t.is_floating_point() if dtype is None else t.dtype == dtype)
+    if not ok:
+        raise ValueError(f"{name} must be {_KIND[dtype]} tensor of block's shape [{B}, {L}]"
+                         + (" (float32 preferred)" if dtype is None else ""))
+
+
+def check_on_block_device(block: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Every keyword tensor must live on ``block``'s device."""
+    for name, t in tensors.items():
+        if t.device != block.device:
+            raise ValueError(f"{name} is on {t.device} but block on {block.device}; move them together")
+
+
+def check_contiguous_block(block: torch.Tensor) -> None:
+    """The kernels write ``block`` in place through a flat pointer: it must be contiguous."""
+    if not block.is_contiguous():
+        raise ValueError("block must be contiguous (it is updated in place)")
+
+
+def check_token_id(mask_token_id) -> None:
+    """``mask_token_id`` must be an integer (Python or numpy), not a bool."""
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral):
+        raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    """``t`` must have a floating-point dtype."""
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def check_matches(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``t`` must have ``ref``'s shape, dtype and device."""
+    if t.shape != ref.shape:
+        raise ValueError(f"{name} shape {tuple(t.shape)} != {ref_name} shape {tuple(ref.shape)}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} != {ref_name} dtype {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {t.device}")
