@@ -89,6 +89,7 @@ class BlockDecoder:
         self.finished = torch.zeros(B, dtype=torch.bool, device=device)
         self.rows = torch.arange(B, device=device)
         self.counter = torch.zeros(B, dtype=torch.long, device=device)  # tokens committed so far, per row
+        self.pending: tuple | None = None  # a finished block whose commit waits for the next forward
         max_drafts = settings.mrp_steps if settings.strategy == "speculative" else 0
         self.stats = DecodeStats.zeros(B, max_drafts, device)
 
@@ -99,22 +100,53 @@ class BlockDecoder:
 
     def backbone(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                  write_len: int = 0) -> torch.Tensor:
-        """ids, positions: [B, T] -> h_A [B, T, H] over the committed prefix (writes ``write_len`` positions)."""
+        """ids, positions: [B, T] -> h_A [B, T, H] over the committed prefix (writes ``write_len`` positions).
+
+        A finished block waiting for its commit (``fuse_commit``) rides along in front of the first plain
+        denoising forward of the next block: one forward fewer per block, the same keys and values."""
+        if self.pending is not None and segments is None and write_len == 0:
+            done_ids, done_pos, _ = self.pending
+            self.pending = None
+            n = done_ids.shape[1]
+            hidden = self._write_finished(torch.cat([done_ids, ids], 1), torch.cat([done_pos, positions], 1), n)
+            return hidden[:, n:]
+        self.flush()
         return self.model.model(ids, positions, attn=self._attn(positions, segments, write_len))
 
     def mrp(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_len: int = 0):
         """The MRP head over the committed prefix: ids [B, T], hidden [B, T, H] -> h_p [B, T, H]."""
+        self.flush()
         return self.model.mrp_forward(ids, hidden, positions, attn=self._attn(positions, write_len=write_len))
 
-    def commit(self, ids: torch.Tensor, positions: torch.Tensor, count_rows: torch.Tensor | None) -> None:
-        """Write finished positions ids [B, T] to the cache (backbone, and the MRP head's own slots)."""
-        T = ids.shape[1]
-        hidden = self.backbone(ids, positions, write_len=T)
+    def _write_finished(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """One backbone forward over ids [B, T] whose first n positions are finished: writes their keys and
+        values (and the MRP head's, from the same h_A) and returns h_A [B, T, H]."""
+        hidden = self.model.model(ids, positions, attn=self._attn(positions, write_len=n))
         if self.uses_mrp:
-            self.mrp(ids, hidden, positions, write_len=T)
-        self.cache.advance(T)
+            self.model.mrp_forward(ids[:, :n], hidden[:, :n], positions[:, :n],
+                                   attn=self._attn(positions[:, :n], write_len=n))
+        self.cache.advance(n)
+        return hidden
+
+    def commit(self, ids: torch.Tensor, positions: torch.Tensor, count_rows: torch.Tensor | None) -> None:
+        """Finished positions ids [B, T] go to the cache: at once, or (``fuse_commit``) with the next
+        block's first forward. ``count_rows`` [B] (or None) are the rows charged a commit forward."""
+        self.flush()
+        if self.settings.fuse_commit:
+            self.pending = (ids, positions, count_rows)
+            return
+        self._write_finished(ids, positions, ids.shape[1])
         if count_rows is not None:
             self.stats.commit_forwards += count_rows.long()
+
+    def flush(self) -> None:
+        """Write a pending finished block in a forward of its own."""
+        if self.pending is not None:
+            ids, positions, count_rows = self.pending
+            self.pending = None
+            self._write_finished(ids, positions, ids.shape[1])
+            if count_rows is not None:
+                self.stats.commit_forwards += count_rows.long()
 
     # --------------------------------------------------------------------------------- decisions
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
@@ -149,6 +181,16 @@ class BlockDecoder:
         tok, conf, lse = tok.view(B, T), conf.view(B, T), lse.view(B, T)
         return (tok.masked_fill(~candidates, -1), conf.masked_fill(~candidates, 0.0),
                 lse.masked_fill(~candidates, float("-inf")))
+
+    def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     masked: torch.Tensor, n: torch.Tensor, threshold: float | None = None,
+                     mrp: bool = False) -> torch.Tensor:
+        """Pick on ``lm_head(hidden)`` [B, T, H] over the ``masked`` positions, commit into ``block`` in place
+        (static top-n, or dynamic with ``threshold``) and count the forward. Returns committed bool [B, T]."""
+        tok, conf, _ = self.pick_hidden(hidden, positions, masked, self.counter)
+        committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=self.mask_id, n=n, threshold=threshold)
+        self.record(masked.any(-1), committed, mrp=mrp)
+        return committed
 
     def step_quota(self, masked_at_start: torch.Tensor, step: int) -> torch.Tensor:
         """SDAR's schedule: n = m // S per step, the first m % S steps one more. masked_at_start: [B]."""
@@ -208,8 +250,5 @@ def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: to
         masked = dec.masked(block, active)
         if not masked.any():
             break
-        tok, conf, _ = dec.pick_hidden(dec.backbone(block, positions), positions, masked, dec.counter)
         quota = dec.step_quota(quota_base, step) * active
-        committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
-                                             threshold=threshold)
-        dec.record(masked.any(-1), committed)
+        dec.commit_picks(block, dec.backbone(block, positions), positions, masked, quota, threshold)

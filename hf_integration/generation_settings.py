@@ -20,7 +20,9 @@ DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
 @dataclass
 class GenerationSettings:
     """Everything that steers decoding. ``block_length``/``denoising_steps`` default to the model's
-    block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask)."""
+    block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
+    finished block's cache entries in the next block's first forward (same output, one forward fewer per
+    block); ``progress`` shows a bar over blocks."""
 
     max_new_tokens: int = 64
     block_length: int | None = None
@@ -42,6 +44,7 @@ class GenerationSettings:
     mrp_mix: str = "logits_sum"
     mrp_scale: float = 1.0
     progress: bool = False
+    fuse_commit: bool = True
     eos_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod

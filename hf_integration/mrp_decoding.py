@@ -58,18 +58,13 @@ def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch
         if not masked.any():
             return
         h_a = dec.backbone(block, positions)
-        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
-        committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
-        dec.record(masked.any(-1), committed)
+        dec.commit_picks(block, h_a, positions, masked, _one_each(masked))
         chain = MRPChain(dec, h_a, positions)
         for _ in range(K):
             masked = dec.masked(block, active)
             if not masked.any():
                 return
-            tok, conf, _ = dec.pick_hidden(chain.step(block), positions, masked, dec.counter)
-            committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id,
-                                                 n=_one_each(masked))
-            dec.record(masked.any(-1), committed, mrp=True)
+            dec.commit_picks(block, chain.step(block), positions, masked, _one_each(masked), mrp=True)
 
 
 def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
@@ -106,9 +101,7 @@ def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: 
     # Opening forward of the block: the backbone's exact pick (a verify round with no drafts).
     masked = dec.masked(block, active)
     seed_h = dec.backbone(block, positions)
-    tok, conf, _ = dec.pick_hidden(seed_h, positions, masked, dec.counter)
-    committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
-    dec.record(masked.any(-1), committed)
+    dec.commit_picks(block, seed_h, positions, masked, _one_each(masked))
     copies = torch.arange(K + 1, device=block.device)
     segments = copies.repeat_interleave(T)
     flat_positions = positions.repeat(1, K + 1)

@@ -228,3 +228,17 @@ def test_mrp_strategies_need_mrp_weights():
             plain.generate(torch.tensor([[1, 2]]), max_new_tokens=2, strategy=strategy)
     with pytest.raises(ValueError, match="needs MRP weights"):
         plain.mrp_forward(torch.tensor([[1]]), torch.zeros(1, 1, 32), torch.tensor([[0]]))
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_fused_commit_forward_gives_identical_output_with_fewer_forwards(model, kwargs):
+    ids = random_prompts(3, 6, seed=12)
+    mask = torch.ones_like(ids)
+    mask[0, 4:] = 0
+    fused = model.generate(ids, attention_mask=mask, max_new_tokens=13, return_dict_in_generate=True, **kwargs)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=13, return_dict_in_generate=True,
+                           fuse_commit=False, **kwargs)
+    assert torch.equal(fused.sequences, plain.sequences)
+    assert torch.equal(fused.stats.backbone_forwards, plain.stats.backbone_forwards)
+    assert (fused.stats.commit_forwards == 0).all()
+    assert (plain.stats.commit_forwards == 3).all()  # blocks 1..3 of 0..4 are committed on their own
