@@ -13,7 +13,7 @@ python -m training.cli backbone --stdlib --out "$WORK/backbone" --vocab-size 204
   --seq-len 256 --micro-batch-size 8 --max-steps 3600 --lr 2e-3 --warmup-steps 100 --log-every 50 \
   --eval-every 300 --save-every 300 --no-progress --max-position-embeddings 2048 --tie-word-embeddings
 python -m training.cli mrp --model "$WORK/backbone" --stdlib --out "$WORK/mrp" --mrp-layers 3 --unroll-k 2 \
-  --seq-len 256 --micro-batch-size 8 --max-steps "${MRP_STEPS:-800}" --lr 1e-3 --warmup-steps 40 --log-every 20 \
+  --seq-len 256 --micro-batch-size 8 --max-steps "${MRP_STEPS:-600}" --lr 1e-3 --warmup-steps 40 --log-every 20 \
   --eval-every 100 --save-every 100 --no-progress
 rm -rf "$DEST" && mkdir -p "$DEST"
 cp "$WORK/mrp"/*.json "$WORK/mrp"/*.py "$WORK/mrp/model.safetensors" "$DEST/"

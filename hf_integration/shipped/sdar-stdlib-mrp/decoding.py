@@ -1,0 +1,254 @@
+"""The block-diffusion decoding loop (reference engine, eager; every decision goes through mrp_triton ops).
+
+Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; block
+boundaries are shared by the batch and aligned to position 0. The full prompt blocks common to all
+rows are prefilled in one forward; every later block is denoised by the chosen strategy and then
+committed by one more forward that writes its keys/values (and the MRP head's). A row finishes once
+it has produced an EOS (checked after each block) or reached its last block; finished rows commit
+nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.modeling_outputs import ModelOutput
+from transformers.utils.logging import tqdm
+
+import mrp_triton
+
+from .attention_masks import cached_block_mask
+from .generation_settings import GenerationSettings
+from .kv_cache import AttentionInputs, StaticKVCache
+from .prompts import PromptBatch
+
+
+@dataclass
+class DecodeStats:
+    """Per-row counters, each an int64 tensor [B] (``accepted_lengths``: [B, K+1] histogram of drafts
+    accepted per verify round). ``backbone_forwards`` counts denoising and verify forwards;
+    ``commit_forwards`` the forwards that only write a finished block to the cache."""
+
+    backbone_forwards: torch.Tensor
+    commit_forwards: torch.Tensor
+    mrp_forwards: torch.Tensor
+    tokens_committed: torch.Tensor
+    tokens_remasked: torch.Tensor
+    accepted_lengths: torch.Tensor
+
+    @classmethod
+    def zeros(cls, batch: int, max_drafts: int, device) -> "DecodeStats":
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+        return cls(z(batch), z(batch), z(batch), z(batch), z(batch), z(batch, max_drafts + 1))
+
+    @property
+    def tokens_per_forward(self) -> torch.Tensor:
+        """Tokens committed per backbone (denoising or verify) forward, per row [B] float."""
+        return self.tokens_committed.double() / self.backbone_forwards.clamp(min=1).double()
+
+    def as_dict(self) -> dict:
+        rows = {k: v.tolist() for k, v in vars(self).items()}
+        rows["tokens_per_forward"] = self.tokens_per_forward.tolist()
+        return rows
+
+
+@dataclass
+class SDARGenerateOutput(ModelOutput):
+    """sequences: [B, P + max_new_tokens]; stats: :class:`DecodeStats`."""
+
+    sequences: torch.Tensor | None = None
+    stats: DecodeStats | None = field(default=None)
+
+
+class BlockDecoder:
+    """State of one ``generate`` call: the token layout, the KV cache, per-row progress and stats."""
+
+    def __init__(self, model, prompts: PromptBatch, settings: GenerationSettings):
+        config = model.config
+        self.model, self.config, self.settings, self.prompts = model, config, settings, prompts
+        self.mask_id = config.mask_token_id
+        self.block = settings.block_length
+        device = prompts.ids.device
+        self.device = device
+        lens = torch.tensor(prompts.lens, device=device)
+        self.ends = (lens + settings.max_new_tokens + self.block - 1) // self.block * self.block
+        total = int(self.ends.max())
+        if total > config.max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens reaches position {total} (rounded up to whole blocks of "
+                             f"{self.block}) but the model has max_position_embeddings="
+                             f"{config.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+        B = lens.shape[0]
+        self.x = torch.full((B, total), self.mask_id, dtype=torch.long, device=device)
+        self.x[:, : prompts.ids.shape[1]] = torch.where(
+            torch.arange(prompts.ids.shape[1], device=device)[None, :] < lens[:, None], prompts.ids, self.mask_id)
+        self.uses_mrp = settings.strategy in ("direct", "speculative", "remask")
+        slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
+        p = model.lm_head.weight
+        self.cache = StaticKVCache(slots, B, total, config.num_key_value_heads, config.head_dim, p.dtype, device)
+        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        self.rows = torch.arange(B, device=device)
+        self.counter = torch.zeros(B, dtype=torch.long, device=device)  # tokens committed so far, per row
+        self.pending: tuple | None = None  # a finished block whose commit waits for the next forward
+        max_drafts = settings.mrp_steps if settings.strategy == "speculative" else 0
+        self.stats = DecodeStats.zeros(B, max_drafts, device)
+
+    # ---------------------------------------------------------------------------------- forwards
+    def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0):
+        mask = cached_block_mask(positions, self.cache.length, self.block, segments)
+        return AttentionInputs(mask=mask, cache=self.cache, write_len=write_len)
+
+    def backbone(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
+                 write_len: int = 0) -> torch.Tensor:
+        """ids, positions: [B, T] -> h_A [B, T, H] over the committed prefix (writes ``write_len`` positions).
+
+        A finished block waiting for its commit (``fuse_commit``) rides along in front of the first plain
+        denoising forward of the next block: one forward fewer per block, the same keys and values."""
+        if self.pending is not None and segments is None and write_len == 0:
+            done_ids, done_pos, _ = self.pending
+            self.pending = None
+            n = done_ids.shape[1]
+            hidden = self._write_finished(torch.cat([done_ids, ids], 1), torch.cat([done_pos, positions], 1), n)
+            return hidden[:, n:]
+        self.flush()
+        return self.model.model(ids, positions, attn=self._attn(positions, segments, write_len))
+
+    def mrp(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_len: int = 0):
+        """The MRP head over the committed prefix: ids [B, T], hidden [B, T, H] -> h_p [B, T, H]."""
+        self.flush()
+        return self.model.mrp_forward(ids, hidden, positions, attn=self._attn(positions, write_len=write_len))
+
+    def _write_finished(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """One backbone forward over ids [B, T] whose first n positions are finished: writes their keys and
+        values (and the MRP head's, from the same h_A) and returns h_A [B, T, H]."""
+        hidden = self.model.model(ids, positions, attn=self._attn(positions, write_len=n))
+        if self.uses_mrp:
+            self.model.mrp_forward(ids[:, :n], hidden[:, :n], positions[:, :n],
+                                   attn=self._attn(positions[:, :n], write_len=n))
+        self.cache.advance(n)
+        return hidden
+
+    def commit(self, ids: torch.Tensor, positions: torch.Tensor, count_rows: torch.Tensor | None) -> None:
+        """Finished positions ids [B, T] go to the cache: at once, or (``fuse_commit``) with the next
+        block's first forward. ``count_rows`` [B] (or None) are the rows charged a commit forward."""
+        self.flush()
+        if self.settings.fuse_commit:
+            self.pending = (ids, positions, count_rows)
+            return
+        self._write_finished(ids, positions, ids.shape[1])
+        if count_rows is not None:
+            self.stats.commit_forwards += count_rows.long()
+
+    def flush(self) -> None:
+        """Write a pending finished block in a forward of its own."""
+        if self.pending is not None:
+            ids, positions, count_rows = self.pending
+            self.pending = None
+            self._write_finished(ids, positions, ids.shape[1])
+            if count_rows is not None:
+                self.stats.commit_forwards += count_rows.long()
+
+    # --------------------------------------------------------------------------------- decisions
+    def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
+             counter: torch.Tensor, residual: torch.Tensor | None = None):
+        """Per position the token to commit and its confidence.
+
+        logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
+        counter: [B] or [B, T] (the state index in the noise key), residual: None or [B, T, V].
+        Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T]."""
+        s = self.settings
+        B, T, V = logits.shape
+        keys = torch.stack([self.rows[:, None].expand(B, T), positions, counter.expand(B, T)
+                            if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
+        tok, conf, lse = mrp_triton.confidence(
+            logits.reshape(B * T, V), None if residual is None else residual.reshape(B * T, V),
+            scale=s.mrp_scale, temperature=s.temperature if s.do_sample else 1.0,
+            skip_rows=~candidates.reshape(-1), mask_token_id=self.mask_id, do_sample=s.do_sample, seed=s.seed,
+            noise_keys=keys.reshape(B * T, 3), top_k=s.top_k if s.do_sample else None,
+            top_p=s.top_p if s.do_sample else None)
+        return tok.view(B, T), conf.view(B, T), lse.view(B, T)
+
+    def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
+                    counter: torch.Tensor):
+        """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]). Greedy picks go through the fused
+        LM-head confidence, which never writes the [B, T, V] logits; sampling builds them."""
+        s = self.settings
+        if s.do_sample:
+            return self.pick(self.model.lm_head(hidden), positions, candidates, counter)
+        B, T, H = hidden.shape
+        tok, conf, lse = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), self.model.lm_head.weight,
+                                                       mask_token_id=self.mask_id)
+        tok, conf, lse = tok.view(B, T), conf.view(B, T), lse.view(B, T)
+        return (tok.masked_fill(~candidates, -1), conf.masked_fill(~candidates, 0.0),
+                lse.masked_fill(~candidates, float("-inf")))
+
+    def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     masked: torch.Tensor, n: torch.Tensor, threshold: float | None = None,
+                     mrp: bool = False) -> torch.Tensor:
+        """Pick on ``lm_head(hidden)`` [B, T, H] over the ``masked`` positions, commit into ``block`` in place
+        (static top-n, or dynamic with ``threshold``) and count the forward. Returns committed bool [B, T]."""
+        tok, conf, _ = self.pick_hidden(hidden, positions, masked, self.counter)
+        committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=self.mask_id, n=n, threshold=threshold)
+        self.record(masked.any(-1), committed, mrp=mrp)
+        return committed
+
+    def step_quota(self, masked_at_start: torch.Tensor, step: int) -> torch.Tensor:
+        """SDAR's schedule: n = m // S per step, the first m % S steps one more. masked_at_start: [B]."""
+        S = self.settings.denoising_steps
+        return masked_at_start // S + (step < masked_at_start % S).long()
+
+    def masked(self, block: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """bool [B, T]: masked positions of rows still decoding."""
+        return (block == self.mask_id) & active[:, None]
+
+    def record(self, forward_rows: torch.Tensor, committed: torch.Tensor, mrp: bool = False) -> None:
+        """Count one backbone forward (or, with ``mrp``, one MRP forward) for ``forward_rows`` [B] bool and
+        the ``committed`` tokens (bool [B, T], or a count per row [B])."""
+        n = committed.sum(-1) if committed.dtype == torch.bool else committed.long()
+        counter = self.stats.mrp_forwards if mrp else self.stats.backbone_forwards
+        counter += forward_rows.long()
+        self.stats.tokens_committed += n
+        self.counter += n
+
+    # ---------------------------------------------------------------------------------- the loop
+    def run(self, decode_block) -> torch.Tensor:
+        """Decode every block with ``decode_block(self, block [B, T], positions [B, T], active [B])``
+        (which fills the block in place) and return the layout x [B, total]."""
+        T = self.block
+        lens = torch.tensor(self.prompts.lens, device=self.device)
+        first = min(self.prompts.lens) // T
+        if first:
+            pos = torch.arange(first * T, device=self.device).expand(self.x.shape[0], -1)
+            self.commit(self.x[:, : first * T], pos, None)
+        n_blocks = self.x.shape[1] // T
+        blocks = range(first, n_blocks)
+        for j in tqdm(blocks, desc="blocks", disable=not self.settings.progress):
+            span = slice(j * T, (j + 1) * T)
+            active = ~self.finished & (j * T < self.ends)
+            block = self.x[:, span].clone()
+            positions = torch.arange(j * T, (j + 1) * T, device=self.device).expand(block.shape[0], -1)
+            if self.masked(block, active).any():
+                decode_block(self, block, positions, active)
+            self.x[:, span] = block
+            if self.settings.eos_ids:
+                generated = torch.arange((j + 1) * T, device=self.device)[None, :] >= lens[:, None]
+                eos = torch.isin(self.x[:, : (j + 1) * T], torch.tensor(self.settings.eos_ids, device=self.device))
+                self.finished |= (eos & generated).any(-1)
+            if not (~self.finished & ((j + 1) * T < self.ends)).any():
+                break
+            self.commit(block, positions, active)
+        return self.x
+
+
+def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
+                           active: torch.Tensor) -> None:
+    """Static (n most confident per step) and dynamic (all above the threshold, else the top n) decoding."""
+    s = dec.settings
+    threshold = s.threshold if s.strategy == "dynamic" else None
+    quota_base = dec.masked(block, active).sum(-1)
+    for step in range(s.denoising_steps):
+        masked = dec.masked(block, active)
+        if not masked.any():
+            break
+        quota = dec.step_quota(quota_base, step) * active
+        dec.commit_picks(block, dec.backbone(block, positions), positions, masked, quota, threshold)

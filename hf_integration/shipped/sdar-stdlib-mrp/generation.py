@@ -1,0 +1,29 @@
+"""``generate()``: validate, lay out the prompts, run the chosen strategy block by block, assemble."""
+
+from __future__ import annotations
+
+import torch
+
+from .decoding import BlockDecoder, SDARGenerateOutput, decode_block_threshold
+from .generation_settings import GenerationSettings
+from .mrp_decoding import MRP_BLOCK_DECODERS
+from .prompts import PromptBatch
+
+BLOCK_DECODERS = {"static": decode_block_threshold, "dynamic": decode_block_threshold, **MRP_BLOCK_DECODERS}
+
+
+def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    settings: GenerationSettings):
+    """input_ids: [B, P] -> [B, P + max_new_tokens] (or :class:`SDARGenerateOutput`)."""
+    device = model.lm_head.weight.device
+    if isinstance(input_ids, torch.Tensor) and input_ids.device != device:
+        raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
+                         f".to({str(device)!r})")
+    prompts = PromptBatch.from_inputs(model.config, input_ids, attention_mask)
+    decoder = BlockDecoder(model, prompts, settings)
+    x = decoder.run(BLOCK_DECODERS[settings.strategy])
+    sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
+                                 decoder.mask_id)
+    if settings.return_dict_in_generate:
+        return SDARGenerateOutput(sequences=sequences, stats=decoder.stats)
+    return sequences

@@ -1,0 +1,126 @@
+"""Validated settings of one ``generate()`` call.
+
+Precedence: explicit keyword arguments > the ``generation_config`` argument > the model's own
+``generation_config`` (only the values it sets explicitly) > the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+STRATEGIES = ("static", "dynamic", "direct", "speculative", "remask")
+MRP_STRATEGIES = ("direct", "speculative", "remask")
+DRAFT_SCHEDULES = ("mrp", "authors")
+REMASK_RULES = ("tau", "delta")
+MRP_MIX_MODES = ("logits_sum", "none")
+DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
+
+
+@dataclass
+class GenerationSettings:
+    """Everything that steers decoding. ``block_length``/``denoising_steps`` default to the model's
+    block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
+    finished block's cache entries in the next block's first forward (same output, one forward fewer per
+    block); ``progress`` shows a bar over blocks."""
+
+    max_new_tokens: int = 64
+    block_length: int | None = None
+    denoising_steps: int | None = None
+    strategy: str = "static"
+    threshold: float | None = None
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    return_dict_in_generate: bool = False
+    mrp_steps: int = 3
+    draft_schedule: str = "mrp"
+    remask_rule: str = "tau"
+    residual_delta: float = 1.0
+    mrp_mix: str = "logits_sum"
+    mrp_scale: float = 1.0
+    progress: bool = False
+    fuse_commit: bool = True
+    eos_ids: tuple[int, ...] = field(default=(), init=False)
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls) if f.init}
+
+    @classmethod
+    def resolve(cls, model, generation_config, kwargs: dict) -> "GenerationSettings":
+        names = cls.names()
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"generate() got unknown keyword argument(s) {unknown}; accepted: {sorted(names)}")
+        values: dict = {}
+        for source in (getattr(model, "generation_config", None), generation_config):
+            if source is not None:
+                values.update({k: v for k, v in source.to_diff_dict().items() if k in names and v is not None})
+        values.update({k: v for k, v in kwargs.items() if v is not None})
+        settings = cls(**values)
+        settings._fill_defaults(model.config)
+        settings.validate(model)
+        return settings
+
+    def _fill_defaults(self, config) -> None:
+        if self.block_length is None:
+            self.block_length = config.block_size
+        if self.denoising_steps is None:
+            self.denoising_steps = self.block_length
+        if self.threshold is None:
+            self.threshold = DEFAULT_THRESHOLD.get(self.strategy)
+        if self.eos_token_id is None:
+            self.eos_token_id = config.eos_token_id
+        eos = self.eos_token_id
+        self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        if self.pad_token_id is None:
+            self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else (
+                self.eos_ids[0] if self.eos_ids else config.mask_token_id)
+
+    def validate(self, model) -> None:
+        config = model.config
+        _int_at_least("max_new_tokens", self.max_new_tokens, 1)
+        _int_at_least("block_length", self.block_length, 1)
+        if not 1 <= self.denoising_steps <= self.block_length:
+            raise ValueError(f"denoising_steps={self.denoising_steps} must be in 1..block_length "
+                             f"({self.block_length})")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
+        if self.threshold is not None and not 0.0 < float(self.threshold) <= 1.0:
+            raise ValueError(f"threshold={self.threshold} must be in (0, 1]")
+        if self.do_sample and not float(self.temperature) > 0.0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 when do_sample=True "
+                             "(use do_sample=False for greedy decoding)")
+        if self.top_k is not None and int(self.top_k) < 1:
+            raise ValueError(f"top_k={self.top_k} must be >= 1 (or None to disable)")
+        if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
+        for eos in self.eos_ids:
+            if not 0 <= eos < config.vocab_size:
+                raise ValueError(f"eos_token_id {eos} is outside the vocabulary [0, {config.vocab_size})")
+        if self.strategy in MRP_STRATEGIES:
+            model.require_mrp(f"strategy={self.strategy!r}")
+            _int_at_least("mrp_steps", self.mrp_steps, 1)
+            if self.draft_schedule not in DRAFT_SCHEDULES:
+                raise ValueError(f"draft_schedule={self.draft_schedule!r} is unknown; use one of {DRAFT_SCHEDULES}")
+            if self.remask_rule not in REMASK_RULES:
+                raise ValueError(f"remask_rule={self.remask_rule!r} is unknown; use one of {REMASK_RULES}")
+            if self.mrp_mix not in MRP_MIX_MODES:
+                raise ValueError(f"mrp_mix={self.mrp_mix!r} is unknown; use one of {MRP_MIX_MODES}")
+            if not float(self.residual_delta) > 0.0:
+                raise ValueError(f"residual_delta={self.residual_delta} must be > 0")
+        if self.strategy == "speculative" and self.denoising_steps != self.block_length:
+            raise ValueError("strategy='speculative' verifies one token per step: leave denoising_steps at "
+                             f"block_length ({self.block_length})")
+
+
+def _int_at_least(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")

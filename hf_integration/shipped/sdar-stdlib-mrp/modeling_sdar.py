@@ -1,0 +1,147 @@
+"""SDAR backbone: a Qwen3 decoder whose causal mask is block-causal (see attention_masks.py).
+
+Parameter names are exactly those of the Hub checkpoints (``model.embed_tokens``,
+``model.layers.N.self_attn.{q,k,v,o}_proj``, ``...self_attn.{q,k}_norm``,
+``...mlp.{gate,up,down}_proj``, ``...input_layernorm``, ``...post_attention_layernorm``,
+``model.norm``). Norms, q/k-norm + RoPE and SwiGLU go through the :mod:`mrp_triton` ops (fused
+Triton kernels on CUDA, the PyTorch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+import mrp_triton
+
+from .attention_masks import block_causal_mask
+from .configuration_sdar_mrp import SDARMRPConfig
+from .kv_cache import AttentionInputs
+
+
+class SDARRMSNorm(nn.Module):
+    """RMSNorm with a learned scale ``weight [H]``; optionally adds a residual first."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return mrp_triton.rms_norm(x, self.weight, self.eps, residual)
+
+
+def rotary_cos_sin(config: SDARMRPConfig, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """RoPE tables for absolute ``position_ids [B, T]`` -> (cos, sin), each ``[B, T, head_dim]`` fp32.
+
+    Computed on the fly (no buffers, so meta-device loading has nothing to re-materialise)."""
+    dim = config.head_dim
+    device = position_ids.device
+    inv_freq = config.rope_theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
+    positions = position_ids.to(torch.float64)
+    if config.rope_parameters["rope_type"] == "linear":
+        positions = positions / float(config.rope_parameters["factor"])
+    angles = positions.unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class SDARAttention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm before RoPE; reads/writes cache slot ``layer_idx``."""
+
+    def __init__(self, config: SDARMRPConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = SDARRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = SDARRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        """x: [B, T, H], cos/sin: [B, T, head_dim] -> [B, T, H]."""
+        q = rearrange(self.q_proj(x), "b t (h d) -> b t h d", d=self.head_dim)
+        k = rearrange(self.k_proj(x), "b t (h d) -> b t h d", d=self.head_dim)
+        v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", d=self.head_dim)
+        q, k = mrp_triton.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if attn.cache is not None:
+            past_k, past_v = attn.cache.prefix(self.layer_idx)
+            if attn.write_len:
+                attn.cache.write(self.layer_idx, k[:, :, : attn.write_len], v[:, :, : attn.write_len])
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, enable_gqa=True)
+        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
+
+
+class SDARMLP(nn.Module):
+    def __init__(self, config: SDARMRPConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(mrp_triton.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SDARDecoderLayer(nn.Module):
+    """Pre-norm transformer layer; the residual add is fused into the post-attention norm."""
+
+    def __init__(self, config: SDARMRPConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = SDARAttention(config, layer_idx)
+        self.mlp = SDARMLP(config)
+        self.input_layernorm = SDARRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = SDARRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        normed, x = self.post_attention_layernorm(h, residual=x)
+        return x + self.mlp(normed)
+
+
+def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, config: SDARMRPConfig, position_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None, attn: AttentionInputs | None) -> torch.Tensor:
+    """Shared by the backbone and the MRP head. x: [B, T, H], position_ids: [B, T].
+
+    Without ``attn`` the stack attends only over x itself, with ``attention_mask`` (bool, broadcastable
+    to [B, 1, T, T]) or, if that is None, the block-causal mask of ``position_ids``."""
+    if attn is None:
+        if attention_mask is None:
+            attention_mask = block_causal_mask(position_ids, position_ids, config.block_size)
+        attn = AttentionInputs(mask=attention_mask)
+    cos, sin = rotary_cos_sin(config, position_ids)
+    for layer in layers:
+        x = layer(x, cos, sin, attn)
+    return x
+
+
+class SDARModel(nn.Module):
+    """The backbone: embeddings, decoder layers (cache slots 0..L-1) and the final norm."""
+
+    def __init__(self, config: SDARMRPConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(SDARDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = SDARRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, attn: AttentionInputs | None = None) -> torch.Tensor:
+        """input_ids: [B, T] -> hidden states after the final norm (h_A), [B, T, H].
+
+        position_ids default to 0..T-1. See :func:`run_decoder_layers` for the masks."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.embed_tokens(input_ids)
+        x = run_decoder_layers(self.layers, x, self.config, position_ids, attention_mask, attn)
+        return self.norm(x)

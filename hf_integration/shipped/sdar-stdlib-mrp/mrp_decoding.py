@@ -1,0 +1,170 @@
+"""Decoding with the MRP head (method.md section 5): direct, lossless speculative, and remask.
+
+Conventions shared by all three (section 3): the MRP head reads ``ids`` = the block *after* the
+newest commit and ``h`` = the backbone's post-norm hidden state from the state *before* it. Chained
+steps (mode ``logits_sum``) feed ``h_A + s * sum h_p`` and score ``lm_head(h_A + s * sum h_p)``
+(= A + s * sum C, lm_head being linear); mode ``none`` (direct-distillation heads) scores
+``lm_head(h_p)`` and feeds ``h_p`` on. The head always reads its own prefix cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import mrp_triton
+
+from .decoding import BlockDecoder
+
+
+class MRPChain:
+    """K chained MRP steps from one backbone forward. h_A: [B, T, H] (post-norm)."""
+
+    def __init__(self, dec: BlockDecoder, h_a: torch.Tensor, positions: torch.Tensor):
+        self.dec, self.h_a, self.positions = dec, h_a, positions
+        self.scale = dec.settings.mrp_scale
+        self.residual_sum = torch.zeros_like(h_a)
+        self.last = h_a
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [B, T] (state after the newest commit) -> the hidden state whose lm_head gives the
+        corrected logits, [B, T, H]."""
+        if self.dec.settings.mrp_mix == "logits_sum":
+            h_p = self.dec.mrp(ids, self.h_a + self.scale * self.residual_sum, self.positions)
+            self.residual_sum = self.residual_sum + h_p
+            return self.h_a + self.scale * self.residual_sum
+        self.last = self.dec.mrp(ids, self.last, self.positions)
+        return self.last
+
+
+def _one_each(masked: torch.Tensor) -> torch.Tensor:
+    """Quota of one token for every row that still has a masked position. masked: bool [B, T] -> [B]."""
+    return masked.any(-1).long()
+
+
+def _only_position(committed: torch.Tensor, tokens: torch.Tensor):
+    """The single committed (position, token) per row, or (-1, -1). committed: bool [B, T]."""
+    has = committed.any(-1)
+    pos = committed.long().argmax(-1)
+    tok = tokens.gather(1, pos[:, None])[:, 0]
+    return torch.where(has, pos, -1), torch.where(has, tok, -1)
+
+
+def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
+                        active: torch.Tensor) -> None:
+    """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless)."""
+    K = dec.settings.mrp_steps
+    for _ in range(block.shape[1]):
+        masked = dec.masked(block, active)
+        if not masked.any():
+            return
+        h_a = dec.backbone(block, positions)
+        dec.commit_picks(block, h_a, positions, masked, _one_each(masked))
+        chain = MRPChain(dec, h_a, positions)
+        for _ in range(K):
+            masked = dec.masked(block, active)
+            if not masked.any():
+                return
+            dec.commit_picks(block, chain.step(block), positions, masked, _one_each(masked), mrp=True)
+
+
+def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
+           seed_h: torch.Tensor):
+    """K one-token drafts from the current state C(0) = block.
+
+    Returns draft_pos, draft_tok [B, K] (-1 = no draft) and the candidate states [B, K+1, T]."""
+    K = dec.settings.mrp_steps
+    state = block.clone()
+    states, draft_pos, draft_tok = [state.clone()], [], []
+    chain = MRPChain(dec, seed_h, positions)
+    for k in range(K):
+        masked = dec.masked(state, active)
+        if k == 0 and dec.settings.draft_schedule == "authors":
+            hidden = seed_h  # the backbone's own (stale) pick from the seed forward
+        else:
+            hidden = chain.step(state)
+            dec.stats.mrp_forwards += masked.any(-1).long()
+        tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k)
+        committed = mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
+        pos, t = _only_position(committed, tok)
+        draft_pos.append(pos)
+        draft_tok.append(t)
+        states.append(state.clone())
+    return torch.stack(draft_pos, 1), torch.stack(draft_tok, 1), torch.stack(states, 1)
+
+
+def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
+                             active: torch.Tensor) -> None:
+    """Lossless speculative decoding: K drafts, one backbone forward over the K+1 candidate states,
+    per-row acceptance of the longest prefix the backbone agrees with, plus its bonus token."""
+    K = dec.settings.mrp_steps
+    B, T = block.shape
+    # Opening forward of the block: the backbone's exact pick (a verify round with no drafts).
+    masked = dec.masked(block, active)
+    seed_h = dec.backbone(block, positions)
+    dec.commit_picks(block, seed_h, positions, masked, _one_each(masked))
+    copies = torch.arange(K + 1, device=block.device)
+    segments = copies.repeat_interleave(T)
+    flat_positions = positions.repeat(1, K + 1)
+    for _ in range(T):
+        live = dec.masked(block, active).any(-1)
+        if not live.any():
+            return
+        draft_pos, draft_tok, states = _draft(dec, block, positions, active, seed_h)
+        h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, segments)
+        candidates = (states == dec.mask_id) & active[:, None, None]
+        counters = (dec.counter[:, None] + copies).repeat_interleave(T, dim=1)
+        tok, conf, _ = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters)
+        accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, tok.view(B, K + 1, T),
+                                                   conf.view(B, K + 1, T), mask_token_id=dec.mask_id)
+        accepted = accepted.long()
+        dec.record(live, (accepted + (bonus >= 0).long()) * live)
+        dec.stats.accepted_lengths[dec.rows, accepted] += live.long()
+        seed_h = h_all.view(B, K + 1, T, -1)[dec.rows, accepted]
+
+
+def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
+                  revealed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per revealed position [B, T]: the corrected confidence of its token (rule "tau") or the residual
+    magnitude |C[pos, token]| with C = corrected - A, A = lm_head(h_A) (rule "delta")."""
+    t = tokens.clamp(min=0)[..., None]
+    if dec.settings.remask_rule == "delta":
+        logits = dec.model.lm_head(h_a)
+        return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
+    _, _, lse = dec.pick(corrected, positions, revealed, dec.counter)
+    temperature = dec.settings.temperature if dec.settings.do_sample else 1.0
+    z = corrected.float().gather(-1, t)[..., 0] / temperature
+    return torch.exp(z - lse)
+
+
+def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
+                        active: torch.Tensor) -> None:
+    """Dynamic reveal (confidence > tau, at least one), then one MRP pass vetoes reveals: rule "tau"
+    (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
+    ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
+    s = dec.settings
+    rule, head = s.remask_rule, dec.model.lm_head
+    quota_base = dec.masked(block, active).sum(-1)
+    for step in range(block.shape[1]):
+        masked = dec.masked(block, active)
+        if not masked.any():
+            return
+        h_a = dec.backbone(block, positions)
+        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
+        before = block.clone()
+        quota = torch.maximum(dec.step_quota(quota_base, step), _one_each(masked)) * masked.any(-1)
+        revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
+                                            threshold=s.threshold)
+        corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
+        score = _token_scores(dec, h_a, corrected, tok, revealed, positions)
+        limit = s.threshold if rule == "tau" else s.residual_delta
+        remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
+        dec.record(masked.any(-1), revealed & ~remasked)
+        dec.stats.mrp_forwards += masked.any(-1).long()
+        dec.stats.tokens_remasked += remasked.sum(-1)
+
+
+MRP_BLOCK_DECODERS = {
+    "direct": decode_block_direct,
+    "speculative": decode_block_speculative,
+    "remask": decode_block_remask,
+}

@@ -1,0 +1,81 @@
+"""Turn ``input_ids`` + ``attention_mask`` into per-row prompts, validated, and back into outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    """Rows' real prompt tokens, compacted to the left.
+
+    ids: [B, P] (prompt b in ``ids[b, :lengths[b]]``), lengths: [B] int64 (host list in ``lens``),
+    left_padded: [B] bool (whether row b's padding was on the left in the input)."""
+
+    ids: torch.Tensor
+    lens: list[int]
+    left_padded: list[bool]
+
+    @classmethod
+    def from_inputs(cls, config, input_ids, attention_mask) -> "PromptBatch":
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, prompt_len], got shape "
+                             f"{tuple(input_ids.shape)} dtype {input_ids.dtype}")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: give at least one prompt token per row")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            shape = getattr(attention_mask, "shape", None)
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+        if attention_mask.device != input_ids.device:
+            raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids on {input_ids.device}")
+        keep = attention_mask.to(torch.bool)
+        lens = keep.sum(1).tolist()
+        if min(lens) == 0:
+            row = lens.index(0)
+            raise ValueError(f"row {row} of the prompt is empty or all padding: every row needs at least one token")
+        real = input_ids[keep]
+        if real.min() < 0 or real.max() >= config.vocab_size:
+            raise ValueError(f"input_ids contain ids outside the vocabulary [0, {config.vocab_size}) "
+                             f"(min {int(real.min())}, max {int(real.max())}); check the tokenizer")
+        if (real == config.mask_token_id).any():
+            raise ValueError(f"input_ids contain the mask token {config.mask_token_id}: prompts must be "
+                             "fully given (the mask token is reserved for the positions being decoded)")
+        ids = torch.zeros((input_ids.shape[0], max(lens)), dtype=torch.long, device=input_ids.device)
+        left = []
+        for b, n in enumerate(lens):
+            where = keep[b].nonzero().flatten()
+            if int(where[-1] - where[0]) + 1 != n:
+                raise ValueError(f"attention_mask row {b} is not contiguous: pad on the left or on the right only")
+            ids[b, :n] = input_ids[b, where]
+            left.append(bool(where[0] > 0))
+        return cls(ids=ids, lens=lens, left_padded=left)
+
+    def assemble(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
+                 mask_id: int) -> torch.Tensor:
+        """Decoded layout x [B, total] -> output [B, P + max_new_tokens].
+
+        Row b keeps its padding side; tokens after its first EOS become ``pad_id``."""
+        B, P = self.ids.shape
+        out = torch.full((B, P + max_new_tokens), pad_id, dtype=torch.long, device=x.device)
+        for b, n in enumerate(self.lens):
+            new = x[b, n : n + max_new_tokens].clone()
+            if eos_ids:
+                is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
+                if is_eos.any():
+                    first = int(is_eos.nonzero()[0])
+                    new[first + 1 :] = pad_id
+            if (new == mask_id).any():
+                raise RuntimeError(f"row {b} still holds mask tokens after decoding: the model produced no "
+                                   "finite logits for some position")
+            start = P - n if self.left_padded[b] else 0
+            out[b, start : start + n] = self.ids[b, :n]
+            out[b, start + n : start + n + max_new_tokens] = new
+        return out

@@ -1,0 +1,95 @@
+"""The small SDAR+MRP model shipped in the repo: loads offline with remote code, generates, and the
+mrp-generate CLI and the end-to-end benchmark run on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_integration
+from hf_integration.cli import SHIPPED_MODEL
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_folder_is_complete_and_small():
+    files = {p.name for p in SHIPPED_MODEL.iterdir()}
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "stdlib_manifest.json", "training_log_backbone.jsonl",
+                 "training_log_mrp.jsonl", "modeling_sdar_mrp.py"):
+        assert name in files, name
+    size = sum(p.stat().st_size for p in SHIPPED_MODEL.iterdir())
+    assert size <= 25 * 2**20, size
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    assert config["block_size"] == 16 and config["num_nextn_predict_layers"] == 3
+    manifest = json.loads((SHIPPED_MODEL / "stdlib_manifest.json").read_text())
+    assert manifest["train"] and manifest["heldout"] and not set(manifest["train"]) & set(manifest["heldout"])
+
+
+def test_shipped_remote_code_matches_the_package():
+    """The checkpoint carries copies of hf_integration's modeling files; they must not drift.
+    Fix with: cp hf_integration/<file>.py hf_integration/shipped/sdar-stdlib-mrp/"""
+    package = Path(hf_integration.__file__).parent
+    for copy in SHIPPED_MODEL.glob("*.py"):
+        assert copy.read_text() == (package / copy.name).read_text(), f"{copy.name} is stale"
+
+
+def test_shipped_model_loads_offline_with_remote_code_and_generates():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True).eval()
+    assert model.has_mrp
+    ids = tok("def add(a, b):\n", return_tensors="pt").input_ids
+    static = model.generate(ids, max_new_tokens=16)
+    spec = model.generate(ids, max_new_tokens=16, strategy="speculative", mrp_steps=3, return_dict_in_generate=True)
+    assert torch.equal(static, spec.sequences)
+    assert spec.stats.tokens_per_forward[0] >= 1.0
+    assert tok.decode(static[0, ids.shape[1]:]).strip()
+
+
+def _run(args: list[str], timeout: int = 600) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_mrp_generate_cli_runs_end_to_end():
+    out = _run(["-m", "hf_integration.cli", "def add(a, b):", "--max-new-tokens", "8"])
+    assert out.startswith("def add(a, b):") and "[speculative]" in out
+    table = _run(["-m", "hf_integration.cli", "import os", "--max-new-tokens", "8", "--compare"])
+    for strategy in ("static", "dynamic", "direct", "speculative", "remask"):
+        assert strategy in table
+
+
+@pytest.mark.slow
+def test_e2e_benchmark_smoke_on_a_tiny_random_model(tmp_path):
+    """The benchmark script runs on a tiny random model (with the shipped tokenizer and manifest)."""
+    from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
+
+    shipped = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    config = SDARMRPConfig(vocab_size=shipped["vocab_size"], hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           block_size=4, mask_token_id=shipped["mask_token_id"], num_nextn_predict_layers=1,
+                           eos_token_id=shipped.get("eos_token_id"), max_position_embeddings=1024)
+    model_dir = tmp_path / "tiny"
+    torch.manual_seed(0)
+    SDARMRPForCausalLM(config).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "stdlib_manifest.json"):
+        (model_dir / name).write_bytes((SHIPPED_MODEL / name).read_bytes())
+    out = _run(["benchmarks/bench_e2e.py", "--model", str(model_dir), "--prompts", "3", "--max-new-tokens", "8",
+                "--modes", "static", "speculative K=2 mrp", "remask tau tau=0.5", "--out", str(tmp_path / "res")])
+    assert "speculative K=2 mrp" in out
+    rows = json.loads((tmp_path / "res" / "e2e_cpu.json").read_text())["rows"]
+    spec = next(r for r in rows if r["mode"] == "speculative K=2 mrp")
+    assert spec["identical_to_static"] == 1.0 and spec["tpf"] >= 1.0
+    assert (tmp_path / "res" / "e2e_cpu.png").exists() and (tmp_path / "res" / "e2e_cpu.md").exists()
