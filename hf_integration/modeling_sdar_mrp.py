@@ -21,7 +21,7 @@ from .configuration_sdar_mrp import SDARMRPConfig
 from .generation import generate_blocks
 from .generation_settings import GenerationSettings
 from .modeling_mrp import MRPModule
-from .modeling_sdar import SDARDecoderLayer, SDARModel
+from .modeling_sdar import SDARModel
 
 logger = logging.get_logger(__name__)
 
@@ -200,4 +200,4 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
 SDARMRPForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 SDARMRPConfig.register_for_auto_class("AutoConfig")
 
-__all__ = ["SDARDecoderLayer", "SDARMRPForCausalLM", "SDARMRPPreTrainedModel"]
+__all__ = ["SDARMRPForCausalLM", "SDARMRPPreTrainedModel"]
