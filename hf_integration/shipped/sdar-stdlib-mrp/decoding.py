@@ -3,14 +3,15 @@
 Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; block
 boundaries are shared by the batch and aligned to position 0. The full prompt blocks common to all
 rows are prefilled in one forward; every later block is denoised by the chosen strategy and then
-committed by one more forward that writes its keys/values (and the MRP head's). A row finishes once
+committed: its keys/values (and the MRP head's) are written by the next block's first forward
+(``fuse_commit``) or by a forward of their own. A row finishes once
 it has produced an EOS (checked after each block) or reached its last block; finished rows commit
 nothing more.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import ModelOutput
@@ -19,7 +20,7 @@ from transformers.utils.logging import tqdm
 import mrp_triton
 
 from .attention_masks import cached_block_mask
-from .generation_settings import GenerationSettings
+from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs, StaticKVCache
 from .prompts import PromptBatch
 
@@ -58,7 +59,7 @@ class SDARGenerateOutput(ModelOutput):
     """sequences: [B, P + max_new_tokens]; stats: :class:`DecodeStats`."""
 
     sequences: torch.Tensor | None = None
-    stats: DecodeStats | None = field(default=None)
+    stats: DecodeStats | None = None
 
 
 class BlockDecoder:
@@ -66,12 +67,12 @@ class BlockDecoder:
 
     def __init__(self, model, prompts: PromptBatch, settings: GenerationSettings):
         config = model.config
-        self.model, self.config, self.settings, self.prompts = model, config, settings, prompts
+        self.model, self.settings, self.prompts = model, settings, prompts
         self.mask_id = config.mask_token_id
         self.block = settings.block_length
         device = prompts.ids.device
         self.device = device
-        lens = torch.tensor(prompts.lens, device=device)
+        self.lens = lens = torch.tensor(prompts.lens, device=device)
         self.ends = (lens + settings.max_new_tokens + self.block - 1) // self.block * self.block
         total = int(self.ends.max())
         if total > config.max_position_embeddings:
@@ -82,7 +83,7 @@ class BlockDecoder:
         self.x = torch.full((B, total), self.mask_id, dtype=torch.long, device=device)
         self.x[:, : prompts.ids.shape[1]] = torch.where(
             torch.arange(prompts.ids.shape[1], device=device)[None, :] < lens[:, None], prompts.ids, self.mask_id)
-        self.uses_mrp = settings.strategy in ("direct", "speculative", "remask")
+        self.uses_mrp = settings.strategy in MRP_STRATEGIES
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
         p = model.lm_head.weight
         self.cache = StaticKVCache(slots, B, total, config.num_key_value_heads, config.head_dim, p.dtype, device)
@@ -129,15 +130,12 @@ class BlockDecoder:
         return hidden
 
     def commit(self, ids: torch.Tensor, positions: torch.Tensor, count_rows: torch.Tensor | None) -> None:
-        """Finished positions ids [B, T] go to the cache: at once, or (``fuse_commit``) with the next
-        block's first forward. ``count_rows`` [B] (or None) are the rows charged a commit forward."""
+        """Finished positions ids [B, T] go to the cache: with the next block's first forward
+        (``fuse_commit``) or at once. ``count_rows`` [B] (or None) are the rows charged a commit forward."""
         self.flush()
-        if self.settings.fuse_commit:
-            self.pending = (ids, positions, count_rows)
-            return
-        self._write_finished(ids, positions, ids.shape[1])
-        if count_rows is not None:
-            self.stats.commit_forwards += count_rows.long()
+        self.pending = (ids, positions, count_rows)
+        if not self.settings.fuse_commit:
+            self.flush()
 
     def flush(self) -> None:
         """Write a pending finished block in a forward of its own."""
@@ -149,20 +147,18 @@ class BlockDecoder:
                 self.stats.commit_forwards += count_rows.long()
 
     # --------------------------------------------------------------------------------- decisions
-    def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-             counter: torch.Tensor, residual: torch.Tensor | None = None):
+    def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, counter: torch.Tensor):
         """Per position the token to commit and its confidence.
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
-        counter: [B] or [B, T] (the state index in the noise key), residual: None or [B, T, V].
+        counter: [B] or [B, T] (the state index in the noise key).
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
         keys = torch.stack([self.rows[:, None].expand(B, T), positions, counter.expand(B, T)
                             if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
         tok, conf, lse = mrp_triton.confidence(
-            logits.reshape(B * T, V), None if residual is None else residual.reshape(B * T, V),
-            scale=s.mrp_scale, temperature=s.temperature if s.do_sample else 1.0,
+            logits.reshape(B * T, V), temperature=s.temperature if s.do_sample else 1.0,
             skip_rows=~candidates.reshape(-1), mask_token_id=self.mask_id, do_sample=s.do_sample, seed=s.seed,
             noise_keys=keys.reshape(B * T, 3), top_k=s.top_k if s.do_sample else None,
             top_p=s.top_p if s.do_sample else None)
@@ -214,8 +210,7 @@ class BlockDecoder:
     def run(self, decode_block) -> torch.Tensor:
         """Decode every block with ``decode_block(self, block [B, T], positions [B, T], active [B])``
         (which fills the block in place) and return the layout x [B, total]."""
-        T = self.block
-        lens = torch.tensor(self.prompts.lens, device=self.device)
+        T, lens = self.block, self.lens
         first = min(self.prompts.lens) // T
         if first:
             pos = torch.arange(first * T, device=self.device).expand(self.x.shape[0], -1)
