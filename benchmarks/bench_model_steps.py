@@ -156,7 +156,7 @@ def query(dec, q: int, seed: int):
 
     B, device = dec.x.shape[0], dec.device
     g = torch.Generator(device="cpu").manual_seed(seed)
-    top = min(dec.config.vocab_size, dec.mask_id)
+    top = min(dec.model.config.vocab_size, dec.mask_id)
     ids = torch.full((B, q), dec.mask_id, dtype=torch.long)
     revealed = torch.rand(B, q, generator=g) < 0.25
     ids[revealed] = torch.randint(0, top, (int(revealed.sum()),), generator=g)
