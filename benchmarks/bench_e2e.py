@@ -84,16 +84,15 @@ def closes_and_parses(prompt: str, completion: str) -> bool:
     text = "\n".join(body).rstrip()
     if len(text.split("\n")) < 2:
         text += "\n    pass"
-    try:
-        ast.parse(text)
-    except SyntaxError:
-        return False
-    return True
+    return _parses(text)
 
 
 def whole_completion_parses(prompt: str, completion: str) -> bool:
     """Stricter quality: prompt + completion parses as a module, only the last (cut) line dropped."""
-    text = "\n".join((prompt + completion).split("\n")[:-1])
+    return _parses("\n".join((prompt + completion).split("\n")[:-1]))
+
+
+def _parses(text: str) -> bool:
     try:
         ast.parse(text)
     except SyntaxError:

@@ -76,7 +76,7 @@ def run_one(model, ids: torch.Tensor, settings: dict):
     return out.sequences[0, ids.shape[1]:], out.stats.as_dict(), time.perf_counter() - start
 
 
-def compare_table(model, tokenizer, ids: torch.Tensor, base: dict) -> str:
+def compare_table(model, ids: torch.Tensor, base: dict) -> str:
     rows, reference = [], None
     header = f"{'strategy':<12}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
     for strategy, extra in COMPARE:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                     residual_delta=args.residual_delta, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256)
     if args.compare:
-        print(compare_table(model, tokenizer, ids, settings))
+        print(compare_table(model, ids, settings))
         return 0
     new, stats, seconds = run_one(model, ids, {**settings, "strategy": args.strategy})
     print(prompt + tokenizer.decode(new, skip_special_tokens=True))
