@@ -26,15 +26,16 @@ def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor
     return mask.unsqueeze(1)
 
 
-def cached_block_mask(query_positions: torch.Tensor, prefix_len: int, block_size: int,
-                      query_segments: torch.Tensor | None = None) -> torch.Tensor:
-    """Mask for T new positions attending a committed prefix of ``prefix_len`` positions (all rows
-    committed the same prefix) and themselves. query_positions: [B, T]. Returns bool [B, 1, T, prefix + T]."""
-    batch = query_positions.shape[0]
-    prefix = torch.arange(prefix_len, device=query_positions.device).expand(batch, prefix_len)
+def cached_block_mask(query_positions: torch.Tensor, prefix_lengths: torch.Tensor, prefix_width: int,
+                      block_size: int, query_segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask for T new positions attending a cached prefix and themselves. query_positions: [B, T];
+    row b has committed ``prefix_lengths[b]`` positions (int64 [B]) of the ``prefix_width`` read from the
+    cache (the rest of its width is not yet valid). Returns bool [B, 1, T, prefix_width + T]."""
+    slots = torch.arange(prefix_width, device=query_positions.device)
+    prefix = torch.where(slots < prefix_lengths[:, None], slots, -1)
     key_positions = torch.cat([prefix, query_positions], dim=1)
     key_segments = None
     if query_segments is not None:
-        key_segments = torch.cat([torch.full((prefix_len,), -1, dtype=query_segments.dtype,
+        key_segments = torch.cat([torch.full((prefix_width,), -1, dtype=query_segments.dtype,
                                              device=query_segments.device), query_segments])
     return block_causal_mask(query_positions, key_positions, block_size, query_segments, key_segments)

@@ -1,12 +1,14 @@
 """The block-diffusion decoding loop (reference engine, eager; every decision goes through mrp_triton ops).
 
-Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; block
-boundaries are shared by the batch and aligned to position 0. The full prompt blocks common to all
-rows are prefilled in one forward; every later block is denoised by the chosen strategy and then
-committed: its keys/values (and the MRP head's) are written by the next block's first forward
-(``fuse_commit``) or by a forward of their own. A row finishes once
-it has produced an EOS (checked after each block) or reached its last block; finished rows commit
-nothing more.
+Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; blocks
+are aligned to position 0. Each row's full prompt blocks are prefilled in one forward. Then every
+row progresses on its own: in round r row b denoises its block ``P_b // B + r`` (rows of one forward
+sit at different positions over caches of different lengths; the attention masks derive from the
+per-row lengths) with the chosen strategy, and the finished block's keys/values (and the MRP
+head's) are written by the next block's first forward (``fuse_commit``) or by a forward of their
+own. A row finishes once it has produced an EOS or reached its last block (checked once per block,
+the only host synchronisation outside the strategies); finished rows leave the batch, so they stop
+costing work.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .attention_masks import cached_block_mask
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs, StaticKVCache
 from .prompts import PromptBatch
+from .step_graphs import StepGraphs
 
 
 @dataclass
@@ -42,6 +45,10 @@ class DecodeStats:
     def zeros(cls, batch: int, max_drafts: int, device) -> "DecodeStats":
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
         return cls(z(batch), z(batch), z(batch), z(batch), z(batch), z(batch, max_drafts + 1))
+
+    def add(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` [B'] (bool or int) to counter ``name`` at ``rows`` (int64 [B'], distinct)."""
+        getattr(self, name).index_add_(0, rows, values.long())
 
     @property
     def tokens_per_forward(self) -> torch.Tensor:
@@ -69,12 +76,12 @@ class BlockDecoder:
         config = model.config
         self.model, self.settings, self.prompts = model, settings, prompts
         self.mask_id = config.mask_token_id
-        self.block = settings.block_length
+        self.block = T = settings.block_length
         device = prompts.ids.device
         self.device = device
         self.lens = lens = torch.tensor(prompts.lens, device=device)
-        self.ends = (lens + settings.max_new_tokens + self.block - 1) // self.block * self.block
-        total = int(self.ends.max())
+        ends = [(n + settings.max_new_tokens + T - 1) // T * T for n in prompts.lens]
+        total = max(ends)
         if total > config.max_position_embeddings:
             raise ValueError(f"prompt + max_new_tokens reaches position {total} (rounded up to whole blocks of "
                              f"{self.block}) but the model has max_position_embeddings="
@@ -83,21 +90,51 @@ class BlockDecoder:
         self.x = torch.full((B, total), self.mask_id, dtype=torch.long, device=device)
         self.x[:, : prompts.ids.shape[1]] = torch.where(
             torch.arange(prompts.ids.shape[1], device=device)[None, :] < lens[:, None], prompts.ids, self.mask_id)
+        self.first_blocks = [n // T for n in prompts.lens]  # each row's first block with masks (host)
+        self.first_block = torch.tensor(self.first_blocks, device=device)
+        self.n_blocks = torch.tensor(ends, device=device) // T - self.first_block  # blocks each row decodes
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
         p = model.lm_head.weight
-        self.cache = StaticKVCache(slots, B, total, config.num_key_value_heads, config.head_dim, p.dtype, device)
+        graphs = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
+        self.graphs = StepGraphs(capture=device.type == "cuda") if graphs else None
+        self.cache = StaticKVCache(slots, B, total, config.num_key_value_heads, config.head_dim, p.dtype, device,
+                                   full_width=graphs)
         self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        # The working batch: ``rows`` [B'] are the original rows still decoding (they key the sampling noise
+        # and the stats); the cache and ``counter`` (tokens committed so far) hold those rows only.
         self.rows = torch.arange(B, device=device)
-        self.counter = torch.zeros(B, dtype=torch.long, device=device)  # tokens committed so far, per row
+        self.counter = torch.zeros(B, dtype=torch.long, device=device)
         self.pending: tuple | None = None  # a finished block whose commit waits for the next forward
         max_drafts = settings.mrp_steps if settings.strategy == "speculative" else 0
         self.stats = DecodeStats.zeros(B, max_drafts, device)
 
     # ---------------------------------------------------------------------------------- forwards
     def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0):
-        mask = cached_block_mask(positions, self.cache.length, self.block, segments)
+        mask = cached_block_mask(positions, self.cache.lengths, self.cache.width, self.block, segments)
         return AttentionInputs(mask=mask, cache=self.cache, write_len=write_len)
+
+    def _forward(self, kind: tuple, fn, *inputs: torch.Tensor) -> torch.Tensor:
+        """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of (kind, input shapes). Forwards
+        that write more than one block (the prefill) run once and are not worth a capture."""
+        if self.graphs is None or kind[-1] > self.block:
+            return fn(*inputs)
+        return self.graphs.run((*kind, *(tuple(t.shape) for t in inputs)), fn, *inputs)
+
+    def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
+                          write_len: int = 0) -> torch.Tensor:
+        def forward(ids, positions, *segments):
+            return self.model.model(ids, positions, attn=self._attn(positions, *segments, write_len=write_len))
+
+        return self._forward(("backbone", write_len), forward, ids, positions,
+                             *(() if segments is None else (segments,)))
+
+    def _mrp_forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     write_len: int = 0) -> torch.Tensor:
+        def forward(ids, hidden, positions):
+            return self.model.mrp_forward(ids, hidden, positions, attn=self._attn(positions, write_len=write_len))
+
+        return self._forward(("mrp", write_len), forward, ids, hidden, positions)
 
     def backbone(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                  write_len: int = 0) -> torch.Tensor:
@@ -112,39 +149,38 @@ class BlockDecoder:
             hidden = self._write_finished(torch.cat([done_ids, ids], 1), torch.cat([done_pos, positions], 1), n)
             return hidden[:, n:]
         self.flush()
-        return self.model.model(ids, positions, attn=self._attn(positions, segments, write_len))
+        return self._backbone_forward(ids, positions, segments, write_len)
 
     def mrp(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_len: int = 0):
         """The MRP head over the committed prefix: ids [B, T], hidden [B, T, H] -> h_p [B, T, H]."""
         self.flush()
-        return self.model.mrp_forward(ids, hidden, positions, attn=self._attn(positions, write_len=write_len))
+        return self._mrp_forward(ids, hidden, positions, write_len)
 
     def _write_finished(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
         """One backbone forward over ids [B, T] whose first n positions are finished: writes their keys and
         values (and the MRP head's, from the same h_A) and returns h_A [B, T, H]."""
-        hidden = self.model.model(ids, positions, attn=self._attn(positions, write_len=n))
+        hidden = self._backbone_forward(ids, positions, write_len=n)
         if self.uses_mrp:
-            self.model.mrp_forward(ids[:, :n], hidden[:, :n], positions[:, :n],
-                                   attn=self._attn(positions[:, :n], write_len=n))
+            self._mrp_forward(ids[:, :n], hidden[:, :n], positions[:, :n], write_len=n)
         self.cache.advance(n)
         return hidden
 
-    def commit(self, ids: torch.Tensor, positions: torch.Tensor, count_rows: torch.Tensor | None) -> None:
+    def commit(self, ids: torch.Tensor, positions: torch.Tensor, counted: bool = True) -> None:
         """Finished positions ids [B, T] go to the cache: with the next block's first forward
-        (``fuse_commit``) or at once. ``count_rows`` [B] (or None) are the rows charged a commit forward."""
+        (``fuse_commit``) or at once (then ``counted`` charges every row a commit forward)."""
         self.flush()
-        self.pending = (ids, positions, count_rows)
+        self.pending = (ids, positions, counted)
         if not self.settings.fuse_commit:
             self.flush()
 
     def flush(self) -> None:
         """Write a pending finished block in a forward of its own."""
         if self.pending is not None:
-            ids, positions, count_rows = self.pending
+            ids, positions, counted = self.pending
             self.pending = None
             self._write_finished(ids, positions, ids.shape[1])
-            if count_rows is not None:
-                self.stats.commit_forwards += count_rows.long()
+            if counted:
+                self.count("commit_forwards", torch.ones_like(self.rows))
 
     # --------------------------------------------------------------------------------- decisions
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, counter: torch.Tensor):
@@ -193,57 +229,79 @@ class BlockDecoder:
         S = self.settings.denoising_steps
         return masked_at_start // S + (step < masked_at_start % S).long()
 
-    def masked(self, block: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """bool [B, T]: masked positions of rows still decoding."""
-        return (block == self.mask_id) & active[:, None]
+    def masked(self, block: torch.Tensor) -> torch.Tensor:
+        """bool [B, T]: the masked positions of ``block`` (every row of the working batch is decoding)."""
+        return block == self.mask_id
+
+    def count(self, name: str, values: torch.Tensor) -> None:
+        """Add ``values`` [B'] (one per row of the working batch) to the stats counter ``name``."""
+        self.stats.add(name, self.rows, values)
 
     def record(self, forward_rows: torch.Tensor, committed: torch.Tensor, mrp: bool = False) -> None:
         """Count one backbone forward (or, with ``mrp``, one MRP forward) for ``forward_rows`` [B] bool and
         the ``committed`` tokens (bool [B, T], or a count per row [B])."""
         n = committed.sum(-1) if committed.dtype == torch.bool else committed.long()
-        counter = self.stats.mrp_forwards if mrp else self.stats.backbone_forwards
-        counter += forward_rows.long()
-        self.stats.tokens_committed += n
+        self.count("mrp_forwards" if mrp else "backbone_forwards", forward_rows)
+        self.count("tokens_committed", n)
         self.counter += n
 
     # ---------------------------------------------------------------------------------- the loop
     def run(self, decode_block) -> torch.Tensor:
-        """Decode every block with ``decode_block(self, block [B, T], positions [B, T], active [B])``
-        (which fills the block in place) and return the layout x [B, total]."""
-        T, lens = self.block, self.lens
-        first = min(self.prompts.lens) // T
-        if first:
-            pos = torch.arange(first * T, device=self.device).expand(self.x.shape[0], -1)
-            self.commit(self.x[:, : first * T], pos, None)
-        n_blocks = self.x.shape[1] // T
-        blocks = range(first, n_blocks)
-        for j in tqdm(blocks, desc="blocks", disable=not self.settings.progress):
-            span = slice(j * T, (j + 1) * T)
-            active = ~self.finished & (j * T < self.ends)
-            block = self.x[:, span].clone()
-            positions = torch.arange(j * T, (j + 1) * T, device=self.device).expand(block.shape[0], -1)
-            if self.masked(block, active).any():
-                decode_block(self, block, positions, active)
-            self.x[:, span] = block
-            if self.settings.eos_ids:
-                generated = torch.arange((j + 1) * T, device=self.device)[None, :] >= lens[:, None]
-                eos = torch.isin(self.x[:, : (j + 1) * T], torch.tensor(self.settings.eos_ids, device=self.device))
-                self.finished |= (eos & generated).any(-1)
-            if not (~self.finished & ((j + 1) * T < self.ends)).any():
-                break
-            self.commit(block, positions, active)
+        """Decode every row's blocks with ``decode_block(self, block [B', T], positions [B', T])`` (which fills
+        the block in place; rows are the working batch) and return the layout x [B, total]."""
+        T = self.block
+        prefill = max(self.first_blocks)
+        if prefill:
+            positions = torch.arange(prefill * T, device=self.device).expand(self.x.shape[0], -1)
+            self.commit(self.x[:, : prefill * T], positions, counted=False)
+            if min(self.first_blocks) < prefill:
+                # Rows with fewer full prompt blocks keep only their own: the rest of their width is
+                # masked out and overwritten by their next commits.
+                self.flush()
+                self.cache.lengths.copy_(self.first_block * T)
+        offsets = torch.arange(T, device=self.device)
+        eos = torch.tensor(self.settings.eos_ids, dtype=torch.long, device=self.device)
+        rounds = int(self.n_blocks.max())
+        for r in tqdm(range(rounds), desc="blocks", disable=not self.settings.progress):
+            rows = self.rows
+            positions = (self.first_block[rows] + r)[:, None] * T + offsets
+            block = self.x[rows[:, None], positions]
+            decode_block(self, block, positions)
+            self.x[rows[:, None], positions] = block
+            if len(eos):
+                hit = torch.isin(block, eos) & (positions >= self.lens[rows, None])
+                self.finished[rows] |= hit.any(-1)
+            going = ~self.finished[rows] & (r + 1 < self.n_blocks[rows])
+            if not going.all():  # the one host synchronisation per block
+                if not going.any():
+                    break
+                kept = going.nonzero().squeeze(1)
+                self.retire(kept)
+                block, positions = block[kept], positions[kept]
+            self.commit(block, positions)
         return self.x
 
+    def retire(self, kept: torch.Tensor) -> None:
+        """Keep only the working rows ``kept`` (int64 [B'']); the others are finished."""
+        self.flush()
+        self.rows, self.counter = self.rows[kept], self.counter[kept]
+        self.cache.keep_rows(kept)
+        if self.graphs is not None:
+            self.graphs.reset()  # the graphs read the replaced cache buffers
 
-def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
-                           active: torch.Tensor) -> None:
-    """Static (n most confident per step) and dynamic (all above the threshold, else the top n) decoding."""
+
+def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
+    """Static (n most confident per step) and dynamic (all above the threshold, else the top n) decoding.
+
+    Static decoding knows its step count when the block starts (the most masks of any row, at most
+    ``denoising_steps``): one host synchronisation per block. Dynamic decoding checks after each step."""
     s = dec.settings
     threshold = s.threshold if s.strategy == "dynamic" else None
-    quota_base = dec.masked(block, active).sum(-1)
-    for step in range(s.denoising_steps):
-        masked = dec.masked(block, active)
-        if not masked.any():
+    quota_base = dec.masked(block).sum(-1)
+    steps = s.denoising_steps if threshold is not None else min(s.denoising_steps, int(quota_base.max()))
+    for step in range(steps):
+        masked = dec.masked(block)
+        if threshold is not None and not masked.any():
             break
-        quota = dec.step_quota(quota_base, step) * active
+        quota = dec.step_quota(quota_base, step)
         dec.commit_picks(block, dec.backbone(block, positions), positions, masked, quota, threshold)

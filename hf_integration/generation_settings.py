@@ -22,7 +22,9 @@ class GenerationSettings:
     """Everything that steers decoding. ``block_length``/``denoising_steps`` default to the model's
     block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
     finished block's cache entries in the next block's first forward (same output, one forward fewer per
-    block); ``progress`` shows a bar over blocks."""
+    block); ``progress`` shows a bar over blocks. ``cuda_graphs`` (default: on for a CUDA model) replays
+    each kind of forward from a captured CUDA graph; ``True`` on a CPU model runs the same fixed-width
+    forwards eagerly."""
 
     max_new_tokens: int = 64
     block_length: int | None = None
@@ -45,6 +47,7 @@ class GenerationSettings:
     mrp_scale: float = 1.0
     progress: bool = False
     fuse_commit: bool = True
+    cuda_graphs: bool | None = None
     eos_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod

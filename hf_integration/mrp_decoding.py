@@ -49,26 +49,24 @@ def _only_position(committed: torch.Tensor, tokens: torch.Tensor):
     return torch.where(has, pos, -1), torch.where(has, tok, -1)
 
 
-def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
-                        active: torch.Tensor) -> None:
+def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
     """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless)."""
     K = dec.settings.mrp_steps
     for _ in range(block.shape[1]):
-        masked = dec.masked(block, active)
+        masked = dec.masked(block)
         if not masked.any():
             return
         h_a = dec.backbone(block, positions)
         dec.commit_picks(block, h_a, positions, masked, _one_each(masked))
         chain = MRPChain(dec, h_a, positions)
         for _ in range(K):
-            masked = dec.masked(block, active)
+            masked = dec.masked(block)
             if not masked.any():
                 return
             dec.commit_picks(block, chain.step(block), positions, masked, _one_each(masked), mrp=True)
 
 
-def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
-           seed_h: torch.Tensor):
+def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor):
     """K one-token drafts from the current state C(0) = block.
 
     Returns draft_pos, draft_tok [B, K] (-1 = no draft) and the candidate states [B, K+1, T]."""
@@ -77,12 +75,12 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, acti
     states, draft_pos, draft_tok = [state.clone()], [], []
     chain = MRPChain(dec, seed_h, positions)
     for k in range(K):
-        masked = dec.masked(state, active)
+        masked = dec.masked(state)
         if k == 0 and dec.settings.draft_schedule == "authors":
             hidden = seed_h  # the backbone's own (stale) pick from the seed forward
         else:
             hidden = chain.step(state)
-            dec.stats.mrp_forwards += masked.any(-1).long()
+            dec.count("mrp_forwards", masked.any(-1))
         tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k)
         committed = mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
         pos, t = _only_position(committed, tok)
@@ -92,26 +90,25 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, acti
     return torch.stack(draft_pos, 1), torch.stack(draft_tok, 1), torch.stack(states, 1)
 
 
-def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
-                             active: torch.Tensor) -> None:
+def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
     """Lossless speculative decoding: K drafts, one backbone forward over the K+1 candidate states,
     per-row acceptance of the longest prefix the backbone agrees with, plus its bonus token."""
     K = dec.settings.mrp_steps
     B, T = block.shape
     # Opening forward of the block: the backbone's exact pick (a verify round with no drafts).
-    masked = dec.masked(block, active)
+    masked = dec.masked(block)
     seed_h = dec.backbone(block, positions)
     dec.commit_picks(block, seed_h, positions, masked, _one_each(masked))
     copies = torch.arange(K + 1, device=block.device)
     segments = copies.repeat_interleave(T)
     flat_positions = positions.repeat(1, K + 1)
     for _ in range(T):
-        live = dec.masked(block, active).any(-1)
+        live = dec.masked(block).any(-1)
         if not live.any():
             return
-        draft_pos, draft_tok, states = _draft(dec, block, positions, active, seed_h)
+        draft_pos, draft_tok, states = _draft(dec, block, positions, seed_h)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, segments)
-        candidates = (states == dec.mask_id) & active[:, None, None]
+        candidates = states == dec.mask_id
         counters = (dec.counter[:, None] + copies).repeat_interleave(T, dim=1)
         tok, conf, _ = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters)
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, tok.view(B, K + 1, T),
@@ -119,7 +116,7 @@ def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: 
         accepted = accepted.long()
         dec.record(live, (accepted + (bonus >= 0).long()) * live)
         dec.stats.accepted_lengths[dec.rows, accepted] += live.long()
-        seed_h = h_all.view(B, K + 1, T, -1)[dec.rows, accepted]
+        seed_h = h_all.view(B, K + 1, T, -1)[torch.arange(B, device=block.device), accepted]
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
@@ -136,16 +133,15 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
     return torch.exp(z - lse)
 
 
-def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor,
-                        active: torch.Tensor) -> None:
+def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
     """Dynamic reveal (confidence > tau, at least one), then one MRP pass vetoes reveals: rule "tau"
     (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
     ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
     s = dec.settings
     rule, head = s.remask_rule, dec.model.lm_head
-    quota_base = dec.masked(block, active).sum(-1)
+    quota_base = dec.masked(block).sum(-1)
     for step in range(block.shape[1]):
-        masked = dec.masked(block, active)
+        masked = dec.masked(block)
         if not masked.any():
             return
         h_a = dec.backbone(block, positions)
@@ -159,8 +155,8 @@ def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch
         limit = s.threshold if rule == "tau" else s.residual_delta
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
         dec.record(masked.any(-1), revealed & ~remasked)
-        dec.stats.mrp_forwards += masked.any(-1).long()
-        dec.stats.tokens_remasked += remasked.sum(-1)
+        dec.count("mrp_forwards", masked.any(-1))
+        dec.count("tokens_remasked", remasked.sum(-1))
 
 
 MRP_BLOCK_DECODERS = {

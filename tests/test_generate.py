@@ -242,3 +242,72 @@ def test_fused_commit_forward_gives_identical_output_with_fewer_forwards(model, 
     assert torch.equal(fused.stats.backbone_forwards, plain.stats.backbone_forwards)
     assert (fused.stats.commit_forwards == 0).all()
     assert (plain.stats.commit_forwards == 3).all()  # blocks 1..3 of 0..4 are committed on their own
+
+
+def _forward_batch_sizes(model, monkeypatch) -> list[int]:
+    """Record the batch size of every backbone forward."""
+    sizes, original = [], model.model.forward
+
+    def spy(input_ids, *args, **kwargs):
+        sizes.append(input_ids.shape[0])
+        return original(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model.model, "forward", spy)
+    return sizes
+
+
+def test_rows_progress_through_their_own_blocks(model, monkeypatch):
+    """A 3-token and a 30-token prompt decode their blocks side by side (blocks 0-2 and 7-9 of 4 tokens):
+    the batch costs the forwards of the slower row alone plus one prefill, not a pass over blocks 0-9."""
+    short, long = random_prompts(1, 3, seed=20)[0], random_prompts(1, 30, seed=21)[0]
+    ids = torch.zeros((2, 30), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    ids[0, 27:], mask[0, 27:] = short, 1
+    ids[1], mask[1] = long, 1
+    sizes = _forward_batch_sizes(model, monkeypatch)
+    alone, forwards = [], []
+    for row in (short, long):
+        sizes.clear()
+        alone.append(model.generate(row[None], max_new_tokens=8))
+        forwards.append(len(sizes))
+    assert forwards == [1 + 4 + 4, 2 + 4 + 4]  # one token a step; the long row's prefill rides on its first
+    sizes.clear()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert sizes == [2] * (1 + max(forwards))  # + one prefill of its own: the rows' prompt blocks differ
+    assert torch.equal(out[0, 27:], alone[0][0]) and torch.equal(out[1], alone[1][0])
+
+
+def test_finished_rows_leave_the_batch(model, monkeypatch):
+    ids = random_prompts(2, 5, seed=9)
+    free = model.generate(ids, max_new_tokens=20)
+    eos = int(free[0, 7])  # row 0's 3rd new token: row 0 finishes with its first decoded block
+    assert eos not in free[1, 5:].tolist()
+    sizes = _forward_batch_sizes(model, monkeypatch)
+    out = model.generate(ids, max_new_tokens=20, eos_token_id=[eos], pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences[1], free[1])
+    assert out.stats.tokens_committed.tolist() == [3, 23]  # row 1 fills its last block (to 28)
+    # The first block (3 masks, one token a step) runs with both rows; every later forward with row 1 only.
+    assert sizes == [2] * 3 + [1] * (len(sizes) - 3) and len(sizes) > 3
+    assert out.stats.backbone_forwards[0] == 3
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_graph_shaped_forwards_give_identical_output(model, kwargs):
+    """``cuda_graphs=True`` on a CPU model runs the forwards a CUDA graph would capture (the whole cache
+    width, masked by per-row lengths) eagerly: same tokens and counts as the default path, here with
+    rows in different blocks and a row that finishes early (its EOS) and leaves the batch."""
+    lens = [2, 11, 6]
+    ids = torch.zeros((3, 11), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lens):
+        ids[b, :n], mask[b, :n] = random_prompts(1, n, seed=30 + n)[0], 1
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=10, **kwargs)
+    eos = int(free[0, 2])  # row 0's first new token
+    settings = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=[eos], pad_token_id=0,
+                    return_dict_in_generate=True, **kwargs)
+    plain = model.generate(ids, cuda_graphs=False, **settings)
+    graphed = model.generate(ids, cuda_graphs=True, **settings)
+    assert plain.stats.tokens_committed[0] < plain.stats.tokens_committed.max()  # row 0 left the batch early
+    assert torch.equal(graphed.sequences, plain.sequences)
+    for name, value in vars(plain.stats).items():
+        assert torch.equal(getattr(graphed.stats, name), value), name

@@ -2,7 +2,8 @@
 # Reproduce the shipped model from scratch on this machine's Python standard library:
 # a byte-level BPE tokenizer and an SDAR backbone (block 16), then a 3-layer MRP head on the frozen backbone,
 # then copy the export and both training logs into hf_integration/shipped/sdar-stdlib-mrp/.
-#   bash hf_integration/shipped/reproduce.sh [WORK_DIR]      (CPU: about an hour on 2 cores)
+#   bash hf_integration/shipped/reproduce.sh [WORK_DIR]      (CPU: about 1.5 hours on 2 cores)
+# BACKBONE_STEPS and MRP_STEPS override the step counts (a GPU affords more).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 WORK="${1:-$ROOT/runs/stdlib}"
@@ -10,10 +11,10 @@ DEST="$ROOT/hf_integration/shipped/sdar-stdlib-mrp"
 cd "$ROOT"
 python -m training.cli backbone --stdlib --out "$WORK/backbone" --vocab-size 2048 --block-size 16 \
   --hidden-size 128 --intermediate-size 384 --num-layers 4 --num-heads 4 --num-kv-heads 2 --head-dim 32 \
-  --seq-len 256 --micro-batch-size 8 --max-steps 3600 --lr 2e-3 --warmup-steps 100 --log-every 50 \
+  --seq-len 256 --micro-batch-size 8 --max-steps "${BACKBONE_STEPS:-6000}" --lr 2e-3 --warmup-steps 100 --log-every 50 \
   --eval-every 300 --save-every 300 --no-progress --max-position-embeddings 2048 --tie-word-embeddings
 python -m training.cli mrp --model "$WORK/backbone" --stdlib --out "$WORK/mrp" --mrp-layers 3 --unroll-k 2 \
-  --seq-len 256 --micro-batch-size 8 --max-steps "${MRP_STEPS:-600}" --lr 1e-3 --warmup-steps 40 --log-every 20 \
+  --seq-len 256 --micro-batch-size 8 --max-steps "${MRP_STEPS:-1000}" --lr 1e-3 --warmup-steps 40 --log-every 20 \
   --eval-every 100 --save-every 100 --no-progress
 rm -rf "$DEST" && mkdir -p "$DEST"
 cp "$WORK/mrp"/*.json "$WORK/mrp"/*.py "$WORK/mrp/model.safetensors" "$DEST/"

@@ -16,36 +16,50 @@ import torch
 class StaticKVCache:
     """Keys/values ``[num_slots, batch, kv_heads, max_len, head_dim]`` plus per-row lengths ``[batch]``.
 
-    ``length`` is the number of committed positions (shared block boundaries: every row of a batch
-    has committed the same number of positions; ``lengths`` keeps it per row for the attention mask).
+    Row b has committed ``lengths[b]`` positions; rows may differ (each row sits in its own block).
+    ``length`` (a host int) is the largest committed length. Forwards read ``width`` positions: ``length``,
+    or with ``full_width`` the whole buffer (what a captured CUDA graph needs: no host value that changes
+    between steps). A row's positions past its own length are masked out (:func:`cached_block_mask`).
     """
 
     def __init__(self, num_slots: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, full_width: bool = False):
         shape = (num_slots, batch_size, num_kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
         self.max_len = max_len
+        self.full_width = full_width
+
+    @property
+    def width(self) -> int:
+        return self.max_len if self.full_width else self.length
 
     def prefix(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed keys and values of one layer: ``[batch, kv_heads, length, head_dim]`` each."""
-        return self.keys[slot, :, :, : self.length], self.values[slot, :, :, : self.length]
+        """Keys and values of one layer as forwards read them: ``[batch, kv_heads, width, head_dim]`` each."""
+        return self.keys[slot, :, :, : self.width], self.values[slot, :, :, : self.width]
 
     def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` after the committed prefix of
-        one layer. ``advance`` makes them visible once every layer has written."""
+        """Append ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` after each row's committed
+        prefix in one layer. ``advance`` makes them visible once every layer has written."""
         n = keys.shape[2]
         if self.length + n > self.max_len:
             raise RuntimeError(f"KV cache overflow: {self.length} + {n} > max_len {self.max_len}")
-        self.keys[slot, :, :, self.length : self.length + n] = keys
-        self.values[slot, :, :, self.length : self.length + n] = values
+        offsets = self.lengths[:, None] + torch.arange(n, device=self.lengths.device)
+        index = offsets[:, None, :, None].expand_as(keys)
+        self.keys[slot].scatter_(2, index, keys)
+        self.values[slot].scatter_(2, index, values)
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more positions of every row as committed."""
         self.length += n
         self.lengths += n
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Shrink the batch to ``rows`` (int64 [B']): the other rows are finished and stop costing work."""
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        self.lengths = self.lengths[rows]
 
 
 @dataclass

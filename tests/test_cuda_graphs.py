@@ -1,0 +1,58 @@
+"""CUDA-graph decoding on a GPU: replayed forwards give the tokens and counts of eager decoding.
+
+Skipped without CUDA (the CPU suite covers the same fixed-width forwards eagerly, in test_generate.py).
+The ``triton`` case captures the Triton kernels too; it needs TRITON_INTERPRET=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hf_integration.step_graphs import StepGraphs
+from tiny_models import random_prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
+              dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4)]
+
+
+def _graphed_equals_eager(kwargs, monkeypatch):
+    captured = []
+    original = StepGraphs._capture
+
+    def spy(self, key, fn, inputs):
+        entry = original(self, key, fn, inputs)
+        captured.append((key, entry))
+        return entry
+
+    monkeypatch.setattr(StepGraphs, "_capture", spy)
+    model = tiny_model(seed=0, dtype=torch.float32).cuda()
+    lens = [2, 11, 6]
+    ids = torch.zeros((3, 11), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lens):
+        ids[b, :n], mask[b, :n] = random_prompts(1, n, seed=30 + n)[0], 1
+    ids, mask = ids.cuda(), mask.cuda()
+    settings = dict(attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True, **kwargs)
+    eager = model.generate(ids, cuda_graphs=False, **settings)
+    graphed = model.generate(ids, **settings)  # on by default for a CUDA model
+    assert captured and all(entry != "eager" for _, entry in captured), captured
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for name, value in vars(eager.stats).items():
+        assert torch.equal(getattr(graphed.stats, name), value), name
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: k["strategy"])
+def test_graph_replay_equals_eager_reference_ops(kwargs, monkeypatch):
+    _graphed_equals_eager(kwargs, monkeypatch)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter cannot be captured")
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: k["strategy"])
+def test_graph_replay_equals_eager_triton_ops(kwargs, monkeypatch):
+    _graphed_equals_eager(kwargs, monkeypatch)
