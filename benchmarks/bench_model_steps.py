@@ -126,10 +126,11 @@ def weight_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def make_decoder(model, batch: int, prefix: int, block: int, seed: int):
-    """A ``BlockDecoder`` (speculative settings, commits not fused) whose cache holds ``prefix`` committed
-    random tokens per row, written the way decoding writes them: ``commit`` = one backbone forward plus one
-    MRP forward over the prefix, each writing its layers' keys/values, then ``cache.advance``."""
+def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_graphs: bool = False):
+    """A ``BlockDecoder`` (speculative settings, commits not fused; forwards eager unless ``cuda_graphs``)
+    whose cache holds ``prefix`` committed random tokens per row, written the way decoding writes them:
+    ``commit`` = one backbone forward plus one MRP forward over the prefix, each writing its layers'
+    keys/values, then ``cache.advance``."""
     import torch
 
     from hf_integration.decoding import BlockDecoder
@@ -141,7 +142,8 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int):
     top = min(model.config.vocab_size, model.config.mask_token_id)  # prompts never hold the mask token
     ids = torch.randint(0, top, (batch, prefix), generator=g).to(device)
     settings = GenerationSettings.resolve(model, None, dict(max_new_tokens=block, block_length=block,
-                                                            strategy="speculative", fuse_commit=False))
+                                                            strategy="speculative", fuse_commit=False,
+                                                            cuda_graphs=cuda_graphs))
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
     positions = torch.arange(prefix, device=device).expand(batch, -1)
     dec.commit(dec.x[:, :prefix], positions, None)

@@ -1,0 +1,212 @@
+"""The GPU decode engine: forwards replayed from CUDA graphs vs eager, and what that makes of decoding.
+
+Random-weight ``SDARMRPForCausalLM`` models at the SDAR-1.7B and 8B shapes (``bench_model_steps.MODELS``,
+D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
+
+``step``
+    One forward through a real ``BlockDecoder`` over a committed prefix of 512 tokens, with the
+    decoder's CUDA graphs off (``eager``) and on (``cuda_graph``): the plain denoising step (q=16), the
+    verify step over K+1 in {2, 3, 4, 5} candidate copies, one MRP draft step. ``x_weight_read`` =
+    median / the time to read the weights that forward reads at the copy bandwidth measured in this run.
+    Targets: the plain step at 1.7B batch 1 <= 2.0 ms (2.5x the weight-read floor); a verify step with 4
+    copies <= 1.2x a plain step at batch 1.
+``decode``
+    Wall clock of ``model.generate(strategy="static")``: random 512-token prompts, 256 new tokens one
+    token a step, batch 1, 8 and 32, with ``cuda_graphs=False`` (the eager reference loop) and ``True``.
+    A call captures its graphs itself, so the capture is inside the timing. ``tokens_per_s`` counts new
+    tokens of all rows; ``ratio`` = graphed tokens/s over eager. Target: >= 8x.
+``speculative_estimate``
+    Speculative K=3 over static decoding from the graphed step costs of this run and the forward counts
+    that ``bench_e2e.py`` measured on the shipped model (``--e2e``, mode "speculative K=3 mrp"):
+    ``tokens * t_step / (backbone_forwards * t_verify(K+1=4) + mrp_forwards * t_mrp)`` (every backbone
+    forward charged as a verify forward: conservative). An estimate, labelled so; the end-to-end figure
+    on the shipped model comes from ``bench_e2e.py --device cuda``. Target: >= 1.6x.
+
+    python benchmarks/bench_engine.py --out benchmarks/results          # CUDA, about 3 minutes on an H200
+    python benchmarks/bench_engine.py --smoke --out /tmp/engine          # CPU, tiny model, seconds
+
+Without CUDA the script exits with status 2, unless ``--smoke``: a tiny float32 model on the reference
+ops, where ``cuda_graph`` runs the same fixed-width forwards eagerly; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness  # noqa: E402
+import bench_model_steps as steps  # noqa: E402
+
+FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "ratio", "ratio_to", "x_weight_read",
+          "tokens_per_s", "gpu", "torch", "triton", "commit", "note"]
+PROVIDERS = {"eager": False, "cuda_graph": True}
+SPEC_MODE = "speculative K=3 mrp"
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results", help="directory for engine.csv / .json")
+    ap.add_argument("--models", default="1.7B,8B", help=f"comma-separated, from {list(steps.MODELS)}")
+    ap.add_argument("--step-batches", default="1,8", help="batch sizes of the per-forward rows")
+    ap.add_argument("--decode-batches", default="1,8,32", help="batch sizes of the decoding rows")
+    ap.add_argument("--prefix", type=int, default=512, help="prompt / committed tokens")
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row in the decoding rows")
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--copies", default="2,3,4,5", help="K+1 candidate copies of the verify rows")
+    ap.add_argument("--decode-reps", type=int, default=2, help="timed generate calls per setting (after one warm-up)")
+    ap.add_argument("--e2e", default="benchmarks/results/e2e_cpu.json",
+                    help="bench_e2e.py results with the shipped model's forward counts")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny float32 model on CPU (reference ops), seconds")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cuda = _harness.cuda_or_smoke("bench_engine", args.smoke)
+    if cuda is None:
+        return 2
+    import torch
+
+    import mrp_triton
+
+    meta = _harness.run_meta(cuda)
+    print(f"# {meta}")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.smoke:
+        models, step_batches, decode_batches = {"tiny": steps.SMOKE_MODEL}, [1, 2], [1, 2]
+        prefix, new_tokens = 32, 16
+    else:
+        models = {m: steps.MODELS[m] for m in args.models.split(",")}
+        step_batches, decode_batches = steps.ints(args.step_batches), steps.ints(args.decode_batches)
+        prefix, new_tokens = args.prefix, args.new_tokens
+    T, copies_list = args.block, steps.ints(args.copies)
+    bench = _harness.make_bench(cuda, warmup=args.warmup, rep=args.rep)
+    rows: list[dict] = []
+
+    def record(kernel, shape, provider, q, ratio=None, ratio_to="", floor_us=None, tokens_per_s="", note=""):
+        row = dict(kernel=kernel, shape=shape, provider=provider, median_us=round(q[0], 2), p20_us=round(q[1], 2),
+                   p80_us=round(q[2], 2), ratio=round(ratio, 4) if ratio is not None else "", ratio_to=ratio_to,
+                   x_weight_read=round(q[0] / floor_us, 2) if floor_us else "", note=note,
+                   tokens_per_s=round(tokens_per_s, 1) if tokens_per_s != "" else "", **meta)
+        rows.append(row)
+        print(f"{kernel:20s} {shape:34s} {provider:10s} {q[0] / 1e3:9.3f} ms  ratio {row['ratio']!s:>7} "
+              f"{ratio_to:24s} x_read {row['x_weight_read']!s:>6} tok/s {row['tokens_per_s']!s:>8}  {note}")
+        return q[0]
+
+    copy_bw = _harness.copy_bandwidth(bench)[1] if cuda else 1e10  # nominal on CPU: fills the column only
+    spec = _spec_counts(Path(args.e2e))
+    ops = nullcontext() if cuda else mrp_triton.use_backend("reference")
+    torch.manual_seed(args.seed)
+    with torch.no_grad(), ops:
+        for mname, shape in models.items():
+            model = steps.build_model(shape, 3, T, device, dtype)
+            layers = steps.weight_bytes(model.model.layers) + steps.weight_bytes(model.model.norm)
+            floor = {"step": (layers + steps.weight_bytes(model.lm_head)) / copy_bw * 1e6,
+                     "backbone": layers / copy_bw * 1e6,
+                     "mrp": steps.weight_bytes(model.mrp_modules[0]) / copy_bw * 1e6}
+            for B in step_batches:
+                cost = {}
+                for provider, graphs in PROVIDERS.items():
+                    cost[provider] = _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor,
+                                                f"{mname} B={B}", provider, args.seed)
+                if spec:
+                    c = cost["cuda_graph"]
+                    spent = spec["backbone_forwards"] * c["verify"][4] + spec["mrp_forwards"] * c["mrp"]
+                    speedup = spec["tokens"] * c["plain"] / spent
+                    record("speculative_estimate", f"{mname} B={B} K=3", "cuda_graph", [spent / spec["tokens"]] * 3,
+                           ratio=speedup, ratio_to="static (graphed step)",
+                           note=f"from {spec['source']} ({spec['tpf']:.2f} tokens/forward); target >= 1.6x")
+            for B in decode_batches:
+                _decode_rows(record, model, B, prefix, new_tokens, T, args.decode_reps, cuda, f"{mname} B={B}",
+                             floor["step"], args.seed)
+            del model
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    stem = "engine_smoke" if args.smoke else "engine"
+    doc = {"meta": {**meta, "copy_bw_tbps": round(copy_bw / 1e12, 3), "dtype": str(dtype).removeprefix("torch."),
+                    "models": models, "prefix": prefix, "new_tokens": new_tokens, "block": T,
+                    "speculative_counts": spec}, "rows": rows}
+    out = _harness.write_results(args.out, stem, FIELDS, rows, doc)
+    print(f"# wrote {out / stem}.csv and .json ({len(rows)} rows)")
+    return 0
+
+
+def _spec_counts(path: Path) -> dict | None:
+    """Forward counts of speculative K=3 (mrp schedule) on the shipped model, from bench_e2e results."""
+    if not path.is_file():
+        print(f"# no {path}: the speculative estimate is skipped")
+        return None
+    doc = json.loads(path.read_text())
+    row = next((r for r in doc["rows"] if r["mode"] == SPEC_MODE), None)
+    if row is None:
+        return None
+    keys = ("tokens", "backbone_forwards", "mrp_forwards", "tpf")
+    return {k: row[k] for k in keys} | {"source": path.name}
+
+
+def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, tag, provider, seed) -> dict:
+    """Time the plain, verify and MRP forwards of one decoder; returns their medians (us)."""
+    dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=graphs)
+    ids, pos = steps.query(dec, T, seed)
+    h_a = dec.backbone(ids, pos)
+    plain = record("step", f"{tag} plain q={T}", provider, bench(lambda: dec.backbone(ids, pos)),
+                   floor_us=floor["backbone"], note="target <= 2.0 ms at 1.7B B=1" if tag.endswith("B=1") else "")
+    verify = {}
+    for c in copies_list:
+        v_ids, v_pos, seg = steps.verify_inputs(ids, pos, c)
+        q = bench(lambda: dec.backbone(v_ids, v_pos, seg))
+        verify[c] = record("step", f"{tag} verify copies={c}", provider, q, ratio=q[0] / plain,
+                           ratio_to=f"plain q={T}", floor_us=floor["backbone"],
+                           note="target <= 1.2x plain at B=1" if c == 4 else "")
+    q = bench(lambda: dec.mrp(ids, h_a, pos))
+    mrp = record("step", f"{tag} mrp D=3", provider, q, ratio=q[0] / plain, ratio_to=f"plain q={T}",
+                 floor_us=floor["mrp"])
+    return {"plain": plain, "verify": verify, "mrp": mrp}
+
+
+def _decode_rows(record, model, B, prefix, new_tokens, T, reps, cuda, tag, step_floor, seed) -> None:
+    """Time static one-token-a-step ``generate`` with graphs off and on."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    top = min(model.config.vocab_size, model.config.mask_token_id)
+    ids = torch.randint(0, top, (B, prefix), generator=g).to(model.lm_head.weight.device)
+    kwargs = dict(max_new_tokens=new_tokens, block_length=T, strategy="static", eos_token_id=[])
+    eager_tps = None
+    for provider, graphs in PROVIDERS.items():
+        def run():
+            return model.generate(ids, cuda_graphs=graphs, **kwargs)
+        out = run()  # warm-up (kernels compiled, allocator primed)
+        times = []
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = run()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        assert out.shape == (B, prefix + new_tokens)
+        seconds = statistics.median(times)
+        tps = B * new_tokens / seconds
+        per_step = seconds / new_tokens * 1e6
+        eager_tps = eager_tps or tps
+        record("decode", f"{tag} static {prefix}+{new_tokens}", provider, [per_step, min(times) / new_tokens * 1e6,
+               max(times) / new_tokens * 1e6], ratio=tps / eager_tps, ratio_to="eager tokens/s",
+               floor_us=step_floor, tokens_per_s=tps, note="per step; target >= 8x eager" if graphs else "per step")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

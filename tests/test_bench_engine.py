@@ -1,0 +1,37 @@
+"""The engine benchmark runs end to end in its --smoke mode (tiny float32 model, CPU, reference ops)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU path; the GPU run is the real bench")
+def test_bench_engine_smoke(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    e2e = tmp_path / "e2e.json"
+    e2e.write_text(json.dumps({"rows": [{"mode": "speculative K=3 mrp", "tokens": 100, "backbone_forwards": 50,
+                                         "mrp_forwards": 120, "tpf": 2.0}]}))
+    assert mod.main(["--smoke", "--out", str(tmp_path), "--e2e", str(e2e), "--decode-reps", "1"]) == 0
+
+    rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
+    kinds = {(r["kernel"], r["provider"]) for r in rows}
+    assert kinds == {("step", "eager"), ("step", "cuda_graph"), ("decode", "eager"), ("decode", "cuda_graph"),
+                     ("speculative_estimate", "cuda_graph")}
+    for batch in (1, 2):
+        shapes = {r["shape"] for r in rows if r["kernel"] == "step" and r["provider"] == "cuda_graph"}
+        assert {f"tiny B={batch} plain q=16", f"tiny B={batch} verify copies=4", f"tiny B={batch} mrp D=3"} <= shapes
+    for r in rows:
+        assert r["median_us"] > 0
+        if r["kernel"] == "decode":
+            assert r["tokens_per_s"] > 0
+        if r["kernel"] == "speculative_estimate":
+            assert r["ratio"] > 0
