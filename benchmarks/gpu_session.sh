@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything owed to a GPU, as one prepared run (about 9 minutes on an H200): correctness of the kernels
+# and of CUDA-graph decoding against the references, then every benchmark that needs CUDA.
+#   bash benchmarks/gpu_session.sh OUT_DIR
+# Each step has its own time limit and log; a failing step does not stop the others. Results and logs
+# are packed into OUT_DIR/gpu_results.tar.gz (unpack into benchmarks/results/ and commit what ran).
+set -uo pipefail
+OUT="${1:?usage: bash benchmarks/gpu_session.sh OUT_DIR}"
+RES="$OUT/results"
+mkdir -p "$RES"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  | tee -a "$RES/gpu.txt"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$RES/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$RES/$name.log"
+  echo "=== $name rc=$rc in $((SECONDS - start))s" | tee -a "$RES/steps.txt"
+}
+
+step gpu_tests 170 python3 -m pytest -q -p no:cacheprovider tests/test_confidence.py tests/test_select.py \
+  tests/test_verify.py tests/test_remask.py tests/test_lm_head_confidence.py tests/test_norm_ops.py \
+  tests/test_cuda_graphs.py
+step engine 170 python3 benchmarks/bench_engine.py --out "$RES"
+step decode_kernels 90 python3 benchmarks/bench_decode_kernels.py --sweep --out "$RES"
+step model_steps 60 python3 benchmarks/bench_model_steps.py --no-compile --models 1.7B --out "$RES"
+step e2e 60 python3 benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --out "$RES"
+tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results
+cat "$RES/steps.txt"
