@@ -20,17 +20,29 @@ class StaticKVCache:
     ``length`` (a host int) is the largest committed length. Forwards read ``width`` positions: ``length``,
     or with ``full_width`` the whole buffer (what a captured CUDA graph needs: no host value that changes
     between steps). A row's positions past its own length are masked out (:func:`cached_block_mask`).
+    ``keys``, ``values`` and ``lengths`` are views of the first ``batch`` rows of buffers that never move:
+    finished rows are dropped by moving the kept ones to the front (:meth:`keep_rows`), and :meth:`reset`
+    empties the cache for another ``generate`` call, so graphs captured over it stay valid.
     """
 
     def __init__(self, num_slots: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, full_width: bool = False):
         shape = (num_slots, batch_size, num_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.length = 0
+        self._keys = torch.zeros(shape, dtype=dtype, device=device)
+        self._values = torch.zeros(shape, dtype=dtype, device=device)
+        self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
         self.full_width = full_width
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row back, nothing committed (stale entries stay but are masked out by the lengths)."""
+        self._lengths.zero_()
+        self.length = 0
+        self._use_rows(self._lengths.shape[0])
+
+    def _use_rows(self, n: int) -> None:
+        self.keys, self.values, self.lengths = self._keys[:, :n], self._values[:, :n], self._lengths[:n]
 
     @property
     def width(self) -> int:
@@ -54,12 +66,16 @@ class StaticKVCache:
     def advance(self, n: int) -> None:
         """Mark ``n`` more positions of every row as committed."""
         self.length += n
-        self.lengths += n
+        self.lengths.add_(n)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Shrink the batch to ``rows`` (int64 [B']): the other rows are finished and stop costing work."""
-        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
-        self.lengths = self.lengths[rows]
+        """Shrink the batch to ``rows`` (int64 [B'], increasing): the other rows are finished and stop
+        costing work. The kept rows move to the front of the same buffers."""
+        n = rows.shape[0]
+        self._keys[:, :n] = self.keys[:, rows]
+        self._values[:, :n] = self.values[:, rows]
+        self._lengths[:n] = self.lengths[rows]
+        self._use_rows(n)
 
 
 @dataclass

@@ -62,7 +62,13 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mrp_modules = nn.ModuleList([MRPModule(config)] if config.has_mrp else [])
         self.mrp_loaded = config.has_mrp
+        self._decode_engine = None  # (key, StaticKVCache, StepGraphs) of the last graphed generate call
         self.post_init()
+
+    def release_decode_engine(self) -> None:
+        """Free the KV cache and CUDA graphs that graphed ``generate`` calls keep for the next call of the
+        same shapes. (One generate at a time per model: concurrent calls would share them.)"""
+        self._decode_engine = None
 
     # ----------------------------------------------------------------------------------- embeddings
     def get_input_embeddings(self) -> nn.Embedding:

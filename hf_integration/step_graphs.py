@@ -25,7 +25,7 @@ class StepGraphs:
 
     ``fn`` must read only its tensor arguments and buffers whose storage never moves (weights, the KV
     cache); ``key`` must determine everything else it depends on (the caller passes the kind of forward
-    and the input shapes). :meth:`reset` drops every graph (the cache buffers were replaced)."""
+    and the input shapes)."""
 
     def __init__(self, capture: bool):
         self.capture = capture
@@ -45,9 +45,6 @@ class StepGraphs:
             buffer.copy_(value)
         graph.replay()
         return static_output.clone()
-
-    def reset(self) -> None:
-        self.graphs.clear()
 
     def _capture(self, key, fn, inputs):
         """Warm up on a side stream (compiles Triton kernels, sets up library handles), then capture.

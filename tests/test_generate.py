@@ -311,3 +311,19 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
     assert torch.equal(graphed.sequences, plain.sequences)
     for name, value in vars(plain.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
+
+
+def test_graphed_calls_reuse_one_engine(model):
+    """Graphed calls of the same shapes reuse the cache (and graphs) of the previous call, reset; another
+    shape replaces it; ``release_decode_engine`` frees it. Every call decodes as if from scratch."""
+    ids = random_prompts(2, 7, seed=40)
+    expected = model.generate(ids, max_new_tokens=9, cuda_graphs=False)
+    first = model.generate(ids, max_new_tokens=9, cuda_graphs=True)
+    engine = model._decode_engine
+    again = model.generate(ids, max_new_tokens=9, cuda_graphs=True)
+    assert model._decode_engine is engine
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    other = model.generate(ids[:1], max_new_tokens=9, cuda_graphs=True)
+    assert model._decode_engine is not engine and torch.equal(other, expected[:1])
+    model.release_decode_engine()
+    assert model._decode_engine is None

@@ -96,10 +96,12 @@ class BlockDecoder:
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
         p = model.lm_head.weight
+        cache_shape = (slots, B, total, config.num_key_value_heads, config.head_dim, p.dtype, device)
         graphs = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
-        self.graphs = StepGraphs(capture=device.type == "cuda") if graphs else None
-        self.cache = StaticKVCache(slots, B, total, config.num_key_value_heads, config.head_dim, p.dtype, device,
-                                   full_width=graphs)
+        if graphs:
+            self.cache, self.graphs = _graph_engine(model, cache_shape, T)
+        else:
+            self.cache, self.graphs = StaticKVCache(*cache_shape), None
         self.finished = torch.zeros(B, dtype=torch.bool, device=device)
         # The working batch: ``rows`` [B'] are the original rows still decoding (they key the sampling noise
         # and the stats); the cache and ``counter`` (tokens committed so far) hold those rows only.
@@ -286,8 +288,22 @@ class BlockDecoder:
         self.flush()
         self.rows, self.counter = self.rows[kept], self.counter[kept]
         self.cache.keep_rows(kept)
-        if self.graphs is not None:
-            self.graphs.reset()  # the graphs read the replaced cache buffers
+
+
+def _graph_engine(model, cache_shape: tuple, block: int) -> tuple[StaticKVCache, StepGraphs]:
+    """The full-width cache and captured graphs of the model's last graphed ``generate`` call, reset, when
+    this call has the same cache shape, block and weight storage (no capture to pay again); else new ones,
+    which replace them. ``model.release_decode_engine()`` frees them."""
+    key = (*cache_shape, block, tuple(p.data_ptr() for p in model.parameters()))
+    engine = model._decode_engine
+    if engine is not None and engine[0] == key:
+        engine[1].reset()
+        return engine[1], engine[2]
+    model.release_decode_engine()  # free the old buffers before allocating new ones
+    cache = StaticKVCache(*cache_shape, full_width=True)
+    graphs = StepGraphs(capture=cache.keys.device.type == "cuda")
+    model._decode_engine = (key, cache, graphs)
+    return cache, graphs
 
 
 def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
