@@ -6,7 +6,7 @@ at the SDAR-1.7B shape (hidden 2048, ffn 6144, 28 layers, 16 q / 8 kv heads, hea
 runs through a real ``hf_integration.decoding.BlockDecoder``: its ``StaticKVCache`` holds a committed
 prefix of 512 tokens (written once by ``BlockDecoder.commit``, i.e. one backbone forward and one MRP
 forward that write their keys/values), and the timed calls are ``BlockDecoder.backbone`` /
-``BlockDecoder.mrp``, which build the ``AttentionInputs`` with ``cached_block_mask`` as decoding does.
+``BlockDecoder.mrp``, which build the ``AttentionInputs`` as decoding does.
 Block 16, batch 1 and 8. Rows (the ``kernel`` column):
 
 ``backbone_denoise``

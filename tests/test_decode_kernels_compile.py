@@ -1,4 +1,4 @@
-"""The decode kernels compile for a real GPU (sm_90, H100/H200) even on a machine without one.
+"""The decode kernels and cached_attention compile for a real GPU (sm_90, H100/H200) even on a machine without one.
 
 The interpreter accepts things the CUDA lowering rejects (and vice versa), so this test compiles
 every kernel variant to a cubin with Triton's bundled ptxas, in a subprocess with the interpreter off.
@@ -60,6 +60,17 @@ def _compile_all() -> list[str]:
         comp(Rm._remask_kernel, {"block_ptr": "*i64", "rev_ptr": "*u8", "score_ptr": "*fp32", "out_ptr": "*u8",
                                  "L": "i32", "thr": "fp32", "mask_id": "i32", "IS_TAU": "constexpr",
                                  "BLOCK_L": "constexpr"}, {"IS_TAU": tau, "BLOCK_L": 16}, 1, "remask")
+    A = importlib.import_module("mrp_triton.cached_attention")
+    strides = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "sc_b", "sc_h", "sc_t",
+               "sp_b", "sp_t", "so_b", "so_h", "so_t")
+    consts = ("GROUP", "HAS_SEG", "DOT_FP32", "IEEE", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+    for dt, seg, d in (("*bf16", False, 128), ("*bf16", True, 128), ("*fp16", False, 64), ("*fp32", True, 128)):
+        sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "ck_ptr": dt, "cv_ptr": dt, "len_ptr": "*i64", "pos_ptr": "*i64",
+               "seg_ptr": "*i64", "o_ptr": dt, **{s_: "i64" for s_ in strides}, "T": "i32", "Hq": "i32",
+               "HEAD_DIM": "i32", "block_size": "i32", "scale": "fp32", **{c: "constexpr" for c in consts}}
+        comp(A._cached_attention_kernel, sig, {"GROUP": 2, "HAS_SEG": seg, "DOT_FP32": False, "IEEE": dt == "*fp32",
+                                              "BLOCK_M": A._BLOCK_M, "BLOCK_N": A._BLOCK_N, "BLOCK_D": d},
+             A._NUM_WARPS, f"cached_attention {dt} seg={seg}")
     return done
 
 
@@ -73,7 +84,7 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "compiled 20 kernel variants" in r.stdout, r.stdout
+    assert "compiled 24 kernel variants" in r.stdout, r.stdout
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_integration.kv_cache import AttentionInputs
 from tiny_models import MASK_ID, random_prompts, tiny_model
 
 
@@ -22,7 +23,7 @@ def install_oracle_mrp(model, monkeypatch):
     def oracle(input_ids, hidden_states, position_ids, attention_mask=None, attn=None):
         if attn.write_len:
             return torch.zeros_like(hidden_states)
-        h_b = model.model(input_ids, position_ids, attn=AttentionInputs(mask=attn.mask, cache=attn.cache))
+        h_b = model.model(input_ids, position_ids, attn=dataclasses.replace(attn, write_len=0))
         if scale["mix"] == "none":
             return h_b
         return (h_b - hidden_states) / scale["value"]

@@ -1,5 +1,6 @@
 """Plain-PyTorch twins of every op in :mod:`mrp_triton`: the test oracle and the CPU path."""
 
+from .cached_attention import cached_attention
 from .confidence import confidence
 from .lm_head_confidence import lm_head_confidence
 from .mrp_input import mrp_input
@@ -10,5 +11,5 @@ from .select import select_commit
 from .swiglu import swiglu
 from .verify import verify_drafts
 
-__all__ = ["confidence", "remask", "select_commit", "verify_drafts",
+__all__ = ["cached_attention", "confidence", "remask", "select_commit", "verify_drafts",
            "lm_head_confidence", "mrp_input", "qk_norm_rope", "rms_norm", "swiglu"]

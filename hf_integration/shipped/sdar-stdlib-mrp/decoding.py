@@ -21,7 +21,6 @@ from transformers.utils.logging import tqdm
 
 import mrp_triton
 
-from .attention_masks import cached_block_mask
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs, StaticKVCache
 from .prompts import PromptBatch
@@ -113,8 +112,8 @@ class BlockDecoder:
 
     # ---------------------------------------------------------------------------------- forwards
     def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0):
-        mask = cached_block_mask(positions, self.cache.lengths, self.cache.width, self.block, segments)
-        return AttentionInputs(mask=mask, cache=self.cache, write_len=write_len)
+        return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
+                               block_size=self.block)
 
     def _forward(self, kind: tuple, fn, *inputs: torch.Tensor) -> torch.Tensor:
         """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of (kind, input shapes). Forwards

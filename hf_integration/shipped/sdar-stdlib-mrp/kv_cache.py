@@ -19,7 +19,7 @@ class StaticKVCache:
     Row b has committed ``lengths[b]`` positions; rows may differ (each row sits in its own block).
     ``length`` (a host int) is the largest committed length. Forwards read ``width`` positions: ``length``,
     or with ``full_width`` the whole buffer (what a captured CUDA graph needs: no host value that changes
-    between steps). A row's positions past its own length are masked out (:func:`cached_block_mask`).
+    between steps). A row's slots past its own length are never attended (``mrp_triton.cached_attention``).
     ``keys``, ``values`` and ``lengths`` are views of the first ``batch`` rows of buffers that never move:
     finished rows are dropped by moving the kept ones to the front (:meth:`keep_rows`), and :meth:`reset`
     empties the cache for another ``generate`` call, so graphs captured over it stay valid.
@@ -82,11 +82,16 @@ class StaticKVCache:
 class AttentionInputs:
     """What every attention layer of one forward needs besides its hidden states.
 
-    mask: bool ``[B or 1, 1, T, prefix + T]`` (True = may attend) over the cached prefix followed by
-    the T new positions. cache: the KV cache or None. write_len: how many leading new positions
-    each layer appends to the cache (0 for a denoising forward).
+    Without a cache: ``mask``, bool ``[B or 1, 1, T, T]`` (True = may attend). With a ``cache``: the new
+    positions ``[B, T]``, their segments ``[T]`` (candidate copies verified in one forward; None for one
+    copy) and the block size, from which ``mrp_triton.cached_attention`` derives who sees what; and
+    ``write_len``, how many leading new positions each layer appends to the cache (0 for a denoising
+    forward).
     """
 
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None = None
     cache: StaticKVCache | None = None
     write_len: int = 0
+    positions: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    block_size: int = 0

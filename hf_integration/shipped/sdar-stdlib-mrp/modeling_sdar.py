@@ -73,12 +73,14 @@ class SDARAttention(nn.Module):
         v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", d=self.head_dim)
         q, k = mrp_triton.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if attn.cache is not None:
+        if attn.cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, enable_gqa=True)
+        else:
             past_k, past_v = attn.cache.prefix(self.layer_idx)
-            if attn.write_len:
+            if attn.write_len:  # visible from the next forward on (after cache.advance)
                 attn.cache.write(self.layer_idx, k[:, :, : attn.write_len], v[:, :, : attn.write_len])
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, enable_gqa=True)
+            out = mrp_triton.cached_attention(q, k, v, past_k, past_v, attn.cache.lengths, attn.positions,
+                                              attn.block_size, attn.segments)
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
 

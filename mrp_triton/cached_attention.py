@@ -1,0 +1,185 @@
+"""Attention of a decoding forward: T new positions over each row's committed KV-cache prefix and themselves.
+
+Cost model (B rows, Hq query / Hkv key-value heads, head dim D, row b with L_b committed slots, b bytes
+per element): the committed keys and values are read once per query head, B*Hq*mean(L)*2*D*b bytes
+(heads of one group re-read their shared slots, mostly from L2), plus q, the new keys/values and the
+output (small: T is one block or a few candidate copies of it). The eager path (the reference) first
+concatenates the cache prefix with the new keys/values, a copy of the whole prefix in every layer of
+every forward, and attends over the widest row's prefix for every row; this kernel reads the cache in
+place up to each row's own length, which also lets CUDA-graph replays read the full-width cache views
+without paying for their unused slots.
+
+Kernel: grid (cdiv(T, BLOCK_M), B * Hq). A program holds BLOCK_M queries of one head, streams the row's
+committed slots in BLOCK_N tiles (the loop bound, L_b, is read on the device: no host value), then the
+new keys under the block-causal and segment mask, with an online softmax in fp32. Every query sees at
+least its own key, so no row of the softmax is empty.
+
+dtypes: bf16/fp16 dots accumulate in fp32 (the probabilities are cast to the value dtype for the second
+dot, as flash attention does); fp32 uses IEEE products (no TF32). Under TRITON_INTERPRET=1, tl.dot on
+bf16 is broken, so tiles are cast to fp32 there. float64 always runs the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_kernel_device
+from .backend import interpreter_on, select_backend
+from .reference.cached_attention import cached_attention as cached_attention_reference
+
+_BLOCK_M = 16
+_BLOCK_N = 64
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax update of queries q [M, D] with keys kt / values vt [N, D] where ``valid`` [M, N]."""
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kt))
+    s = tl.where(valid, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, vt, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(vt.dtype), vt)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_ptr, seg_ptr, o_ptr,
+                             sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_h, sc_t,
+                             sp_b, sp_t, so_b, so_h, so_t, T, Hq, HEAD_DIM, block_size, scale,
+                             GROUP: tl.constexpr, HAS_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
+                             IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    kvh = h // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < T
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # the row's committed slots: all visible
+    length = tl.load(len_ptr + b)
+    for start in range(0, length, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < length
+        tile = b * sc_b + kvh * sc_h + cols[:, None] * sc_t + dims[None, :]
+        tile_mask = col_mask[:, None] & dim_mask[None, :]
+        kt = tl.load(ck_ptr + tile, mask=tile_mask, other=0.0)
+        vt = tl.load(cv_ptr + tile, mask=tile_mask, other=0.0)
+        m_i, l_i, acc = _attend(q, kt, vt, col_mask[None, :], m_i, l_i, acc, scale, DOT_FP32, IEEE)
+
+    # the new positions: block-causal, within a segment
+    q_block = tl.load(pos_ptr + b * sp_b + rows * sp_t, mask=row_mask, other=0) // block_size
+    if HAS_SEG:
+        q_seg = tl.load(seg_ptr + rows, mask=row_mask, other=-1)
+    for start in range(0, T, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < T
+        k_block = tl.load(pos_ptr + b * sp_b + cols * sp_t, mask=col_mask, other=0) // block_size
+        valid = col_mask[None, :] & (k_block[None, :] <= q_block[:, None])
+        if HAS_SEG:
+            k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=-2)
+            valid = valid & (k_seg[None, :] == q_seg[:, None])
+        tile_mask = col_mask[:, None] & dim_mask[None, :]
+        kt = tl.load(k_ptr + b * sk_b + kvh * sk_h + cols[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
+        vt = tl.load(v_ptr + b * sv_b + kvh * sv_h + cols[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
+        m_i, l_i, acc = _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32, IEEE)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on the tile's padding rows
+    tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + dims[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def _check(q, k, v, cache_k, cache_v, lengths, positions, segments) -> None:
+    if q.dim() != 4 or k.dim() != 4 or cache_k.dim() != 4:
+        raise ValueError("q must be [B, Hq, T, D], k and v [B, Hkv, T, D], cache_k and cache_v [B, Hkv, W, D]")
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if k.shape != (B, Hkv, T, D) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [B, Hkv, T, D] = [{B}, Hkv, {T}, {D}], got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if cache_k.shape[:2] != (B, Hkv) or cache_k.shape[3] != D or cache_v.shape != cache_k.shape:
+        raise ValueError(f"cache_k and cache_v must be [{B}, {Hkv}, W, {D}], got {tuple(cache_k.shape)} and "
+                         f"{tuple(cache_v.shape)}")
+    if len({t.dtype for t in (q, k, v, cache_k, cache_v)}) != 1 or not q.dtype.is_floating_point:
+        raise TypeError("q, k, v, cache_k and cache_v must share one floating dtype")
+    if lengths.shape != (B,) or lengths.dtype != torch.int64:
+        raise ValueError(f"lengths must be an int64 tensor [{B}]")
+    if positions.shape != (B, T) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be an int64 tensor [{B}, {T}]")
+    if segments is not None and segments.shape != (T,):
+        raise ValueError(f"segments must be a tensor [{T}] (or None)")
+    for name, t in (("k", k), ("v", v), ("cache_k", cache_k), ("cache_v", cache_v), ("lengths", lengths),
+                    ("positions", positions)) + ((("segments", segments),) if segments is not None else ()):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q on {q.device}; move them together")
+
+
+def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                            cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
+                            segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher of :func:`cached_attention` (same arguments and result)."""
+    _check(q, k, v, cache_k, cache_v, lengths, positions, segments)
+    check_kernel_device(q.device, "cached_attention")
+    q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
+    if cache_v.stride() != cache_k.stride():
+        cache_v = cache_v.contiguous()
+        cache_k = cache_k.contiguous()
+    B, Hq, T, D = q.shape
+    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    seg = segments.to(torch.int64).contiguous() if segments is not None else lengths
+    interp = interpreter_on()
+    grid = (triton.cdiv(T, _BLOCK_M), B * Hq)
+    _cached_attention_kernel[grid](
+        q, k, v, cache_k, cache_v, lengths, positions, seg, out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        T, Hq, D, block_size, D ** -0.5,
+        GROUP=Hq // k.shape[1], HAS_SEG=segments is not None, DOT_FP32=interp and q.dtype == torch.bfloat16,
+        IEEE=q.dtype == torch.float32, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=_NUM_WARPS)
+    return out
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
+                     segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention (scale 1/sqrt(D), grouped-query heads) of T new positions over each row's
+    committed cache prefix and themselves.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (the new positions); cache_k, cache_v: [B, Hkv, W, D] of which
+    row b's first ``lengths[b]`` slots are committed (the rest is never read); lengths: int64 [B];
+    positions: int64 [B, T] (absolute, past the row's prefix); segments: int [T] or None. A new position
+    sees every committed slot of its row and the new keys of its own or an earlier block
+    (position // block_size) in its own segment. Returns [B, Hq, T, D] in q's dtype."""
+    if q.dtype != torch.float64 and select_backend(q.device) == "triton":
+        return cached_attention_triton(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)
+    return cached_attention_reference(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)

@@ -1,0 +1,28 @@
+"""Reference attention of a decoding forward: new positions over a committed KV-cache prefix and themselves."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
+                     segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention (scale 1/sqrt(D), grouped-query heads) of T new positions.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (the new positions); cache_k, cache_v: [B, Hkv, W, D] of
+    which row b's first ``lengths[b]`` slots are committed (the rest is ignored); lengths: int64 [B];
+    positions: int64 [B, T] (absolute, past the row's committed prefix); segments: int [T] or None.
+    A new position sees every committed slot of its row and the new keys of its own or an earlier
+    block (block = position // block_size) in its own segment. Returns [B, Hq, T, D] in q's dtype."""
+    B, _, T, _ = q.shape
+    W = cache_k.shape[2]
+    committed = torch.arange(W, device=q.device)[None, :] < lengths[:, None]  # [B, W]
+    blocks = positions // block_size
+    new = blocks[:, None, :] <= blocks[:, :, None]  # [B, T (query), T (key)]
+    if segments is not None:
+        new = new & (segments[:, None] == segments[None, :])
+    mask = torch.cat([committed[:, None, :].expand(B, T, W), new], dim=-1)[:, None]
+    return F.scaled_dot_product_attention(q, torch.cat([cache_k, k], dim=2), torch.cat([cache_v, v], dim=2),
+                                          attn_mask=mask, enable_gqa=True)

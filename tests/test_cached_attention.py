@@ -1,0 +1,126 @@
+"""cached_attention: the Triton kernel (interpreter on CPU) vs the PyTorch reference, and the reference
+vs attention over the full sequence (what the cache stands for)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_utils import DTYPES, poisoned_allocations
+from mrp_triton import cached_attention
+from mrp_triton import reference as ref
+from mrp_triton.cached_attention import cached_attention_triton
+
+# attention outputs are convex combinations of values ~N(0, 1): absolute tolerances per dtype
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+@st.composite
+def problems(draw):
+    """A decoding forward: B rows with their own committed lengths in a cache of width W (a slice of a
+    wider buffer, as the KV cache hands it out), T new positions past each row's prefix, as one block,
+    a finished block plus the next (fused commit), or K+1 candidate copies of a block (segments)."""
+    B, Hkv, group = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    D = draw(st.sampled_from([8, 13, 16, 32]))
+    block = draw(st.sampled_from([1, 4, 8, 16]))
+    kind = draw(st.sampled_from(["block", "commit", "copies"]))
+    copies = draw(st.integers(2, 4)) if kind == "copies" else 1
+    n_blocks = 2 if kind == "commit" else 1
+    lengths = torch.tensor([draw(st.integers(0, 5)) * block for _ in range(B)])
+    W = int(lengths.max()) + draw(st.integers(0, 20))
+    starts = lengths[:, None] + torch.arange(n_blocks * block)
+    positions = starts.repeat(1, copies)
+    segments = torch.arange(copies).repeat_interleave(n_blocks * block) if kind == "copies" else None
+    return dict(B=B, Hkv=Hkv, Hq=Hkv * group, T=positions.shape[1], D=D, W=W, block=block, lengths=lengths,
+                positions=positions, segments=segments, dtype=draw(st.sampled_from(DTYPES)),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _tensors(p):
+    g = torch.Generator().manual_seed(p["seed"])
+    r = lambda *shape: torch.randn(*shape, generator=g).to(p["dtype"])  # noqa: E731
+    B, Hq, Hkv, T, D, W = (p[k] for k in ("B", "Hq", "Hkv", "T", "D", "W"))
+    q = r(B, T, Hq, D).transpose(1, 2)  # the model's layout: a transposed view
+    k, v = r(B, Hkv, T, D), r(B, Hkv, T, D)
+    buffer_k, buffer_v = r(B, Hkv, W + 7, D), r(B, Hkv, W + 7, D)
+    return q, k, v, buffer_k[:, :, :W], buffer_v[:, :, :W]
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=problems())
+def test_kernel_matches_reference(p):
+    q, k, v, ck, cv = _tensors(p)
+    args = (p["lengths"], p["positions"], p["block"], p["segments"])
+    with poisoned_allocations():
+        out = cached_attention_triton(q, k, v, ck, cv, *args)
+    expect = ref.cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args)
+    assert out.shape == expect.shape and out.dtype == p["dtype"]
+    torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
+
+
+def test_uncommitted_slots_are_never_read():
+    """Slots past a row's length (stale entries of an earlier call) change nothing; the kernel does not
+    even read them (NaN there stays out), the reference masks them (finite values only: SDPA's masked
+    products with NaN are NaN)."""
+    p = dict(B=2, Hkv=2, Hq=4, T=4, D=16, W=12, block=4, seed=1, dtype=torch.float32)
+    q, k, v, ck, cv = _tensors(p)
+    lengths, positions = torch.tensor([4, 8]), torch.tensor([[4, 5, 6, 7], [8, 9, 10, 11]])
+    clean = cached_attention_triton(q, k, v, ck, cv, lengths, positions, 4)
+    stale_k, stale_v = ck.clone(), cv.clone()
+    stale_k[0, :, 4:], stale_v[0, :, 4:], stale_k[1, :, 8:], stale_v[1, :, 8:] = 1e4, -1e4, 1e4, 1e4
+    torch.testing.assert_close(ref.cached_attention(q, k, v, stale_k, stale_v, lengths, positions, 4), clean,
+                               atol=2e-5, rtol=0)
+    stale_k[0, :, 4:], stale_v[0, :, 4:] = float("nan"), float("nan")
+    assert torch.equal(cached_attention_triton(q, k, v, stale_k, stale_v, lengths, positions, 4), clean)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_reference_equals_attention_over_the_whole_sequence(segments):
+    """Row by row, cached attention equals block-causal attention over prefix + new positions computed
+    from scratch; copies in their own segments equal each copy attended alone."""
+    torch.manual_seed(0)
+    B, H, D, T, block = 2, 2, 8, 4, 4
+    lengths = torch.tensor([4, 8])
+    prefix_k, prefix_v = torch.randn(B, H, 8, D, dtype=torch.float64), torch.randn(B, H, 8, D, dtype=torch.float64)
+    copies = 3 if segments else 1
+    q, k, v = (torch.randn(B, H, copies * T, D, dtype=torch.float64) for _ in range(3))
+    positions = (lengths[:, None] + torch.arange(T)).repeat(1, copies)
+    seg = torch.arange(copies).repeat_interleave(T) if segments else None
+    out = ref.cached_attention(q, k, v, prefix_k, prefix_v, lengths, positions, block, seg)
+    for b in range(B):
+        n = int(lengths[b])
+        for c in range(copies):
+            span = slice(c * T, (c + 1) * T)
+            keys = torch.cat([prefix_k[b, :, :n], k[b, :, span]], 1)
+            values = torch.cat([prefix_v[b, :, :n], v[b, :, span]], 1)
+            expect = F.scaled_dot_product_attention(q[b, :, span], keys, values)  # one block: all visible
+            torch.testing.assert_close(out[b, :, span], expect)
+
+
+def test_float64_and_cpu_dispatch_to_the_reference():
+    p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=2, dtype=torch.float64)
+    q, k, v, ck, cv = _tensors(p)
+    args = (torch.tensor([4]), torch.tensor([[4, 5, 6]]), 4)
+    assert torch.equal(cached_attention(q, k, v, ck, cv, *args), ref.cached_attention(q, k, v, ck, cv, *args))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(k=torch.zeros(1, 3, 3, 8)), "multiple of key/value heads"),
+    (dict(lengths=torch.tensor([4.0])), "lengths must be an int64"),
+    (dict(positions=torch.tensor([[4, 5]])), "positions must be an int64 tensor"),
+    (dict(segments=torch.tensor([0, 1])), "segments must be a tensor"),
+    (dict(cache_k=torch.zeros(1, 1, 4, 4)), "cache_k and cache_v must be"),
+])
+def test_bad_arguments_are_named(bad, message):
+    p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=3, dtype=torch.float32)
+    q, k, v, ck, cv = _tensors(p)
+    args = dict(q=q, k=k, v=v, cache_k=ck, cache_v=cv, lengths=torch.tensor([4]), positions=torch.tensor([[4, 5, 6]]),
+                block_size=4, segments=None)
+    args.update(bad)
+    if "k" in bad:
+        args["v"] = bad["k"]
+    with pytest.raises((ValueError, TypeError), match=message):
+        cached_attention_triton(**args)
