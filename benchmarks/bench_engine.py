@@ -15,6 +15,11 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     token a step, batch 1, 8 and 32, with ``cuda_graphs=False`` (the eager reference loop) and ``True``.
     A call captures its graphs itself, so the capture is inside the timing. ``tokens_per_s`` counts new
     tokens of all rows; ``ratio`` = graphed tokens/s over eager. Target: >= 8x.
+``attention``
+    One layer's attention of a decoding forward at the model's head shapes: ``mrp_triton.cached_attention``
+    (Triton: reads each row's committed slots in place) vs its reference (``sdpa_cat``: concatenate the
+    cache prefix with the new keys/values, SDPA with the derived mask), T = one block or 4 candidate
+    copies, over a cache of width prefix + new tokens with every row committed to the prefix.
 ``speculative_estimate``
     Speculative K=3 over static decoding from the graphed step costs of this run and the forward counts
     that ``bench_e2e.py`` measured on the shipped model (``--e2e``, mode "speculative K=3 mrp"):
@@ -128,6 +133,9 @@ def main(argv=None) -> int:
                            ratio=speedup, ratio_to="static (graphed step)",
                            note=f"from {spec['source']} ({spec['tpf']:.2f} tokens/forward); target >= 1.6x")
             for B in decode_batches:
+                _attention_rows(record, bench, shape, B, prefix, prefix + new_tokens, T, device, dtype,
+                                f"{mname} B={B}", args.seed)
+            for B in decode_batches:
                 _decode_rows(record, model, B, prefix, new_tokens, T, args.decode_reps, cuda, f"{mname} B={B}",
                              floor["step"], args.seed)
             del model
@@ -174,6 +182,30 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     mrp = record("step", f"{tag} mrp D=3", provider, q, ratio=q[0] / plain, ratio_to=f"plain q={T}",
                  floor_us=floor["mrp"])
     return {"plain": plain, "verify": verify, "mrp": mrp}
+
+
+def _attention_rows(record, bench, shape, B, prefix, width, T, device, dtype, tag, seed) -> None:
+    """Time one layer's cached attention, Triton kernel vs reference, for one block and 4 copies of it."""
+    import torch
+
+    from mrp_triton.cached_attention import cached_attention_triton
+    from mrp_triton.reference import cached_attention as attention_reference
+
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    r = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    cache_k, cache_v = r(B, Hkv, width, D), r(B, Hkv, width, D)
+    lengths = torch.full((B,), prefix, dtype=torch.long, device=device)
+    for copies in (1, 4):
+        q, k, v = r(B, Hq, copies * T, D), r(B, Hkv, copies * T, D), r(B, Hkv, copies * T, D)
+        positions = (prefix + torch.arange(T, device=device)).repeat(copies).expand(B, -1).contiguous()
+        segments = torch.arange(copies, device=device).repeat_interleave(T) if copies > 1 else None
+        args = (q, k, v, cache_k, cache_v, lengths, positions, T, segments)
+        base = bench(lambda: attention_reference(*args))
+        record("attention", f"{tag} copies={copies} prefix={prefix}", "sdpa_cat", base)
+        t = bench(lambda: cached_attention_triton(*args))
+        record("attention", f"{tag} copies={copies} prefix={prefix}", "triton", t, ratio=base[0] / t[0],
+               ratio_to="speedup over sdpa_cat")
 
 
 def _decode_rows(record, model, B, prefix, new_tokens, T, reps, cuda, tag, step_floor, seed) -> None:
