@@ -26,7 +26,7 @@ step() {  # step NAME SECONDS COMMAND...
 
 step gpu_tests 170 python3 -m pytest -q -p no:cacheprovider tests/test_confidence.py tests/test_select.py \
   tests/test_verify.py tests/test_remask.py tests/test_lm_head_confidence.py tests/test_norm_ops.py \
-  tests/test_cuda_graphs.py
+  tests/test_cached_attention.py tests/test_cuda_graphs.py tests/test_decode_kernels_compile.py
 step engine 170 python3 benchmarks/bench_engine.py --out "$RES"
 step decode_kernels 90 python3 benchmarks/bench_decode_kernels.py --sweep --out "$RES"
 step model_steps 60 python3 benchmarks/bench_model_steps.py --no-compile --models 1.7B --out "$RES"
