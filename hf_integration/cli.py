@@ -60,8 +60,9 @@ def load(model_path: str, device: str, dtype: str | None):
 
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True, dtype=getattr(torch, dtype))
+    # With the model's config given, AutoTokenizer does not load (and ask to trust) the remote config again.
+    tokenizer = AutoTokenizer.from_pretrained(model_path, config=model.config)
     return tokenizer, model.to(device).eval()
 
 

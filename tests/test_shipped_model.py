@@ -43,7 +43,7 @@ def test_shipped_remote_code_matches_the_package():
 def test_shipped_model_loads_offline_with_remote_code_and_generates():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True).eval()
     assert model.has_mrp
     ids = tok("def add(a, b):\n", return_tensors="pt").input_ids
@@ -66,6 +66,7 @@ def _run(args: list[str], timeout: int = 600) -> str:
 def test_mrp_generate_cli_runs_end_to_end():
     out = _run(["-m", "hf_integration.cli", "def add(a, b):", "--max-new-tokens", "8"])
     assert out.startswith("def add(a, b):") and "[speculative]" in out
+    assert "custom code" not in out  # no trust prompt (it would wait for an answer in a terminal)
     table = _run(["-m", "hf_integration.cli", "import os", "--max-new-tokens", "8", "--compare"])
     for strategy in ("static", "dynamic", "direct", "speculative", "remask"):
         assert strategy in table

@@ -77,6 +77,20 @@ def special_token_ids(tokenizer) -> dict:
     return {"eos_token_id": eos_id, "mask_token_id": mask_id, "pad_token_id": pad_id}
 
 
+def _own_config(path: str) -> dict:
+    """``config=`` for AutoTokenizer when ``path`` holds an SDAR model: transformers 5 loads a folder's model
+    config to pick the tokenizer, and an SDAR config carries remote code it would ask to trust."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        return {}
+    with open(config_file) as f:
+        if json.load(f).get("model_type") != "sdar":
+            return {}
+    from hf_integration import SDARMRPConfig
+
+    return {"config": SDARMRPConfig.from_pretrained(path)}
+
+
 def load_tokenizer(path: str, flag: str = "--tokenizer"):
     """``AutoTokenizer.from_pretrained(path)`` with a clear error naming ``flag`` when absent."""
     from transformers import AutoTokenizer
@@ -88,7 +102,7 @@ def load_tokenizer(path: str, flag: str = "--tokenizer"):
         or os.path.exists(os.path.join(path, "tokenizer_config.json"))
     ):
         raise ConfigError(f"{flag}: no tokenizer found at {path!r} (expected tokenizer.json / tokenizer_config.json)")
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, **_own_config(path))
     ids = special_token_ids(tok)
     if ids["eos_token_id"] is None:
         raise ConfigError(f"{flag}: the tokenizer at {path!r} has no EOS token")
