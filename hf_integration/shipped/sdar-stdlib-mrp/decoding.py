@@ -115,19 +115,19 @@ class BlockDecoder:
         return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
                                block_size=self.block)
 
-    def _forward(self, kind: tuple, fn, *inputs: torch.Tensor) -> torch.Tensor:
-        """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of (kind, input shapes). Forwards
-        that write more than one block (the prefill) run once and are not worth a capture."""
-        if self.graphs is None or kind[-1] > self.block:
+    def _forward(self, kind: str, write_len: int, fn, *inputs: torch.Tensor) -> torch.Tensor:
+        """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of (kind, write_len, input shapes).
+        Forwards that write more than one block (the prefill) run once and are not worth a capture."""
+        if self.graphs is None or write_len > self.block:
             return fn(*inputs)
-        return self.graphs.run((*kind, *(tuple(t.shape) for t in inputs)), fn, *inputs)
+        return self.graphs.run((kind, write_len, *(tuple(t.shape) for t in inputs)), fn, *inputs)
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                           write_len: int = 0) -> torch.Tensor:
         def forward(ids, positions, *segments):
             return self.model.model(ids, positions, attn=self._attn(positions, *segments, write_len=write_len))
 
-        return self._forward(("backbone", write_len), forward, ids, positions,
+        return self._forward("backbone", write_len, forward, ids, positions,
                              *(() if segments is None else (segments,)))
 
     def _mrp_forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -135,7 +135,7 @@ class BlockDecoder:
         def forward(ids, hidden, positions):
             return self.model.mrp_forward(ids, hidden, positions, attn=self._attn(positions, write_len=write_len))
 
-        return self._forward(("mrp", write_len), forward, ids, hidden, positions)
+        return self._forward("mrp", write_len, forward, ids, hidden, positions)
 
     def backbone(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                  write_len: int = 0) -> torch.Tensor:
