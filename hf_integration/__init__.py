@@ -7,7 +7,8 @@ mrp_triton and each other (relatively).
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_sdar_mrp import SDARMRPConfig
-from .decoding import DecodeStats, SDARGenerateOutput
+from .decode_engine import DecodeStats
+from .decoding import SDARGenerateOutput
 from .generation_settings import GenerationSettings
 from .modeling_sdar_mrp import SDARMRPForCausalLM, SDARMRPPreTrainedModel
 

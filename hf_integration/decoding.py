@@ -1,4 +1,4 @@
-"""The block-diffusion decoding loop (reference engine, eager; every decision goes through mrp_triton ops).
+"""The block-diffusion decoding loop (every decision goes through mrp_triton ops).
 
 Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; blocks
 are aligned to position 0. Each row's full prompt blocks are prefilled in one forward. Then every
@@ -8,7 +8,8 @@ per-row lengths) with the chosen strategy, and the finished block's keys/values 
 head's) are written by the next block's first forward (``fuse_commit``) or by a forward of their
 own. A row finishes once it has produced an EOS or reached its last block (checked once per block,
 the only host synchronisation outside the strategies); finished rows leave the batch, so they stop
-costing work.
+costing work. Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on
+replays each kind of step (forwards and decisions) as one graph.
 """
 
 from __future__ import annotations
@@ -21,43 +22,10 @@ from transformers.utils.logging import tqdm
 
 import mrp_triton
 
+from .decode_engine import DecodeStats, EngineShape, engine_for
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
-from .kv_cache import AttentionInputs, StaticKVCache
+from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
-from .step_graphs import StepGraphs
-
-
-@dataclass
-class DecodeStats:
-    """Per-row counters, each an int64 tensor [B] (``accepted_lengths``: [B, K+1] histogram of drafts
-    accepted per verify round). ``backbone_forwards`` counts denoising and verify forwards;
-    ``commit_forwards`` the forwards that only write a finished block to the cache."""
-
-    backbone_forwards: torch.Tensor
-    commit_forwards: torch.Tensor
-    mrp_forwards: torch.Tensor
-    tokens_committed: torch.Tensor
-    tokens_remasked: torch.Tensor
-    accepted_lengths: torch.Tensor
-
-    @classmethod
-    def zeros(cls, batch: int, max_drafts: int, device) -> "DecodeStats":
-        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-        return cls(z(batch), z(batch), z(batch), z(batch), z(batch), z(batch, max_drafts + 1))
-
-    def add(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` [B'] (bool or int) to counter ``name`` at ``rows`` (int64 [B'], distinct)."""
-        getattr(self, name).index_add_(0, rows, values.long())
-
-    @property
-    def tokens_per_forward(self) -> torch.Tensor:
-        """Tokens committed per backbone (denoising or verify) forward, per row [B] float."""
-        return self.tokens_committed.double() / self.backbone_forwards.clamp(min=1).double()
-
-    def as_dict(self) -> dict:
-        rows = {k: v.tolist() for k, v in vars(self).items()}
-        rows["tokens_per_forward"] = self.tokens_per_forward.tolist()
-        return rows
 
 
 @dataclass
@@ -94,33 +62,58 @@ class BlockDecoder:
         self.n_blocks = torch.tensor(ends, device=device) // T - self.first_block  # blocks each row decodes
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
-        p = model.lm_head.weight
-        cache_shape = (slots, B, total, config.num_key_value_heads, config.head_dim, p.dtype, device)
-        graphs = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
-        if graphs:
-            self.cache, self.graphs = _graph_engine(model, cache_shape, T)
-        else:
-            self.cache, self.graphs = StaticKVCache(*cache_shape), None
+        shape = EngineShape(slots, B, total, config.num_key_value_heads, config.head_dim, model.lm_head.weight.dtype,
+                            device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
+        graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
+        self.engine = engine_for(model, shape, graphed)
+        self.cache, self.graphs = self.engine.cache, self.engine.graphs
+        self.settings_key = repr(settings)  # a whole step's graph depends on every decoding setting
         self.finished = torch.zeros(B, dtype=torch.bool, device=device)
-        # The working batch: ``rows`` [B'] are the original rows still decoding (they key the sampling noise
-        # and the stats); the cache and ``counter`` (tokens committed so far) hold those rows only.
-        self.rows = torch.arange(B, device=device)
-        self.counter = torch.zeros(B, dtype=torch.long, device=device)
         self.pending: tuple | None = None  # a finished block whose commit waits for the next forward
-        max_drafts = settings.mrp_steps if settings.strategy == "speculative" else 0
-        self.stats = DecodeStats.zeros(B, max_drafts, device)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """int64 [B']: the original rows still decoding (the working batch; they key noise and stats)."""
+        return self.engine.rows
+
+    @property
+    def counter(self) -> torch.Tensor:
+        """int64 [B']: tokens each working row has committed so far (the state index in the noise key)."""
+        return self.engine.counter
+
+    @property
+    def stats(self) -> DecodeStats:
+        """Per original row [B] (the engine's buffers: clone them to keep them past the call)."""
+        return self.engine.stats
 
     # ---------------------------------------------------------------------------------- forwards
     def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0):
         return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
                                block_size=self.block)
 
-    def _forward(self, kind: str, write_len: int, fn, *inputs: torch.Tensor) -> torch.Tensor:
-        """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of (kind, write_len, input shapes).
-        Forwards that write more than one block (the prefill) run once and are not worth a capture."""
-        if self.graphs is None or write_len > self.block:
+    def graphed(self, key: tuple, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = ()):
+        """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of ``key`` + the input shapes (see
+        :class:`StepGraphs` for what ``fn`` may read and update)."""
+        if self.graphs is None:
             return fn(*inputs)
-        return self.graphs.run((kind, write_len, *(tuple(t.shape) for t in inputs)), fn, *inputs)
+        return self.graphs.run((*key, *(tuple(t.shape) for t in inputs)), fn, *inputs, mutated=mutated)
+
+    def _forward(self, kind: str, write_len: int, fn, *inputs: torch.Tensor) -> torch.Tensor:
+        """A forward, graphed by (kind, write_len, input shapes). Forwards that write more than one block (the
+        prefill) run once and are not worth a capture."""
+        if write_len > self.block:
+            return fn(*inputs)
+        return self.graphed((kind, write_len), fn, *inputs)
+
+    def step(self, name: str, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = ()):
+        """One whole decoding step ``fn(*inputs)``: its forwards and the decode ops between them, graphed as
+        one by (name, settings, input shapes), so a step costs one launch. ``fn`` reads the decoder's
+        per-row state (``rows``, ``counter``, ``stats``: fixed buffers) and its inputs, and updates the
+        inputs in ``mutated`` in place. A step that carries a pending fused commit runs as it is (its cache
+        write moves the committed lengths), each of its forwards graphed on its own."""
+        if self.pending is not None:
+            return fn(*inputs)
+        return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                           write_len: int = 0) -> torch.Tensor:
@@ -244,7 +237,7 @@ class BlockDecoder:
         n = committed.sum(-1) if committed.dtype == torch.bool else committed.long()
         self.count("mrp_forwards" if mrp else "backbone_forwards", forward_rows)
         self.count("tokens_committed", n)
-        self.counter += n
+        self.counter.add_(n)
 
     # ---------------------------------------------------------------------------------- the loop
     def run(self, decode_block) -> torch.Tensor:
@@ -285,24 +278,21 @@ class BlockDecoder:
     def retire(self, kept: torch.Tensor) -> None:
         """Keep only the working rows ``kept`` (int64 [B'']); the others are finished."""
         self.flush()
-        self.rows, self.counter = self.rows[kept], self.counter[kept]
-        self.cache.keep_rows(kept)
+        self.engine.keep_rows(kept)
 
 
-def _graph_engine(model, cache_shape: tuple, block: int) -> tuple[StaticKVCache, StepGraphs]:
-    """The full-width cache and captured graphs of the model's last graphed ``generate`` call, reset, when
-    this call has the same cache shape, block and weight storage (no capture to pay again); else new ones,
-    which replace them. ``model.release_decode_engine()`` frees them."""
-    key = (*cache_shape, block, tuple(p.data_ptr() for p in model.parameters()))
-    engine = model._decode_engine
-    if engine is not None and engine[0] == key:
-        engine[1].reset()
-        return engine[1], engine[2]
-    model.release_decode_engine()  # free the old buffers before allocating new ones
-    cache = StaticKVCache(*cache_shape, full_width=True)
-    graphs = StepGraphs(capture=cache.keys.device.type == "cuda")
-    model._decode_engine = (key, cache, graphs)
-    return cache, graphs
+def denoising_step(dec: BlockDecoder, threshold: float | None = None):
+    """The step ``(block [B, T], positions [B, T], quota [B]) -> h_A [B, T, H]``: one backbone forward over
+    the block, then commit the quota's most confident masked positions (with ``threshold``: all above it,
+    else the quota) into ``block`` in place."""
+
+    def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+        masked = dec.masked(block)
+        hidden = dec.backbone(block, positions)
+        dec.commit_picks(block, hidden, positions, masked, quota, threshold)
+        return hidden
+
+    return step
 
 
 def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
@@ -312,11 +302,10 @@ def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: to
     ``denoising_steps``): one host synchronisation per block. Dynamic decoding checks after each step."""
     s = dec.settings
     threshold = s.threshold if s.strategy == "dynamic" else None
+    step = denoising_step(dec, threshold)
     quota_base = dec.masked(block).sum(-1)
     steps = s.denoising_steps if threshold is not None else min(s.denoising_steps, int(quota_base.max()))
-    for step in range(steps):
-        masked = dec.masked(block)
-        if threshold is not None and not masked.any():
+    for i in range(steps):
+        if threshold is not None and not dec.masked(block).any():
             break
-        quota = dec.step_quota(quota_base, step)
-        dec.commit_picks(block, dec.backbone(block, positions), positions, masked, quota, threshold)
+        dec.step("denoise", step, block, positions, dec.step_quota(quota_base, i), mutated=(0,))

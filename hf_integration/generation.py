@@ -25,5 +25,5 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
                                  decoder.mask_id)
     if settings.return_dict_in_generate:
-        return SDARGenerateOutput(sequences=sequences, stats=decoder.stats)
+        return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone())
     return sequences

@@ -1,15 +1,21 @@
-"""CUDA graphs of the decoding forwards, keyed by the kind of forward and its input shapes.
+"""CUDA graphs of decoding steps, keyed by the kind of step and its input shapes.
 
-A decoding forward (backbone over one block, over a finished block plus the next, over K+1 candidate
-copies; an MRP head step) is a long chain of small kernels whose launch cost dominates at small batch.
-:class:`StepGraphs` captures each distinct forward once and replays it: inputs are copied into the
-captured (static) buffers, the graph is replayed, the output is cloned out of the graph's pool.
+A decoding step (a backbone forward over one block, over K+1 candidate copies, an MRP head step, or a
+whole step: forwards plus the decode ops that pick, commit and verify between them) is a long chain of
+small kernels whose launch cost dominates at small batch. :class:`StepGraphs` captures each distinct
+step once and replays it: inputs are copied into the captured (static) buffers, the graph is replayed,
+inputs the step updates in place are copied back, outputs are cloned out of the graph's pool.
 
-A forward may be captured only if it never synchronises with the host and reads no host value that
-changes between calls. The decoder guarantees it: with graphs on, the KV cache is read over its full
-width (rows' committed lengths live in a device tensor the masks derive from) and cache writes go to
-per-row offsets on the device. With ``capture=False`` (CPU, or a failed capture) the same forwards run
-eagerly, which is how the CPU tests exercise this code path.
+A step may be captured only if it never synchronises with the host, reads no host value that changes
+between calls, and reads no tensor other than its inputs and buffers whose storage never moves. The
+decoder guarantees it: with graphs on, the KV cache is read over its full width (rows' committed
+lengths live in a device tensor the masks derive from), cache writes go to per-row offsets on the
+device, and the per-row state (working rows, tokens committed, stats) lives in the engine's fixed
+buffers (:mod:`.decode_engine`).
+
+Without CUDA (``capture=False``) a replay calls the step function recorded at the first call on the
+static buffers: the data flow of a replayed graph, so the CPU tests catch a step that depends on a
+tensor it was not given (a closure over the first call's positions, a buffer that moved).
 """
 
 from __future__ import annotations
@@ -20,48 +26,75 @@ from typing import Callable
 import torch
 
 
-class StepGraphs:
-    """Captured forwards of one ``generate`` call: ``run(key, fn, *inputs)`` -> ``fn(*inputs)``.
+def _clone(output):
+    """Clone a step's output: a tensor, a tuple of tensors, or None."""
+    if output is None or isinstance(output, torch.Tensor):
+        return None if output is None else output.clone()
+    return tuple(t.clone() for t in output)
 
-    ``fn`` must read only its tensor arguments and buffers whose storage never moves (weights, the KV
-    cache); ``key`` must determine everything else it depends on (the caller passes the kind of forward
-    and the input shapes)."""
+
+class StepGraphs:
+    """Captured steps of the decode engine: ``run(key, fn, *inputs, mutated=())`` -> ``fn(*inputs)``.
+
+    ``fn`` returns a tensor, a tuple of tensors or None; it may update the inputs whose indices are in
+    ``mutated`` in place and must read only its tensor arguments and buffers whose storage never moves
+    (weights, the KV cache, the engine's per-row state); ``key`` must determine everything else it
+    depends on. The first call of a key runs ``fn`` for real (it is also the warm-up) and then records it;
+    steps run inside a recorded step are part of its graph, not graphs of their own."""
 
     def __init__(self, capture: bool):
         self.capture = capture
         self.graphs: dict = {}
         self.pool = None
+        self._inside = False  # running (or capturing) a step: nested steps are part of it
 
-    def run(self, key, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-        if not self.capture:
+    def run(self, key, fn: Callable, *inputs: torch.Tensor, mutated: tuple[int, ...] = ()):
+        if self._inside:
             return fn(*inputs)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(key, fn, inputs)
+            output, self.graphs[key] = self._record(key, fn, inputs)
+            return output
         if entry == "eager":
-            return fn(*inputs)
-        graph, static_inputs, static_output = entry
+            return self._call(fn, inputs)
+        fn, static_inputs, graph, static_output = entry
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
-        graph.replay()
-        return static_output.clone()
+        if graph is None:
+            static_output = self._call(fn, static_inputs)
+        else:
+            graph.replay()
+        for i in mutated:
+            inputs[i].copy_(static_inputs[i])
+        return _clone(static_output)
 
-    def _capture(self, key, fn, inputs):
-        """Warm up on a side stream (compiles Triton kernels, sets up library handles), then capture.
-        A forward that cannot be captured runs eagerly from then on, with a warning naming it."""
+    def _call(self, fn, inputs):
+        self._inside = True
+        try:
+            return fn(*inputs)
+        finally:
+            self._inside = False
+
+    def _record(self, key, fn, inputs):
+        """Run ``fn`` on the real inputs (on a side stream on CUDA: the warm-up, which compiles Triton
+        kernels and sets up library handles), then capture it on static copies (capture does not execute).
+        Returns this call's output and the entry; a step that cannot be captured runs eagerly from then on,
+        with a warning naming it."""
         static_inputs = [t.clone() for t in inputs]
+        if not self.capture:
+            return self._call(fn, inputs), (fn, static_inputs, None, None)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(*static_inputs)
+            output = self._call(fn, inputs)
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                static_output = fn(*static_inputs)
+                static_output = self._call(fn, static_inputs)
         except RuntimeError as err:
-            warnings.warn(f"CUDA graph capture of the {key} forward failed ({err}); it runs eagerly", stacklevel=3)
-            return "eager"
-        return graph, static_inputs, static_output
+            warnings.warn(f"CUDA graph capture of the {key} step failed ({err}); it runs eagerly", stacklevel=3)
+            return output, "eager"
+        return output, (fn, static_inputs, graph, static_output)

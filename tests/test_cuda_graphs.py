@@ -1,6 +1,7 @@
-"""CUDA-graph decoding on a GPU: replayed forwards give the tokens and counts of eager decoding.
+"""CUDA-graph decoding on a GPU: replayed steps give the tokens and counts of eager decoding.
 
-Skipped without CUDA (the CPU suite covers the same fixed-width forwards eagerly, in test_generate.py).
+Skipped without CUDA (the CPU suite replays the recorded step functions on the same fixed buffers, in
+test_generate.py, and traces every graphed step as one graph, in test_step_graphs.py).
 The ``triton`` case captures the Triton kernels too; it needs TRITON_INTERPRET=0.
 """
 
@@ -22,14 +23,14 @@ STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
 
 def _graphed_equals_eager(kwargs, monkeypatch):
     captured = []
-    original = StepGraphs._capture
+    original = StepGraphs._record
 
     def spy(self, key, fn, inputs):
-        entry = original(self, key, fn, inputs)
+        output, entry = original(self, key, fn, inputs)
         captured.append((key, entry))
-        return entry
+        return output, entry
 
-    monkeypatch.setattr(StepGraphs, "_capture", spy)
+    monkeypatch.setattr(StepGraphs, "_record", spy)
     model = tiny_model(seed=0, dtype=torch.float32).cuda()
     lens = [2, 11, 6]
     ids = torch.zeros((3, 11), dtype=torch.long)
@@ -41,6 +42,8 @@ def _graphed_equals_eager(kwargs, monkeypatch):
     eager = model.generate(ids, cuda_graphs=False, **settings)
     graphed = model.generate(ids, **settings)  # on by default for a CUDA model
     assert captured and all(entry != "eager" for _, entry in captured), captured
+    kinds = {key[0] for key, _ in captured}
+    assert {"denoise", "speculate", "remask"} & kinds, kinds  # whole steps, not only forwards
     assert torch.equal(graphed.sequences, eager.sequences)
     for name, value in vars(eager.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name

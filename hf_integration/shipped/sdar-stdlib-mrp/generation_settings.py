@@ -23,8 +23,8 @@ class GenerationSettings:
     block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
     finished block's cache entries in the next block's first forward (same output, one forward fewer per
     block); ``progress`` shows a bar over blocks. ``cuda_graphs`` (default: on for a CUDA model) replays
-    each kind of forward from a captured CUDA graph; ``True`` on a CPU model runs the same fixed-width
-    forwards eagerly."""
+    each kind of decoding step from a captured CUDA graph; ``True`` on a CPU model replays the recorded
+    step functions on the same fixed buffers (a graph's data flow, without the graph)."""
 
     max_new_tokens: int = 64
     block_length: int | None = None

@@ -13,7 +13,7 @@ import torch
 
 import mrp_triton
 
-from .decoding import BlockDecoder
+from .decoding import BlockDecoder, denoising_step
 
 
 class MRPChain:
@@ -50,14 +50,15 @@ def _only_position(committed: torch.Tensor, tokens: torch.Tensor):
 
 
 def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
-    """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless)."""
+    """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless).
+    The backbone step is graphed as one; the MRP steps' forwards are graphed, their picks run eagerly."""
     K = dec.settings.mrp_steps
+    backbone_step = denoising_step(dec)
     for _ in range(block.shape[1]):
         masked = dec.masked(block)
         if not masked.any():
             return
-        h_a = dec.backbone(block, positions)
-        dec.commit_picks(block, h_a, positions, masked, _one_each(masked))
+        h_a = dec.step("denoise", backbone_step, block, positions, _one_each(masked), mutated=(0,))
         chain = MRPChain(dec, h_a, positions)
         for _ in range(K):
             masked = dec.masked(block)
@@ -90,24 +91,19 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
     return torch.stack(draft_pos, 1), torch.stack(draft_tok, 1), torch.stack(states, 1)
 
 
-def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
-    """Lossless speculative decoding: K drafts, one backbone forward over the K+1 candidate states,
-    per-row acceptance of the longest prefix the backbone agrees with, plus its bonus token."""
+def speculation_round(dec: BlockDecoder):
+    """The verify round ``(block [B, T], positions [B, T], seed_h [B, T, H]) -> the next seed_h``: K drafts
+    from the block, one backbone forward over the K+1 candidate states, and per row the longest draft
+    prefix the backbone agrees with plus its bonus token committed into ``block`` in place."""
     K = dec.settings.mrp_steps
-    B, T = block.shape
-    # Opening forward of the block: the backbone's exact pick (a verify round with no drafts).
-    masked = dec.masked(block)
-    seed_h = dec.backbone(block, positions)
-    dec.commit_picks(block, seed_h, positions, masked, _one_each(masked))
-    copies = torch.arange(K + 1, device=block.device)
-    segments = copies.repeat_interleave(T)
-    flat_positions = positions.repeat(1, K + 1)
-    for _ in range(T):
+
+    def round_(block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor) -> torch.Tensor:
+        B, T = block.shape
         live = dec.masked(block).any(-1)
-        if not live.any():
-            return
         draft_pos, draft_tok, states = _draft(dec, block, positions, seed_h)
-        h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, segments)
+        copies = torch.arange(K + 1, device=block.device)
+        flat_positions = positions.repeat(1, K + 1)
+        h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copies.repeat_interleave(T))
         candidates = states == dec.mask_id
         counters = (dec.counter[:, None] + copies).repeat_interleave(T, dim=1)
         tok, conf, _ = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters)
@@ -116,7 +112,21 @@ def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: 
         accepted = accepted.long()
         dec.record(live, (accepted + (bonus >= 0).long()) * live)
         dec.stats.accepted_lengths[dec.rows, accepted] += live.long()
-        seed_h = h_all.view(B, K + 1, T, -1)[torch.arange(B, device=block.device), accepted]
+        return h_all.view(B, K + 1, T, -1)[torch.arange(B, device=block.device), accepted]
+
+    return round_
+
+
+def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
+    """Lossless speculative decoding: an opening forward commits the backbone's exact pick (a verify round
+    with no drafts), then verify rounds until the block is full (each graphed as one step)."""
+    masked = dec.masked(block)
+    seed_h = dec.step("denoise", denoising_step(dec), block, positions, _one_each(masked), mutated=(0,))
+    round_ = speculation_round(dec)
+    for _ in range(block.shape[1]):
+        if not dec.masked(block).any():
+            return
+        seed_h = dec.step("speculate", round_, block, positions, seed_h, mutated=(0,))
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
@@ -133,30 +143,41 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
     return torch.exp(z - lse)
 
 
-def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
-    """Dynamic reveal (confidence > tau, at least one), then one MRP pass vetoes reveals: rule "tau"
-    (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
-    ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
+def remask_step(dec: BlockDecoder):
+    """The step ``(block [B, T], positions [B, T], quota [B]) -> None``: reveal as dynamic decoding does (at
+    least one per row), then one MRP pass vetoes reveals by the remask rule, all in ``block`` in place."""
     s = dec.settings
     rule, head = s.remask_rule, dec.model.lm_head
-    quota_base = dec.masked(block).sum(-1)
-    for step in range(block.shape[1]):
+    limit = s.threshold if rule == "tau" else s.residual_delta
+
+    def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> None:
         masked = dec.masked(block)
-        if not masked.any():
-            return
         h_a = dec.backbone(block, positions)
         tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
         before = block.clone()
-        quota = torch.maximum(dec.step_quota(quota_base, step), _one_each(masked)) * masked.any(-1)
+        quota = torch.maximum(quota, _one_each(masked)) * masked.any(-1)
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=s.threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
         score = _token_scores(dec, h_a, corrected, tok, revealed, positions)
-        limit = s.threshold if rule == "tau" else s.residual_delta
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
         dec.record(masked.any(-1), revealed & ~remasked)
         dec.count("mrp_forwards", masked.any(-1))
         dec.count("tokens_remasked", remasked.sum(-1))
+
+    return step
+
+
+def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
+    """Dynamic reveal (confidence > tau, at least one), then one MRP pass vetoes reveals: rule "tau"
+    (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
+    ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
+    step = remask_step(dec)
+    quota_base = dec.masked(block).sum(-1)
+    for i in range(block.shape[1]):
+        if not dec.masked(block).any():
+            return
+        dec.step("remask", step, block, positions, dec.step_quota(quota_base, i), mutated=(0,))
 
 
 MRP_BLOCK_DECODERS = {

@@ -1,0 +1,128 @@
+"""What a ``generate`` call decodes on: the KV cache, the per-row state and the captured steps.
+
+The per-row state is which original row each row of the working batch is (``rows``: it keys the
+sampling noise and the stats), how many tokens each has committed (``counter``: the state index in the
+noise key) and the per-row stats. Like the cache, it lives in buffers whose storage never moves:
+``rows`` and ``counter`` are views of the first B' entries, finished rows are dropped by moving the kept
+ones to the front, and the stats are indexed by original row. So steps captured in CUDA graphs may read
+and update it, and a graphed engine is kept on the model for the next call of the same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import StaticKVCache
+from .step_graphs import StepGraphs
+
+
+@dataclass
+class DecodeStats:
+    """Per-row counters, each an int64 tensor [B] (``accepted_lengths``: [B, K+1] histogram of drafts
+    accepted per verify round). ``backbone_forwards`` counts denoising and verify forwards;
+    ``commit_forwards`` the forwards that only write a finished block to the cache."""
+
+    backbone_forwards: torch.Tensor
+    commit_forwards: torch.Tensor
+    mrp_forwards: torch.Tensor
+    tokens_committed: torch.Tensor
+    tokens_remasked: torch.Tensor
+    accepted_lengths: torch.Tensor
+
+    @classmethod
+    def zeros(cls, batch: int, max_drafts: int, device) -> "DecodeStats":
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+        return cls(z(batch), z(batch), z(batch), z(batch), z(batch), z(batch, max_drafts + 1))
+
+    def add(self, name: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` [B'] (bool or int) to counter ``name`` at ``rows`` (int64 [B'], distinct)."""
+        getattr(self, name).index_add_(0, rows, values.long())
+
+    def zero_(self) -> None:
+        for counter in vars(self).values():
+            counter.zero_()
+
+    def clone(self) -> "DecodeStats":
+        return DecodeStats(**{k: v.clone() for k, v in vars(self).items()})
+
+    @property
+    def tokens_per_forward(self) -> torch.Tensor:
+        """Tokens committed per backbone (denoising or verify) forward, per row [B] float."""
+        return self.tokens_committed.double() / self.backbone_forwards.clamp(min=1).double()
+
+    def as_dict(self) -> dict:
+        rows = {k: v.tolist() for k, v in vars(self).items()}
+        rows["tokens_per_forward"] = self.tokens_per_forward.tolist()
+        return rows
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """Everything a decode engine's buffers are sized by (cache slots, batch, positions, KV heads, head
+    dim, dtype, device, block length, drafts per verify round)."""
+
+    slots: int
+    batch: int
+    max_len: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    block: int
+    max_drafts: int
+
+
+class DecodeEngine:
+    """The cache, per-row state and (with ``graphed``) the :class:`StepGraphs` of ``generate`` calls of one
+    :class:`EngineShape`. ``graphed`` engines read the cache over its full width (what a captured graph
+    needs); the graphs capture on CUDA and replay the recorded step functions elsewhere."""
+
+    def __init__(self, shape: EngineShape, graphed: bool):
+        self.shape = shape
+        s = shape
+        self.cache = StaticKVCache(s.slots, s.batch, s.max_len, s.kv_heads, s.head_dim, s.dtype, s.device,
+                                   full_width=graphed)
+        self.graphs = StepGraphs(capture=s.device.type == "cuda") if graphed else None
+        self._rows = torch.arange(s.batch, device=s.device)
+        self._counter = torch.zeros(s.batch, dtype=torch.long, device=s.device)
+        self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row back, nothing committed, stats zero (graphs captured over the buffers stay valid)."""
+        self.cache.reset()
+        self._rows.copy_(torch.arange(self.shape.batch, device=self._rows.device))
+        self._counter.zero_()
+        self.stats.zero_()
+        self._use_rows(self.shape.batch)
+
+    def _use_rows(self, n: int) -> None:
+        self.rows, self.counter = self._rows[:n], self._counter[:n]
+
+    def keep_rows(self, kept: torch.Tensor) -> None:
+        """Shrink the working batch to ``kept`` (int64 [B''], increasing indices into it)."""
+        n = kept.shape[0]
+        self._rows[:n] = self.rows[kept]
+        self._counter[:n] = self.counter[kept]
+        self._use_rows(n)
+        self.cache.keep_rows(kept)
+
+
+def engine_for(model, shape: EngineShape, graphed: bool) -> DecodeEngine:
+    """A fresh engine, or for ``graphed`` calls the model's last graphed engine, reset, when it has the same
+    shape and weight storage (its captured graphs are reused); a new graphed engine replaces it.
+    ``model.release_decode_engine()`` frees it."""
+    if not graphed:
+        return DecodeEngine(shape, graphed=False)
+    key = (dataclasses.astuple(shape), tuple(p.data_ptr() for p in model.parameters()))
+    kept = model._decode_engine
+    if kept is not None and kept[0] == key:
+        kept[1].reset()
+        return kept[1]
+    model.release_decode_engine()  # free the old buffers before allocating new ones
+    engine = DecodeEngine(shape, graphed=True)
+    model._decode_engine = (key, engine)
+    return engine

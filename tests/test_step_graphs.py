@@ -1,0 +1,74 @@
+"""StepGraphs on CPU: replays have a captured graph's data flow, and every step the decoder graphs is
+capturable (traces as one graph: no host synchronisation, no Python branch on tensor values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_integration.step_graphs import StepGraphs
+from tiny_models import random_prompts, tiny_model
+
+
+def test_a_replay_reads_the_recorded_inputs_and_buffers_only():
+    """The first call runs for real; a replay copies the inputs into the recorded buffers, runs the step
+    recorded at the first call (so a tensor it closed over is the first call's, as in a CUDA graph),
+    copies the updated inputs back and returns a fresh output."""
+    graphs = StepGraphs(capture=False)
+
+    def make_step(offset):
+        def step(x, acc):
+            acc.add_(x)
+            return x * 2 + offset
+
+        return step
+
+    acc = torch.zeros(3)
+    first = graphs.run("k", make_step(torch.ones(3)), torch.tensor([1.0, 2.0, 3.0]), acc, mutated=(1,))
+    assert first.tolist() == [3.0, 5.0, 7.0] and acc.tolist() == [1.0, 2.0, 3.0]
+    again = graphs.run("k", make_step(torch.full((3,), 100.0)), torch.tensor([0.0, 1.0, 0.0]), acc, mutated=(1,))
+    assert again.tolist() == [1.0, 3.0, 1.0]  # the recorded step's offset, not the new closure's
+    assert acc.tolist() == [1.0, 3.0, 3.0]  # updated in place through the recorded buffer
+    kept = graphs.run("k", make_step(None), torch.zeros(3), acc, mutated=(1,))
+    assert again.tolist() == [1.0, 3.0, 1.0] and kept.tolist() == [1.0, 1.0, 1.0]  # outputs are not aliased
+
+
+def test_steps_inside_a_step_are_part_of_it():
+    graphs = StepGraphs(capture=False)
+    inner = lambda x: x + 1  # noqa: E731
+    outer = lambda x: graphs.run("inner", inner, x) * 3  # noqa: E731
+    for value in (1.0, 2.0):
+        assert graphs.run("outer", outer, torch.tensor([value])).item() == (value + 1) * 3
+    assert list(graphs.graphs) == ["outer"]
+
+
+STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
+              dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4),
+              dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20)]
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
+    """Each step the decoder hands to StepGraphs (forwards, whole denoising / verify / remask steps) is
+    traced by TorchDynamo with ``fullgraph=True`` on the reference ops: a host synchronisation
+    (``.item()``, ``bool(tensor)``) or a Python branch on a tensor's value would break the graph and fail
+    here, before a CUDA capture would. The traced steps decode exactly as the plain path."""
+    traced = []
+    record = StepGraphs._record
+
+    def record_traced(self, key, fn, inputs):
+        traced.append(key[0])
+        return record(self, key, torch.compile(fn, fullgraph=True, backend="eager", dynamic=False), inputs)
+
+    model = tiny_model(seed=0, dtype=torch.float32)
+    ids = random_prompts(2, 6, seed=60)
+    settings = dict(max_new_tokens=8, return_dict_in_generate=True, **kwargs)
+    plain = model.generate(ids, cuda_graphs=False, **settings)
+    monkeypatch.setattr(StepGraphs, "_record", record_traced)
+    torch._dynamo.reset()
+    graphed = model.generate(ids, cuda_graphs=True, **settings)
+    kinds = {"static": "denoise", "dynamic": "denoise", "speculative": "speculate", "remask": "remask"}
+    assert kinds[kwargs["strategy"]] in traced and "backbone" in traced, traced
+    assert torch.equal(graphed.sequences, plain.sequences)
+    for name, value in vars(plain.stats).items():
+        assert torch.equal(getattr(graphed.stats, name), value), name
