@@ -43,7 +43,8 @@ def test_steps_inside_a_step_are_part_of_it():
 
 
 STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
-              dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4),
+              dict(strategy="direct", mrp_steps=2), dict(strategy="speculative", mrp_steps=3),
+              dict(strategy="remask", threshold=0.4),
               dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20)]
 
 
@@ -67,7 +68,8 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     monkeypatch.setattr(StepGraphs, "_record", record_traced)
     torch._dynamo.reset()
     graphed = model.generate(ids, cuda_graphs=True, **settings)
-    kinds = {"static": "denoise", "dynamic": "denoise", "speculative": "speculate", "remask": "remask"}
+    kinds = {"static": "denoise", "dynamic": "denoise", "direct": "direct_mrp", "speculative": "speculate",
+             "remask": "remask"}
     assert kinds[kwargs["strategy"]] in traced and "backbone" in traced, traced
     assert torch.equal(graphed.sequences, plain.sequences)
     for name, value in vars(plain.stats).items():

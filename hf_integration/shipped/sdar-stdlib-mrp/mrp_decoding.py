@@ -17,23 +17,28 @@ from .decoding import BlockDecoder, denoising_step
 
 
 class MRPChain:
-    """K chained MRP steps from one backbone forward. h_A: [B, T, H] (post-norm)."""
+    """K chained MRP steps from one backbone forward. h_A: [B, T, H] (post-norm). ``carry`` [B, T, H] is
+    the chain's state: the residual sum so far (``logits_sum``; zeros at the start) or the last h_p
+    (``none``; h_A at the start)."""
 
-    def __init__(self, dec: BlockDecoder, h_a: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, dec: BlockDecoder, h_a: torch.Tensor, positions: torch.Tensor,
+                 carry: torch.Tensor | None = None):
         self.dec, self.h_a, self.positions = dec, h_a, positions
         self.scale = dec.settings.mrp_scale
-        self.residual_sum = torch.zeros_like(h_a)
-        self.last = h_a
+        self.summed = dec.settings.mrp_mix == "logits_sum"
+        if carry is None:
+            carry = torch.zeros_like(h_a) if self.summed else h_a
+        self.carry = carry
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [B, T] (state after the newest commit) -> the hidden state whose lm_head gives the
         corrected logits, [B, T, H]."""
-        if self.dec.settings.mrp_mix == "logits_sum":
-            h_p = self.dec.mrp(ids, self.h_a + self.scale * self.residual_sum, self.positions)
-            self.residual_sum = self.residual_sum + h_p
-            return self.h_a + self.scale * self.residual_sum
-        self.last = self.dec.mrp(ids, self.last, self.positions)
-        return self.last
+        if self.summed:
+            h_p = self.dec.mrp(ids, self.h_a + self.scale * self.carry, self.positions)
+            self.carry = self.carry + h_p
+            return self.h_a + self.scale * self.carry
+        self.carry = self.dec.mrp(ids, self.carry, self.positions)
+        return self.carry
 
 
 def _one_each(masked: torch.Tensor) -> torch.Tensor:
@@ -49,22 +54,33 @@ def _only_position(committed: torch.Tensor, tokens: torch.Tensor):
     return torch.where(has, pos, -1), torch.where(has, tok, -1)
 
 
+def direct_mrp_step(dec: BlockDecoder):
+    """The step ``(block [B, T], positions [B, T], h_A [B, T, H], carry [B, T, H]) -> the next carry``: one
+    MRP step of the chain from h_A commits its most confident pick per row into ``block`` in place."""
+
+    def step(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor):
+        chain = MRPChain(dec, h_a, positions, carry)
+        masked = dec.masked(block)
+        dec.commit_picks(block, chain.step(block), positions, masked, _one_each(masked), mrp=True)
+        return chain.carry
+
+    return step
+
+
 def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
-    """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless).
-    The backbone step is graphed as one; the MRP steps' forwards are graphed, their picks run eagerly."""
+    """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless)."""
     K = dec.settings.mrp_steps
-    backbone_step = denoising_step(dec)
+    backbone_step, mrp_step = denoising_step(dec), direct_mrp_step(dec)
     for _ in range(block.shape[1]):
         masked = dec.masked(block)
         if not masked.any():
             return
         h_a = dec.step("denoise", backbone_step, block, positions, _one_each(masked), mutated=(0,))
-        chain = MRPChain(dec, h_a, positions)
+        carry = MRPChain(dec, h_a, positions).carry
         for _ in range(K):
-            masked = dec.masked(block)
-            if not masked.any():
+            if not dec.masked(block).any():
                 return
-            dec.commit_picks(block, chain.step(block), positions, masked, _one_each(masked), mrp=True)
+            carry = dec.step("direct_mrp", mrp_step, block, positions, h_a, carry, mutated=(0,))
 
 
 def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor):
