@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import TextStreamer
 
 from .generation_settings import DRAFT_SCHEDULES, REMASK_RULES, STRATEGIES
 
@@ -109,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print(compare_table(model, ids, settings))
         return 0
-    new, stats, seconds = run_one(model, ids, {**settings, "strategy": args.strategy})
-    print(prompt + tokenizer.decode(new, skip_special_tokens=True))
+    print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    new, stats, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer})
     print(f"\n[{args.strategy}] {stats['tokens_committed'][0]} tokens, {stats['backbone_forwards'][0]} backbone "
           f"forwards, {stats['mrp_forwards'][0]} MRP forwards, {stats['tokens_per_forward'][0]:.2f} tokens/forward, "
           f"{seconds:.2f} s", file=sys.stderr)

@@ -26,6 +26,7 @@ from .decode_engine import DecodeStats, EngineShape, engine_for
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
+from .streaming import BlockStream
 
 
 @dataclass
@@ -67,9 +68,11 @@ class BlockDecoder:
         graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
         self.engine = engine_for(model, shape, graphed)
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
-        self.settings_key = repr(settings)  # a whole step's graph depends on every decoding setting
+        self.settings_key = settings.step_key()
         self.finished = torch.zeros(B, dtype=torch.bool, device=device)
         self.pending: tuple | None = None  # a finished block whose commit waits for the next forward
+        self.stream = None if settings.streamer is None else BlockStream(
+            settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -262,6 +265,8 @@ class BlockDecoder:
             block = self.x[rows[:, None], positions]
             decode_block(self, block, positions)
             self.x[rows[:, None], positions] = block
+            if self.stream is not None:  # one prompt: row 0 is the working batch
+                self.stream.block(block[0], (self.first_blocks[0] + r) * T)
             if len(eos):
                 hit = torch.isin(block, eos) & (positions >= self.lens[rows, None])
                 self.finished[rows] |= hit.any(-1)
@@ -273,6 +278,8 @@ class BlockDecoder:
                 self.retire(kept)
                 block, positions = block[kept], positions[kept]
             self.commit(block, positions)
+        if self.stream is not None:
+            self.stream.end()
         return self.x
 
     def retire(self, kept: torch.Tensor) -> None:

@@ -20,6 +20,9 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
                          f".to({str(device)!r})")
     prompts = PromptBatch.from_inputs(model.config, input_ids, attention_mask)
+    if settings.streamer is not None and len(prompts.lens) != 1:
+        raise ValueError(f"streamer streams one prompt at a time (as transformers' streamers do), got a batch of "
+                         f"{len(prompts.lens)}; generate the rows one by one or drop streamer")
     decoder = BlockDecoder(model, prompts, settings)
     x = decoder.run(BLOCK_DECODERS[settings.strategy])
     sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,

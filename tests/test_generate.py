@@ -346,3 +346,52 @@ def test_decoding_on_the_triton_kernels_equals_the_reference():
         out = model.generate(ids, **args)
     assert torch.equal(out.sequences, expected.sequences)
     assert torch.equal(out.stats.backbone_forwards, expected.stats.backbone_forwards)
+
+
+class RecordingStreamer:
+    """A transformers-style streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, ids: torch.Tensor) -> None:
+        assert ids.device.type == "cpu"
+        self.puts.append(ids.tolist())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=2)],
+                         ids=lambda k: k["strategy"])
+def test_streamer_gets_the_prompt_then_each_finished_block(model, kwargs):
+    """Prompt of 6 in blocks of 4: the first block holds 2 new tokens, then whole blocks; the stream stops at
+    the first EOS (kept) and ends once. Streaming changes neither the output nor the captured steps."""
+    ids = random_prompts(1, 6, seed=70)
+    free = model.generate(ids, max_new_tokens=16, **kwargs)
+    new = free[0, 6:].tolist()
+    streamer = RecordingStreamer()
+    assert torch.equal(model.generate(ids, max_new_tokens=16, streamer=streamer, **kwargs), free)
+    assert streamer.puts == [ids[0].tolist(), new[:2], new[2:6], new[6:10], new[10:14], new[14:]]
+    assert streamer.ended == 1
+    first = next(i for i in range(6, 16) if new[i] not in new[:i])  # a token whose first use is in block 3+
+    streamer = RecordingStreamer()
+    out = model.generate(ids, max_new_tokens=16, streamer=streamer, eos_token_id=new[first], pad_token_id=0,
+                         **kwargs)
+    cuts = [c for c in (2, 6, 10, 14) if c <= first] + [first + 1]
+    assert streamer.puts == [ids[0].tolist()] + [new[a:b] for a, b in zip([0] + cuts, cuts)]
+    assert streamer.ended == 1
+    assert out[0, 6 : 7 + first].tolist() == new[: first + 1] and (out[0, 7 + first :] == 0).all()
+    graphed = model.generate(ids, max_new_tokens=16, cuda_graphs=True, **kwargs)
+    steps = set(model._decode_engine[1].graphs.graphs)
+    again = model.generate(ids, max_new_tokens=16, cuda_graphs=True, streamer=RecordingStreamer(), **kwargs)
+    assert torch.equal(graphed, free) and torch.equal(again, free)
+    assert set(model._decode_engine[1].graphs.graphs) == steps  # the streamer is not part of any step's key
+    model.release_decode_engine()
+
+
+def test_streamer_refuses_batches_and_objects_without_put(model):
+    with pytest.raises(ValueError, match="streamer streams one prompt"):
+        model.generate(random_prompts(2, 5), max_new_tokens=4, streamer=RecordingStreamer())
+    with pytest.raises(TypeError, match=r"streamer must have put\(ids\) and end\(\)"):
+        model.generate(random_prompts(1, 5), max_new_tokens=4, streamer=object())

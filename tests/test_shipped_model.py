@@ -54,6 +54,18 @@ def test_shipped_model_loads_offline_with_remote_code_and_generates():
     assert tok.decode(static[0, ids.shape[1]:]).strip()
 
 
+def test_shipped_model_streams_its_completion_through_a_text_streamer(capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True).eval()
+    ids = tok("import os\n", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=40, strategy="speculative",
+                         streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text.strip() and capsys.readouterr().out == text + "\n"
+
+
 def _run(args: list[str], timeout: int = 600) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,

@@ -15,6 +15,9 @@ DRAFT_SCHEDULES = ("mrp", "authors")
 REMASK_RULES = ("tau", "delta")
 MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
+# Settings that never change what a decoding step computes (so not part of a captured step's key).
+OUTSIDE_THE_STEPS = ("max_new_tokens", "eos_token_id", "pad_token_id", "return_dict_in_generate", "progress",
+                     "streamer", "cuda_graphs", "eos_ids")
 
 
 @dataclass
@@ -22,7 +25,9 @@ class GenerationSettings:
     """Everything that steers decoding. ``block_length``/``denoising_steps`` default to the model's
     block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
     finished block's cache entries in the next block's first forward (same output, one forward fewer per
-    block); ``progress`` shows a bar over blocks. ``cuda_graphs`` (default: on for a CUDA model) replays
+    block); ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a time) is an object with
+    ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the prompt ids, then each
+    finished block's new tokens (up to the first EOS), then ``end()``. ``cuda_graphs`` (default: on for a CUDA model) replays
     each kind of decoding step from a captured CUDA graph; ``True`` on a CPU model replays the recorded
     step functions on the same fixed buffers (a graph's data flow, without the graph)."""
 
@@ -48,11 +53,17 @@ class GenerationSettings:
     progress: bool = False
     fuse_commit: bool = True
     cuda_graphs: bool | None = None
+    streamer: object | None = None
     eos_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod
     def names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls) if f.init}
+
+    def step_key(self) -> tuple:
+        """The settings a decoding step's computation depends on, as a hashable key."""
+        return tuple((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)
+                     if f.name not in OUTSIDE_THE_STEPS)
 
     @classmethod
     def resolve(cls, model, generation_config, kwargs: dict) -> "GenerationSettings":
@@ -103,6 +114,9 @@ class GenerationSettings:
             raise ValueError(f"top_k={self.top_k} must be >= 1 (or None to disable)")
         if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
+        if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
+            raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
+                            f"{type(self.streamer).__name__}")
         for eos in self.eos_ids:
             if not 0 <= eos < config.vocab_size:
                 raise ValueError(f"eos_token_id {eos} is outside the vocabulary [0, {config.vocab_size})")

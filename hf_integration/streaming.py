@@ -1,0 +1,34 @@
+"""Stream one prompt's completion block by block to a transformers-style streamer (``put``/``end``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockStream:
+    """Sends ``prompt`` [P] first, then each finished block's new tokens: positions P .. P + max_new - 1,
+    cut after the first EOS (kept, as ``generate`` keeps it), then ``end()`` once."""
+
+    def __init__(self, streamer, prompt: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...]):
+        self.streamer, self.eos_ids = streamer, set(eos_ids)
+        self.start, self.stop = prompt.shape[0], prompt.shape[0] + max_new_tokens
+        self.done = False
+        streamer.put(prompt.cpu())
+
+    def block(self, tokens: torch.Tensor, first_position: int) -> None:
+        """tokens: [T], the finished block at positions ``first_position`` .. + T - 1."""
+        if self.done:
+            return
+        lo = max(self.start - first_position, 0)
+        hi = min(self.stop - first_position, tokens.shape[0])
+        new = tokens[lo:hi].tolist() if hi > lo else []
+        for i, token in enumerate(new):
+            if token in self.eos_ids:
+                new, self.done = new[: i + 1], True
+                break
+        self.done = self.done or first_position + tokens.shape[0] >= self.stop
+        if new:
+            self.streamer.put(torch.tensor(new, dtype=torch.long))
+
+    def end(self) -> None:
+        self.streamer.end()
