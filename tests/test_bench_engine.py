@@ -24,11 +24,13 @@ def test_bench_engine_smoke(tmp_path):
 
     rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
     kinds = {(r["kernel"], r["provider"]) for r in rows}
-    assert kinds == {("step", "eager"), ("step", "cuda_graph"), ("decode", "eager"), ("decode", "cuda_graph"),
-                     ("speculative_estimate", "cuda_graph"), ("attention", "sdpa_cat"), ("attention", "triton")}
+    assert kinds == {("step", "eager"), ("step", "cuda_graph"), ("whole_step", "eager"), ("whole_step", "cuda_graph"),
+                     ("decode", "eager"), ("decode", "cuda_graph"), ("speculative_estimate", "cuda_graph"),
+                     ("attention", "sdpa_cat"), ("attention", "triton")}
     for batch in (1, 2):
-        shapes = {r["shape"] for r in rows if r["kernel"] == "step" and r["provider"] == "cuda_graph"}
-        assert {f"tiny B={batch} plain q=16", f"tiny B={batch} verify copies=4", f"tiny B={batch} mrp D=3"} <= shapes
+        shapes = {r["shape"] for r in rows if r["kernel"] in ("step", "whole_step") and r["provider"] == "cuda_graph"}
+        assert {f"tiny B={batch} plain q=16", f"tiny B={batch} verify copies=4", f"tiny B={batch} mrp D=3",
+                f"tiny B={batch} static step", f"tiny B={batch} speculative round K=3"} <= shapes
     for r in rows:
         assert r["median_us"] > 0
         if r["kernel"] == "decode":
