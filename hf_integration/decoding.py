@@ -63,9 +63,10 @@ class BlockDecoder:
         self.n_blocks = torch.tensor(ends, device=device) // T - self.first_block  # blocks each row decodes
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
-        shape = EngineShape(slots, B, total, config.num_key_value_heads, config.head_dim, model.lm_head.weight.dtype,
-                            device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
         graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
+        width = _graphed_width(total, config.max_position_embeddings) if graphed else total
+        shape = EngineShape(slots, B, width, config.num_key_value_heads, config.head_dim, model.lm_head.weight.dtype,
+                            device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
         self.engine = engine_for(model, shape, graphed)
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
         self.settings_key = settings.step_key()
@@ -286,6 +287,16 @@ class BlockDecoder:
         """Keep only the working rows ``kept`` (int64 [B'']); the others are finished."""
         self.flush()
         self.engine.keep_rows(kept)
+
+
+GRAPHED_WIDTH_MULTIPLE = 256
+
+
+def _graphed_width(total: int, limit: int) -> int:
+    """Cache positions of a graphed engine: the layout's ``total`` rounded up to a multiple of 256 (at most
+    ``limit``), so calls of similar lengths share one engine and its captured steps. On CUDA the attention
+    kernel reads each row only up to its committed length: the spare width costs memory, not time."""
+    return min(-(-total // GRAPHED_WIDTH_MULTIPLE) * GRAPHED_WIDTH_MULTIPLE, max(limit, total))
 
 
 def denoising_step(dec: BlockDecoder, threshold: float | None = None):

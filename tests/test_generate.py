@@ -314,8 +314,9 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
 
 
 def test_graphed_calls_reuse_one_engine(model):
-    """Graphed calls of the same shapes reuse the cache (and graphs) of the previous call, reset; another
-    shape replaces it; ``release_decode_engine`` frees it. Every call decodes as if from scratch."""
+    """Graphed calls of the same batch and cache width (the layout rounded up to 256 positions) reuse the
+    cache (and graphs) of the previous call, reset; another shape replaces it; ``release_decode_engine`` frees
+    it. Every call decodes as if from scratch."""
     ids = random_prompts(2, 7, seed=40)
     expected = model.generate(ids, max_new_tokens=9, cuda_graphs=False)
     first = model.generate(ids, max_new_tokens=9, cuda_graphs=True)
@@ -323,6 +324,9 @@ def test_graphed_calls_reuse_one_engine(model):
     again = model.generate(ids, max_new_tokens=9, cuda_graphs=True)
     assert model._decode_engine is engine
     assert torch.equal(first, expected) and torch.equal(again, expected)
+    shorter = model.generate(ids[:, :4], max_new_tokens=13, cuda_graphs=True)  # another length, same width bucket
+    assert model._decode_engine is engine
+    assert torch.equal(shorter, model.generate(ids[:, :4], max_new_tokens=13, cuda_graphs=False))
     other = model.generate(ids[:1], max_new_tokens=9, cuda_graphs=True)
     assert model._decode_engine is not engine and torch.equal(other, expected[:1])
     model.release_decode_engine()
