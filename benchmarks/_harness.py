@@ -1,4 +1,4 @@
-"""Pieces shared by the kernel benchmark scripts (``bench_decode_kernels.py``, ``bench_mrp_head.py``).
+"""Pieces shared by the benchmark scripts.
 
 Typical use, in this order (torch and triton are imported lazily so ``--help`` stays fast, and the
 Triton interpreter is switched on before any ``mrp_triton`` kernel is decorated)::
@@ -61,6 +61,14 @@ def run_meta(cuda: bool) -> dict:
     gpu = torch.cuda.get_device_name(torch.device("cuda")) if cuda \
         else f"cpu-interpreter ({platform.processor() or 'cpu'})"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": commit()}
+
+
+def add_model_bench_args(ap, rep_help: str = "do_bench repetition time, ms") -> None:
+    """The timing, seed and ``--smoke`` options of the model-level benchmarks (bench_model_steps, bench_engine)."""
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=200, help=rep_help)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny float32 model on CPU (reference ops), seconds")
 
 
 def make_bench(cuda: bool, *, warmup: int, rep: int):

@@ -73,10 +73,7 @@ def parse_args(argv):
     ap.add_argument("--decode-reps", type=int, default=2, help="timed generate calls per setting (after one warm-up)")
     ap.add_argument("--e2e", default="benchmarks/results/e2e_cpu.json",
                     help="bench_e2e.py results with the shipped model's forward counts")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="tiny float32 model on CPU (reference ops), seconds")
+    _harness.add_model_bench_args(ap)
     return ap.parse_args(argv)
 
 

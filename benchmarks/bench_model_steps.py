@@ -95,10 +95,7 @@ def parse_args(argv):
                          "Triton kernels")
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms (~10 samples at 20 ms)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="tiny float32 model on CPU (reference ops), seconds")
+    _harness.add_model_bench_args(ap, rep_help="do_bench repetition time, ms (~10 samples at 20 ms)")
     return ap.parse_args(argv)
 
 

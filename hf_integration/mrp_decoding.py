@@ -168,17 +168,18 @@ def remask_step(dec: BlockDecoder):
 
     def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> None:
         masked = dec.masked(block)
+        live = masked.any(-1)
         h_a = dec.backbone(block, positions)
         tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
         before = block.clone()
-        quota = torch.maximum(quota, _one_each(masked)) * masked.any(-1)
+        quota = torch.maximum(quota, _one_each(masked)) * live
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=s.threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
         score = _token_scores(dec, h_a, corrected, tok, revealed, positions)
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
-        dec.record(masked.any(-1), revealed & ~remasked)
-        dec.count("mrp_forwards", masked.any(-1))
+        dec.record(live, revealed & ~remasked)
+        dec.count("mrp_forwards", live)
         dec.count("tokens_remasked", remasked.sum(-1))
 
     return step
