@@ -113,11 +113,25 @@ class BlockDecoder:
         """One whole decoding step ``fn(*inputs)``: its forwards and the decode ops between them, graphed as
         one by (name, settings, input shapes), so a step costs one launch. ``fn`` reads the decoder's
         per-row state (``rows``, ``counter``, ``stats``: fixed buffers) and its inputs, and updates the
-        inputs in ``mutated`` in place. A step that carries a pending fused commit runs as it is (its cache
-        write moves the committed lengths), each of its forwards graphed on its own."""
-        if self.pending is not None:
+        inputs in ``mutated`` in place. The first step of a block carries the previous block's pending
+        commit (``fuse_commit``): the finished ids and positions become inputs of its graph, so the commit
+        rides along in the same launch. Only the prefill (longer than a block, once per call) runs as it is,
+        each of its forwards graphed on its own."""
+        if self.pending is None:
+            return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
+        done_ids, done_pos, counted = self.pending
+        if done_ids.shape[1] > self.block:
             return fn(*inputs)
-        return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
+        self.pending = None
+
+        def with_commit(done_ids: torch.Tensor, done_pos: torch.Tensor, *inputs: torch.Tensor):
+            self.pending = (done_ids, done_pos, counted)
+            output = fn(*inputs)
+            self.flush()  # a step that read neither the backbone nor the head still writes the block
+            return output
+
+        return self.graphed((name, "commit", counted, self.settings_key), with_commit, done_ids, done_pos, *inputs,
+                            mutated=tuple(i + 2 for i in mutated))
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                           write_len: int = 0) -> torch.Tensor:

@@ -17,9 +17,9 @@ class StaticKVCache:
     """Keys/values ``[num_slots, batch, kv_heads, max_len, head_dim]`` plus per-row lengths ``[batch]``.
 
     Row b has committed ``lengths[b]`` positions; rows may differ (each row sits in its own block).
-    ``length`` (a host int) is the largest committed length. Forwards read ``width`` positions: ``length``,
-    or with ``full_width`` the whole buffer (what a captured CUDA graph needs: no host value that changes
-    between steps). A row's slots past its own length are never attended (``mrp_triton.cached_attention``).
+    Forwards read ``width`` positions: ``length`` (a host int, the largest committed length), or with
+    ``full_width`` the whole buffer. A full-width cache keeps no host length at all (what a captured CUDA
+    graph needs: no host value that changes between steps; its owner sizes it to cover the layout). A row's slots past its own length are never attended (``mrp_triton.cached_attention``).
     ``keys``, ``values`` and ``lengths`` are views of the first ``batch`` rows of buffers that never move:
     finished rows are dropped by moving the kept ones to the front (:meth:`keep_rows`), and :meth:`reset`
     empties the cache for another ``generate`` call, so graphs captured over it stay valid.
@@ -56,7 +56,7 @@ class StaticKVCache:
         """Append ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` after each row's committed
         prefix in one layer. ``advance`` makes them visible once every layer has written."""
         n = keys.shape[2]
-        if self.length + n > self.max_len:
+        if not self.full_width and self.length + n > self.max_len:
             raise RuntimeError(f"KV cache overflow: {self.length} + {n} > max_len {self.max_len}")
         offsets = self.lengths[:, None] + torch.arange(n, device=self.lengths.device)
         index = offsets[:, None, :, None].expand_as(keys)
@@ -65,7 +65,8 @@ class StaticKVCache:
 
     def advance(self, n: int) -> None:
         """Mark ``n`` more positions of every row as committed."""
-        self.length += n
+        if not self.full_width:
+            self.length += n
         self.lengths.add_(n)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
