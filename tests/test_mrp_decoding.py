@@ -153,3 +153,52 @@ def test_sampling_with_top_k_and_top_p_is_reproducible():
     assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, **kwargs))
     greedy_top1 = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=1, seed=3)
     assert torch.equal(greedy_top1, model.generate(ids, max_new_tokens=8))
+
+
+def _host_syncs(monkeypatch) -> dict:
+    """Count host synchronisations (a tensor read as a Python bool, int, number or list) from now on."""
+    seen = {"n": 0}
+    for name in ("__bool__", "__int__", "item", "tolist"):
+        def counted(tensor, *args, _original=getattr(torch.Tensor, name), **kwargs):
+            seen["n"] += 1
+            return _original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mrp_strategies_check_the_block_from_the_host_rarely(monkeypatch, k):
+    """Direct decoding knows a block's step count when it starts: as many host synchronisations as static
+    decoding. Speculative decoding runs rounds that all have work back to back and checks after them:
+    fewer checks than rounds, and never a round in which no row has work."""
+    from hf_integration.decoding import BlockDecoder
+
+    model = tiny_model(seed=2, block_size=16)
+    ids = random_prompts(1, 16, seed=5)
+    settings = dict(max_new_tokens=48, return_dict_in_generate=True, cuda_graphs=True)
+    model.generate(ids, **settings)  # the first call records its steps
+    rounds = []
+    step = BlockDecoder.step
+
+    def named_step(dec, name, *args, **kwargs):
+        rounds.append(name)
+        return step(dec, name, *args, **kwargs)
+
+    monkeypatch.setattr(BlockDecoder, "step", named_step)
+    syncs = _host_syncs(monkeypatch)
+
+    def count(**kwargs):
+        model.generate(ids, **settings, **kwargs)  # records this strategy's steps
+        rounds.clear()
+        before = syncs["n"]
+        out = model.generate(ids, **settings, **kwargs)
+        return syncs["n"] - before, out.stats
+
+    static, _ = count()
+    direct, _ = count(strategy="direct", mrp_steps=k)
+    assert direct == static
+    spec, stats = count(strategy="speculative", mrp_steps=k)
+    verify_rounds = rounds.count("speculate")
+    assert verify_rounds == int(stats.accepted_lengths.sum())  # every round had a row with work
+    assert spec - static < verify_rounds, (spec, static, verify_rounds)

@@ -19,7 +19,8 @@ class StaticKVCache:
     Row b has committed ``lengths[b]`` positions; rows may differ (each row sits in its own block).
     Forwards read ``width`` positions: ``length`` (a host int, the largest committed length), or with
     ``full_width`` the whole buffer. A full-width cache keeps no host length at all (what a captured CUDA
-    graph needs: no host value that changes between steps; its owner sizes it to cover the layout). A row's slots past its own length are never attended (``mrp_triton.cached_attention``).
+    graph needs: no host value that changes between steps; its owner sizes it to cover the layout). A row's
+    slots past its own length are never attended (``mrp_triton.cached_attention``).
     ``keys``, ``values`` and ``lengths`` are views of the first ``batch`` rows of buffers that never move:
     finished rows are dropped by moving the kept ones to the front (:meth:`keep_rows`), and :meth:`reset`
     empties the cache for another ``generate`` call, so graphs captured over it stay valid.

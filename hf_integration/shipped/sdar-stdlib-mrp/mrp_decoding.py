@@ -68,18 +68,18 @@ def direct_mrp_step(dec: BlockDecoder):
 
 
 def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
-    """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless)."""
+    """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless).
+
+    Every step commits exactly one token per row that has a mask, so the block's step count is known when
+    it starts (the most masks of any row): one host synchronisation per block, as static decoding."""
     K = dec.settings.mrp_steps
     backbone_step, mrp_step = denoising_step(dec), direct_mrp_step(dec)
-    for _ in range(block.shape[1]):
-        masked = dec.masked(block)
-        if not masked.any():
-            return
-        h_a = dec.step("denoise", backbone_step, block, positions, _one_each(masked), mutated=(0,))
-        carry = MRPChain(dec, h_a, positions).carry
-        for _ in range(K):
-            if not dec.masked(block).any():
-                return
+    steps = int(dec.masked(block).sum(-1).max())
+    for i in range(steps):
+        if i % (K + 1) == 0:
+            h_a = dec.step("denoise", backbone_step, block, positions, _one_each(dec.masked(block)), mutated=(0,))
+            carry = MRPChain(dec, h_a, positions).carry
+        else:
             carry = dec.step("direct_mrp", mrp_step, block, positions, h_a, carry, mutated=(0,))
 
 
@@ -135,14 +135,20 @@ def speculation_round(dec: BlockDecoder):
 
 def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
     """Lossless speculative decoding: an opening forward commits the backbone's exact pick (a verify round
-    with no drafts), then verify rounds until the block is full (each graphed as one step)."""
-    masked = dec.masked(block)
-    seed_h = dec.step("denoise", denoising_step(dec), block, positions, _one_each(masked), mutated=(0,))
+    with no drafts), then verify rounds until the block is full (each graphed as one step).
+
+    A round commits at most K+1 tokens per row, so with m masks left in the slowest row the next
+    ceil(m / (K+1)) rounds all have work: they run back to back and the host checks the block only
+    after them (about half the synchronisations of checking every round, and never a wasted round)."""
+    K = dec.settings.mrp_steps
+    seed_h = dec.step("denoise", denoising_step(dec), block, positions, _one_each(dec.masked(block)), mutated=(0,))
     round_ = speculation_round(dec)
-    for _ in range(block.shape[1]):
-        if not dec.masked(block).any():
-            return
-        seed_h = dec.step("speculate", round_, block, positions, seed_h, mutated=(0,))
+    budget = block.shape[1]  # rounds: each commits at least the bonus token of every row with masks
+    while budget and (left := int(dec.masked(block).sum(-1).max())):
+        rounds = min(budget, -(-left // (K + 1)))
+        for _ in range(rounds):
+            seed_h = dec.step("speculate", round_, block, positions, seed_h, mutated=(0,))
+        budget -= rounds
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
