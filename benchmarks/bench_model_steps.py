@@ -144,7 +144,7 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_gra
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
     positions = torch.arange(prefix, device=device).expand(batch, -1)
     dec.commit(dec.x[:, :prefix], positions, None)
-    assert dec.cache.length == prefix and dec.pending is None
+    assert bool((dec.cache.lengths == prefix).all()) and dec.pending is None
     return dec
 
 
@@ -159,7 +159,7 @@ def query(dec, q: int, seed: int):
     ids = torch.full((B, q), dec.mask_id, dtype=torch.long)
     revealed = torch.rand(B, q, generator=g) < 0.25
     ids[revealed] = torch.randint(0, top, (int(revealed.sum()),), generator=g)
-    start = dec.cache.length
+    start = int(dec.cache.lengths[0])  # every row holds the same prefix
     positions = torch.arange(start, start + q, device=device).expand(B, -1)
     return ids.to(device), positions
 
