@@ -293,9 +293,10 @@ def test_finished_rows_leave_the_batch(model, monkeypatch):
 
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_graph_shaped_forwards_give_identical_output(model, kwargs):
-    """``cuda_graphs=True`` on a CPU model runs the forwards a CUDA graph would capture (the whole cache
-    width, masked by per-row lengths) eagerly: same tokens and counts as the default path, here with
-    rows in different blocks and a row that finishes early (its EOS) and leaves the batch."""
+    """``cuda_graphs=True`` on a CPU model records each step (whole cache width, masked by per-row lengths;
+    a block's first step with the previous block's commit) and replays it on the recorded buffers: same
+    tokens and counts as the default path, here with rows in different blocks and a row that finishes early
+    (its EOS) and leaves the batch."""
     lens = [2, 11, 6]
     ids = torch.zeros((3, 11), dtype=torch.long)
     mask = torch.zeros_like(ids)
