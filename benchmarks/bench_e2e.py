@@ -120,7 +120,10 @@ def run_mode(model, tokenizer, prompts: list[str], settings: dict, batch_size: i
         seconds += time.perf_counter() - t0
         completions += out.sequences[:, ids.shape[1]:].tolist()
         for key, values in out.stats.as_dict().items():
-            if key != "accepted_lengths":
+            if key == "accepted_lengths":  # per row, a histogram of drafts accepted per verify round
+                histogram = [sum(column) for column in zip(*values)]
+                totals[key] = [a + b for a, b in zip(totals.get(key, [0] * len(histogram)), histogram)]
+            else:
                 totals[key] = totals.get(key, 0) + sum(values)
     return completions, totals, seconds
 
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
             "mode": name,
             "tpf": totals["tokens_committed"] / max(totals["backbone_forwards"], 1),
             "backbone_forwards": totals["backbone_forwards"],
+            "verify_rounds": sum(totals["accepted_lengths"]),  # the other backbone forwards denoise
+            "accepted_lengths": totals["accepted_lengths"],
             "mrp_forwards": totals["mrp_forwards"],
             "tokens": totals["tokens_committed"],
             "tokens_per_s": totals["tokens_committed"] / seconds,

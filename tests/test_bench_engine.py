@@ -19,7 +19,7 @@ def test_bench_engine_smoke(tmp_path):
     spec.loader.exec_module(mod)
     e2e = tmp_path / "e2e.json"
     e2e.write_text(json.dumps({"rows": [{"mode": "speculative K=3 mrp", "tokens": 100, "backbone_forwards": 50,
-                                         "mrp_forwards": 120, "tpf": 2.0}]}))
+                                         "verify_rounds": 42, "mrp_forwards": 120, "tpf": 2.0}]}))
     assert mod.main(["--smoke", "--out", str(tmp_path), "--e2e", str(e2e), "--decode-reps", "1"]) == 0
 
     rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
