@@ -22,7 +22,8 @@ def test_shipped_folder_is_complete_and_small():
     files = {p.name for p in SHIPPED_MODEL.iterdir()}
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json", "stdlib_manifest.json", "training_log_backbone.jsonl",
-                 "training_log_mrp.jsonl", "modeling_sdar_mrp.py"):
+                 "training_log_mrp.jsonl", "training_log_mrp_stage2.jsonl", "training_log_mrp_stage3.jsonl",
+                 "modeling_sdar_mrp.py"):
         assert name in files, name
     size = sum(p.stat().st_size for p in SHIPPED_MODEL.iterdir())
     assert size <= 25 * 2**20, size
@@ -105,4 +106,6 @@ def test_e2e_benchmark_smoke_on_a_tiny_random_model(tmp_path):
     rows = json.loads((tmp_path / "res" / "e2e_cpu.json").read_text())["rows"]
     spec = next(r for r in rows if r["mode"] == "speculative K=2 mrp")
     assert spec["identical_to_static"] == 1.0 and spec["tpf"] >= 1.0
+    assert 0 < spec["verify_rounds"] == sum(spec["accepted_lengths"]) < spec["backbone_forwards"]  # + openings
+    assert next(r for r in rows if r["mode"] == "static")["verify_rounds"] == 0
     assert (tmp_path / "res" / "e2e_cpu.png").exists() and (tmp_path / "res" / "e2e_cpu.md").exists()
