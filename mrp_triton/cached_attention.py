@@ -91,7 +91,7 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
         vt = tl.load(cv_ptr + tile, mask=tile_mask, other=0.0)
         m_i, l_i, acc = _attend(q, kt, vt, col_mask[None, :], m_i, l_i, acc, scale, DOT_FP32, IEEE)
 
-    # the new positions: block-causal, within a segment
+    # the new positions: block-causal, within a segment or from a shared (negative) one
     q_block = tl.load(pos_ptr + b * sp_b + rows * sp_t, mask=row_mask, other=0) // block_size
     if HAS_SEG:
         q_seg = tl.load(seg_ptr + rows, mask=row_mask, other=-1)
@@ -101,8 +101,8 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
         k_block = tl.load(pos_ptr + b * sp_b + cols * sp_t, mask=col_mask, other=0) // block_size
         valid = col_mask[None, :] & (k_block[None, :] <= q_block[:, None])
         if HAS_SEG:
-            k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=-2)
-            valid = valid & (k_seg[None, :] == q_seg[:, None])
+            k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=0)
+            valid = valid & ((k_seg[None, :] == q_seg[:, None]) | (k_seg[None, :] < 0))
         tile_mask = col_mask[:, None] & dim_mask[None, :]
         kt = tl.load(k_ptr + b * sk_b + kvh * sk_h + cols[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
         vt = tl.load(v_ptr + b * sv_b + kvh * sv_h + cols[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
@@ -179,7 +179,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     row b's first ``lengths[b]`` slots are committed (the rest is never read); lengths: int64 [B];
     positions: int64 [B, T] (absolute, past the row's prefix); segments: int [T] or None. A new position
     sees every committed slot of its row and the new keys of its own or an earlier block
-    (position // block_size) in its own segment. Returns [B, Hq, T, D] in q's dtype."""
+    (position // block_size) in its own segment or in a negative (shared) one, which is how a finished
+    block written in the same forward as K+1 candidate copies reaches every copy. Returns [B, Hq, T, D] in
+    q's dtype."""
     if q.dtype != torch.float64 and select_backend(q.device) == "triton":
         return cached_attention_triton(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)
     return cached_attention_reference(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)

@@ -22,18 +22,22 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 def problems(draw):
     """A decoding forward: B rows with their own committed lengths in a cache of width W (a slice of a
     wider buffer, as the KV cache hands it out), T new positions past each row's prefix, as one block,
-    a finished block plus the next (fused commit), or K+1 candidate copies of a block (segments)."""
+    a finished block plus the next (fused commit), K+1 candidate copies of a block (segments), or a finished
+    block (shared segment -1) plus K+1 copies of the next."""
     B, Hkv, group = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     D = draw(st.sampled_from([8, 13, 16, 32]))
     block = draw(st.sampled_from([1, 4, 8, 16]))
-    kind = draw(st.sampled_from(["block", "commit", "copies"]))
-    copies = draw(st.integers(2, 4)) if kind == "copies" else 1
+    kind = draw(st.sampled_from(["block", "commit", "copies", "commit+copies"]))
+    copies = draw(st.integers(2, 4)) if kind.endswith("copies") else 1
     n_blocks = 2 if kind == "commit" else 1
     lengths = torch.tensor([draw(st.integers(0, 5)) * block for _ in range(B)])
     W = int(lengths.max()) + draw(st.integers(0, 20))
     starts = lengths[:, None] + torch.arange(n_blocks * block)
     positions = starts.repeat(1, copies)
-    segments = torch.arange(copies).repeat_interleave(n_blocks * block) if kind == "copies" else None
+    segments = torch.arange(copies).repeat_interleave(n_blocks * block) if kind.endswith("copies") else None
+    if kind == "commit+copies":
+        positions = torch.cat([starts, positions + block], 1)
+        segments = torch.cat([torch.full((block,), -1), segments])
     return dict(B=B, Hkv=Hkv, Hq=Hkv * group, T=positions.shape[1], D=D, W=W, block=block, lengths=lengths,
                 positions=positions, segments=segments, dtype=draw(st.sampled_from(DTYPES)),
                 seed=draw(st.integers(0, 2**16)))
@@ -77,27 +81,36 @@ def test_uncommitted_slots_are_never_read():
     assert torch.equal(cached_attention_triton(q, k, v, stale_k, stale_v, lengths, positions, 4), clean)
 
 
-@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("segments", ["none", "copies", "shared+copies"])
 def test_reference_equals_attention_over_the_whole_sequence(segments):
     """Row by row, cached attention equals block-causal attention over prefix + new positions computed
-    from scratch; copies in their own segments equal each copy attended alone."""
+    from scratch; copies in their own segments equal each copy attended alone; a finished block in the
+    shared segment (-1) in front of the copies is seen by every copy, as if it were in the cache."""
     torch.manual_seed(0)
     B, H, D, T, block = 2, 2, 8, 4, 4
     lengths = torch.tensor([4, 8])
     prefix_k, prefix_v = torch.randn(B, H, 8, D, dtype=torch.float64), torch.randn(B, H, 8, D, dtype=torch.float64)
-    copies = 3 if segments else 1
-    q, k, v = (torch.randn(B, H, copies * T, D, dtype=torch.float64) for _ in range(3))
-    positions = (lengths[:, None] + torch.arange(T)).repeat(1, copies)
-    seg = torch.arange(copies).repeat_interleave(T) if segments else None
+    copies = 1 if segments == "none" else 3
+    shared = T if segments == "shared+copies" else 0
+    q, k, v = (torch.randn(B, H, shared + copies * T, D, dtype=torch.float64) for _ in range(3))
+    positions = (lengths[:, None] + torch.arange(shared, shared + T)).repeat(1, copies)
+    positions = torch.cat([lengths[:, None] + torch.arange(shared), positions], 1)
+    seg = None if segments == "none" else torch.cat([torch.full((shared,), -1),
+                                                     torch.arange(copies).repeat_interleave(T)])
     out = ref.cached_attention(q, k, v, prefix_k, prefix_v, lengths, positions, block, seg)
     for b in range(B):
         n = int(lengths[b])
         for c in range(copies):
-            span = slice(c * T, (c + 1) * T)
-            keys = torch.cat([prefix_k[b, :, :n], k[b, :, span]], 1)
-            values = torch.cat([prefix_v[b, :, :n], v[b, :, span]], 1)
-            expect = F.scaled_dot_product_attention(q[b, :, span], keys, values)  # one block: all visible
+            span = slice(shared + c * T, shared + (c + 1) * T)
+            keys = torch.cat([prefix_k[b, :, :n], k[b, :, :shared], k[b, :, span]], 1)
+            values = torch.cat([prefix_v[b, :, :n], v[b, :, :shared], v[b, :, span]], 1)
+            expect = F.scaled_dot_product_attention(q[b, :, span], keys, values)  # all visible
             torch.testing.assert_close(out[b, :, span], expect)
+        if shared:  # the finished block sees the prefix and itself only
+            keys = torch.cat([prefix_k[b, :, :n], k[b, :, :shared]], 1)
+            values = torch.cat([prefix_v[b, :, :n], v[b, :, :shared]], 1)
+            expect = F.scaled_dot_product_attention(q[b, :, :shared], keys, values)
+            torch.testing.assert_close(out[b, :, :shared], expect)
 
 
 def test_float64_and_cpu_dispatch_to_the_reference():

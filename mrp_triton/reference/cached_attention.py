@@ -15,14 +15,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     which row b's first ``lengths[b]`` slots are committed (the rest is ignored); lengths: int64 [B];
     positions: int64 [B, T] (absolute, past the row's committed prefix); segments: int [T] or None.
     A new position sees every committed slot of its row and the new keys of its own or an earlier
-    block (block = position // block_size) in its own segment. Returns [B, Hq, T, D] in q's dtype."""
+    block (block = position // block_size) in its own segment or in a negative (shared) one: a finished
+    block written in the same forward as K+1 candidate copies is seen by every copy. Returns
+    [B, Hq, T, D] in q's dtype."""
     B, _, T, _ = q.shape
     W = cache_k.shape[2]
     committed = torch.arange(W, device=q.device)[None, :] < lengths[:, None]  # [B, W]
     blocks = positions // block_size
     new = blocks[:, None, :] <= blocks[:, :, None]  # [B, T (query), T (key)]
     if segments is not None:
-        new = new & (segments[:, None] == segments[None, :])
+        new = new & ((segments[:, None] == segments[None, :]) | (segments[None, :] < 0))
     mask = torch.cat([committed[:, None, :].expand(B, T, W), new], dim=-1)[:, None]
     return F.scaled_dot_product_attention(q, torch.cat([cache_k, k], dim=2), torch.cat([cache_v, v], dim=2),
                                           attn_mask=mask, enable_gqa=True)
