@@ -202,7 +202,8 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     static = record("whole_step", f"{tag} static step", provider,
                     bench(lambda: dec.step("denoise", static_step, block, pos, quota, mutated=(0,))),
                     floor_us=floor["step"])
-    q = bench(lambda: dec.step("speculate", spec_round, block, pos, h_a, mutated=(0,)))
+    opening = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)  # every row mid-block: drafts
+    q = bench(lambda: dec.step("speculate", spec_round, block, pos, h_a, opening, mutated=(0,)))
     spec_round_us = record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", provider, q,
                            ratio=q[0] / static, ratio_to="static step")
     return {"plain": plain, "verify": verify, "mrp": mrp, "static_step": static, "round": spec_round_us}

@@ -2,19 +2,23 @@
 
 Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; blocks
 are aligned to position 0. Each row's full prompt blocks are prefilled in one forward. Then every
-row progresses on its own: in round r row b denoises its block ``P_b // B + r`` (rows of one forward
-sit at different positions over caches of different lengths; the attention masks derive from the
-per-row lengths) with the chosen strategy, and the finished block's keys/values (and the MRP
-head's) are written by the next block's first forward (``fuse_commit``) or by a forward of their
-own. A row finishes once it has produced an EOS or reached its last block (checked once per block,
-the only host synchronisation outside the strategies); finished rows leave the batch, so they stop
-costing work. Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on
-replays each kind of step (forwards and decisions) as one graph.
+row progresses on its own: it denoises its current block with the chosen strategy and moves on to its
+next block as soon as this one is full, while the other rows of the batch go on with theirs (rows of one
+forward sit at different positions over caches of different lengths; the attention masks derive from
+the per-row lengths). A finished block's keys/values (and the MRP head's) are written by the row's next
+forward (``fuse_commit``: the finished block rides in front of the next block, or of its K+1 candidate
+copies) or by a forward of their own; rows that commit nothing in that forward write past their length
+and do not advance. The host checks which rows are full (one synchronisation) only after as many steps
+as surely leave every row with work (:class:`Strategy`); a row finishes once it has produced an EOS or
+filled its last block and leaves the batch, so it stops costing work. Strategies run whole steps through
+:meth:`BlockDecoder.step`, which with CUDA graphs on replays each kind of step (forwards and decisions)
+as one graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers.modeling_outputs import ModelOutput
@@ -60,7 +64,7 @@ class BlockDecoder:
             torch.arange(prompts.ids.shape[1], device=device)[None, :] < lens[:, None], prompts.ids, self.mask_id)
         self.first_blocks = [n // T for n in prompts.lens]  # each row's first block with masks (host)
         self.first_block = torch.tensor(self.first_blocks, device=device)
-        self.n_blocks = torch.tensor(ends, device=device) // T - self.first_block  # blocks each row decodes
+        self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)]
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
         graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
@@ -70,10 +74,11 @@ class BlockDecoder:
         self.engine = engine_for(model, shape, graphed)
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
         self.settings_key = settings.step_key()
-        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
-        self.pending: tuple | None = None  # a finished block whose commit waits for the next forward
+        self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
+        self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
+        self.all_fresh = True  # every working row is at the start of a block (host)
         self.stream = None if settings.streamer is None else BlockStream(
-            settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids)
+            settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids, T)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -113,25 +118,26 @@ class BlockDecoder:
         """One whole decoding step ``fn(*inputs)``: its forwards and the decode ops between them, graphed as
         one by (name, settings, input shapes), so a step costs one launch. ``fn`` reads the decoder's
         per-row state (``rows``, ``counter``, ``stats``: fixed buffers) and its inputs, and updates the
-        inputs in ``mutated`` in place. The first step of a block carries the previous block's pending
-        commit (``fuse_commit``): the finished ids and positions become inputs of its graph, so the commit
-        rides along in the same launch. Only the prefill (longer than a block, once per call) runs as it is,
-        each of its forwards graphed on its own."""
+        inputs in ``mutated`` in place. The first step after rows finished blocks carries their pending
+        commit (``fuse_commit``): the finished ids, positions and committing rows become inputs of its
+        graph, so the commit rides along in the same launch. Only the prefill (longer than a block, once per
+        call) runs as it is, each of its forwards graphed on its own."""
         if self.pending is None:
             return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
-        done_ids, done_pos, counted = self.pending
+        done_ids, done_pos, counted, done_rows = self.pending
         if done_ids.shape[1] > self.block:
             return fn(*inputs)
         self.pending = None
 
-        def with_commit(done_ids: torch.Tensor, done_pos: torch.Tensor, *inputs: torch.Tensor):
-            self.pending = (done_ids, done_pos, counted)
+        def with_commit(done_ids: torch.Tensor, done_pos: torch.Tensor, done_rows: torch.Tensor,
+                        *inputs: torch.Tensor):
+            self.pending = (done_ids, done_pos, counted, done_rows)
             output = fn(*inputs)
             self.flush()  # a step that read neither the backbone nor the head still writes the block
             return output
 
-        return self.graphed((name, "commit", counted, self.settings_key), with_commit, done_ids, done_pos, *inputs,
-                            mutated=tuple(i + 2 for i in mutated))
+        return self.graphed((name, "commit", counted, self.settings_key), with_commit, done_ids, done_pos,
+                            done_rows, *inputs, mutated=tuple(i + 3 for i in mutated))
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                           write_len: int = 0) -> torch.Tensor:
@@ -152,47 +158,60 @@ class BlockDecoder:
                  write_len: int = 0) -> torch.Tensor:
         """ids, positions: [B, T] -> h_A [B, T, H] over the committed prefix (writes ``write_len`` positions).
 
-        A finished block waiting for its commit (``fuse_commit``) rides along in front of the first plain
-        denoising forward of the next block: one forward fewer per block, the same keys and values."""
-        if self.pending is not None and segments is None and write_len == 0:
-            done_ids, done_pos, _ = self.pending
+        Finished blocks waiting for their commit (``fuse_commit``) ride along in front of the rows' next
+        forward (a denoising forward, or the K+1 ``segments`` of a verify forward, which all see them): one
+        forward fewer per block, the same keys and values."""
+        if self.pending is not None and write_len == 0:
+            done_ids, done_pos, _, done_rows = self.pending
             self.pending = None
             n = done_ids.shape[1]
-            hidden = self._write_finished(torch.cat([done_ids, ids], 1), torch.cat([done_pos, positions], 1), n)
+            if segments is not None:
+                segments = torch.cat([segments.new_full((n,), -1), segments])
+            hidden = self._write_finished(torch.cat([done_ids, ids], 1), torch.cat([done_pos, positions], 1), n,
+                                          done_rows, segments)
             return hidden[:, n:]
         self.flush()
         return self._backbone_forward(ids, positions, segments, write_len)
 
-    def mrp(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_len: int = 0):
-        """The MRP head over the committed prefix: ids [B, T], hidden [B, T, H] -> h_p [B, T, H]."""
-        self.flush()
+    def mrp(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_len: int = 0,
+            committing_rows_discard: bool = False):
+        """The MRP head over the committed prefix: ids [B, T], hidden [B, T, H] -> h_p [B, T, H]. With
+        ``committing_rows_discard`` the rows whose finished block waits for its commit ignore this output
+        (they are at the start of a new block), so the commit may still ride on the next backbone forward."""
+        if not committing_rows_discard:
+            self.flush()
         return self._mrp_forward(ids, hidden, positions, write_len)
 
-    def _write_finished(self, ids: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
-        """One backbone forward over ids [B, T] whose first n positions are finished: writes their keys and
-        values (and the MRP head's, from the same h_A) and returns h_A [B, T, H]."""
-        hidden = self._backbone_forward(ids, positions, write_len=n)
+    def _write_finished(self, ids: torch.Tensor, positions: torch.Tensor, n: int, rows: torch.Tensor,
+                        segments: torch.Tensor | None = None) -> torch.Tensor:
+        """One backbone forward over ids [B, T] whose first n positions are the finished blocks of ``rows``
+        (bool [B]): writes their keys and values (and the MRP head's, from the same h_A), makes them
+        committed for those rows only, and returns h_A [B, T, H]."""
+        hidden = self._backbone_forward(ids, positions, segments, write_len=n)
         if self.uses_mrp:
             self._mrp_forward(ids[:, :n], hidden[:, :n], positions[:, :n], write_len=n)
-        self.cache.advance(n)
+        self.cache.advance(n, rows)
         return hidden
 
-    def commit(self, ids: torch.Tensor, positions: torch.Tensor, counted: bool = True) -> None:
-        """Finished positions ids [B, T] go to the cache: with the next block's first forward
-        (``fuse_commit``) or at once (then ``counted`` charges every row a commit forward)."""
+    def commit(self, ids: torch.Tensor, positions: torch.Tensor, counted: bool = True,
+               rows: torch.Tensor | None = None) -> None:
+        """Finished positions ids [B, T] of ``rows`` (bool [B]; default all) go to the cache: with the rows'
+        next forward (``fuse_commit``) or at once (then ``counted`` charges those rows a commit forward).
+        Positions of the other rows must lie past their current block (nobody attends to them)."""
         self.flush()
-        self.pending = (ids, positions, counted)
+        self.pending = (ids, positions, counted, torch.ones_like(self.rows, dtype=torch.bool) if rows is None
+                        else rows)
         if not self.settings.fuse_commit:
             self.flush()
 
     def flush(self) -> None:
-        """Write a pending finished block in a forward of its own."""
+        """Write pending finished blocks in a forward of their own."""
         if self.pending is not None:
-            ids, positions, counted = self.pending
+            ids, positions, counted, rows = self.pending
             self.pending = None
-            self._write_finished(ids, positions, ids.shape[1])
+            self._write_finished(ids, positions, ids.shape[1], rows)
             if counted:
-                self.count("commit_forwards", torch.ones_like(self.rows))
+                self.count("commit_forwards", rows)
 
     # --------------------------------------------------------------------------------- decisions
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, counter: torch.Tensor):
@@ -236,8 +255,9 @@ class BlockDecoder:
         self.record(masked.any(-1), committed, mrp=mrp)
         return committed
 
-    def step_quota(self, masked_at_start: torch.Tensor, step: int) -> torch.Tensor:
-        """SDAR's schedule: n = m // S per step, the first m % S steps one more. masked_at_start: [B]."""
+    def step_quota(self, masked_at_start: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """SDAR's schedule: n = m // S per step, the first m % S steps one more. masked_at_start, step: [B]
+        (each row's masks when its block started, and the steps it has taken in it)."""
         S = self.settings.denoising_steps
         return masked_at_start // S + (step < masked_at_start % S).long()
 
@@ -258,49 +278,116 @@ class BlockDecoder:
         self.counter.add_(n)
 
     # ---------------------------------------------------------------------------------- the loop
-    def run(self, decode_block) -> torch.Tensor:
-        """Decode every row's blocks with ``decode_block(self, block [B', T], positions [B', T])`` (which fills
-        the block in place; rows are the working batch) and return the layout x [B, total]."""
+    def run(self, strategy: "Strategy") -> torch.Tensor:
+        """Decode every row's blocks with ``strategy`` and return the layout x [B, total]."""
         T = self.block
-        prefill = max(self.first_blocks)
-        if prefill:
-            positions = torch.arange(prefill * T, device=self.device).expand(self.x.shape[0], -1)
-            self.commit(self.x[:, : prefill * T], positions, counted=False)
-            if min(self.first_blocks) < prefill:
-                # Rows with fewer full prompt blocks keep only their own: the rest of their width is
-                # masked out and overwritten by their next commits.
-                self.flush()
-                self.cache.lengths.copy_(self.first_block * T)
-        offsets = torch.arange(T, device=self.device)
+        self._prefill()
+        positions = self.first_block[:, None] * T + torch.arange(T, device=self.device)
+        block = self.x.gather(1, positions)
+        # Host state per working row: masks left in its block, blocks left to decode (with this one).
+        self.masks_left = [T - n % T for n in self.prompts.lens]
+        self.blocks_left = list(self.blocks_to_decode)
+        self.row_state["masks_at_start"] = torch.tensor(self.masks_left, device=self.device)
+        self.row_state["steps_taken"] = torch.zeros_like(self.rows)
+        self.row_state["fresh"] = torch.ones_like(self.rows, dtype=torch.bool)
         eos = torch.tensor(self.settings.eos_ids, dtype=torch.long, device=self.device)
-        rounds = int(self.n_blocks.max())
-        for r in tqdm(range(rounds), desc="blocks", disable=not self.settings.progress):
-            rows = self.rows
-            positions = (self.first_block[rows] + r)[:, None] * T + offsets
-            block = self.x[rows[:, None], positions]
-            decode_block(self, block, positions)
-            self.x[rows[:, None], positions] = block
-            if self.stream is not None:  # one prompt: row 0 is the working batch
-                self.stream.block(block[0], (self.first_blocks[0] + r) * T)
-            if len(eos):
-                hit = torch.isin(block, eos) & (positions >= self.lens[rows, None])
-                self.finished[rows] |= hit.any(-1)
-            going = ~self.finished[rows] & (r + 1 < self.n_blocks[rows])
-            if not going.all():  # the one host synchronisation per block
-                if not going.any():
-                    break
-                kept = going.nonzero().squeeze(1)
-                self.retire(kept)
-                block, positions = block[kept], positions[kept]
-            self.commit(block, positions)
+        step_limit = sum(self.blocks_left) * T  # every step commits a token in every row with masks
+        with tqdm(total=sum(self.blocks_left), desc="blocks", disable=not self.settings.progress) as bar:
+            while self.masks_left:
+                most = strategy.most_per_step(self)
+                steps = max(self.masks_left) if strategy.synchronous else min(-(-m // most) for m in self.masks_left)
+                step_limit -= steps
+                if step_limit < 0:
+                    raise RuntimeError("decoding made no progress (a strategy committed nothing); please report")
+                strategy.decode(self, block, positions, steps)
+                self.all_fresh = False
+                block, positions = self._move_on(block, positions, eos, bar)
         if self.stream is not None:
             self.stream.end()
         return self.x
 
-    def retire(self, kept: torch.Tensor) -> None:
-        """Keep only the working rows ``kept`` (int64 [B'']); the others are finished."""
+    def _prefill(self) -> None:
+        """Commit every row's full prompt blocks (one forward, fused into the first step when the rows'
+        prompts span the same blocks)."""
+        T, prefill = self.block, max(self.first_blocks)
+        if not prefill:
+            return
+        positions = torch.arange(prefill * T, device=self.device).expand(self.x.shape[0], -1)
+        self.commit(self.x[:, : prefill * T], positions, counted=False)
+        if min(self.first_blocks) < prefill:
+            # Rows with fewer full prompt blocks keep only their own: the rest of their width is
+            # masked out and overwritten by their next commits.
+            self.flush()
+            self.cache.lengths.copy_(self.first_block * T)
+
+    def _move_on(self, block: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor, bar):
+        """Check the working rows (one host synchronisation): full blocks go to x (and the stream); rows with
+        an EOS or no blocks left leave; the other full rows commit theirs and move on to their next block.
+        Returns the working rows' block and positions [B'', T]."""
+        hit = torch.isin(block, eos) & (positions >= self.lens[self.rows, None])
+        self.masks_left, hit = torch.stack([self.masked(block).sum(-1), hit.any(-1).long()]).tolist()
+        full = [i for i, m in enumerate(self.masks_left) if m == 0]
+        if not full:
+            return block, positions
+        bar.update(len(full))
+        index = torch.tensor(full, device=self.device)
+        self.x[self.rows[index, None], positions[index]] = block[index]
+        if self.stream is not None:  # one prompt: row 0 is the working batch
+            self.stream.block(block[0])
+        for i in full:
+            self.blocks_left[i] -= 1
+        kept = [i for i, m in enumerate(self.masks_left) if m or not (hit[i] or self.blocks_left[i] == 0)]
+        if not kept:
+            self.masks_left = []
+            return block, positions
+        if len(kept) < len(self.masks_left):
+            self.retire(kept)
+            block, positions = block[kept], positions[kept]
+        self._next_blocks(block, positions)
+        return block, positions
+
+    def _next_blocks(self, block: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rows with a full block (no masks left) make it their pending commit and move on to their next
+        block, in place in ``block``/``positions`` [B', T], with fresh per-row state."""
+        T = self.block
+        switching = [m == 0 for m in self.masks_left]
+        rows = torch.tensor(switching, device=self.device)
+        # The other rows' part of the commit forward lies one block past their own: nobody attends to it.
+        self.commit(block.clone(), torch.where(rows[:, None], positions, positions + T), rows=rows)
+        index = rows.nonzero().squeeze(1)
+        positions[index] += T
+        block[index] = self.x[self.rows[index, None], positions[index]]
+        self.row_state["masks_at_start"][index] = T
+        self.row_state["steps_taken"][index] = 0
+        self.row_state["fresh"][index] = True
+        self.masks_left = [T if switch else m for switch, m in zip(switching, self.masks_left)]
+        self.all_fresh = all(switching)
+
+    def retire(self, kept: list[int]) -> None:
+        """Keep only the working rows ``kept`` (increasing indices into them); the others are finished."""
         self.flush()
-        self.engine.keep_rows(kept)
+        index = torch.tensor(kept, device=self.device)
+        self.engine.keep_rows(index)
+        self.row_state = {name: value[index] for name, value in self.row_state.items()}
+        self.masks_left = [self.masks_left[i] for i in kept]
+        self.blocks_left = [self.blocks_left[i] for i in kept]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a decoding strategy advances the working rows.
+
+    ``decode(dec, block [B', T], positions [B', T], steps)`` runs ``steps`` steps, committing into
+    ``block`` in place (per-row state in ``dec.row_state``: ``masks_at_start``, ``steps_taken``, ``fresh``
+    for rows at the start of a block, and what the strategy keeps there itself). ``most_per_step(dec)``
+    bounds the tokens one step commits per row, so with m masks left a row surely has work for the next
+    ceil(m / most) steps: the decoder runs that many for the row with the fewest, then checks. A
+    ``synchronous`` strategy starts its blocks in all rows at once: it runs until every row is full.
+    """
+
+    decode: Callable
+    most_per_step: Callable = lambda dec: dec.block  # noqa: E731
+    synchronous: bool = False
 
 
 GRAPHED_WIDTH_MULTIPLE = 256
@@ -327,17 +414,30 @@ def denoising_step(dec: BlockDecoder, threshold: float | None = None):
     return step
 
 
-def decode_block_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
-    """Static (n most confident per step) and dynamic (all above the threshold, else the top n) decoding.
+def scheduled_step(dec: BlockDecoder, threshold: float | None = None):
+    """The step ``(block [B, T], positions [B, T], masks_at_start [B], steps_taken [B]) -> h_A`` of static /
+    dynamic decoding: :func:`denoising_step` with each row's quota from SDAR's schedule (``steps_taken``
+    is incremented in place)."""
+    denoise = denoising_step(dec, threshold)
 
-    Static decoding knows its step count when the block starts (the most masks of any row, at most
-    ``denoising_steps``): one host synchronisation per block. Dynamic decoding checks after each step."""
+    def step(block: torch.Tensor, positions: torch.Tensor, masks_at_start: torch.Tensor,
+             steps_taken: torch.Tensor) -> torch.Tensor:
+        hidden = denoise(block, positions, dec.step_quota(masks_at_start, steps_taken))
+        steps_taken.add_(1)
+        return hidden
+
+    return step
+
+
+def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
+    """Static (n most confident per step) and dynamic (all above the threshold, else the top n) decoding."""
     s = dec.settings
-    threshold = s.threshold if s.strategy == "dynamic" else None
-    step = denoising_step(dec, threshold)
-    quota_base = dec.masked(block).sum(-1)
-    steps = s.denoising_steps if threshold is not None else min(s.denoising_steps, int(quota_base.max()))
-    for i in range(steps):
-        if threshold is not None and not dec.masked(block).any():
-            break
-        dec.step("denoise", step, block, positions, dec.step_quota(quota_base, i), mutated=(0,))
+    step = scheduled_step(dec, s.threshold if s.strategy == "dynamic" else None)
+    state = dec.row_state
+    for _ in range(steps):
+        dec.step("denoise", step, block, positions, state["masks_at_start"], state["steps_taken"], mutated=(0, 3))
+
+
+# Static: a step commits at most ceil(T / S) tokens per row (SDAR's schedule); dynamic: up to the whole block.
+STATIC = Strategy(decode_threshold, most_per_step=lambda dec: -(-dec.block // dec.settings.denoising_steps))
+DYNAMIC = Strategy(decode_threshold)

@@ -1,15 +1,15 @@
-"""``generate()``: validate, lay out the prompts, run the chosen strategy block by block, assemble."""
+"""``generate()``: validate, lay out the prompts, run the chosen strategy over every row's blocks, assemble."""
 
 from __future__ import annotations
 
 import torch
 
-from .decoding import BlockDecoder, SDARGenerateOutput, decode_block_threshold
+from .decoding import DYNAMIC, STATIC, BlockDecoder, SDARGenerateOutput
 from .generation_settings import GenerationSettings
-from .mrp_decoding import MRP_BLOCK_DECODERS
+from .mrp_decoding import MRP_DECODING
 from .prompts import PromptBatch
 
-BLOCK_DECODERS = {"static": decode_block_threshold, "dynamic": decode_block_threshold, **MRP_BLOCK_DECODERS}
+DECODING = {"static": STATIC, "dynamic": DYNAMIC, **MRP_DECODING}
 
 
 def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -24,7 +24,7 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(f"streamer streams one prompt at a time (as transformers' streamers do), got a batch of "
                          f"{len(prompts.lens)}; generate the rows one by one or drop streamer")
     decoder = BlockDecoder(model, prompts, settings)
-    x = decoder.run(BLOCK_DECODERS[settings.strategy])
+    x = decoder.run(DECODING[settings.strategy])
     sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
                                  decoder.mask_id)
     if settings.return_dict_in_generate:

@@ -16,11 +16,12 @@ import torch
 class StaticKVCache:
     """Keys/values ``[num_slots, batch, kv_heads, max_len, head_dim]`` plus per-row lengths ``[batch]``.
 
-    Row b has committed ``lengths[b]`` positions; rows may differ (each row sits in its own block).
-    Forwards read ``width`` positions: ``length`` (a host int, the largest committed length), or with
-    ``full_width`` the whole buffer. A full-width cache keeps no host length at all (what a captured CUDA
-    graph needs: no host value that changes between steps; its owner sizes it to cover the layout). A row's
-    slots past its own length are never attended (``mrp_triton.cached_attention``).
+    Row b has committed ``lengths[b]`` positions; rows may differ (each row sits in its own block and
+    commits it when it is done). Forwards read ``width`` positions: ``length`` (a host int, the largest
+    committed length, read back after every commit), or with ``full_width`` the whole buffer. A full-width
+    cache keeps no host length at all (what a captured CUDA graph needs: no host value that changes between
+    steps; its owner sizes it to cover the layout). A row's slots past its own length are never attended
+    (``mrp_triton.cached_attention``).
     ``keys``, ``values`` and ``lengths`` are views of the first ``batch`` rows of buffers that never move:
     finished rows are dropped by moving the kept ones to the front (:meth:`keep_rows`), and :meth:`reset`
     empties the cache for another ``generate`` call, so graphs captured over it stay valid.
@@ -64,11 +65,13 @@ class StaticKVCache:
         self.keys[slot].scatter_(2, index, keys)
         self.values[slot].scatter_(2, index, values)
 
-    def advance(self, n: int) -> None:
-        """Mark ``n`` more positions of every row as committed."""
+    def advance(self, n: int, rows: torch.Tensor | None = None) -> None:
+        """Mark ``n`` more positions as committed: of every row, or of the rows where ``rows`` (bool [batch])
+        is set (the others' freshly written slots stay past their length: never attended, overwritten by
+        their own commit)."""
+        self.lengths.add_(n if rows is None else n * rows.long())
         if not self.full_width:
-            self.length += n
-        self.lengths.add_(n)
+            self.length = int(self.lengths.max())
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Shrink the batch to ``rows`` (int64 [B'], increasing): the other rows are finished and stop
@@ -78,6 +81,8 @@ class StaticKVCache:
         self._values[:, :n] = self.values[:, rows]
         self._lengths[:n] = self.lengths[rows]
         self._use_rows(n)
+        if not self.full_width:
+            self.length = int(self.lengths.max())
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 
 import mrp_triton
 
-from .decoding import BlockDecoder, denoising_step
+from .decoding import BlockDecoder, Strategy, denoising_step
 
 
 class MRPChain:
@@ -30,14 +30,15 @@ class MRPChain:
             carry = torch.zeros_like(h_a) if self.summed else h_a
         self.carry = carry
 
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, committing_rows_discard: bool = False) -> torch.Tensor:
         """ids: [B, T] (state after the newest commit) -> the hidden state whose lm_head gives the
-        corrected logits, [B, T, H]."""
+        corrected logits, [B, T, H] (``committing_rows_discard``: see :meth:`BlockDecoder.mrp`)."""
         if self.summed:
-            h_p = self.dec.mrp(ids, self.h_a + self.scale * self.carry, self.positions)
+            h_p = self.dec.mrp(ids, self.h_a + self.scale * self.carry, self.positions,
+                               committing_rows_discard=committing_rows_discard)
             self.carry = self.carry + h_p
             return self.h_a + self.scale * self.carry
-        self.carry = self.dec.mrp(ids, self.carry, self.positions)
+        self.carry = self.dec.mrp(ids, self.carry, self.positions, committing_rows_discard=committing_rows_discard)
         return self.carry
 
 
@@ -67,14 +68,14 @@ def direct_mrp_step(dec: BlockDecoder):
     return step
 
 
-def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
+def decode_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
     """One backbone forward commits its pick, then K MRP steps commit one token each (not lossless).
 
-    Every step commits exactly one token per row that has a mask, so the block's step count is known when
-    it starts (the most masks of any row): one host synchronisation per block, as static decoding."""
+    Every step commits exactly one token per row that has a mask, and the rows start their blocks together
+    (an MRP step needs the backbone forward of its row's block): ``steps`` (the most masks of any row)
+    fill every block, one host synchronisation per block, as static decoding."""
     K = dec.settings.mrp_steps
     backbone_step, mrp_step = denoising_step(dec), direct_mrp_step(dec)
-    steps = int(dec.masked(block).sum(-1).max())
     for i in range(steps):
         if i % (K + 1) == 0:
             h_a = dec.step("denoise", backbone_step, block, positions, _one_each(dec.masked(block)), mutated=(0,))
@@ -83,8 +84,10 @@ def decode_block_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch
             carry = dec.step("direct_mrp", mrp_step, block, positions, h_a, carry, mutated=(0,))
 
 
-def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor):
-    """K one-token drafts from the current state C(0) = block.
+def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor,
+           fresh: torch.Tensor):
+    """K one-token drafts from the current state C(0) = block; rows at the start of a block (``fresh``,
+    bool [B]: no seed forward yet) draft nothing.
 
     Returns draft_pos, draft_tok [B, K] (-1 = no draft) and the candidate states [B, K+1, T]."""
     K = dec.settings.mrp_steps
@@ -92,11 +95,11 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
     states, draft_pos, draft_tok = [state.clone()], [], []
     chain = MRPChain(dec, seed_h, positions)
     for k in range(K):
-        masked = dec.masked(state)
+        masked = dec.masked(state) & ~fresh[:, None]
         if k == 0 and dec.settings.draft_schedule == "authors":
             hidden = seed_h  # the backbone's own (stale) pick from the seed forward
         else:
-            hidden = chain.step(state)
+            hidden = chain.step(state, committing_rows_discard=True)  # committing rows are fresh
             dec.count("mrp_forwards", masked.any(-1))
         tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k)
         committed = mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
@@ -108,15 +111,18 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
 
 
 def speculation_round(dec: BlockDecoder):
-    """The verify round ``(block [B, T], positions [B, T], seed_h [B, T, H]) -> the next seed_h``: K drafts
-    from the block, one backbone forward over the K+1 candidate states, and per row the longest draft
-    prefix the backbone agrees with plus its bonus token committed into ``block`` in place."""
+    """The verify round ``(block [B, T], positions [B, T], seed_h [B, T, H], fresh [B]) -> the next seed_h``:
+    K drafts from the block, one backbone forward over the K+1 candidate states, and per row the longest
+    draft prefix the backbone agrees with plus its bonus token committed into ``block`` in place. A row at
+    the start of its block (``fresh``, cleared in place) drafts nothing: its round is the opening forward,
+    which commits the backbone's own pick and seeds the next round."""
     K = dec.settings.mrp_steps
 
-    def round_(block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor) -> torch.Tensor:
+    def round_(block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor,
+               fresh: torch.Tensor) -> torch.Tensor:
         B, T = block.shape
         live = dec.masked(block).any(-1)
-        draft_pos, draft_tok, states = _draft(dec, block, positions, seed_h)
+        draft_pos, draft_tok, states = _draft(dec, block, positions, seed_h, fresh)
         copies = torch.arange(K + 1, device=block.device)
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copies.repeat_interleave(T))
@@ -127,29 +133,32 @@ def speculation_round(dec: BlockDecoder):
                                                    conf.view(B, K + 1, T), mask_token_id=dec.mask_id)
         accepted = accepted.long()
         dec.record(live, (accepted + (bonus >= 0).long()) * live)
-        dec.stats.accepted_lengths[dec.rows, accepted] += live.long()
+        dec.stats.accepted_lengths[dec.rows, accepted] += (live & ~fresh).long()
+        fresh.zero_()
         return h_all.view(B, K + 1, T, -1)[torch.arange(B, device=block.device), accepted]
 
     return round_
 
 
-def decode_block_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
+def decode_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
     """Lossless speculative decoding: an opening forward commits the backbone's exact pick (a verify round
-    with no drafts), then verify rounds until the block is full (each graphed as one step).
+    with no drafts), then verify rounds until the block is full (each graphed as one step). When every row
+    opens a block the opening is a plain forward; a row that opens its block while others are mid-block
+    opens it inside their verify round. Each row's seed (``row_state["seed_h"]``) carries over the checks.
 
-    A round commits at most K+1 tokens per row, so with m masks left in the slowest row the next
-    ceil(m / (K+1)) rounds all have work: they run back to back and the host checks the block only
-    after them (on the shipped model one check per 1.6 rounds at K = 3, per 2.9 at K = 1), and never runs
-    a round in which no row has work."""
-    K = dec.settings.mrp_steps
-    seed_h = dec.step("denoise", denoising_step(dec), block, positions, _one_each(dec.masked(block)), mutated=(0,))
+    A round commits at most K+1 tokens per row, so with m masks left the next ceil(m / (K+1)) rounds
+    surely have work: the decoder runs them back to back and checks the host after them (at batch 1 on the
+    shipped model one check per 1.6 rounds at K = 3, per 2.9 at K = 1), never a round without work."""
+    state = dec.row_state
+    if dec.all_fresh:
+        state["seed_h"] = dec.step("denoise", denoising_step(dec), block, positions, _one_each(dec.masked(block)),
+                                   mutated=(0,))
+        state["fresh"].zero_()
+        steps -= 1
     round_ = speculation_round(dec)
-    budget = block.shape[1]  # rounds: each commits at least the bonus token of every row with masks
-    while budget and (left := int(dec.masked(block).sum(-1).max())):
-        rounds = min(budget, -(-left // (K + 1)))
-        for _ in range(rounds):
-            seed_h = dec.step("speculate", round_, block, positions, seed_h, mutated=(0,))
-        budget -= rounds
+    for _ in range(steps):
+        state["seed_h"] = dec.step("speculate", round_, block, positions, state["seed_h"], state["fresh"],
+                                   mutated=(0, 3))
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
@@ -167,19 +176,22 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
 
 
 def remask_step(dec: BlockDecoder):
-    """The step ``(block [B, T], positions [B, T], quota [B]) -> None``: reveal as dynamic decoding does (at
-    least one per row), then one MRP pass vetoes reveals by the remask rule, all in ``block`` in place."""
+    """The step ``(block [B, T], positions [B, T], masks_at_start [B], steps_taken [B]) -> None``: reveal as
+    dynamic decoding does (at least one per row; ``steps_taken`` is incremented in place), then one MRP
+    pass vetoes reveals by the remask rule, all in ``block`` in place."""
     s = dec.settings
     rule, head = s.remask_rule, dec.model.lm_head
     limit = s.threshold if rule == "tau" else s.residual_delta
 
-    def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> None:
+    def step(block: torch.Tensor, positions: torch.Tensor, masks_at_start: torch.Tensor,
+             steps_taken: torch.Tensor) -> None:
         masked = dec.masked(block)
         live = masked.any(-1)
         h_a = dec.backbone(block, positions)
         tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
         before = block.clone()
-        quota = torch.maximum(quota, _one_each(masked)) * live
+        quota = torch.maximum(dec.step_quota(masks_at_start, steps_taken), _one_each(masked)) * live
+        steps_taken.add_(1)
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=s.threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
@@ -192,20 +204,17 @@ def remask_step(dec: BlockDecoder):
     return step
 
 
-def decode_block_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor) -> None:
+def decode_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
     """Dynamic reveal (confidence > tau, at least one), then one MRP pass vetoes reveals: rule "tau"
     (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
     ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
-    step = remask_step(dec)
-    quota_base = dec.masked(block).sum(-1)
-    for i in range(block.shape[1]):
-        if not dec.masked(block).any():
-            return
-        dec.step("remask", step, block, positions, dec.step_quota(quota_base, i), mutated=(0,))
+    step, state = remask_step(dec), dec.row_state
+    for _ in range(steps):
+        dec.step("remask", step, block, positions, state["masks_at_start"], state["steps_taken"], mutated=(0, 3))
 
 
-MRP_BLOCK_DECODERS = {
-    "direct": decode_block_direct,
-    "speculative": decode_block_speculative,
-    "remask": decode_block_remask,
+MRP_DECODING = {
+    "direct": Strategy(decode_direct, synchronous=True),
+    "speculative": Strategy(decode_speculative, most_per_step=lambda dec: dec.settings.mrp_steps + 1),
+    "remask": Strategy(decode_remask),  # a step may fill the block
 }

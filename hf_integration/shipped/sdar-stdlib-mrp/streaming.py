@@ -7,16 +7,21 @@ import torch
 
 class BlockStream:
     """Sends ``prompt`` [P] first, then each finished block's new tokens: positions P .. P + max_new - 1,
-    cut after the first EOS (kept, as ``generate`` keeps it), then ``end()`` once."""
+    cut after the first EOS (kept, as ``generate`` keeps it), then ``end()`` once. Blocks of
+    ``block_length`` come in order, the first one holding position P."""
 
-    def __init__(self, streamer, prompt: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...]):
+    def __init__(self, streamer, prompt: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...],
+                 block_length: int):
         self.streamer, self.eos_ids = streamer, set(eos_ids)
         self.start, self.stop = prompt.shape[0], prompt.shape[0] + max_new_tokens
+        self.next_position = self.start // block_length * block_length
         self.done = False
         streamer.put(prompt.cpu())
 
-    def block(self, tokens: torch.Tensor, first_position: int) -> None:
-        """tokens: [T], the finished block at positions ``first_position`` .. + T - 1."""
+    def block(self, tokens: torch.Tensor) -> None:
+        """tokens: [T], the next finished block."""
+        first_position = self.next_position
+        self.next_position += tokens.shape[0]
         if self.done:
             return
         lo = max(self.start - first_position, 0)
