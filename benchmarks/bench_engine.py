@@ -14,7 +14,9 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     Whole decoding steps as ``generate`` runs them (``BlockDecoder.step``, one graph each with graphs on):
     ``static step`` = the plain forward + LM-head pick + commit + stats; ``speculative round K=3`` = three
     MRP draft steps with their LM-head picks, the verify forward over 4 copies, its picks, verification and
-    acceptance. ``ratio`` = over the static step.
+    acceptance. ``ratio`` = over the static step. ``+ commit``: the same step carrying another block's commit
+    (the finished block in front of the step's forward, as when rows of a batch move on to their next
+    block at different steps, ``per_row_blocks``); ``ratio`` = over the step alone.
 ``decode``
     Wall clock of ``model.generate(strategy="static")``: random 512-token prompts, 256 new tokens one
     token a step, batch 1, 8 and 32, with ``cuda_graphs=False`` (the eager reference loop) and ``True``.
@@ -30,7 +32,8 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     ``bench_e2e.py`` measured on the shipped model (``--e2e``, mode "speculative K=3 mrp"):
     ``tokens * t_static_step / (verify_rounds * t_round + openings * t_static_step)`` (a block's opening
     forward is a static step; openings = backbone_forwards - verify_rounds). The counts are per row, so
-    the estimate is exact at batch 1; at batch > 1 every row of a block waits for its slowest row. An
+    the estimate is exact at batch 1; at batch > 1 a batch takes about as many steps as its slowest row
+    (``batch_steps`` in bench_e2e), some of them carrying other rows' commits (``+ commit`` rows). An
     estimate, labelled so; the end-to-end figure on the shipped model comes from ``bench_e2e.py --device
     cuda``. Target: >= 1.6x.
 
@@ -206,6 +209,18 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     q = bench(lambda: dec.step("speculate", spec_round, block, pos, h_a, opening, mutated=(0,)))
     spec_round_us = record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", provider, q,
                            ratio=q[0] / static, ratio_to="static step")
+    # A finished block riding in front (committed for no row, so the cache stays as it is: the same work).
+    riding = (ids.clone(), pos + T, False, torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device))
+
+    def carrying(name, fn, *inputs):
+        dec.pending = riding
+        return dec.step(name, fn, *inputs, mutated=(0,))
+
+    for name, fn, inputs, alone in (("static step", static_step, (block, pos, quota), static),
+                                    (f"speculative round K={dec.settings.mrp_steps}", spec_round,
+                                     (block, pos, h_a, opening), spec_round_us)):
+        q = bench(lambda: carrying("denoise" if fn is static_step else "speculate", fn, *inputs))
+        record("whole_step", f"{tag} {name} + commit", provider, q, ratio=q[0] / alone, ratio_to=name)
     return {"plain": plain, "verify": verify, "mrp": mrp, "static_step": static, "round": spec_round_us}
 
 

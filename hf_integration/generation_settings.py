@@ -17,19 +17,23 @@ MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
 # Settings that never change what a decoding step computes (so not part of a captured step's key).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "eos_token_id", "pad_token_id", "return_dict_in_generate", "progress",
-                     "streamer", "cuda_graphs", "eos_ids")
+                     "streamer", "cuda_graphs", "eos_ids", "per_row_blocks")
 
 
 @dataclass
 class GenerationSettings:
     """Everything that steers decoding. ``block_length``/``denoising_steps`` default to the model's
     block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
-    finished block's cache entries in the next block's first forward (same output, one forward fewer per
-    block); ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a time) is an object with
-    ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the prompt ids, then each
-    finished block's new tokens (up to the first EOS), then ``end()``. ``cuda_graphs`` (default: on for a CUDA model) replays
-    each kind of decoding step from a captured CUDA graph; ``True`` on a CPU model replays the recorded
-    step functions on the same fixed buffers (a graph's data flow, without the graph)."""
+    finished block's cache entries in the row's next forward (same output, one forward fewer per block);
+    ``per_row_blocks`` (dynamic, remask, speculative) lets each row of a batch move on to its next block as
+    soon as its own is full, so a batch takes as many steps as its slowest row alone, at the price of the
+    finished block riding in the next forward of every row (``False``: rows start their blocks together;
+    the output is the same either way); ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a
+    time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
+    prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
+    ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
+    graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's
+    data flow, without the graph)."""
 
     max_new_tokens: int = 64
     block_length: int | None = None
@@ -52,6 +56,7 @@ class GenerationSettings:
     mrp_scale: float = 1.0
     progress: bool = False
     fuse_commit: bool = True
+    per_row_blocks: bool = True
     cuda_graphs: bool | None = None
     streamer: object | None = None
     eos_ids: tuple[int, ...] = field(default=(), init=False)

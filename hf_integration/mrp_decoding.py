@@ -214,7 +214,7 @@ def decode_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
 
 
 MRP_DECODING = {
-    "direct": Strategy(decode_direct, synchronous=True),
+    "direct": Strategy(decode_direct, most_per_step=lambda dec: 1, synchronous=True),
     "speculative": Strategy(decode_speculative, most_per_step=lambda dec: dec.settings.mrp_steps + 1),
     "remask": Strategy(decode_remask),  # a step may fill the block
 }

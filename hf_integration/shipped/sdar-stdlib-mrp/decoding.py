@@ -35,10 +35,14 @@ from .streaming import BlockStream
 
 @dataclass
 class SDARGenerateOutput(ModelOutput):
-    """sequences: [B, P + max_new_tokens]; stats: :class:`DecodeStats`."""
+    """sequences: [B, P + max_new_tokens]; stats: :class:`DecodeStats` (per row); batch_steps: the decoding
+    steps the batch ran, each one forward over the rows still decoding (denoising, verify round or direct
+    MRP step; the prefill and commit-only forwards not counted): what the call costs when a forward costs
+    about the same for any number of rows, as on a GPU at small batch."""
 
     sequences: torch.Tensor | None = None
     stats: DecodeStats | None = None
+    batch_steps: int | None = None
 
 
 class BlockDecoder:
@@ -77,6 +81,7 @@ class BlockDecoder:
         self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
         self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
         self.all_fresh = True  # every working row is at the start of a block (host)
+        self.batch_steps = 0
         self.stream = None if settings.streamer is None else BlockStream(
             settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids, T)
 
@@ -122,6 +127,7 @@ class BlockDecoder:
         commit (``fuse_commit``): the finished ids, positions and committing rows become inputs of its
         graph, so the commit rides along in the same launch. Only the prefill (longer than a block, once per
         call) runs as it is, each of its forwards graphed on its own."""
+        self.batch_steps += 1
         if self.pending is None:
             return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
         done_ids, done_pos, counted, done_rows = self.pending
@@ -292,16 +298,17 @@ class BlockDecoder:
         self.row_state["fresh"] = torch.ones_like(self.rows, dtype=torch.bool)
         eos = torch.tensor(self.settings.eos_ids, dtype=torch.long, device=self.device)
         step_limit = sum(self.blocks_left) * T  # every step commits a token in every row with masks
+        together = strategy.synchronous or not self.settings.per_row_blocks
+        most = strategy.most_per_step(self)
         with tqdm(total=sum(self.blocks_left), desc="blocks", disable=not self.settings.progress) as bar:
             while self.masks_left:
-                most = strategy.most_per_step(self)
-                steps = max(self.masks_left) if strategy.synchronous else min(-(-m // most) for m in self.masks_left)
-                step_limit -= steps
-                if step_limit < 0:
-                    raise RuntimeError("decoding made no progress (a strategy committed nothing); please report")
+                # Steps that surely have work: for the row with the fewest left (for all rows, together).
+                steps = (max if together else min)(-(-m // most) for m in self.masks_left if m)
                 strategy.decode(self, block, positions, steps)
+                if self.batch_steps > step_limit:
+                    raise RuntimeError("decoding made no progress (a strategy committed nothing); please report")
                 self.all_fresh = False
-                block, positions = self._move_on(block, positions, eos, bar)
+                block, positions = self._move_on(block, positions, eos, bar, together)
         if self.stream is not None:
             self.stream.end()
         return self.x
@@ -320,14 +327,15 @@ class BlockDecoder:
             self.flush()
             self.cache.lengths.copy_(self.first_block * T)
 
-    def _move_on(self, block: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor, bar):
+    def _move_on(self, block: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor, bar, together: bool):
         """Check the working rows (one host synchronisation): full blocks go to x (and the stream); rows with
-        an EOS or no blocks left leave; the other full rows commit theirs and move on to their next block.
-        Returns the working rows' block and positions [B'', T]."""
+        an EOS or no blocks left leave; the other full rows commit theirs and move on to their next block
+        (``together``: only once every row's block is full). Returns the working rows' block and positions
+        [B'', T]."""
         hit = torch.isin(block, eos) & (positions >= self.lens[self.rows, None])
         self.masks_left, hit = torch.stack([self.masked(block).sum(-1), hit.any(-1).long()]).tolist()
         full = [i for i, m in enumerate(self.masks_left) if m == 0]
-        if not full:
+        if not full or (together and len(full) < len(self.masks_left)):
             return block, positions
         bar.update(len(full))
         index = torch.tensor(full, device=self.device)
@@ -382,7 +390,9 @@ class Strategy:
     for rows at the start of a block, and what the strategy keeps there itself). ``most_per_step(dec)``
     bounds the tokens one step commits per row, so with m masks left a row surely has work for the next
     ceil(m / most) steps: the decoder runs that many for the row with the fewest, then checks. A
-    ``synchronous`` strategy starts its blocks in all rows at once: it runs until every row is full.
+    ``synchronous`` strategy starts its blocks in all rows at once (and so does any strategy with
+    ``per_row_blocks=False``): the decoder runs as many steps as the row with the most surely needs, and
+    rows move on when every block is full.
     """
 
     decode: Callable
@@ -438,6 +448,8 @@ def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Te
         dec.step("denoise", step, block, positions, state["masks_at_start"], state["steps_taken"], mutated=(0, 3))
 
 
-# Static: a step commits at most ceil(T / S) tokens per row (SDAR's schedule); dynamic: up to the whole block.
-STATIC = Strategy(decode_threshold, most_per_step=lambda dec: -(-dec.block // dec.settings.denoising_steps))
+# Static: a step commits at most ceil(T / S) tokens per row (SDAR's schedule), and every full block takes
+# the same steps: moving on per row would save nothing. Dynamic: a step may fill the block.
+STATIC = Strategy(decode_threshold, most_per_step=lambda dec: -(-dec.block // dec.settings.denoising_steps),
+                  synchronous=True)
 DYNAMIC = Strategy(decode_threshold)
