@@ -4,10 +4,9 @@ Prompts are function signatures plus their first body line, taken from the held-
 recorded with the model (``stdlib_manifest.json``). For each mode the script reports tokens per backbone
 forward (TPF), backbone and MRP forwards, batch steps (forwards over the whole batch: rows move on block by
 block on their own, so a batch takes about as many as its slowest row), tokens/s, speedup over static, whether
-each completion is
-identical to the static one, and quality: token agreement with the static output, the share of
-completions that parse with ``ast.parse`` once the function is closed, and (stricter) the share whose
-whole completion parses with only its last, cut line dropped. On CUDA each mode first runs one untimed call
+each completion is identical to the static one, and quality: token agreement with the static output, the
+share of completions that parse with ``ast.parse`` once the function is closed, and (stricter) the share
+whose whole completion parses with only its last, cut line dropped. On CUDA each mode first runs one untimed call
 (kernel compilation, CUDA-graph capture); the timed calls replay the captured steps.
 
     python benchmarks/bench_e2e.py                       # the shipped model, results to benchmarks/results/

@@ -15,7 +15,7 @@ Block 16, batch 1 and 8. Rows (the ``kernel`` column):
 ``backbone_verify``
     (b) the verify forward of lossless speculative decoding: K+1 in {2, 3, 4, 5} candidate copies of
     the block in one forward, one attention segment per copy, laid out exactly as
-    ``decode_block_speculative`` does (``states.reshape(B, (K+1)*T)``, ``positions.repeat``).
+    ``speculation_round`` does (``states.reshape(B, (K+1)*T)``, ``positions.repeat``).
 ``mrp_head``
     (c) one D=3 MRP head forward over the block (reading its own prefix cache), eager and
     ``torch.compile`` (the compiled function is ``BlockDecoder.mrp`` itself; by default with the ops on
@@ -165,7 +165,7 @@ def query(dec, q: int, seed: int):
 
 
 def verify_inputs(block_ids, positions, copies: int):
-    """The verify forward's inputs as ``decode_block_speculative`` builds them from K+1 = ``copies``
+    """The verify forward's inputs as ``speculation_round`` builds them from K+1 = ``copies``
     candidate states [B, K+1, T]: copy 0 is the block, copy k has k more positions revealed (k drafts).
     Returns ids [B, (K+1)*T], positions [B, (K+1)*T] and segments [(K+1)*T]."""
     import torch

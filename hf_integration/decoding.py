@@ -351,7 +351,8 @@ class BlockDecoder:
         if len(kept) < len(self.masks_left):
             self.retire(kept)
             block, positions = block[kept], positions[kept]
-        self._next_blocks(block, positions)
+        if 0 in self.masks_left:
+            self._next_blocks(block, positions)
         return block, positions
 
     def _next_blocks(self, block: torch.Tensor, positions: torch.Tensor) -> None:
@@ -362,7 +363,8 @@ class BlockDecoder:
         rows = torch.tensor(switching, device=self.device)
         # The other rows' part of the commit forward lies one block past their own: nobody attends to it.
         self.commit(block.clone(), torch.where(rows[:, None], positions, positions + T), rows=rows)
-        index = rows.nonzero().squeeze(1)
+        index = torch.tensor([i for i, switch in enumerate(switching) if switch], dtype=torch.long,
+                             device=self.device)
         positions[index] += T
         block[index] = self.x[self.rows[index, None], positions[index]]
         self.row_state["masks_at_start"][index] = T

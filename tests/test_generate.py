@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 import mrp_triton
@@ -90,6 +92,29 @@ def test_batched_equals_one_by_one(model, kwargs, padding):
         assert torch.equal(real, alone.sequences[0]), (b, kwargs)
         assert torch.equal(real[: len(r)], r)  # the prompt is never changed
         assert not (real == MASK_ID).any()
+        for name in ("backbone_forwards", "mrp_forwards", "tokens_committed", "tokens_remasked"):
+            assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.integers(1, 13), min_size=2, max_size=4), kwargs=st.sampled_from(STRATEGIES),
+       max_new=st.integers(1, 13), eos=st.integers(0, MASK_ID - 4), per_row=st.booleans(), graphs=st.booleans(),
+       seed=st.integers(0, 10**4))
+def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, per_row, graphs, seed):
+    """Drawn prompt lengths, strategy, new tokens and EOS token (rows stop at different blocks), rows moving on
+    per row or together, steps replayed or not: each row of the (left-padded) batch gives exactly the tokens
+    and per-row counts it gives alone."""
+    rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
+    P = max(lens)
+    ids = torch.zeros((len(rows), P), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
+    common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, **kwargs)
+    out = model.generate(ids, attention_mask=mask, per_row_blocks=per_row, cuda_graphs=graphs, **common)
+    for b, r in enumerate(rows):
+        alone = model.generate(r[None], **common)
+        assert torch.equal(out.sequences[b, P - len(r):], alone.sequences[0]), b
         for name in ("backbone_forwards", "mrp_forwards", "tokens_committed", "tokens_remasked"):
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
 

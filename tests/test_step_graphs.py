@@ -76,6 +76,8 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     assert kinds[kwargs["strategy"]] in traced, traced
     first_step = "remask" if kwargs["strategy"] == "remask" else "denoise"
     assert f"{first_step}+commit" in traced, traced  # a block's first step carries the previous block's commit
+    if kwargs == dict(strategy="speculative", mrp_steps=3):  # here the rows fill their blocks at different
+        assert "speculate+commit" in traced, traced  # rounds: a verify round carries the finished blocks
     assert torch.equal(graphed.sequences, plain.sequences)
     for name, value in vars(plain.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
