@@ -360,9 +360,9 @@ class BlockDecoder:
         block, in place in ``block``/``positions`` [B', T], with fresh per-row state."""
         T = self.block
         switching = [m == 0 for m in self.masks_left]
-        rows = torch.tensor(switching, device=self.device)
+        committing = torch.tensor(switching, device=self.device)
         # The other rows' part of the commit forward lies one block past their own: nobody attends to it.
-        self.commit(block.clone(), torch.where(rows[:, None], positions, positions + T), rows=rows)
+        self.commit(block.clone(), torch.where(committing[:, None], positions, positions + T), rows=committing)
         index = torch.tensor([i for i, switch in enumerate(switching) if switch], dtype=torch.long,
                              device=self.device)
         positions[index] += T
