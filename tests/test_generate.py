@@ -96,14 +96,18 @@ def test_batched_equals_one_by_one(model, kwargs, padding):
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
 
 
-@settings(max_examples=20, deadline=None)
-@given(lens=st.lists(st.integers(1, 13), min_size=2, max_size=4), kwargs=st.sampled_from(STRATEGIES),
-       max_new=st.integers(1, 13), eos=st.integers(0, MASK_ID - 4), per_row=st.booleans(), graphs=st.booleans(),
-       seed=st.integers(0, 10**4))
-def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, per_row, graphs, seed):
-    """Drawn prompt lengths, strategy, new tokens and EOS token (rows stop at different blocks), rows moving on
-    per row or together, steps replayed or not: each row of the (left-padded) batch gives exactly the tokens
-    and per-row counts it gives alone."""
+SAMPLING = [dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20, seed=3),
+            dict(strategy="dynamic", threshold=0.3, do_sample=True, top_p=0.9, seed=4)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 13), min_size=2, max_size=4), kwargs=st.sampled_from(STRATEGIES + SAMPLING),
+       max_new=st.integers(1, 13), eos=st.integers(0, MASK_ID - 4), graphs=st.booleans(), seed=st.integers(0, 10**4))
+def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, graphs, seed):
+    """Drawn prompt lengths, strategy, new tokens and EOS token (rows stop at different blocks): rows moving on
+    per row (steps replayed or not) and rows starting blocks together (the other way) give the same tokens and
+    per-row counts, and with greedy decoding each row of the (left-padded) batch gives exactly what it gives
+    alone. (Sampling noise is keyed by the row's index in the batch, so a sampled row alone is another draw.)"""
     rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
     P = max(lens)
     ids = torch.zeros((len(rows), P), dtype=torch.long)
@@ -111,7 +115,13 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     for b, r in enumerate(rows):
         ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, **kwargs)
-    out = model.generate(ids, attention_mask=mask, per_row_blocks=per_row, cuda_graphs=graphs, **common)
+    out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, **common)
+    together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=False, **common)
+    assert torch.equal(out.sequences, together.sequences)
+    for name, value in vars(out.stats).items():
+        assert torch.equal(getattr(together.stats, name), value), name
+    if kwargs.get("do_sample"):
+        return
     for b, r in enumerate(rows):
         alone = model.generate(r[None], **common)
         assert torch.equal(out.sequences[b, P - len(r):], alone.sequences[0]), b
