@@ -261,11 +261,14 @@ class BlockDecoder:
         self.record(masked.any(-1), committed, mrp=mrp)
         return committed
 
-    def step_quota(self, masked_at_start: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """SDAR's schedule: n = m // S per step, the first m % S steps one more. masked_at_start, step: [B]
-        (each row's masks when its block started, and the steps it has taken in it)."""
+    def scheduled_quota(self, masked_at_start: torch.Tensor, steps_taken: torch.Tensor) -> torch.Tensor:
+        """This step's quota by SDAR's schedule (n = m // S per step, the first m % S steps one more), and the
+        step counted: ``steps_taken`` is incremented in place. masked_at_start, steps_taken: [B] (each row's
+        masks when its block started, and the steps it has taken in it)."""
         S = self.settings.denoising_steps
-        return masked_at_start // S + (step < masked_at_start % S).long()
+        quota = masked_at_start // S + (steps_taken < masked_at_start % S).long()
+        steps_taken.add_(1)
+        return quota
 
     def masked(self, block: torch.Tensor) -> torch.Tensor:
         """bool [B, T]: the masked positions of ``block`` (every row of the working batch is decoding)."""
@@ -434,9 +437,7 @@ def scheduled_step(dec: BlockDecoder, threshold: float | None = None):
 
     def step(block: torch.Tensor, positions: torch.Tensor, masks_at_start: torch.Tensor,
              steps_taken: torch.Tensor) -> torch.Tensor:
-        hidden = denoise(block, positions, dec.step_quota(masks_at_start, steps_taken))
-        steps_taken.add_(1)
-        return hidden
+        return denoise(block, positions, dec.scheduled_quota(masks_at_start, steps_taken))
 
     return step
 

@@ -190,8 +190,7 @@ def remask_step(dec: BlockDecoder):
         h_a = dec.backbone(block, positions)
         tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
         before = block.clone()
-        quota = torch.maximum(dec.step_quota(masks_at_start, steps_taken), _one_each(masked)) * live
-        steps_taken.add_(1)
+        quota = torch.maximum(dec.scheduled_quota(masks_at_start, steps_taken), _one_each(masked)) * live
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=s.threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
