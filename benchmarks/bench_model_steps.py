@@ -140,7 +140,7 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_gra
     ids = torch.randint(0, top, (batch, prefix), generator=g).to(device)
     settings = GenerationSettings.resolve(model, None, dict(max_new_tokens=block, block_length=block,
                                                             strategy="speculative", fuse_commit=False,
-                                                            cuda_graphs=cuda_graphs))
+                                                            cuda_graphs=cuda_graphs), prompt_width=prefix)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
     positions = torch.arange(prefix, device=device).expand(batch, -1)
     dec.commit(dec.x[:, :prefix], positions, None)

@@ -15,14 +15,18 @@ DRAFT_SCHEDULES = ("mrp", "authors")
 REMASK_RULES = ("tau", "delta")
 MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
+DEFAULT_MAX_NEW_TOKENS = 64
 # Settings that never change what a decoding step computes (so not part of a captured step's key).
-OUTSIDE_THE_STEPS = ("max_new_tokens", "eos_token_id", "pad_token_id", "return_dict_in_generate", "progress",
-                     "streamer", "cuda_graphs", "eos_ids", "per_row_blocks")
+OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
+                     "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks")
 
 
 @dataclass
 class GenerationSettings:
-    """Everything that steers decoding. ``block_length``/``denoising_steps`` default to the model's
+    """Everything that steers decoding. ``max_new_tokens`` defaults to ``max_length`` minus the width of
+    ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64;
+    ``num_return_sequences`` (sampling only) decodes each prompt that many times, the copies next to each
+    other in the output and each drawing its own noise. ``block_length``/``denoising_steps`` default to the model's
     block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
     finished block's cache entries in the row's next forward (same output, one forward fewer per block);
     ``per_row_blocks`` (dynamic, remask, speculative) lets each row of a batch move on to its next block as
@@ -35,7 +39,9 @@ class GenerationSettings:
     graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's
     data flow, without the graph)."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = None
+    max_length: int | None = None
+    num_return_sequences: int = 1
     block_length: int | None = None
     denoising_steps: int | None = None
     strategy: str = "static"
@@ -71,7 +77,8 @@ class GenerationSettings:
                      if f.name not in OUTSIDE_THE_STEPS)
 
     @classmethod
-    def resolve(cls, model, generation_config, kwargs: dict) -> "GenerationSettings":
+    def resolve(cls, model, generation_config, kwargs: dict, prompt_width: int) -> "GenerationSettings":
+        """Settings of a call whose ``input_ids`` are ``prompt_width`` tokens wide (for ``max_length``)."""
         names = cls.names()
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -82,11 +89,17 @@ class GenerationSettings:
                 values.update({k: v for k, v in source.to_diff_dict().items() if k in names and v is not None})
         values.update({k: v for k, v in kwargs.items() if v is not None})
         settings = cls(**values)
-        settings._fill_defaults(model.config)
+        settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         return settings
 
-    def _fill_defaults(self, config) -> None:
+    def _fill_defaults(self, config, prompt_width: int) -> None:
+        if self.max_new_tokens is None and self.max_length is not None:
+            _int_at_least("max_length", self.max_length, prompt_width + 1, f" (the input_ids are {prompt_width} wide: "
+                          "leave room for at least one new token, or give max_new_tokens)")
+            self.max_new_tokens = self.max_length - prompt_width
+        if self.max_new_tokens is None:
+            self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         if self.block_length is None:
             self.block_length = config.block_size
         if self.denoising_steps is None:
@@ -105,6 +118,10 @@ class GenerationSettings:
         config = model.config
         _int_at_least("max_new_tokens", self.max_new_tokens, 1)
         _int_at_least("block_length", self.block_length, 1)
+        _int_at_least("num_return_sequences", self.num_return_sequences, 1)
+        if self.num_return_sequences > 1 and not self.do_sample:
+            raise ValueError(f"num_return_sequences={self.num_return_sequences} without sampling gives identical "
+                             "copies: set do_sample=True (or num_return_sequences=1)")
         if not 1 <= self.denoising_steps <= self.block_length:
             raise ValueError(f"denoising_steps={self.denoising_steps} must be in 1..block_length "
                              f"({self.block_length})")
@@ -141,8 +158,8 @@ class GenerationSettings:
                              f"block_length ({self.block_length})")
 
 
-def _int_at_least(name: str, value, low: int) -> None:
+def _int_at_least(name: str, value, low: int, why: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
+        raise ValueError(f"{name}={value} must be >= {low}{why}")

@@ -50,7 +50,7 @@ def test_cached_denoising_forward_equals_uncached_logits(model):
     from hf_integration.prompts import PromptBatch
 
     ids = random_prompts(2, 10, seed=7)
-    settings = GenerationSettings.resolve(model, None, {"max_new_tokens": 6})
+    settings = GenerationSettings.resolve(model, None, {"max_new_tokens": 6}, prompt_width=10)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
     T = model.config.block_size
     pos = torch.arange(8).expand(2, -1)
@@ -211,6 +211,26 @@ def test_block_length_other_than_config(model):
     assert out.sequences.shape == (1, 15) and not (out.sequences == MASK_ID).any()
 
 
+def test_max_length_counts_the_prompt_width_and_yields_to_max_new_tokens(model):
+    ids = random_prompts(2, 5, seed=3)
+    assert torch.equal(model.generate(ids, max_length=12), model.generate(ids, max_new_tokens=7))
+    assert model.generate(ids, max_length=12, max_new_tokens=3).shape == (2, 8)  # as in transformers
+    assert model.generate(ids).shape == (2, 5 + 64)  # neither given: 64 new tokens
+
+
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_num_return_sequences_samples_each_prompt_that_many_times(model, strategy):
+    """The copies of a prompt sit next to each other and are the rows of the repeated batch (so each draws its
+    own noise)."""
+    ids = random_prompts(2, 5, seed=4)
+    kwargs = dict(max_new_tokens=12, do_sample=True, strategy=strategy, seed=5, return_dict_in_generate=True)
+    out = model.generate(ids, num_return_sequences=3, **kwargs)
+    repeated = model.generate(ids.repeat_interleave(3, 0), **kwargs)
+    assert out.sequences.shape == (6, 17) and torch.equal(out.sequences, repeated.sequences)
+    assert out.stats.as_dict() == repeated.stats.as_dict()
+    assert len({tuple(row) for row in out.sequences[:3, 5:].tolist()}) > 1  # the copies differ
+
+
 BAD_INPUTS = [
     (dict(input_ids=torch.tensor([[1, 2, 99]])), ValueError, "outside the vocabulary"),
     (dict(input_ids=torch.tensor([[1, -1]])), ValueError, "outside the vocabulary"),
@@ -224,6 +244,10 @@ BAD_INPUTS = [
     (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
     (dict(max_new_tokens=2.5), TypeError, "max_new_tokens"),
     (dict(max_new_tokens=600), ValueError, "max_position_embeddings"),
+    (dict(max_new_tokens=None, max_length=3), ValueError, r"max_length=3 must be >= 4 \(the input_ids are 3 wide"),
+    (dict(max_new_tokens=None, max_length="8"), TypeError, "max_length"),
+    (dict(num_return_sequences=2), ValueError, "num_return_sequences=2 without sampling.*do_sample=True"),
+    (dict(num_return_sequences=0, do_sample=True), ValueError, "num_return_sequences=0 must be >= 1"),
     (dict(strategy="greedy"), ValueError, "strategy"),
     (dict(strategy="dynamic", threshold=0.0), ValueError, "threshold"),
     (dict(strategy="dynamic", threshold=1.5), ValueError, "threshold"),

@@ -55,6 +55,20 @@ def test_shipped_model_loads_offline_with_remote_code_and_generates():
     assert tok.decode(static[0, ids.shape[1]:]).strip()
 
 
+def test_shipped_model_runs_in_a_text_generation_pipeline():
+    """transformers' pipeline passes its own keywords through to generate() (max_new_tokens,
+    num_return_sequences, the pipeline's generation config)."""
+    from transformers import pipeline
+
+    generator = pipeline("text-generation", model=str(SHIPPED_MODEL), trust_remote_code=True)
+    prompt = "def add(a, b):\n"
+    samples = generator(prompt, max_new_tokens=16, strategy="speculative", do_sample=True, num_return_sequences=3)
+    texts = [s["generated_text"] for s in samples]
+    assert len(texts) == 3 and all(t.startswith(prompt) and len(t) > len(prompt) for t in texts)
+    greedy = generator(prompt, max_new_tokens=16)[0]["generated_text"]
+    assert greedy == generator(prompt, max_new_tokens=16, strategy="speculative")[0]["generated_text"]
+
+
 def test_shipped_model_streams_its_completion_through_a_text_streamer(capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 

@@ -12,14 +12,17 @@ from .prompts import PromptBatch
 DECODING = {"static": STATIC, "dynamic": DYNAMIC, **MRP_DECODING}
 
 
-def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    settings: GenerationSettings):
-    """input_ids: [B, P] -> [B, P + max_new_tokens] (or :class:`SDARGenerateOutput`)."""
+def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
+                    kwargs: dict):
+    """input_ids: [B, P] -> [B * num_return_sequences, P + max_new_tokens] (or :class:`SDARGenerateOutput`),
+    with the settings :class:`GenerationSettings` resolves from ``generation_config`` and ``kwargs``."""
     device = model.lm_head.weight.device
     if isinstance(input_ids, torch.Tensor) and input_ids.device != device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
                          f".to({str(device)!r})")
     prompts = PromptBatch.from_inputs(model.config, input_ids, attention_mask)
+    settings = GenerationSettings.resolve(model, generation_config, kwargs, prompt_width=input_ids.shape[-1])
+    prompts = prompts.repeat(settings.num_return_sequences)
     if settings.streamer is not None and len(prompts.lens) != 1:
         raise ValueError(f"streamer streams one prompt at a time (as transformers' streamers do), got a batch of "
                          f"{len(prompts.lens)}; generate the rows one by one or drop streamer")

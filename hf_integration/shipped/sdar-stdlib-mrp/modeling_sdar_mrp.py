@@ -19,7 +19,6 @@ from transformers.utils import logging
 from .attention_masks import block_causal_mask
 from .configuration_sdar_mrp import SDARMRPConfig
 from .generation import generate_blocks
-from .generation_settings import GenerationSettings
 from .modeling_mrp import MRPModule
 from .modeling_sdar import SDARModel
 
@@ -195,12 +194,11 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         """Block-diffusion decoding.
 
         input_ids: [B, P] (left or right padded, with ``attention_mask`` [B, P] of 0/1) ->
-        ids [B, P + max_new_tokens]; with ``return_dict_in_generate=True`` an output with ``.sequences``
-        and per-row ``.stats``. Keywords (also read from ``generation_config`` and the model's
-        generation config): see :class:`GenerationSettings`.
+        ids [B * num_return_sequences, P + max_new_tokens]; with ``return_dict_in_generate=True`` an output
+        with ``.sequences`` and per-row ``.stats``. Keywords (also read from ``generation_config`` and the model's
+        generation config): see :class:`.generation_settings.GenerationSettings`.
         """
-        settings = GenerationSettings.resolve(self, generation_config, kwargs)
-        return generate_blocks(self, input_ids, attention_mask, settings)
+        return generate_blocks(self, input_ids, attention_mask, generation_config, kwargs)
 
 
 SDARMRPForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -58,6 +58,14 @@ class PromptBatch:
             left.append(bool(where[0] > 0))
         return cls(ids=ids, lens=lens, left_padded=left)
 
+    def repeat(self, copies: int) -> "PromptBatch":
+        """Each row ``copies`` times, the copies of a row next to each other ([B * copies, P])."""
+        if copies == 1:
+            return self
+        return PromptBatch(ids=self.ids.repeat_interleave(copies, 0),
+                           lens=[n for n in self.lens for _ in range(copies)],
+                           left_padded=[left for left in self.left_padded for _ in range(copies)])
+
     def assemble(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
                  mask_id: int) -> torch.Tensor:
         """Decoded layout x [B, total] -> output [B, P + max_new_tokens].
