@@ -26,6 +26,12 @@ from typing import Callable
 import torch
 
 
+def _copy_back(inputs, static_inputs, mutated) -> None:
+    """Inputs a step updates in place take their new values from the static buffers it ran on."""
+    for i in mutated:
+        inputs[i].copy_(static_inputs[i])
+
+
 def _clone(output):
     """Clone a step's output: a tensor, a tuple of tensors, or None."""
     if output is None or isinstance(output, torch.Tensor):
@@ -39,8 +45,9 @@ class StepGraphs:
     ``fn`` returns a tensor, a tuple of tensors or None; it may update the inputs whose indices are in
     ``mutated`` in place and must read only its tensor arguments and buffers whose storage never moves
     (weights, the KV cache, the engine's per-row state); ``key`` must determine everything else it
-    depends on. The first call of a key runs ``fn`` for real (it is also the warm-up) and then records it;
-    steps run inside a recorded step are part of its graph, not graphs of their own."""
+    depends on. The first call of a key runs ``fn`` for real on the buffers it records (it is also the
+    warm-up) and then records it; steps run inside a recorded step are part of its graph, not graphs of
+    their own."""
 
     def __init__(self, capture: bool):
         self.capture = capture
@@ -53,8 +60,9 @@ class StepGraphs:
             return fn(*inputs)
         entry = self.graphs.get(key)
         if entry is None:
-            output, self.graphs[key] = self._record(key, fn, inputs)
-            return output
+            output, static_inputs, self.graphs[key] = self._record(key, fn, inputs)
+            _copy_back(inputs, static_inputs, mutated)
+            return _clone(output)  # it may alias the buffers the next call overwrites
         if entry == "eager":
             return self._call(fn, inputs)
         fn, static_inputs, graph, static_output = entry
@@ -64,8 +72,7 @@ class StepGraphs:
             static_output = self._call(fn, static_inputs)
         else:
             graph.replay()
-        for i in mutated:
-            inputs[i].copy_(static_inputs[i])
+        _copy_back(inputs, static_inputs, mutated)
         return _clone(static_output)
 
     def _call(self, fn, inputs):
@@ -76,17 +83,19 @@ class StepGraphs:
             self._inside = False
 
     def _record(self, key, fn, inputs):
-        """Run ``fn`` on the real inputs (on a side stream on CUDA: the warm-up, which compiles Triton
-        kernels and sets up library handles), then capture it on static copies (capture does not execute).
-        Returns this call's output and the entry; a step that cannot be captured runs eagerly from then on,
-        with a warning naming it."""
+        """Copy the inputs into static buffers and run ``fn`` on them for real (on a side stream on CUDA:
+        the warm-up, which compiles Triton kernels for exactly the tensors the capture will see, since a
+        compilation during capture is not allowed, and sets up library handles), then capture it on the
+        same buffers (capture does not execute). Returns this call's output, the buffers (updated by the
+        call) and the entry; a step that cannot be captured runs eagerly from then on, with a warning
+        naming it."""
         static_inputs = [t.clone() for t in inputs]
         if not self.capture:
-            return self._call(fn, inputs), (fn, static_inputs, None, None)
+            return self._call(fn, static_inputs), static_inputs, (fn, static_inputs, None, None)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            output = self._call(fn, inputs)
+            output = self._call(fn, static_inputs)
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -96,5 +105,5 @@ class StepGraphs:
                 static_output = self._call(fn, static_inputs)
         except RuntimeError as err:
             warnings.warn(f"CUDA graph capture of the {key} step failed ({err}); it runs eagerly", stacklevel=3)
-            return output, "eager"
-        return output, (fn, static_inputs, graph, static_output)
+            return output, static_inputs, "eager"
+        return output, static_inputs, (fn, static_inputs, graph, static_output)

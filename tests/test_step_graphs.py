@@ -12,9 +12,10 @@ from tiny_models import random_prompts, tiny_model
 
 
 def test_a_replay_reads_the_recorded_inputs_and_buffers_only():
-    """The first call runs for real; a replay copies the inputs into the recorded buffers, runs the step
-    recorded at the first call (so a tensor it closed over is the first call's, as in a CUDA graph),
-    copies the updated inputs back and returns a fresh output."""
+    """Every call copies the inputs into the recorded buffers, runs the step recorded at the first call (so a
+    tensor it closed over is the first call's, as in a CUDA graph) on them, copies the updated inputs back
+    and returns a fresh output. The first call runs for real on those buffers too (the warm-up sees the very
+    tensors the capture will)."""
     graphs = StepGraphs(capture=False)
 
     def make_step(offset):
@@ -32,6 +33,24 @@ def test_a_replay_reads_the_recorded_inputs_and_buffers_only():
     assert acc.tolist() == [1.0, 3.0, 3.0]  # updated in place through the recorded buffer
     kept = graphs.run("k", make_step(None), torch.zeros(3), acc, mutated=(1,))
     assert again.tolist() == [1.0, 3.0, 1.0] and kept.tolist() == [1.0, 1.0, 1.0]  # outputs are not aliased
+
+
+def test_the_first_call_has_a_replays_data_flow():
+    """An input the step updates without declaring it stays as it was, on the first call as on replays; an
+    output that is an input's buffer is not overwritten by the next call."""
+    graphs = StepGraphs(capture=False)
+
+    def step(x, undeclared):
+        undeclared.add_(1)
+        return x
+
+    for value in (1.0, 2.0):
+        undeclared = torch.zeros(2)
+        out = graphs.run("k", step, torch.full((2,), value), undeclared)
+        assert undeclared.tolist() == [0.0, 0.0] and out.tolist() == [value, value]
+        if value == 1.0:
+            first = out
+    assert first.tolist() == [1.0, 1.0]
 
 
 def test_steps_inside_a_step_are_part_of_it():
@@ -68,11 +87,10 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
         calls = []
 
         def step(*args):
-            # Replays run on the same recorded buffers, so from the second replay on a new trace can only
-            # be forced by a host value the step reads (which a captured graph would have baked in) having
-            # changed. (The first call ran on the caller's tensors, whose strides may differ.)
+            # Every call runs on the same recorded buffers, so a new trace can only be forced by a host value
+            # the step reads (which a captured graph would have baked in) having changed.
             calls.append(None)
-            if len(calls) <= 2:
+            if len(calls) == 1:
                 return compiled(*args)
             with torch.compiler.set_stance("fail_on_recompile"):
                 return compiled(*args)
