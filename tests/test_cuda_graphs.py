@@ -26,24 +26,26 @@ def _graphed_equals_eager(kwargs, monkeypatch):
     original = StepGraphs._record
 
     def spy(self, key, fn, inputs):
-        output, entry = original(self, key, fn, inputs)
+        output, static_inputs, entry = original(self, key, fn, inputs)
         captured.append((key, entry))
-        return output, entry
+        return output, static_inputs, entry
 
     monkeypatch.setattr(StepGraphs, "_record", spy)
     model = tiny_model(seed=0, dtype=torch.float32).cuda()
-    lens = [2, 11, 6]
-    ids = torch.zeros((3, 11), dtype=torch.long)
+    lens = [2, 11, 6, 1, 9, 4]  # with an EOS, rows finish at different steps: the batch shrinks by buckets
+    ids = torch.zeros((6, 11), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, n in enumerate(lens):
         ids[b, :n], mask[b, :n] = random_prompts(1, n, seed=30 + n)[0], 1
     ids, mask = ids.cuda(), mask.cuda()
-    settings = dict(attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True, **kwargs)
+    settings = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=1, pad_token_id=0,
+                    return_dict_in_generate=True, **kwargs)
     eager = model.generate(ids, cuda_graphs=False, **settings)
     graphed = model.generate(ids, **settings)  # on by default for a CUDA model
     assert captured and all(entry != "eager" for _, entry in captured), captured
     kinds = {key[0] for key, _ in captured}
     assert {"denoise", "speculate", "remask"} & kinds, kinds  # whole steps, not only forwards
+    assert {key[-1][0] for key, _ in captured} <= {6, 4, 2, 1}  # the call's batch, then buckets
     assert torch.equal(graphed.sequences, eager.sequences)
     for name, value in vars(eager.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name

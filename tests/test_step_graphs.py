@@ -114,3 +114,36 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     assert torch.equal(graphed.sequences, plain.sequences)
     for name, value in vars(plain.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
+
+
+def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(monkeypatch):
+    """Rows finishing one by one (6 -> 5 -> 4 -> 3 -> 1 rows): eager decoding drops each as it finishes, a
+    graphed engine only shrinks to the next bucket (1, 2, 4, 8, 16, 24, ...), finished rows riding along as
+    padding, so it replays fewer captured batch sizes; tokens and per-row stats are the same."""
+    from hf_integration.decode_engine import DecodeEngine
+    from hf_integration.decoding import _graphed_batch
+
+    shrinks = []
+    keep_rows = DecodeEngine.keep_rows
+    monkeypatch.setattr(DecodeEngine, "keep_rows", lambda self, kept: (shrinks.append(kept.shape[0]),
+                                                                       keep_rows(self, kept))[1])
+    model = tiny_model(seed=0)
+    lens = [1, 3, 5, 7, 9, 11]
+    ids = torch.zeros((6, 11), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lens):
+        ids[b, 11 - n:], mask[b, 11 - n:] = random_prompts(1, n, seed=b)[0], 1
+    settings = dict(max_new_tokens=24, eos_token_id=1, pad_token_id=0, strategy="speculative", mrp_steps=2,
+                    return_dict_in_generate=True)
+    eager = model.generate(ids, attention_mask=mask, cuda_graphs=False, **settings)
+    assert shrinks == [5, 4, 3, 1]  # the rows finish one by one
+    shrinks.clear()
+    graphed = model.generate(ids, attention_mask=mask, cuda_graphs=True, **settings)
+    assert shrinks == [4, 1]  # 5 rows left: 6 kept (one padding row); 4; 3 rows: 4 kept; 1
+    assert [_graphed_batch(n) for n in (1, 2, 3, 5, 8, 9, 17, 24)] == [1, 2, 4, 8, 8, 16, 24, 24]
+    assert {key[-1][0] for key in model._decode_engine[1].graphs.graphs} == {6, 4, 1}
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for name, value in vars(eager.stats).items():
+        assert torch.equal(getattr(graphed.stats, name), value), name
+    model.release_decode_engine()
+

@@ -10,7 +10,8 @@ forward (``fuse_commit``: the finished block rides in front of the next block, o
 copies) or by a forward of their own; rows that commit nothing in that forward write past their length
 and do not advance. The host checks which rows are full (one synchronisation) only after as many steps
 as surely leave every row with work (:class:`Strategy`); a row finishes once it has produced an EOS or
-filled its last block and leaves the batch, so it stops costing work. Strategies run whole steps through
+filled its last block and leaves the batch, so it stops costing work (with CUDA graphs, once the rows left
+fit a smaller batch bucket: until then it rides along as padding). Strategies run whole steps through
 :meth:`BlockDecoder.step`, which with CUDA graphs on replays each kind of step (forwards and decisions)
 as one graph.
 """
@@ -293,7 +294,8 @@ class BlockDecoder:
         self._prefill()
         positions = self.first_block[:, None] * T + torch.arange(T, device=self.device)
         block = self.x.gather(1, positions)
-        # Host state per working row: masks left in its block, blocks left to decode (with this one).
+        # Host state per working row: masks left in its block, blocks left to decode (with this one; 0 for a
+        # finished row kept as padding of a graphed batch, see retire).
         self.masks_left = [T - n % T for n in self.prompts.lens]
         self.blocks_left = list(self.blocks_to_decode)
         self.row_state["masks_at_start"] = torch.tensor(self.masks_left, device=self.device)
@@ -337,8 +339,9 @@ class BlockDecoder:
         [B'', T]."""
         hit = torch.isin(block, eos) & (positions >= self.lens[self.rows, None])
         self.masks_left, hit = torch.stack([self.masked(block).sum(-1), hit.any(-1).long()]).tolist()
-        full = [i for i, m in enumerate(self.masks_left) if m == 0]
-        if not full or (together and len(full) < len(self.masks_left)):
+        live = sum(1 for b in self.blocks_left if b)
+        full = [i for i, m in enumerate(self.masks_left) if m == 0 and self.blocks_left[i]]
+        if not full or (together and len(full) < live):
             return block, positions
         bar.update(len(full))
         index = torch.tensor(full, device=self.device)
@@ -346,15 +349,14 @@ class BlockDecoder:
         if self.stream is not None:  # one prompt: row 0 is the working batch
             self.stream.block(block[0])
         for i in full:
-            self.blocks_left[i] -= 1
-        kept = [i for i, m in enumerate(self.masks_left) if m or not (hit[i] or self.blocks_left[i] == 0)]
+            self.blocks_left[i] = 0 if hit[i] else self.blocks_left[i] - 1
+        kept = [i for i, b in enumerate(self.blocks_left) if b]
         if not kept:
             self.masks_left = []
             return block, positions
-        if len(kept) < len(self.masks_left):
-            self.retire(kept)
-            block, positions = block[kept], positions[kept]
-        if 0 in self.masks_left:
+        if len(kept) < live:
+            block, positions = self.retire(kept, block, positions)
+        if any(m == 0 and b for m, b in zip(self.masks_left, self.blocks_left)):
             self._next_blocks(block, positions)
         return block, positions
 
@@ -362,7 +364,7 @@ class BlockDecoder:
         """Rows with a full block (no masks left) make it their pending commit and move on to their next
         block, in place in ``block``/``positions`` [B', T], with fresh per-row state."""
         T = self.block
-        switching = [m == 0 for m in self.masks_left]
+        switching = [m == 0 and b > 0 for m, b in zip(self.masks_left, self.blocks_left)]
         committing = torch.tensor(switching, device=self.device)
         # The other rows' part of the commit forward lies one block past their own: nobody attends to it.
         self.commit(block.clone(), torch.where(committing[:, None], positions, positions + T), rows=committing)
@@ -374,16 +376,26 @@ class BlockDecoder:
         self.row_state["steps_taken"][index] = 0
         self.row_state["fresh"][index] = True
         self.masks_left = [T if switch else m for switch, m in zip(switching, self.masks_left)]
-        self.all_fresh = all(switching)
+        self.all_fresh = all(switch for switch, b in zip(switching, self.blocks_left) if b)
 
-    def retire(self, kept: list[int]) -> None:
-        """Keep only the working rows ``kept`` (increasing indices into them); the others are finished."""
+    def retire(self, kept: list[int], block: torch.Tensor, positions: torch.Tensor):
+        """Shrink the working batch to the rows ``kept`` (increasing indices into it); the others are finished.
+        A graphed engine shrinks it only to the next batch bucket (:func:`_graphed_batch`), keeping finished
+        rows as padding (full blocks, no blocks left: every step leaves them as they are), so a batch whose
+        rows finish one by one replays a few captured sizes instead of capturing every size. Returns the
+        working rows' block and positions [B'', T]."""
+        size = len(kept) if self.graphs is None else min(_graphed_batch(len(kept)), len(self.blocks_left))
+        if size == len(self.blocks_left):
+            return block, positions
+        padding = [i for i, b in enumerate(self.blocks_left) if not b][: size - len(kept)]
+        kept = sorted(kept + padding)
         self.flush()
         index = torch.tensor(kept, device=self.device)
         self.engine.keep_rows(index)
         self.row_state = {name: value[index] for name, value in self.row_state.items()}
         self.masks_left = [self.masks_left[i] for i in kept]
         self.blocks_left = [self.blocks_left[i] for i in kept]
+        return block[index], positions[index]
 
 
 @dataclass(frozen=True)
@@ -406,6 +418,12 @@ class Strategy:
 
 
 GRAPHED_WIDTH_MULTIPLE = 256
+
+
+def _graphed_batch(rows: int) -> int:
+    """The working-batch size a graphed engine keeps for ``rows`` rows still decoding: the next of
+    1, 2, 4, 8, 16, 24, 32, ... (multiples of 8 past 8, as serving engines bucket their captured batches)."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
 
 
 def _graphed_width(total: int, limit: int) -> int:
