@@ -198,6 +198,24 @@ def test_generation_config_and_kwargs_precedence(model):
     assert overridden.shape == (1, 7)
 
 
+def test_generation_config_fields_we_do_not_support_are_refused_or_flagged(model, caplog):
+    """A generation_config the caller passes with e.g. beam search or a repetition penalty is refused (a silent
+    drop would decode something else than asked); the same fields in the model's own generation config (as
+    checkpoints ship them) are ignored with a warning."""
+    ids = random_prompts(1, 4, seed=9)
+    with pytest.raises(TypeError, match=r"generation_config sets \['num_beams', 'repetition_penalty'\]"):
+        model.generate(ids, generation_config=GenerationConfig(max_new_tokens=4, num_beams=2, repetition_penalty=1.2))
+    plain = model.generate(ids, max_new_tokens=4)
+    shipped = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(repetition_penalty=1.05, max_new_tokens=4)
+        with caplog.at_level("WARNING"):
+            assert torch.equal(model.generate(ids), plain)
+    finally:
+        model.generation_config = shipped
+    assert "['repetition_penalty']" in caplog.text and "ignored" in caplog.text
+
+
 def test_stats_report_tokens_per_forward(model):
     out = model.generate(random_prompts(1, 4, seed=1), max_new_tokens=8, denoising_steps=2,
                          return_dict_in_generate=True)

@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
 STRATEGIES = ("static", "dynamic", "direct", "speculative", "remask")
 MRP_STRATEGIES = ("direct", "speculative", "remask")
 DRAFT_SCHEDULES = ("mrp", "authors")
@@ -16,6 +20,9 @@ REMASK_RULES = ("tau", "delta")
 MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
 DEFAULT_MAX_NEW_TOKENS = 64
+# GenerationConfig fields that do not steer decoding (bookkeeping, or the model's own ids and block size).
+NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
+                       "mask_token_id"}
 # Settings that never change what a decoding step computes (so not part of a captured step's key).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks")
@@ -85,8 +92,17 @@ class GenerationSettings:
             raise TypeError(f"generate() got unknown keyword argument(s) {unknown}; accepted: {sorted(names)}")
         values: dict = {}
         for source in (getattr(model, "generation_config", None), generation_config):
-            if source is not None:
-                values.update({k: v for k, v in source.to_diff_dict().items() if k in names and v is not None})
+            if source is None:
+                continue
+            given = {k: v for k, v in source.to_diff_dict().items() if v is not None and k not in NOT_DECODING_FIELDS}
+            unsupported = sorted(set(given) - names)
+            if unsupported and source is generation_config:
+                raise TypeError(f"generation_config sets {unsupported}, which block-diffusion decoding does not "
+                                f"support; drop them (supported: {sorted(names)})")
+            if unsupported:
+                logger.warning_once(f"the model's generation_config sets {unsupported}, which block-diffusion "
+                                    "decoding does not support: they are ignored")
+            values.update({k: v for k, v in given.items() if k in names})
         values.update({k: v for k, v in kwargs.items() if v is not None})
         settings = cls(**values)
         settings._fill_defaults(model.config, prompt_width)
