@@ -51,28 +51,33 @@ class BlockDecoder:
 
     def __init__(self, model, prompts: PromptBatch, settings: GenerationSettings):
         config = model.config
-        self.model, self.settings, self.prompts = model, settings, prompts
+        self.model, self.settings = model, settings
         self.mask_id = config.mask_token_id
         self.block = T = settings.block_length
         device = prompts.ids.device
         self.device = device
-        self.lens = lens = torch.tensor(prompts.lens, device=device)
         ends = [(n + settings.max_new_tokens + T - 1) // T * T for n in prompts.lens]
         total = max(ends)
         if total > config.max_position_embeddings:
             raise ValueError(f"prompt + max_new_tokens reaches position {total} (rounded up to whole blocks of "
                              f"{self.block}) but the model has max_position_embeddings="
                              f"{config.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+        graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
+        # A graphed engine decodes a batch bucket: the rows past the prompts' are padding (one full block,
+        # nothing to decode), so calls whose batches share a bucket share the engine and its graphs.
+        real = len(prompts.lens)
+        self.prompts = prompts = prompts.with_padding_rows(_graphed_batch(real) - real if graphed else 0)
+        self.lens = lens = torch.tensor(prompts.lens, device=device)
         B = lens.shape[0]
         self.x = torch.full((B, total), self.mask_id, dtype=torch.long, device=device)
         self.x[:, : prompts.ids.shape[1]] = torch.where(
             torch.arange(prompts.ids.shape[1], device=device)[None, :] < lens[:, None], prompts.ids, self.mask_id)
+        self.x[real:] = prompts.ids[0, 0]
         self.first_blocks = [n // T for n in prompts.lens]  # each row's first block with masks (host)
         self.first_block = torch.tensor(self.first_blocks, device=device)
-        self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)]
+        self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)] + [0] * (B - real)
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
-        graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
         width = _graphed_width(total, config.max_position_embeddings) if graphed else total
         shape = EngineShape(slots, B, width, config.num_key_value_heads, config.head_dim, model.lm_head.weight.dtype,
                             device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
@@ -296,7 +301,7 @@ class BlockDecoder:
         block = self.x.gather(1, positions)
         # Host state per working row: masks left in its block, blocks left to decode (with this one; 0 for a
         # finished row kept as padding of a graphed batch, see retire).
-        self.masks_left = [T - n % T for n in self.prompts.lens]
+        self.masks_left = [T - n % T if b else 0 for n, b in zip(self.prompts.lens, self.blocks_to_decode)]
         self.blocks_left = list(self.blocks_to_decode)
         self.row_state["masks_at_start"] = torch.tensor(self.masks_left, device=self.device)
         self.row_state["steps_taken"] = torch.zeros_like(self.rows)

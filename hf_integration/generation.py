@@ -31,6 +31,6 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
                                  decoder.mask_id)
     if settings.return_dict_in_generate:
-        return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(),
+        return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
                                     batch_steps=decoder.batch_steps)
     return sequences

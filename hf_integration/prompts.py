@@ -58,6 +58,15 @@ class PromptBatch:
             left.append(bool(where[0] > 0))
         return cls(ids=ids, lens=lens, left_padded=left)
 
+    def with_padding_rows(self, rows: int) -> "PromptBatch":
+        """This batch and ``rows`` more one-token rows (row 0's first token) after it."""
+        if rows == 0:
+            return self
+        pad = torch.zeros((rows, self.ids.shape[1]), dtype=self.ids.dtype, device=self.ids.device)
+        pad[:, 0] = self.ids[0, 0]
+        return PromptBatch(ids=torch.cat([self.ids, pad]), lens=self.lens + [1] * rows,
+                           left_padded=self.left_padded + [False] * rows)
+
     def repeat(self, copies: int) -> "PromptBatch":
         """Each row ``copies`` times, the copies of a row next to each other ([B * copies, P])."""
         if copies == 1:

@@ -117,9 +117,11 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
 
 
 def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(monkeypatch):
-    """Rows finishing one by one (6 -> 5 -> 4 -> 3 -> 1 rows): eager decoding drops each as it finishes, a
-    graphed engine only shrinks to the next bucket (1, 2, 4, 8, 16, 24, ...), finished rows riding along as
-    padding, so it replays fewer captured batch sizes; tokens and per-row stats are the same."""
+    """Rows finishing one by one (6 -> 5 -> 4 -> 3 -> 1 rows): eager decoding drops each as it finishes; a
+    graphed engine decodes a bucket of rows (1, 2, 4, 8, 16, 24, ...: 6 prompts and 2 padding rows) and only
+    shrinks to the next bucket, finished rows riding along as padding, so it replays fewer captured batch
+    sizes, and a call with another batch in the same bucket reuses the engine; tokens and per-row stats are
+    the same."""
     from hf_integration.decode_engine import DecodeEngine
     from hf_integration.decoding import _graphed_batch
 
@@ -139,11 +141,16 @@ def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(mon
     assert shrinks == [5, 4, 3, 1]  # the rows finish one by one
     shrinks.clear()
     graphed = model.generate(ids, attention_mask=mask, cuda_graphs=True, **settings)
-    assert shrinks == [4, 1]  # 5 rows left: 6 kept (one padding row); 4; 3 rows: 4 kept; 1
+    assert shrinks == [4, 1]  # 8 rows (6 prompts): 5 left, 8 kept; 4; 3 left, 4 kept; 1
     assert [_graphed_batch(n) for n in (1, 2, 3, 5, 8, 9, 17, 24)] == [1, 2, 4, 8, 8, 16, 24, 24]
-    assert {key[-1][0] for key in model._decode_engine[1].graphs.graphs} == {6, 4, 1}
+    engine = model._decode_engine[1]
+    assert {key[-1][0] for key in engine.graphs.graphs} == {8, 4, 1}
     assert torch.equal(graphed.sequences, eager.sequences)
     for name, value in vars(eager.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
+    fewer = model.generate(ids[:5], attention_mask=mask[:5], cuda_graphs=True, **settings)
+    assert model._decode_engine[1] is engine
+    assert torch.equal(fewer.sequences, model.generate(ids[:5], attention_mask=mask[:5], **settings).sequences)
+    assert fewer.stats.tokens_committed.shape == (5,)
     model.release_decode_engine()
 

@@ -45,8 +45,9 @@ class DecodeStats:
         for counter in vars(self).values():
             counter.zero_()
 
-    def clone(self) -> "DecodeStats":
-        return DecodeStats(**{k: v.clone() for k, v in vars(self).items()})
+    def clone(self, rows: int | None = None) -> "DecodeStats":
+        """A copy (of the first ``rows`` rows)."""
+        return DecodeStats(**{k: v[:rows].clone() for k, v in vars(self).items()})
 
     @property
     def tokens_per_forward(self) -> torch.Tensor:
