@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from transformers import GenerationConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -23,6 +24,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # GenerationConfig fields that do not steer decoding (bookkeeping, or the model's own ids and block size).
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
+HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
 # Settings that never change what a decoding step computes (so not part of a captured step's key).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks")
@@ -95,7 +97,8 @@ class GenerationSettings:
             if source is None:
                 continue
             given = {k: v for k, v in source.to_diff_dict().items() if v is not None and k not in NOT_DECODING_FIELDS}
-            unsupported = sorted(set(given) - names)
+            unsupported = sorted(k for k in set(given) - names
+                                 if given[k] not in (False, None) and given[k] != getattr(HF_DEFAULTS, k, None))
             if unsupported and source is generation_config:
                 raise TypeError(f"generation_config sets {unsupported}, which block-diffusion decoding does not "
                                 f"support; drop them (supported: {sorted(names)})")
