@@ -127,7 +127,8 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_gra
     """A ``BlockDecoder`` (speculative settings, commits not fused; forwards eager unless ``cuda_graphs``)
     whose cache holds ``prefix`` committed random tokens per row, written the way decoding writes them:
     ``commit`` = one backbone forward plus one MRP forward over the prefix, each writing its layers'
-    keys/values, then ``cache.advance``."""
+    keys/values, then ``cache.advance``. With ``cuda_graphs`` it holds the batch bucket's rows (as
+    ``generate`` would: 1, 2, 4, 8, 16, 24, ...)."""
     import torch
 
     from hf_integration.decoding import BlockDecoder
@@ -142,7 +143,7 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_gra
                                                             strategy="speculative", fuse_commit=False,
                                                             cuda_graphs=cuda_graphs), prompt_width=prefix)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
-    positions = torch.arange(prefix, device=device).expand(batch, -1)
+    positions = torch.arange(prefix, device=device).expand(dec.x.shape[0], -1)
     dec.commit(dec.x[:, :prefix], positions, None)
     assert bool((dec.cache.lengths == prefix).all()) and dec.pending is None
     return dec
