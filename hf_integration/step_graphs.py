@@ -60,7 +60,8 @@ class StepGraphs:
             return fn(*inputs)
         entry = self.graphs.get(key)
         if entry is None:
-            output, static_inputs, self.graphs[key] = self._record(key, fn, inputs)
+            static_inputs = [t.clone() for t in inputs]
+            output, self.graphs[key] = self._record(key, fn, static_inputs)
             _copy_back(inputs, static_inputs, mutated)
             return _clone(output)  # it may alias the buffers the next call overwrites
         if entry == "eager":
@@ -82,16 +83,14 @@ class StepGraphs:
         finally:
             self._inside = False
 
-    def _record(self, key, fn, inputs):
-        """Copy the inputs into static buffers and run ``fn`` on them for real (on a side stream on CUDA:
-        the warm-up, which compiles Triton kernels for exactly the tensors the capture will see, since a
-        compilation during capture is not allowed, and sets up library handles), then capture it on the
-        same buffers (capture does not execute). Returns this call's output, the buffers (updated by the
-        call) and the entry; a step that cannot be captured runs eagerly from then on, with a warning
-        naming it."""
-        static_inputs = [t.clone() for t in inputs]
+    def _record(self, key, fn, static_inputs):
+        """Run ``fn`` for real on the buffers it will be replayed on (on a side stream on CUDA: the warm-up,
+        which compiles Triton kernels for exactly the tensors the capture sees, since a compilation during
+        capture is not allowed, and sets up library handles), then capture it on them (capture does not
+        execute). Returns this call's output and the entry; a step that cannot be captured runs eagerly
+        from then on, with a warning naming it."""
         if not self.capture:
-            return self._call(fn, static_inputs), static_inputs, (fn, static_inputs, None, None)
+            return self._call(fn, static_inputs), (fn, static_inputs, None, None)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -105,5 +104,5 @@ class StepGraphs:
                 static_output = self._call(fn, static_inputs)
         except RuntimeError as err:
             warnings.warn(f"CUDA graph capture of the {key} step failed ({err}); it runs eagerly", stacklevel=3)
-            return output, static_inputs, "eager"
-        return output, static_inputs, (fn, static_inputs, graph, static_output)
+            return output, "eager"
+        return output, (fn, static_inputs, graph, static_output)

@@ -26,9 +26,9 @@ def _graphed_equals_eager(kwargs, monkeypatch):
     original = StepGraphs._record
 
     def spy(self, key, fn, inputs):
-        output, static_inputs, entry = original(self, key, fn, inputs)
+        output, entry = original(self, key, fn, inputs)
         captured.append((key, entry))
-        return output, static_inputs, entry
+        return output, entry
 
     monkeypatch.setattr(StepGraphs, "_record", spy)
     model = tiny_model(seed=0, dtype=torch.float32).cuda()
