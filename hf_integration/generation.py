@@ -29,7 +29,7 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     decoder = BlockDecoder(model, prompts, settings)
     x = decoder.run(DECODING[settings.strategy])
     sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
-                                 decoder.mask_id)
+                                 decoder.mask_id, decoder.new_tokens_kept)
     if settings.return_dict_in_generate:
         return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
                                     batch_steps=decoder.batch_steps)

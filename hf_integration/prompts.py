@@ -76,14 +76,16 @@ class PromptBatch:
                            left_padded=[left for left in self.left_padded for _ in range(copies)])
 
     def assemble(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
-                 mask_id: int) -> torch.Tensor:
+                 mask_id: int, new_tokens_kept: dict[int, int]) -> torch.Tensor:
         """Decoded layout x [B, total] -> output [B, P + max_new_tokens].
 
-        Row b keeps its padding side; tokens after its first EOS become ``pad_id``."""
+        Row b keeps its padding side; tokens after its first EOS, and after its first
+        ``new_tokens_kept[b]`` new tokens (a stop string ended it), become ``pad_id``."""
         B, P = self.ids.shape
         out = torch.full((B, P + max_new_tokens), pad_id, dtype=torch.long, device=x.device)
         for b, n in enumerate(self.lens):
             new = x[b, n : n + max_new_tokens].clone()
+            new[new_tokens_kept.get(b, max_new_tokens):] = pad_id
             if eos_ids:
                 is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
                 if is_eos.any():

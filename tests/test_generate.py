@@ -507,3 +507,63 @@ def test_streamer_refuses_batches_and_objects_without_put(model):
         model.generate(random_prompts(2, 5), max_new_tokens=4, streamer=RecordingStreamer())
     with pytest.raises(TypeError, match=r"streamer must have put\(ids\) and end\(\)"):
         model.generate(random_prompts(1, 5), max_new_tokens=4, streamer=object())
+
+
+class LetterTokenizer:
+    """Decodes id i as one letter (a..z, wrapping): enough to look for stop strings in."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=2),
+                                    dict(strategy="dynamic", threshold=0.3)], ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_stop_strings_end_each_row_after_the_token_that_completes_one(model, kwargs, graphs):
+    """Each row stops with the block in which its new text first holds a stop string: its tokens up to and with
+    the one completing it are those of the free run, the rest padding; the rows' other counts stay those of
+    the row decoded alone (the check runs as blocks fill, per row)."""
+    tok = LetterTokenizer()
+    lens = [4, 7, 2]
+    ids = torch.zeros((3, 7), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lens):
+        ids[b, 7 - n:], mask[b, 7 - n:] = random_prompts(1, n, seed=40 + b)[0], 1
+    common = dict(max_new_tokens=20, pad_token_id=0, eos_token_id=[], return_dict_in_generate=True, **kwargs)
+    free_out = model.generate(ids, attention_mask=mask, **common)
+    free = free_out.sequences[:, 7:]
+    text = tok.decode(free[0].tolist())
+    stops = [text[9:11], "zzzzzz"]  # from row 0's new text; the other can never be found
+    out = model.generate(ids, attention_mask=mask, stop_strings=stops, tokenizer=tok, cuda_graphs=graphs, **common)
+    for b in range(3):
+        row = tok.decode(free[b].tolist())
+        keep = row.find(stops[0]) + 2 if stops[0] in row else 20
+        assert torch.equal(out.sequences[b, 7:][:keep], free[b][:keep]), b
+        assert (out.sequences[b, 7 + keep:] == 0).all(), b
+        assert out.stats.tokens_committed[b] <= free_out.stats.tokens_committed[b], b
+        alone = model.generate(ids[b:b + 1, 7 - lens[b]:], stop_strings=stops, tokenizer=tok, **common)
+        assert torch.equal(alone.sequences[0, lens[b]:], out.sequences[b, 7:]), b
+        assert alone.stats.tokens_committed[0] == out.stats.tokens_committed[b], b
+    assert out.stats.tokens_committed[0] < free_out.stats.tokens_committed[0]  # row 0 stopped blocks early
+
+
+def test_stop_strings_cut_the_stream_too(model):
+    tok = LetterTokenizer()
+    ids = random_prompts(1, 4, seed=41)
+    free = model.generate(ids, max_new_tokens=16, eos_token_id=[])[0, 4:].tolist()
+    stop = tok.decode(free[5:7])
+    keep = tok.decode(free).find(stop) + 2
+    streamer = RecordingStreamer()
+    out = model.generate(ids, max_new_tokens=16, eos_token_id=[], pad_token_id=0, stop_strings=stop, tokenizer=tok,
+                         streamer=streamer)
+    assert sum(streamer.puts[1:], []) == free[:keep] == out[0, 4:4 + keep].tolist()
+
+
+@pytest.mark.parametrize("overrides,error,message", [
+    (dict(stop_strings="ab"), ValueError, "pass tokenizer="),
+    (dict(stop_strings=[""], tokenizer=LetterTokenizer()), TypeError, "stop_strings must be"),
+    (dict(stop_strings=5, tokenizer=LetterTokenizer()), TypeError, "stop_strings must be"),
+])
+def test_bad_stop_strings_are_rejected(model, overrides, error, message):
+    with pytest.raises(error, match=message):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, **overrides)

@@ -65,8 +65,14 @@ def test_shipped_model_runs_in_a_text_generation_pipeline():
     samples = generator(prompt, max_new_tokens=16, strategy="speculative", do_sample=True, num_return_sequences=3)
     texts = [s["generated_text"] for s in samples]
     assert len(texts) == 3 and all(t.startswith(prompt) and len(t) > len(prompt) for t in texts)
-    greedy = generator(prompt, max_new_tokens=16)[0]["generated_text"]
-    assert greedy == generator(prompt, max_new_tokens=16, strategy="speculative")[0]["generated_text"]
+    # The pipeline samples unless told otherwise (its own default); greedy speculative equals static.
+    greedy = generator(prompt, max_new_tokens=32, do_sample=False)[0]["generated_text"]
+    assert greedy == generator(prompt, max_new_tokens=32, do_sample=False, strategy="speculative")[0]["generated_text"]
+    new_text = greedy[len(prompt):]
+    stop = new_text[len(new_text) // 2 : len(new_text) // 2 + 2]  # stop strings need the tokenizer, as in transformers
+    stopped = generator(prompt, max_new_tokens=32, do_sample=False, stop_strings=stop, tokenizer=generator.tokenizer)
+    cut = stopped[0]["generated_text"]
+    assert stop in cut[len(prompt):] and greedy.startswith(cut) and len(cut) < len(greedy)
 
 
 def test_shipped_model_streams_its_completion_through_a_text_streamer(capsys):

@@ -31,6 +31,7 @@ from .decode_engine import DecodeStats, EngineShape, engine_for
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
+from .stop_strings import StopStrings
 from .streaming import BlockStream
 
 
@@ -88,6 +89,8 @@ class BlockDecoder:
         self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
         self.all_fresh = True  # every working row is at the start of a block (host)
         self.batch_steps = 0
+        self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
+        self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop string ended it)
         self.stream = None if settings.streamer is None else BlockStream(
             settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids, T)
 
@@ -351,6 +354,8 @@ class BlockDecoder:
         bar.update(len(full))
         index = torch.tensor(full, device=self.device)
         self.x[self.rows[index, None], positions[index]] = block[index]
+        if self.stops is not None:
+            self._stop_at_strings(full, positions, hit)
         if self.stream is not None:  # one prompt: row 0 is the working batch
             self.stream.block(block[0])
         for i in full:
@@ -364,6 +369,20 @@ class BlockDecoder:
         if any(m == 0 and b for m, b in zip(self.masks_left, self.blocks_left)):
             self._next_blocks(block, positions)
         return block, positions
+
+    def _stop_at_strings(self, full: list[int], positions: torch.Tensor, hit: list[int]) -> None:
+        """The ``full`` rows whose new text now holds a stop string end with this block (``hit``), keeping
+        their new tokens up to and with the one that completes it."""
+        rows, starts = self.rows.tolist(), positions[:, 0].tolist()
+        for i in full:
+            r, first_new = rows[i], self.prompts.lens[rows[i]]
+            end = min(starts[i] + self.block, first_new + self.settings.max_new_tokens)
+            keep = self.stops.tokens_to_keep(self.x[r, first_new:end].tolist(), max(starts[i] - first_new, 0))
+            if keep is not None:
+                hit[i] = 1
+                self.new_tokens_kept[r] = keep
+                if self.stream is not None:
+                    self.stream.cut(keep)
 
     def _next_blocks(self, block: torch.Tensor, positions: torch.Tensor) -> None:
         """Rows with a full block (no masks left) make it their pending commit and move on to their next

@@ -27,7 +27,8 @@ NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
 # Settings that never change what a decoding step computes (so not part of a captured step's key).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
-                     "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks")
+                     "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
+                     "stop_strings", "tokenizer")
 
 
 @dataclass
@@ -41,7 +42,9 @@ class GenerationSettings:
     ``per_row_blocks`` (dynamic, remask, speculative) lets each row of a batch move on to its next block as
     soon as its own is full, so a batch takes as many steps as its slowest row alone, at the price of the
     finished block riding in the next forward of every row (``False``: rows start their blocks together;
-    the output is the same either way); ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a
+    the output is the same either way); ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as
+    in transformers) end a row once its new text contains one of them: checked as its blocks fill, the
+    tokens after the one completing it become padding; ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a
     time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
     prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
     ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
@@ -74,6 +77,8 @@ class GenerationSettings:
     per_row_blocks: bool = True
     cuda_graphs: bool | None = None
     streamer: object | None = None
+    stop_strings: str | list[str] | tuple[str, ...] | None = None
+    tokenizer: object | None = None
     eos_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod
@@ -125,6 +130,8 @@ class GenerationSettings:
             self.denoising_steps = self.block_length
         if self.threshold is None:
             self.threshold = DEFAULT_THRESHOLD.get(self.strategy)
+        if isinstance(self.stop_strings, (str, list)):
+            self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if self.eos_token_id is None:
             self.eos_token_id = config.eos_token_id
         eos = self.eos_token_id
@@ -158,6 +165,13 @@ class GenerationSettings:
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")
+        if self.stop_strings is not None:
+            if not isinstance(self.stop_strings, tuple) or not self.stop_strings or \
+                    not all(isinstance(x, str) and x for x in self.stop_strings):
+                raise TypeError(f"stop_strings must be a non-empty string or a list of them, got {self.stop_strings!r}")
+            if not callable(getattr(self.tokenizer, "decode", None)):
+                raise ValueError("stop_strings needs the tokenizer that decodes the ids: pass tokenizer=... (as "
+                                 "transformers' generate does)")
         for eos in self.eos_ids:
             if not 0 <= eos < config.vocab_size:
                 raise ValueError(f"eos_token_id {eos} is outside the vocabulary [0, {config.vocab_size})")

@@ -18,6 +18,10 @@ class BlockStream:
         self.done = False
         streamer.put(prompt.cpu())
 
+    def cut(self, new_tokens: int) -> None:
+        """Stream no more than the first ``new_tokens`` new tokens (a stop string ended the row)."""
+        self.stop = min(self.stop, self.start + new_tokens)
+
     def block(self, tokens: torch.Tensor) -> None:
         """tokens: [T], the next finished block."""
         first_position = self.next_position
