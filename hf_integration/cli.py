@@ -5,6 +5,7 @@ Examples::
     mrp-generate "def fibonacci(n):"                     # speculative MRP decoding, K = 3
     mrp-generate --prompt-file snippet.py --strategy remask --threshold 0.5
     mrp-generate "import os" --compare                  # every strategy on one prompt, as a table
+    mrp-generate "def add(a, b):" --stop $'\\n\\n'       # stop at the first blank line
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
     p.add_argument("--compare", action="store_true", help="run static, dynamic, direct, speculative and remask")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, "
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                     denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
                     draft_schedule=args.draft_schedule, remask_rule=args.remask_rule,
                     residual_delta=args.residual_delta, do_sample=args.do_sample, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256)
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256,
+                    stop_strings=args.stop, tokenizer=tokenizer if args.stop else None)
     if args.compare:
         print(compare_table(model, ids, settings))
         return 0

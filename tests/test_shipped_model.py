@@ -100,6 +100,9 @@ def test_mrp_generate_cli_runs_end_to_end():
     out = _run(["-m", "hf_integration.cli", "def add(a, b):", "--max-new-tokens", "8"])
     assert out.startswith("def add(a, b):") and "[speculative]" in out
     assert "custom code" not in out  # no trust prompt (it would wait for an answer in a terminal)
+    stopped = _run(["-m", "hf_integration.cli", "def add(a, b):", "--max-new-tokens", "48", "--stop", "\n"])
+    tokens = int(stopped.split("[speculative] ")[1].split(" tokens")[0])
+    assert tokens < 16 and "\n" in stopped[len("def add(a, b):"):]  # stopped in the first block, at a newline
     table = _run(["-m", "hf_integration.cli", "import os", "--max-new-tokens", "8", "--compare"])
     for strategy in ("static", "dynamic", "direct", "speculative", "remask"):
         assert strategy in table
