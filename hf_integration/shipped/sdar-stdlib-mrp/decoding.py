@@ -366,8 +366,7 @@ class BlockDecoder:
             return block, positions
         if len(kept) < live:
             block, positions = self.retire(kept, block, positions)
-        if any(m == 0 and b for m, b in zip(self.masks_left, self.blocks_left)):
-            self._next_blocks(block, positions)
+        self._next_blocks(block, positions)
         return block, positions
 
     def _stop_at_strings(self, full: list[int], positions: torch.Tensor, hit: list[int]) -> None:
@@ -385,10 +384,12 @@ class BlockDecoder:
                     self.stream.cut(keep)
 
     def _next_blocks(self, block: torch.Tensor, positions: torch.Tensor) -> None:
-        """Rows with a full block (no masks left) make it their pending commit and move on to their next
-        block, in place in ``block``/``positions`` [B', T], with fresh per-row state."""
+        """Rows with a full block (no masks left) and blocks left make it their pending commit and move on to
+        their next block, in place in ``block``/``positions`` [B', T], with fresh per-row state."""
         T = self.block
         switching = [m == 0 and b > 0 for m, b in zip(self.masks_left, self.blocks_left)]
+        if not any(switching):
+            return
         committing = torch.tensor(switching, device=self.device)
         # The other rows' part of the commit forward lies one block past their own: nobody attends to it.
         self.commit(block.clone(), torch.where(committing[:, None], positions, positions + T), rows=committing)
