@@ -6,6 +6,7 @@ Examples::
     mrp-generate --prompt-file snippet.py --strategy remask --threshold 0.5
     mrp-generate "import os" --compare                  # every strategy on one prompt, as a table
     mrp-generate "def add(a, b):" --stop $'\\n\\n'       # stop at the first blank line
+    mrp-generate --model JetLM/SDAR-1.7B-Chat --strategy dynamic --chat "Name three sorting algorithms."
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-file)")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the tokenizer's "
+                   "chat template (chat checkpoints such as SDAR-*-Chat)")
+    p.add_argument("--system", help="a system message before the prompt (with --chat)")
     p.add_argument("--model", default=str(SHIPPED_MODEL), help="checkpoint folder or Hub repo id")
     p.add_argument("--strategy", choices=STRATEGIES, default="speculative")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -70,6 +74,24 @@ def load(model_path: str, device: str, dtype: str | None):
     return tokenizer, model.to(device).eval()
 
 
+def encode(tokenizer, prompt: str, args: argparse.Namespace) -> torch.Tensor:
+    """The prompt's ids [1, P]: as it is, or (``--chat``) as a user message after the optional system message,
+    rendered by the tokenizer's chat template with the assistant's turn opened."""
+    if not args.chat:
+        if getattr(tokenizer, "chat_template", None):
+            print("note: this model's tokenizer has a chat template; --chat sends the prompt through it",
+                  file=sys.stderr)
+        return tokenizer(prompt, return_tensors="pt").input_ids
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f"mrp-generate: error: --chat needs a tokenizer with a chat template, and {args.model}'s "
+                         "has none (drop --chat to complete the prompt as plain text)")
+    messages = [{"role": "user", "content": prompt}]
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                         return_tensors="pt").input_ids
+
+
 def run_one(model, ids: torch.Tensor, settings: dict):
     """Generate once; returns (new token ids [n], stats dict, seconds)."""
     if ids.is_cuda:
@@ -103,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt = args.prompt
     else:
         build_parser().error("give a prompt or --prompt-file")
+    if args.system is not None and not args.chat:
+        build_parser().error("--system needs --chat")
     tokenizer, model = load(args.model, args.device, args.dtype)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(args.device)
+    ids = encode(tokenizer, prompt, args).to(args.device)
     settings = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length,
                     denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
                     draft_schedule=args.draft_schedule, remask_rule=args.remask_rule,
@@ -114,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print(compare_table(model, ids, settings))
         return 0
-    print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
+    if not args.chat:
+        print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     new, stats, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer})
     print(f"\n[{args.strategy}] {stats['tokens_committed'][0]} tokens, {stats['backbone_forwards'][0]} backbone "

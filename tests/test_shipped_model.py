@@ -108,6 +108,44 @@ def test_mrp_generate_cli_runs_end_to_end():
         assert strategy in table
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_mrp_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path, monkeypatch, capsys):
+    """--chat (and --system) render the prompt with the tokenizer's chat template, the assistant's turn
+    opened; a tokenizer without one refuses --chat, and --system needs --chat."""
+    from transformers import AutoTokenizer
+
+    from hf_integration import cli
+
+    chat_model = tmp_path / "chat"
+    chat_model.mkdir()
+    for f in SHIPPED_MODEL.iterdir():
+        (chat_model / f.name).write_bytes(f.read_bytes())
+    (chat_model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    seen = []
+    run_one = cli.run_one
+    monkeypatch.setattr(cli, "run_one", lambda model, ids, settings: seen.append(ids) or run_one(model, ids, settings))
+    args = ["hello", "--model", str(chat_model), "--max-new-tokens", "4", "--strategy", "static"]
+    assert cli.main([*args, "--chat", "--system", "be brief"]) == 0
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    rendered = "<|system|>be brief\n<|user|>hello\n<|assistant|>"
+    assert seen[0].tolist() == [tok(rendered, add_special_tokens=False).input_ids]
+    out = capsys.readouterr()
+    assert "<|assistant|>" not in out.out and "[static]" in out.err
+
+    assert cli.main(args) == 0  # plain completion, with a hint that the model could chat
+    assert seen[1].tolist() == [tok("hello").input_ids]
+    out = capsys.readouterr()
+    assert out.out.startswith("hello") and "--chat" in out.err
+    with pytest.raises(SystemExit, match="has none"):
+        cli.main(["hello", "--chat"])  # the shipped model's tokenizer has no chat template
+    with pytest.raises(SystemExit):
+        cli.main(["hello", "--system", "be brief"])
+    assert "--system needs --chat" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_e2e_benchmark_smoke_on_a_tiny_random_model(tmp_path):
     """The benchmark script runs on a tiny random model (with the shipped tokenizer and manifest)."""
