@@ -3,7 +3,9 @@
 (a) ``lm_head_confidence`` (fused lm_head matmul + online softmax, no logits written) vs torch
     ``softmax(h @ W.T).max(-1)`` and vs the time to read the lm_head weight once at the copy
     bandwidth measured in the same run (V=151936, H in {2048, 4096}, N in {1,4,16,64,128}, bf16).
-    ``x_weight_read`` = median / that floor (the goal is <= 1.3 for N <= 128).
+    ``x_weight_read`` = median / that floor (the goal is <= 1.3 for N <= 128). ``triton_fused_skip_half``:
+    the same with every other row in ``skip_rows`` (what a decoding step asks: only masked positions are
+    scored), against ``triton_fused`` at N/2 rows.
 (b) rms_norm (plain and with residual), qk_norm_rope, swiglu and mrp_input at decode shapes of
     SDAR-1.7B (H 2048, 16 q / 8 kv heads, head_dim 128, ffn 6144) and SDAR-8B
     (4096 / 32 / 8 / 128 / 12288), tokens x batch in {16, 64, 128} x {1, 8}: Triton vs eager (the
@@ -127,14 +129,16 @@ def main(argv=None) -> int:
         base = torch.randint(-3, 4, (Nv, Vv), device=dev, generator=g).to(torch.bfloat16)
         W[[7, 600, 1000]] = 2
         h[0] = 1
-        kw = dict(base_logits=base, mask_token_id=7, temperature=0.5)
-        out = mt.lm_head_confidence_triton(h, W, **kw)
-        exp = ref.lm_head_confidence(h, W, **kw)
-        if not torch.equal(out[0], exp[0]):
-            failures.append(f"MISMATCH lm_head_confidence tokens {wdt}: {out[0].tolist()} vs {exp[0].tolist()}")
-            print(failures[-1])
-        check(f"lm_head_confidence probs {wdt}", out[1], exp[1], 1e-5, 1e-4)
-        check(f"lm_head_confidence lse {wdt}", out[2], exp[2], 1e-4, 1e-5)
+        for skip in (None, torch.tensor([True, False, False, True, False], device=dev)):
+            kw = dict(base_logits=base, mask_token_id=7, temperature=0.5, skip_rows=skip)
+            out = mt.lm_head_confidence_triton(h, W, **kw)
+            exp = ref.lm_head_confidence(h, W, **kw)
+            name = f"lm_head_confidence {wdt}{'' if skip is None else ' skip_rows'}"
+            if not torch.equal(out[0], exp[0]):
+                failures.append(f"MISMATCH {name} tokens: {out[0].tolist()} vs {exp[0].tolist()}")
+                print(failures[-1])
+            check(f"{name} probs", out[1], exp[1], 1e-5, 1e-4)
+            check(f"{name} lse", out[2], exp[2], 1e-4, 1e-5)
         tol = dict(atol=1e-5, rtol=1e-5) if wdt == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         x = torch.randn(3, 7, 333, device=dev, dtype=wdt)
         r = torch.randn_like(x)
@@ -179,6 +183,10 @@ def main(argv=None) -> int:
                                bench(lambda: torch.softmax((h @ W.T).float(), -1).max(-1)), nbytes, floor_us)
                 record("lm_head_confidence", shape, "triton_fused",
                        bench(lambda: mt.lm_head_confidence_triton(h, W)), nbytes, floor_us, eager)
+                if N >= 2:  # a decoding step scores only its masked positions: here every other row
+                    skip = torch.arange(N, device=dev) % 2 == 1
+                    record("lm_head_confidence", shape, "triton_fused_skip_half",
+                           bench(lambda: mt.lm_head_confidence_triton(h, W, skip_rows=skip)), nbytes, floor_us, eager)
                 if args.sweep and cuda:
                     best = None
                     for i, cfg in enumerate(SWEEP):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Everything owed to a GPU, as one prepared run (about 9 minutes on an H200): correctness of the kernels
-# and of CUDA-graph decoding against the references, then every benchmark that needs CUDA.
+# Everything owed to a GPU, as one prepared run (at most 9.5 minutes on an H200: the sum of the steps' limits):
+# correctness of the decode kernels and of CUDA-graph decoding against the references, every benchmark that
+# needs CUDA, then the model-op kernel tests.
 #   bash benchmarks/gpu_session.sh OUT_DIR
 # Each step has its own time limit and log; a failing step does not stop the others. Results and logs
 # are packed into OUT_DIR/gpu_results.tar.gz (unpack into benchmarks/results/ and commit what ran).
@@ -24,14 +25,20 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== $name rc=$rc in $((SECONDS - start))s" | tee -a "$RES/steps.txt"
 }
 
-step gpu_tests 170 python3 -m pytest -q -p no:cacheprovider tests/test_confidence.py tests/test_select.py \
-  tests/test_verify.py tests/test_remask.py tests/test_lm_head_confidence.py tests/test_norm_ops.py \
-  tests/test_cached_attention.py tests/test_cuda_graphs.py tests/test_decode_kernels_compile.py
+# Kernel tests run on the GPU (tests/kernel_utils.py: DEV is cuda with the interpreter off); -v names each
+# test in the log, so a step cut by its limit still shows what passed.
+step decode_tests 110 python3 -m pytest -v -p no:cacheprovider tests/test_confidence.py tests/test_select.py \
+  tests/test_verify.py tests/test_remask.py tests/test_cuda_graphs.py tests/test_decode_kernels_compile.py
 step engine 170 python3 benchmarks/bench_engine.py --out "$RES"
 step decode_kernels 90 python3 benchmarks/bench_decode_kernels.py --sweep --out "$RES"
 step model_steps 60 python3 benchmarks/bench_model_steps.py --no-compile --models 1.7B --out "$RES"
 # The modes the issues' targets name (static is always run first); the full table stays a CPU figure.
 step e2e 60 python3 benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --out "$RES" \
   --modes "speculative K=1 mrp" "speculative K=3" "dynamic tau=0.9" "direct K=2" "remask tau tau=0.7"
+# lm_head_confidence with half the rows skipped (what a decoding step asks) vs all rows, at a verify round's N.
+step lm_head_skip 30 python3 benchmarks/bench_mrp_head.py --only lm_head --rows 64,512 --hidden 2048 \
+  --no-compile --out "$RES"
+step model_op_tests 50 python3 -m pytest -v -p no:cacheprovider tests/test_lm_head_confidence.py \
+  tests/test_norm_ops.py tests/test_cached_attention.py
 tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results
 cat "$RES/steps.txt"

@@ -3,7 +3,9 @@
 For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` over the vocabulary
 V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
 ``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three. The [N, V]
-logits are never written.
+logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
+the launcher orders the kept rows first on the device (a stable sort, no host synchronisation,
+so the op stays capturable in a CUDA graph) and row blocks past the kept count return at once.
 
 Cost model (b bytes per weight element, N <= 128 rows, one row block):
     reads  V*H*b (the lm_head weight, once) + N*H*b per V tile (L2-resident)
@@ -13,18 +15,21 @@ Cost model (b bytes per weight element, N <= 128 rows, one row block):
 At decode sizes the weight read dominates: V=151936, H=2048, bf16 is 622 MB, 145 us at the
 4.28 TB/s copy ceiling of an H200; H=4096 doubles it. Materialising the logits instead would
 add N*V*(write + read) bytes and a softmax launch. Rows above BLOCK_N = 128 re-read the weight
-once per row block (adjacent programs share a V tile, so the re-read is mostly served by L2).
+once per row block (adjacent programs share a V tile, so the re-read is mostly served by L2);
+there the MMA work dominates, and skipping rows (a decoding step scores only its masked
+positions, typically half of them) saves whole row blocks.
 
 Two launches:
-1. ``_partials_kernel``, grid (row blocks, splits): split s owns the vocabulary slice
+1. ``_partials_kernel``, grid (row blocks, splits) over the (kept-first) row slots: split s owns the vocabulary slice
    [s*v_per_split, (s+1)*v_per_split) and walks it in BLOCK_V tiles. Each tile is a
    ``tl.dot(W_tile [BLOCK_V, BLOCK_K], hidden_tile^T [BLOCK_K, BLOCK_N])`` accumulated over H in
    fp32 (V is the MMA's M side, so a handful of rows still fills the tensor cores), then an online
    softmax per row: running max m, rescaled sum d, and the argmax (a later tile only wins with a
    strictly larger max, so the lowest index is kept). It writes (m, d, argmax) per (row, split).
-2. ``_merge_kernel``, grid (N,): M = max_s m_s, d = sum_s d_s exp(m_s - M), the token of the
+2. ``_merge_kernel``, grid (N,) row slots: M = max_s m_s, d = sum_s d_s exp(m_s - M), the token of the
    first split reaching M (splits are in vocabulary order, so ties still go to the lowest
-   index), lse = M + log d, prob = exp(M - lse).
+   index), lse = M + log d, prob = exp(M - lse), written to the slot's row (skipped slots write
+   the skip values).
 
 dtypes: the matmul runs in weight's dtype (hidden is cast to it, as ``F.linear`` would need);
 fp32 weights use IEEE fp32 products (no TF32). Under TRITON_INTERPRET=1, tl.dot on bf16 is
@@ -42,17 +47,24 @@ from .reference.lm_head_confidence import lm_head_confidence as lm_head_confiden
 
 
 @triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
-def _partials_kernel(h_ptr, w_ptr, base_ptr, m_ptr, d_ptr, idx_ptr,
+def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, idx_ptr,
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
-                     HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr,
+                     HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr,
                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    rows64 = rows.to(tl.int64)
+    slots = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_SKIP:  # slots [0, kept) hold the kept rows, in order_ptr; the rest are skipped
+        n_live = tl.load(kept_ptr)
+        if pid_n * BLOCK_N >= n_live:
+            return
+        row_mask = slots < n_live
+        rows64 = tl.load(order_ptr + slots, mask=row_mask, other=0)
+    else:
+        row_mask = slots < N
+        rows64 = slots.to(tl.int64)
     v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
 
@@ -97,16 +109,25 @@ def _partials_kernel(h_ptr, w_ptr, base_ptr, m_ptr, d_ptr, idx_ptr,
         p = tl.exp(z - safe_m[None, :])
         d = d * tl.exp(m - safe_m) + tl.sum(p, axis=0)
         m = new_m
-    out = rows64 * n_splits + pid_s
+    out = slots.to(tl.int64) * n_splits + pid_s
     tl.store(m_ptr + out, m, mask=row_mask)
     tl.store(d_ptr + out, d, mask=row_mask)
     tl.store(idx_ptr + out, best, mask=row_mask)
 
 
 @triton.jit
-def _merge_kernel(m_ptr, d_ptr, idx_ptr, tok_ptr, prob_ptr, lse_ptr, n_splits, BLOCK_S: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = row * n_splits
+def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr, lse_ptr, n_splits,
+                  HAS_SKIP: tl.constexpr, BLOCK_S: tl.constexpr):
+    slot = tl.program_id(0).to(tl.int64)
+    row = slot
+    if HAS_SKIP:
+        row = tl.load(order_ptr + slot)
+        if slot >= tl.load(kept_ptr):
+            tl.store(tok_ptr + row, -1)
+            tl.store(lse_ptr + row, float("-inf"))
+            tl.store(prob_ptr + row, 0.0)
+            return
+    base = slot * n_splits
     offs = tl.arange(0, BLOCK_S)
     # pass 1, lane-wise over chunks of splits: the max and the token of the first split reaching it
     m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
@@ -158,7 +179,7 @@ def _config(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
 
 def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                               mask_token_id: int | None = None, temperature: float = 1.0,
-                              config: dict | None = None):
+                              skip_rows: torch.Tensor | None = None, config: dict | None = None):
     """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
 
     ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
@@ -193,6 +214,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     temperature = float(temperature)
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_skip_rows(skip_rows, hidden)
 
     tokens = torch.empty(N, dtype=torch.int64, device=hidden.device)
     probs = torch.empty(N, dtype=torch.float32, device=hidden.device)
@@ -210,32 +232,50 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     d_part = torch.empty_like(m_part)
     i_part = torch.empty((N, n_splits), dtype=torch.int32, device=hidden.device)
     base = base_logits if base_logits is not None else m_part  # dummy pointer when HAS_BASE=False
+    order = kept = tokens  # dummy pointers when HAS_SKIP=False
+    if skip_rows is not None:
+        order = torch.sort(skip_rows.view(torch.uint8), stable=True).indices  # kept rows first, in order
+        kept = (N - skip_rows.sum()).reshape(1)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
-        h, w, base, m_part, d_part, i_part,
+        h, w, base, order, kept, m_part, d_part, i_part,
         N, V, H, h.stride(0), w.stride(0), base.stride(0), 1.0 / temperature,
         mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
-        HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None,
+        HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None, HAS_SKIP=skip_rows is not None,
         DOT_FP32=interpreter_on() and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block_s = cfg.get("BLOCK_S") or min(triton.next_power_of_2(n_splits), 1024)
-    _merge_kernel[(N,)](m_part, d_part, i_part, tokens, probs, lse, n_splits, BLOCK_S=block_s, num_warps=4)
+    _merge_kernel[(N,)](m_part, d_part, i_part, order, kept, tokens, probs, lse, n_splits,
+                        HAS_SKIP=skip_rows is not None, BLOCK_S=block_s, num_warps=4)
     return tokens, probs, lse
 
 
+def _check_skip_rows(skip_rows: torch.Tensor | None, hidden: torch.Tensor) -> None:
+    if skip_rows is None:
+        return
+    if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or \
+            tuple(skip_rows.shape) != (hidden.shape[0],):
+        raise ValueError(f"skip_rows must be a bool tensor of shape [{hidden.shape[0]}] (one per row of hidden), "
+                         "or None")
+    if skip_rows.device != hidden.device:
+        raise ValueError(f"skip_rows is on {skip_rows.device} but hidden is on {hidden.device}")
+
+
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
-                       mask_token_id: int | None = None, temperature: float = 1.0):
+                       mask_token_id: int | None = None, temperature: float = 1.0,
+                       skip_rows: torch.Tensor | None = None):
     """Greedy pick and its full-softmax confidence, never materialising the logits.
 
     hidden: [N, H], weight: [V, H] (the lm_head), base_logits: [N, V] or None,
-    mask_token_id: a column excluded from the argmax and the softmax, temperature > 0.
+    mask_token_id: a column excluded from the argmax and the softmax, temperature > 0,
+    skip_rows: bool [N] or None (rows not to score: token -1, prob 0, lse -inf; on the GPU they cost nothing).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) for
     ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index.
     """
+    kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, temperature=temperature, skip_rows=skip_rows)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and select_backend(hidden.device) == "triton":
-        return lm_head_confidence_triton(hidden, weight, base_logits=base_logits,
-                                         mask_token_id=mask_token_id, temperature=temperature)
-    return lm_head_confidence_reference(hidden, weight, base_logits=base_logits,
-                                        mask_token_id=mask_token_id, temperature=temperature)
+        return lm_head_confidence_triton(hidden, weight, **kw)
+    _check_skip_rows(skip_rows, hidden)
+    return lm_head_confidence_reference(hidden, weight, **kw)

@@ -1,9 +1,10 @@
-"""Helpers shared by the kernel tests: poisoned allocations, per-dtype tolerances, and the row /
-score draws of the decode-op strategies."""
+"""Helpers shared by the kernel tests: the device they run on, poisoned allocations, per-dtype tolerances,
+and the row / score draws of the decode-op strategies."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from unittest import mock
 
 import torch
@@ -17,6 +18,9 @@ TOL = {
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Where the kernel tests run the kernels: the GPU when there is one and Triton's interpreter is off (as in
+# benchmarks/gpu_session.sh), else the CPU under the interpreter.
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def tol(dtype: torch.dtype) -> dict:

@@ -1,4 +1,4 @@
-"""cached_attention: the Triton kernel (interpreter on CPU) vs the PyTorch reference, and the reference
+"""cached_attention: the Triton kernel (interpreter on CPU, real kernel on CUDA) vs the PyTorch reference, and the reference
 vs attention over the full sequence (what the cache stands for)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_utils import DTYPES, poisoned_allocations
+from kernel_utils import DEV, DTYPES, poisoned_allocations
 from mrp_triton import cached_attention
 from mrp_triton import reference as ref
 from mrp_triton.cached_attention import cached_attention_triton
@@ -43,9 +43,9 @@ def problems(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
-def _tensors(p):
+def _tensors(p, device=DEV):
     g = torch.Generator().manual_seed(p["seed"])
-    r = lambda *shape: torch.randn(*shape, generator=g).to(p["dtype"])  # noqa: E731
+    r = lambda *shape: torch.randn(*shape, generator=g).to(device, p["dtype"])  # noqa: E731
     B, Hq, Hkv, T, D, W = (p[k] for k in ("B", "Hq", "Hkv", "T", "D", "W"))
     q = r(B, T, Hq, D).transpose(1, 2)  # the model's layout: a transposed view
     k, v = r(B, Hkv, T, D), r(B, Hkv, T, D)
@@ -57,7 +57,8 @@ def _tensors(p):
 @given(p=problems())
 def test_kernel_matches_reference(p):
     q, k, v, ck, cv = _tensors(p)
-    args = (p["lengths"], p["positions"], p["block"], p["segments"])
+    args = (p["lengths"].to(DEV), p["positions"].to(DEV), p["block"],
+            None if p["segments"] is None else p["segments"].to(DEV))
     with poisoned_allocations():
         out = cached_attention_triton(q, k, v, ck, cv, *args)
     expect = ref.cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args)
@@ -71,7 +72,7 @@ def test_uncommitted_slots_are_never_read():
     products with NaN are NaN)."""
     p = dict(B=2, Hkv=2, Hq=4, T=4, D=16, W=12, block=4, seed=1, dtype=torch.float32)
     q, k, v, ck, cv = _tensors(p)
-    lengths, positions = torch.tensor([4, 8]), torch.tensor([[4, 5, 6, 7], [8, 9, 10, 11]])
+    lengths, positions = torch.tensor([4, 8], device=DEV), torch.tensor([[4, 5, 6, 7], [8, 9, 10, 11]], device=DEV)
     clean = cached_attention_triton(q, k, v, ck, cv, lengths, positions, 4)
     stale_k, stale_v = ck.clone(), cv.clone()
     stale_k[0, :, 4:], stale_v[0, :, 4:], stale_k[1, :, 8:], stale_v[1, :, 8:] = 1e4, -1e4, 1e4, 1e4
@@ -115,7 +116,7 @@ def test_reference_equals_attention_over_the_whole_sequence(segments):
 
 def test_float64_and_cpu_dispatch_to_the_reference():
     p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=2, dtype=torch.float64)
-    q, k, v, ck, cv = _tensors(p)
+    q, k, v, ck, cv = _tensors(p, "cpu")
     args = (torch.tensor([4]), torch.tensor([[4, 5, 6]]), 4)
     assert torch.equal(cached_attention(q, k, v, ck, cv, *args), ref.cached_attention(q, k, v, ck, cv, *args))
 
@@ -129,7 +130,7 @@ def test_float64_and_cpu_dispatch_to_the_reference():
 ])
 def test_bad_arguments_are_named(bad, message):
     p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=3, dtype=torch.float32)
-    q, k, v, ck, cv = _tensors(p)
+    q, k, v, ck, cv = _tensors(p, "cpu")
     args = dict(q=q, k=k, v=v, cache_k=ck, cache_v=cv, lengths=torch.tensor([4]), positions=torch.tensor([[4, 5, 6]]),
                 block_size=4, segments=None)
     args.update(bad)

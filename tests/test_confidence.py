@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import pytest
@@ -16,8 +15,8 @@ from mrp_triton.confidence import confidence_triton
 from mrp_triton.reference.confidence import filter_top_k_top_p, gumbel_uniform
 from mrp_triton.reference.confidence import confidence as confidence_ref
 
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from kernel_utils import DEV, DTYPES
+
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy inf - inf inside the interpreter
 
 

@@ -1,4 +1,4 @@
-"""The decode kernels and cached_attention compile for a real GPU (sm_90, H100/H200) even on a machine without one.
+"""The decode kernels, cached_attention and lm_head_confidence compile for a real GPU (sm_90, H100/H200) even on a machine without one.
 
 The interpreter accepts things the CUDA lowering rejects (and vice versa), so this test compiles
 every kernel variant to a cubin with Triton's bundled ptxas, in a subprocess with the interpreter off.
@@ -71,6 +71,23 @@ def _compile_all() -> list[str]:
         comp(A._cached_attention_kernel, sig, {"GROUP": 2, "HAS_SEG": seg, "DOT_FP32": False, "IEEE": dt == "*fp32",
                                               "BLOCK_M": A._BLOCK_M, "BLOCK_N": A._BLOCK_N, "BLOCK_D": d},
              A._NUM_WARPS, f"cached_attention {dt} seg={seg}")
+    L = importlib.import_module("mrp_triton.lm_head_confidence")
+    for dt, base, skip, (bn, bv, bk, nw) in (("*bf16", None, True, (64, 256, 64, 8)),
+                                            ("*bf16", "*bf16", False, (16, 128, 128, 4)),
+                                            ("*fp32", "*fp32", True, (64, 64, 32, 4))):
+        sig = {"h_ptr": dt, "w_ptr": dt, "base_ptr": base or "*fp32", "order_ptr": "*i64", "kept_ptr": "*i64",
+               "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "N": "i32", "V": "i32", "H": "i32",
+               "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32", "mask_token": "i32",
+               "v_per_split": "i32", "n_splits": "i32"}
+        consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "DOT_FP32": False,
+                  "IEEE": dt == "*fp32", "BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}
+        comp(L._partials_kernel, {**sig, **{c: "constexpr" for c in consts}}, consts, nw,
+             f"lm_head_confidence {dt} skip={skip}")
+    for skip in (True, False):
+        comp(L._merge_kernel, {"m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "order_ptr": "*i64",
+                               "kept_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32",
+                               "n_splits": "i32", "HAS_SKIP": "constexpr", "BLOCK_S": "constexpr"},
+             {"HAS_SKIP": skip, "BLOCK_S": 64}, 4, f"lm_head_confidence merge skip={skip}")
     return done
 
 
@@ -84,7 +101,7 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "compiled 24 kernel variants" in r.stdout, r.stdout
+    assert "compiled 29 kernel variants" in r.stdout, r.stdout
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Fused lm_head + online softmax (interpreter on CPU) vs the PyTorch reference and vs
+"""Fused lm_head + online softmax (interpreter on CPU, real kernel on CUDA) vs the PyTorch reference and vs
 ``softmax(h @ W.T).max(-1)``.
 
 Exactness: hidden, weight and base logits are small integers, so every logit is an exact
@@ -7,12 +7,14 @@ integer whatever the summation order, ties are frequent, and the token must matc
 
 from __future__ import annotations
 
+from math import inf
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_utils import DTYPES, poisoned_allocations
+from kernel_utils import DEV, DTYPES, poisoned_allocations
 from mrp_triton import lm_head_confidence
 from mrp_triton.lm_head_confidence import lm_head_confidence_triton
 from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
@@ -25,7 +27,7 @@ configs = st.fixed_dictionaries(dict(
 
 
 def _ints(shape, lo, hi, dtype, g):
-    return torch.randint(lo, hi + 1, shape, generator=g).to(dtype)
+    return torch.randint(lo, hi + 1, shape, generator=g).to(DEV, dtype)
 
 
 def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
@@ -56,6 +58,30 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
         assert not (out[0] == mask).any()
 
 
+@settings(max_examples=20)
+@given(N=st.integers(1, 40), H=st.integers(1, 24), V=st.integers(2, 120), dtype=st.sampled_from(DTYPES),
+       skip=st.sampled_from(("none", "all", "first", "last", "random")), with_base=st.booleans(),
+       block_n=st.sampled_from((16, 32)), seed=st.integers(0, 2**16))
+def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, seed):
+    """Skipped rows give (-1, 0, -inf); the kept rows, gathered to the front on the device, give what they
+    give unskipped, whichever row blocks they end up in."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = _ints((N, H), -2, 2, dtype, g)
+    weight = _ints((V, H), -2, 2, dtype, g)
+    base_logits = _ints((N, V), -4, 4, torch.float32, g) if with_base else None
+    skip_rows = {"none": torch.zeros(N, dtype=torch.bool), "all": torch.ones(N, dtype=torch.bool),
+                 "first": torch.arange(N) < N // 2, "last": torch.arange(N) >= N // 2,
+                 "random": torch.rand(N, generator=g) < 0.5}[skip].to(DEV)
+    kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows)
+    with poisoned_allocations():
+        out = lm_head_confidence_triton(hidden, weight, config=dict(BLOCK_N=block_n, BLOCK_V=32, BLOCK_K=16), **kw)
+    expect = lm_head_confidence_reference(hidden, weight, **kw)
+    _check(out, expect)
+    assert (out[0][skip_rows] == -1).all() and (out[1][skip_rows] == 0).all() and (out[2][skip_rows] == -inf).all()
+    unskipped = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V - 1)
+    assert torch.equal(out[0][~skip_rows], unskipped[0][~skip_rows])
+
+
 def test_equals_softmax_max_with_default_tiles():
     g = torch.Generator().manual_seed(0)
     hidden = _ints((5, 64), -2, 2, torch.float32, g)
@@ -79,14 +105,14 @@ def test_constructed_ties_across_tiles_and_splits(dtype):
     weight = _ints((V, H), -1, 1, dtype, g)
     for j in (5, 9, 20, 70, 197):
         weight[j] = 2
-    hidden = torch.ones(3, H, dtype=dtype)
+    hidden = torch.ones(3, H, dtype=dtype, device=DEV)
     cfg = dict(BLOCK_V=16, BLOCK_K=16, tiles_per_split=2)
     for mask, want in ((None, 5), (5, 9), (9, 5), (197, 5)):
         tok, prob, _ = lm_head_confidence_triton(hidden, weight, mask_token_id=mask, config=cfg)
         assert tok.tolist() == [want] * 3, (mask, tok)
         _check((tok, prob, _), lm_head_confidence_reference(hidden, weight, mask_token_id=mask))
     # only the last copies survive once earlier ones are masked out via base logits
-    base = torch.zeros(3, V)
+    base = torch.zeros(3, V, device=DEV)
     base[:, [5, 9, 20]] = -1.0
     tok, _, _ = lm_head_confidence_triton(hidden, weight, base_logits=base, config=cfg)
     assert tok.tolist() == [70] * 3
@@ -97,9 +123,9 @@ def test_constructed_ties_across_tiles_and_splits(dtype):
        with_base=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_logits_close_to_reference(N, H, V, dtype, with_base, seed):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g).to(dtype)
-    weight = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
-    base_logits = torch.randn(N, V, generator=g) * 2 if with_base else None
+    hidden = torch.randn(N, H, generator=g).to(DEV, dtype)
+    weight = (torch.randn(V, H, generator=g) * 0.5).to(DEV, dtype)
+    base_logits = (torch.randn(N, V, generator=g) * 2).to(DEV) if with_base else None
     out = lm_head_confidence_triton(hidden, weight, base_logits=base_logits, mask_token_id=V // 2,
                                     config=dict(BLOCK_V=32, tiles_per_split=2))
     expect = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V // 2)
@@ -135,5 +161,9 @@ def test_errors():
         lm_head_confidence_triton(h, w, temperature=0.0)
     with pytest.raises(ValueError, match="only the mask token"):
         lm_head_confidence_triton(h, w[:1], mask_token_id=0)
+    for bad in (torch.zeros(3, dtype=torch.bool), torch.zeros(2), [False, True]):
+        for op in (lm_head_confidence_triton, lm_head_confidence):
+            with pytest.raises(ValueError, match="skip_rows must be a bool tensor of shape \\[2\\]"):
+                op(h, w, skip_rows=bad)
     tok, prob, lse = lm_head_confidence_triton(h[:0], w)
     assert tok.shape == prob.shape == lse.shape == (0,)

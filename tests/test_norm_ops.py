@@ -1,4 +1,4 @@
-"""Triton kernels (interpreter on CPU) vs the PyTorch reference: rms_norm, swiglu, qk_norm_rope,
+"""Triton kernels (interpreter on CPU, real kernels on CUDA) vs the PyTorch reference: rms_norm, swiglu, qk_norm_rope,
 mrp_input."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_utils import DTYPES, poisoned_allocations, tol
+from kernel_utils import DEV, DTYPES, poisoned_allocations, tol
 from mrp_triton import mrp_input, qk_norm_rope, rms_norm, swiglu
 from mrp_triton import reference as ref
 from mrp_triton.mrp_input import mrp_input_triton
@@ -35,7 +35,7 @@ ROPE_ATOL = {torch.float32: 1e-5, torch.float16: 8e-3, torch.bfloat16: 6e-2}
 
 def _randn(shape, dtype, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).to(dtype)
+    return (torch.randn(shape, generator=g) * scale).to(DEV, dtype)
 
 
 # ---------------------------------------------------------------------------------------- rms_norm
@@ -141,8 +141,8 @@ def test_qk_norm_rope_public_dispatch_qwen_shape():
     q = _randn((B, T, 4, D), torch.bfloat16, 0)
     k = _randn((B, T, 2, D), torch.bfloat16, 1)
     qw, kw = _randn((D,), torch.bfloat16, 2), _randn((D,), torch.bfloat16, 3)
-    pos = torch.arange(T, dtype=torch.float32)[None, :, None].expand(B, T, D // 2)
-    inv_freq = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+    pos = torch.arange(T, dtype=torch.float32, device=DEV)[None, :, None].expand(B, T, D // 2)
+    inv_freq = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D)
     ang = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)
     with poisoned_allocations():
         oq, ok = qk_norm_rope(q, k, qw, kw, ang.cos(), ang.sin(), EPS)
@@ -171,7 +171,7 @@ def test_qk_norm_rope_errors():
        embed_dtype=st.sampled_from((None, torch.float32)), seed=st.integers(0, 2**16))
 def test_mrp_input_matches_reference(N, H, V, dtype, embed_dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (N,), generator=g)
+    ids = torch.randint(0, V, (N,), generator=g).to(DEV)
     E = _randn((V, H), embed_dtype or dtype, seed + 1)
     h = _randn((N, H), dtype, seed + 2, 5.0)
     ew, hw = _randn((H,), dtype, seed + 3), _randn((H,), dtype, seed + 4)
@@ -182,13 +182,13 @@ def test_mrp_input_matches_reference(N, H, V, dtype, embed_dtype, seed):
 
 @pytest.mark.triton
 def test_mrp_input_public_dispatch_and_errors():
-    ids = torch.tensor([3, 0, 3, 7], dtype=torch.int32)
+    ids = torch.tensor([3, 0, 3, 7], dtype=torch.int32, device=DEV)
     E, h = _randn((8, 24), torch.float32, 0), _randn((4, 24), torch.float32, 1)
     ew, hw = _randn((24,), torch.float32, 2), _randn((24,), torch.float32, 3)
     out = mrp_input(ids, E, h, ew, hw, EPS)
     _close(out, ref.mrp_input(ids.long(), E, h, ew, hw, EPS))
     with pytest.raises(IndexError, match="ids must lie"):
-        mrp_input_triton(torch.tensor([8, 0, 0, 0]), E, h, ew, hw, EPS)
+        mrp_input_triton(torch.tensor([8, 0, 0, 0], device=DEV), E, h, ew, hw, EPS)
     with pytest.raises(ValueError, match="embed_weight must be"):
         mrp_input_triton(ids, E[:, :5], h, ew, hw, EPS)
     with pytest.raises(TypeError, match="ids must be"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -10,11 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mrp_triton as mt
-from kernel_utils import draw_rows, draw_scores
+from kernel_utils import DEV, draw_rows, draw_scores
 from mrp_triton.reference.remask import remask as remask_ref
 from mrp_triton.remask import remask_triton
 
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 M = 99
 
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
@@ -14,7 +12,8 @@ import mrp_triton as mt
 from mrp_triton.reference.verify import verify_drafts as verify_ref
 from mrp_triton.verify import verify_drafts_triton
 
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+from kernel_utils import DEV
+
 M = 77
 
 

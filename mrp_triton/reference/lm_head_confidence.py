@@ -6,9 +6,11 @@ import torch
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
-                       mask_token_id: int | None = None, temperature: float = 1.0):
+                       mask_token_id: int | None = None, temperature: float = 1.0,
+                       skip_rows: torch.Tensor | None = None):
     """Per row: the argmax of ``z = (hidden @ weight.T [+ base_logits]) / temperature`` and its
     probability under the full softmax of z, the ``mask_token_id`` column excluded from both.
+    Rows in ``skip_rows`` (bool [N]) give token -1, prob 0, lse -inf (as in ``confidence``).
 
     hidden: [N, H] (cast to weight's dtype before the matmul, which runs with fp32 accumulation),
     weight: [V, H], base_logits: [N, V] or None (any float dtype, added in fp32; fp64 weights: all in fp64).
@@ -26,4 +28,9 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     lse = torch.logsumexp(z, dim=-1)
     tokens = torch.argmax(z, dim=-1)  # documented: first maximal index
     zmax = z.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, torch.exp(zmax - lse).float(), lse.float()
+    probs, lse = torch.exp(zmax - lse).float(), lse.float()
+    if skip_rows is not None:
+        tokens = tokens.masked_fill(skip_rows, -1)
+        probs = probs.masked_fill(skip_rows, 0.0)
+        lse = lse.masked_fill(skip_rows, float("-inf"))
+    return tokens, probs, lse

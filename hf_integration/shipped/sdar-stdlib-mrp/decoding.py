@@ -249,16 +249,15 @@ class BlockDecoder:
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
                     counter: torch.Tensor):
         """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]). Greedy picks go through the fused
-        LM-head confidence, which never writes the [B, T, V] logits; sampling builds them."""
+        LM-head confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that
+        are not candidates (committed ones: about half of a step's); sampling builds the logits."""
         s = self.settings
         if s.do_sample:
             return self.pick(self.model.lm_head(hidden), positions, candidates, counter)
         B, T, H = hidden.shape
         tok, conf, lse = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), self.model.lm_head.weight,
-                                                       mask_token_id=self.mask_id)
-        tok, conf, lse = tok.view(B, T), conf.view(B, T), lse.view(B, T)
-        return (tok.masked_fill(~candidates, -1), conf.masked_fill(~candidates, 0.0),
-                lse.masked_fill(~candidates, float("-inf")))
+                                                       mask_token_id=self.mask_id, skip_rows=~candidates.reshape(-1))
+        return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      masked: torch.Tensor, n: torch.Tensor, threshold: float | None = None,
