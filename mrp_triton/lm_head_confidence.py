@@ -4,7 +4,7 @@ For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` ov
 V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
 ``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three. The [N, V]
 logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
-the launcher orders the kept rows first on the device (a stable sort, no host synchronisation,
+a one-program kernel lists the kept rows first (prefix sums on the device, no host synchronisation,
 so the op stays capturable in a CUDA graph) and row blocks past the kept count return at once.
 
 Cost model (b bytes per weight element, N <= 128 rows, one row block):
@@ -19,7 +19,7 @@ once per row block (adjacent programs share a V tile, so the re-read is mostly s
 there the MMA work dominates, and skipping rows (a decoding step scores only its masked
 positions, typically half of them) saves whole row blocks.
 
-Two launches:
+Two launches (three with ``skip_rows``: ``_kept_first_kernel`` first):
 1. ``_partials_kernel``, grid (row blocks, splits) over the (kept-first) row slots: split s owns the vocabulary slice
    [s*v_per_split, (s+1)*v_per_split) and walks it in BLOCK_V tiles. Each tile is a
    ``tl.dot(W_tile [BLOCK_V, BLOCK_K], hidden_tile^T [BLOCK_K, BLOCK_N])`` accumulated over H in
@@ -44,6 +44,30 @@ import triton.language as tl
 
 from .backend import interpreter_on, select_backend
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
+
+
+@triton.jit(do_not_specialize=["N"])
+def _kept_first_kernel(skip_ptr, order_ptr, kept_ptr, N, BLOCK: tl.constexpr):
+    """One program: order[:kept] = the rows not skipped and order[kept:] = the skipped ones, each in
+    increasing order (int64), and kept_ptr[0] = kept. skip_ptr: uint8 [N] (nonzero = skipped)."""
+    offs = tl.arange(0, BLOCK)
+    kept = 0
+    for start in range(0, N, BLOCK):
+        rows = start + offs
+        kept += tl.sum((tl.load(skip_ptr + rows, mask=rows < N, other=1) == 0).to(tl.int32), axis=0)
+    kept_before = 0
+    skipped_before = 0
+    for start in range(0, N, BLOCK):
+        rows = start + offs
+        inside = rows < N
+        keep = tl.load(skip_ptr + rows, mask=inside, other=1) == 0
+        k = keep.to(tl.int32)
+        s = (inside & ~keep).to(tl.int32)
+        slot = tl.where(keep, kept_before + tl.cumsum(k, axis=0) - 1, kept + skipped_before + tl.cumsum(s, axis=0) - 1)
+        tl.store(order_ptr + slot, rows.to(tl.int64), mask=inside)
+        kept_before += tl.sum(k, axis=0)
+        skipped_before += tl.sum(s, axis=0)
+    tl.store(kept_ptr, kept.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
@@ -234,8 +258,10 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     base = base_logits if base_logits is not None else m_part  # dummy pointer when HAS_BASE=False
     order = kept = tokens  # dummy pointers when HAS_SKIP=False
     if skip_rows is not None:
-        order = torch.sort(skip_rows.view(torch.uint8), stable=True).indices  # kept rows first, in order
-        kept = (N - skip_rows.sum()).reshape(1)
+        order = torch.empty(N, dtype=torch.int64, device=hidden.device)
+        kept = torch.empty(1, dtype=torch.int64, device=hidden.device)
+        _kept_first_kernel[(1,)](skip_rows.view(torch.uint8), order, kept, N,
+                                 BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
         h, w, base, order, kept, m_part, d_part, i_part,

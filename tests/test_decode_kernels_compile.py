@@ -83,6 +83,8 @@ def _compile_all() -> list[str]:
                   "IEEE": dt == "*fp32", "BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}
         comp(L._partials_kernel, {**sig, **{c: "constexpr" for c in consts}}, consts, nw,
              f"lm_head_confidence {dt} skip={skip}")
+    comp(L._kept_first_kernel, {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32",
+                                "BLOCK": "constexpr"}, {"BLOCK": 1024}, 4, "lm_head_confidence kept rows first")
     for skip in (True, False):
         comp(L._merge_kernel, {"m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "order_ptr": "*i64",
                                "kept_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32",
@@ -101,7 +103,7 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "compiled 29 kernel variants" in r.stdout, r.stdout
+    assert "compiled 30 kernel variants" in r.stdout, r.stdout
 
 
 if __name__ == "__main__":

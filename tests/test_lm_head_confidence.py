@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kernel_utils import DEV, DTYPES, poisoned_allocations
 from mrp_triton import lm_head_confidence
-from mrp_triton.lm_head_confidence import lm_head_confidence_triton
+from mrp_triton.lm_head_confidence import _kept_first_kernel, lm_head_confidence_triton
 from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
 
 # tiny tiles, so that small vocabularies still span several tiles, splits and H chunks
@@ -80,6 +80,20 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
     assert (out[0][skip_rows] == -1).all() and (out[1][skip_rows] == 0).all() and (out[2][skip_rows] == -inf).all()
     unskipped = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V - 1)
     assert torch.equal(out[0][~skip_rows], unskipped[0][~skip_rows])
+
+
+@settings(max_examples=15)
+@given(N=st.integers(1, 100), block=st.sampled_from((16, 32, 1024)), density=st.sampled_from((0.0, 0.3, 0.9, 1.0)),
+       seed=st.integers(0, 2**16))
+def test_kept_rows_are_listed_first_in_order(N, block, density, seed):
+    """The compaction behind skip_rows, over one or several chunks of BLOCK rows."""
+    skip = (torch.rand(N, generator=torch.Generator().manual_seed(seed)) < density).to(DEV)
+    order = torch.full((N,), -7, dtype=torch.int64, device=DEV)
+    kept = torch.full((1,), -7, dtype=torch.int64, device=DEV)
+    _kept_first_kernel[(1,)](skip.view(torch.uint8), order, kept, N, BLOCK=block)
+    rows = torch.arange(N, device=DEV)
+    assert order.tolist() == torch.cat([rows[~skip], rows[skip]]).tolist()
+    assert kept.item() == int((~skip).sum())
 
 
 def test_equals_softmax_max_with_default_tiles():
