@@ -63,7 +63,11 @@ def test_loss_falls(env, tmp_path, mode, kw):
     cfg = _cfg(tmp_path, mode, max_steps=40, micro_batch_size=8, **kw)
     before = evaluate(LossModule(model, cfg, env["tok"].mask_token_id), env["train"], cfg, torch.device("cpu"))
     res = train(cfg, model, env["train"], env["train"])
-    assert res["eval_loss"] < 0.8 * before, (before, res["eval_loss"])
+    assert res["eval_loss"] < 0.8 * before["eval_loss"], (before, res["eval_loss"])
+    if mode == "mrp":  # the head learns to agree with the backbone's next state (K = 2 unroll steps)
+        for name in ("eval_token_agreement", "eval_pick_agreement"):
+            assert len(res[name]) == 2 and all(0 <= a <= 1 for a in res[name] + before[name])
+            assert sum(res[name]) > sum(before[name]), (name, before[name], res[name])
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, 41))
     assert all({"lr", "tokens_per_s", "grad_norm"} <= set(x) for x in lines if "loss" in x)
@@ -197,6 +201,16 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     for k, v in base.state_dict().items():  # the backbone did not move
         assert torch.equal(v, m.state_dict()[k]), k
     assert AutoTokenizer.from_pretrained(str(mrp)).mask_token_id == 1
+    # mrp-train eval: the trained head's held-out loss and draft agreement, per unroll step
+    ev = run(["eval", "--model", str(mrp), "--data", env["paths"]["pairs"], "--seq-len", str(T), "--unroll-k", "3",
+              "--micro-batch-size", "2", "--eval-batches", "2"])
+    assert ev["sequences"] == 4 and ev["eval_loss"] > 0
+    assert all(len(ev[k]) == 3 and all(0 <= a <= 1 for a in ev[k]) for k in ("eval_token_agreement",
+                                                                           "eval_pick_agreement"))
+    with pytest.raises(ConfigError, match="has no MRP head"):
+        run(["eval", "--model", str(bb), "--data", env["paths"]["pairs"], "--seq-len", str(T)])
+    with pytest.raises(ConfigError, match="give the held-out data"):
+        run(["eval", "--model", str(mrp)])
 
 
 def test_bad_configs_rejected(env, tmp_path):
@@ -231,7 +245,7 @@ def test_bad_configs_rejected(env, tmp_path):
 def test_cli_help(capsys):
     from training.cli import main
 
-    for argv in (["--help"], ["backbone", "--help"], ["mrp", "--help"]):
+    for argv in (["--help"], ["backbone", "--help"], ["mrp", "--help"], ["eval", "--help"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 0

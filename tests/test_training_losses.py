@@ -9,7 +9,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 from training.config import TrainConfig
 from training.data import build_datasets
-from training.losses import backbone_loss_sum, kl_teacher_student, mrp_loss_sum
+from training.losses import backbone_loss_sum, block_picks, draft_agreement, kl_teacher_student, mrp_loss_sum
 from training.noising import block_diffusion_mask, make_generators, pack_noisy_clean, reveal_one_per_block, sample_mask
 
 T, BS = 16, 4
@@ -62,6 +62,45 @@ def test_exact_residual_gives_zero_kd(setup, K):
     assert st["scored"] > 0
     assert abs(float(exact)) < 1e-5 * max(1.0, float(zero))
     assert float(zero) > 1e-4  # the backbone's own step-to-step change is not zero
+
+
+def test_exact_residual_agrees_everywhere_and_a_zero_head_does_not(setup):
+    tok, train = setup
+    model = tiny_backbone(tok).eval()
+    ids, isp, seeds = _batch(train)
+    am = block_diffusion_mask(T, BS)
+    results = {}
+    for name, head in (("exact", ExactResidualMRP(model)), ("zero", ZeroMRP(model))):
+        gens = make_generators(seeds)
+        masked, p = sample_mask(isp, gens)
+        with torch.no_grad():
+            _, st = mrp_loss_sum(head, ids, masked, p, am, tok.mask_token_id, BS, gens, 2, agreement=True)
+        results[name] = st["agreement"]
+    for k in results["exact"]:
+        assert k["tokens"] > 0 and k["tokens_agree"] == k["tokens"] and k["picks_agree"] == k["blocks"] > 0
+    zero = results["zero"]  # the backbone's stale picks: its step-to-step change moves some of them
+    assert [k["tokens"] for k in zero] == [k["tokens"] for k in results["exact"]]
+    assert sum(k["tokens_agree"] for k in zero) < sum(k["tokens"] for k in zero)
+
+
+def test_block_picks_and_agreement_by_hand():
+    """Two blocks of 4, five scored positions. The mask token (id 0) is never picked, so positions 0 and 2 tie
+    in block 0 (the lower wins); position 6 wins block 1."""
+    V, M = 5, 0
+    sel = torch.tensor([[True, False, True, True, False, True, True, False]])
+    teacher = torch.tensor([[0, 3, 1, 0, 0],   # position 0: token 1
+                            [9, 3, 1, 0, 0],   # position 2: as position 0 once the mask column is out
+                            [0, 0, 0, 0, 1],   # position 3: token 4, less confident
+                            [0, 0, 1, 0, 0],   # position 5: token 2
+                            [0, 4, 0, 0, 0]],  # position 6: token 1, the most confident of block 1
+                           dtype=torch.float)
+    top = teacher.index_fill(-1, torch.tensor([M]), float("-inf")).log_softmax(-1).max(-1)
+    position, token, has = block_picks(top.values, top.indices, sel, 4)
+    assert position.tolist() == [[0, 2]] and token.tolist() == [[1, 1]] and has.tolist() == [[True, True]]
+    student = teacher.clone()
+    student[2] = torch.tensor([0, 0, 5, 0, 1.0])  # position 3: token 2 (not 4), and now block 0's pick
+    assert draft_agreement(teacher, student, sel, 4, M) == {"tokens_agree": 4, "tokens": 5, "picks_agree": 1,
+                                                            "blocks": 2}
 
 
 def test_kd_matches_hand_computation(setup):

@@ -5,6 +5,7 @@
     mrp-train backbone --stdlib --out runs/stdlib ...          # the CPython stdlib corpus
     mrp-train mrp --model runs/tiny --data sft.jsonl --out runs/tiny-mrp --mrp-layers 3 --unroll-k 2
     mrp-train mrp --model runs/stdlib --stdlib --out runs/stdlib-mrp   # same corpus and split as the backbone
+    mrp-train eval --model runs/stdlib-mrp --stdlib --unroll-k 3   # held-out KD loss and draft agreement
     torchrun --nproc_per_node 2 -m training.cli backbone ...    # same flags, DDP
 
 Exit status 2 with a message naming the flag on a bad configuration.
@@ -102,6 +103,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mrp-init", choices=("default", "normal"), default="default",
                    help="'normal': N(0, --mrp-init-std) for the head's matrices (authors' recipe: 0.2)")
     g.add_argument("--mrp-init-std", type=float, default=0.2)
+
+    e = sub.add_parser("eval", help="held-out KD loss and draft agreement of a model's MRP head (no training)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = e.add_argument_group("data")
+    g.add_argument("--data", nargs="+", default=[], metavar="PATH",
+                   help="held-out text files, JSONL or folders (all of it is evaluated)")
+    g.add_argument("--seq-len", type=int, default=TrainConfig().seq_len)
+    g = _stdlib_args(e, "MODEL/stdlib_manifest.json")
+    g.description = "--stdlib evaluates the manifest's held-out files"
+    g = e.add_argument_group("evaluation")
+    g.add_argument("--model", required=True, help="a model folder with an MRP head (its tokenizer is used)")
+    g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
+    g.add_argument("--unroll-k", type=int, default=3, help="K successive reveals: agreement of drafts 1..K")
+    g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default="kd_diff_sum",
+                   help="how the head chains (as it was trained)")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--eval-batches", type=int, default=16, help="micro-batches to evaluate")
+    g.add_argument("--seed", type=int, default=0, help="noise seed")
+    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return ap
 
 
@@ -149,23 +169,59 @@ def _default_manifest(args, out_dir: str) -> str:
     return os.path.join(out_dir, "stdlib_manifest.json")
 
 
+def _model_block_size(args) -> int:
+    """``--block-size``, else the ``--model`` folder's (4 when its config has none)."""
+    if not os.path.isdir(args.model) or not os.path.exists(os.path.join(args.model, "config.json")):
+        raise ConfigError(f"--model: {args.model!r} is not a model folder (no config.json)")
+    if args.block_size is not None:
+        return args.block_size
+    with open(os.path.join(args.model, "config.json")) as f:
+        return json.load(f).get("block_size") or 4
+
+
+def run_eval(args) -> dict:
+    """``mrp-train eval``: :func:`training.trainer.evaluate` of the model's own MRP head on held-out data."""
+    from hf_integration import SDARMRPForCausalLM
+
+    from .data import build_datasets, read_records
+    from .stdlib_corpus import load_manifest, manifest_records
+    from .tokenizer import load_tokenizer, special_token_ids
+    from .trainer import LossModule, evaluate
+
+    if args.stdlib == bool(args.data):
+        raise ConfigError("give the held-out data: --data PATH... or --stdlib")
+    cfg = TrainConfig(mode="mrp", out_dir=args.model, seq_len=args.seq_len, block_size=_model_block_size(args),
+                      micro_batch_size=args.micro_batch_size, eval_batches=args.eval_batches, seed=args.seed,
+                      unroll_k=args.unroll_k, mrp_loss=args.mrp_loss, progress=False).validate()
+    if cfg.eval_batches < 1:
+        raise ConfigError(f"--eval-batches must be >= 1, got {cfg.eval_batches}")
+    if args.stdlib:
+        _, records = manifest_records(load_manifest(args.stdlib_manifest or
+                                                    os.path.join(args.model, "stdlib_manifest.json")))
+    else:
+        records = read_records(args.data)
+    tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
+    data, _ = build_datasets(None, tokenizer, cfg.seq_len, cfg.block_size, records=(records, []))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = SDARMRPForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+    if not model.has_mrp:
+        raise ConfigError(f"--model: {args.model!r} has no MRP head to evaluate")
+    model.config.block_size = cfg.block_size
+    mask_id = special_token_ids(tokenizer)["mask_token_id"]
+    return {"sequences": min(len(data), cfg.eval_batches * cfg.micro_batch_size),
+            **evaluate(LossModule(model, cfg, mask_id), data, cfg, device)}
+
+
 def run(argv: list[str] | None = None) -> dict:
-    """Parse ``argv``, train, export. Raises ConfigError on a bad configuration."""
+    """Parse ``argv``, train and export (or evaluate). Raises ConfigError on a bad configuration."""
     args = build_parser().parse_args(argv)
+    if args.command == "eval":
+        return run_eval(args)
     from .data import build_datasets, read_records, record_texts, split_records
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
     from .trainer import barrier, init_distributed, train
 
-    if args.command == "mrp":
-        if not os.path.isdir(args.model) or not os.path.exists(os.path.join(args.model, "config.json")):
-            raise ConfigError(f"--model: {args.model!r} is not a model folder (no config.json)")
-        block = args.block_size
-        if block is None:
-            with open(os.path.join(args.model, "config.json")) as f:
-                block = json.load(f).get("block_size") or 4
-    else:
-        block = args.block_size
-    cfg = _config(args, block)
+    cfg = _config(args, _model_block_size(args) if args.command == "mrp" else args.block_size)
     if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
         raise ConfigError(f"--tokenizer: {args.tokenizer!r} does not exist")
     if args.stdlib and args.data:
@@ -247,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({k: res[k] for k in ("step", "loss", "eval_loss")}))
+        print(json.dumps({k: v for k, v in res.items() if k != "history"}))
 
 
 if __name__ == "__main__":

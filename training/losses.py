@@ -54,6 +54,43 @@ def kl_teacher_student(t_logits: torch.Tensor, s_logits: torch.Tensor) -> torch.
     return (t.exp() * (t - s)).sum(dim=-1)
 
 
+def _top_choice(logits: torch.Tensor, mask_token_id: int):
+    """logits [n, V] -> (log of the largest probability [n], its token [n]), the mask token excluded (as the
+    decoder's picks exclude it)."""
+    z = logits.float().index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
+    top, token = z.max(-1)  # first maximal index
+    return top - torch.logsumexp(z, -1), token
+
+
+def block_picks(log_conf: torch.Tensor, token: torch.Tensor, sel: torch.Tensor, block_size: int):
+    """What one decoding step would commit in each block: among the positions of ``sel`` (bool [B, T], T a
+    multiple of block_size) the most confident one (ties: the lowest) and its token. log_conf, token: [n] at
+    those positions. Returns (position [B, T / bs], token [B, T / bs], has_candidates bool [B, T / bs])."""
+    B, T = sel.shape
+    conf = torch.full((B, T), float("-inf"), device=sel.device)
+    conf[sel] = log_conf
+    tokens = torch.full((B, T), -1, dtype=torch.long, device=sel.device)
+    tokens[sel] = token
+    position = conf.view(B, -1, block_size).argmax(-1)  # first maximal index
+    picked = tokens.view(B, -1, block_size).gather(-1, position[..., None])[..., 0]
+    return position, picked, sel.view(B, -1, block_size).any(-1)
+
+
+def draft_agreement(t_logits: torch.Tensor, s_logits: torch.Tensor, sel: torch.Tensor, block_size: int,
+                    mask_token_id: int) -> dict[str, int]:
+    """How often the student (the MRP-corrected logits) agrees with the teacher (the backbone on the same
+    state), as counts: at ``tokens_agree`` of the ``tokens`` scored positions the argmax token is the same,
+    and in ``picks_agree`` of the ``blocks`` blocks with a scored position the step's pick
+    (:func:`block_picks`) is the same position and token, which is what gets a speculative draft accepted.
+    t_logits, s_logits: [n, V] at the positions of ``sel`` (bool [B, T])."""
+    t_conf, t_tok = _top_choice(t_logits, mask_token_id)
+    s_conf, s_tok = _top_choice(s_logits, mask_token_id)
+    t_pos, t_pick, has = block_picks(t_conf, t_tok, sel, block_size)
+    s_pos, s_pick, _ = block_picks(s_conf, s_tok, sel, block_size)
+    return {"tokens_agree": int((t_tok == s_tok).sum()), "tokens": int(sel.sum()),
+            "picks_agree": int(((t_pos == s_pos) & (t_pick == s_pick) & has).sum()), "blocks": int(has.sum())}
+
+
 def mrp_loss_sum(
     model,
     ids: torch.Tensor,
@@ -65,6 +102,7 @@ def mrp_loss_sum(
     generators: Sequence[torch.Generator],
     unroll_k: int = 1,
     loss_type: str = "kd_diff_sum",
+    agreement: bool = False,
 ):
     """MRP distillation (method.md section 4), averaged over a K-step unroll.
 
@@ -80,7 +118,8 @@ def mrp_loss_sum(
     Gradients flow through the whole unroll (acc / h_p chain) into the MRP only. Teacher and
     student logits are computed in fp32 (also under bf16 autocast).
 
-    Returns ``(sum_k Loss_k / K, stats)``.
+    Returns ``(sum_k Loss_k / K, stats)``; with ``agreement`` the stats also hold, per unroll step k, the
+    counts of :func:`draft_agreement` (``"agreement"``: a list of K dicts).
     """
     if unroll_k < 1:
         raise ValueError(f"--unroll-k (K) must be >= 1, got {unroll_k}")
@@ -99,6 +138,7 @@ def mrp_loss_sum(
     prev = h_a
     total = torch.zeros((), device=ids.device, dtype=torch.float32)
     n_scored = 0
+    agreements = []
     for _ in range(unroll_k):
         reveal = reveal_one_per_block(state_mask, block_size, generators).to(ids.device)
         state = torch.where(reveal, ids, state)
@@ -121,7 +161,14 @@ def mrp_loss_sum(
             s_logits = lm_head_fp32(model, student[sel])
             kl = kl_teacher_student(t_logits, s_logits)
             total = total + (kl * w[sel]).sum()
+            if agreement:
+                agreements.append(draft_agreement(t_logits, s_logits.detach(), sel, block_size, mask_token_id))
         else:
             total = total + student.sum() * 0.0  # keep the graph connected (DDP needs every grad)
+            if agreement:
+                agreements.append(dict.fromkeys(("tokens_agree", "tokens", "picks_agree", "blocks"), 0))
         n_scored += int(sel.sum())
-    return total / unroll_k, {"scored": n_scored / unroll_k}
+    stats = {"scored": n_scored / unroll_k}
+    if agreement:
+        stats["agreement"] = agreements
+    return total / unroll_k, stats

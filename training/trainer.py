@@ -132,17 +132,19 @@ class LossModule(nn.Module):
             self._mask_cache[key] = block_diffusion_mask(T, self.cfg.block_size, device)
         return self._mask_cache[key]
 
-    def forward(self, ids: torch.Tensor, is_prompt: torch.Tensor, seeds: Sequence[int]):
+    def forward(self, ids: torch.Tensor, is_prompt: torch.Tensor, seeds: Sequence[int], with_stats: bool = False):
+        """The loss sum of the batch; ``with_stats``: ``(loss sum, stats)``, the MRP stats with the draft
+        agreement counts (:func:`training.losses.draft_agreement`)."""
         gens = make_generators(seeds)
         masked, p = sample_mask(is_prompt, gens, self.cfg.noise_eps)
         masked, p = masked.to(ids.device), p.to(ids.device)
         am = self.attn_mask(ids.shape[1], ids.device)
         if self.cfg.mode == "backbone":
-            num, _ = backbone_loss_sum(self.model, ids, masked, p, am, self.mask_token_id)
+            num, stats = backbone_loss_sum(self.model, ids, masked, p, am, self.mask_token_id)
         else:
-            num, _ = mrp_loss_sum(self.model, ids, masked, p, am, self.mask_token_id, self.cfg.block_size,
-                                  gens, self.cfg.unroll_k, self.cfg.mrp_loss)
-        return num
+            num, stats = mrp_loss_sum(self.model, ids, masked, p, am, self.mask_token_id, self.cfg.block_size,
+                                      gens, self.cfg.unroll_k, self.cfg.mrp_loss, agreement=with_stats)
+        return (num, stats) if with_stats else num
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -283,32 +285,45 @@ def _reference_backend():
     return use_backend("reference")
 
 
+AGREEMENT_COUNTS = ("tokens_agree", "tokens", "picks_agree", "blocks")
+
+
 @torch.no_grad()
-def evaluate(loss_mod: LossModule, ds: PackedDataset, cfg: TrainConfig, device: torch.device) -> float | None:
-    """Held-out loss over the first ``eval_batches * micro * world`` sequences, fixed noise."""
+def evaluate(loss_mod: LossModule, ds: PackedDataset, cfg: TrainConfig, device: torch.device) -> dict:
+    """Held-out metrics over the first ``eval_batches * micro * world`` sequences, fixed noise: ``eval_loss``
+    (None without data); for MRP training also, per unroll step k = 1..K, ``eval_token_agreement`` (the
+    corrected logits' argmax equals the backbone's) and ``eval_pick_agreement`` (a decoding step would pick
+    the same position and token: a speculative draft is accepted), see
+    :func:`training.losses.draft_agreement`."""
     rank, world = _world()
     n = min(len(ds), cfg.eval_batches * cfg.micro_batch_size * world)
     if n == 0:
-        return None
+        return {"eval_loss": None}
     was_training = loss_mod.training
     loss_mod.eval()
-    num = torch.zeros((), dtype=torch.float64)
-    den = torch.zeros((), dtype=torch.float64)
+    mrp = cfg.mode == "mrp"
+    # [loss sum, answer tokens, then per unroll step the agreement counts]
+    totals = torch.zeros(2 + (len(AGREEMENT_COUNTS) * cfg.unroll_k if mrp else 0), dtype=torch.float64)
     mine = list(range(rank, n, world))
     with _reference_backend():
         for i in range(0, len(mine), cfg.micro_batch_size):
             idx = torch.tensor(mine[i:i + cfg.micro_batch_size])
             ids, isp = ds.input_ids[idx].to(device), ds.is_prompt[idx]
             with _autocast(cfg, device):
-                s = loss_mod(ids, isp, [sample_seed(cfg.seed, "eval", int(j)) for j in idx])
-            num += float(s)
-            den += float((~isp).sum())
+                s, stats = loss_mod(ids, isp, [sample_seed(cfg.seed, "eval", int(j)) for j in idx], with_stats=True)
+            counts = [float(a[c]) for a in stats["agreement"] for c in AGREEMENT_COUNTS] if mrp else []
+            totals += torch.tensor([float(s), float((~isp).sum()), *counts], dtype=torch.float64)
     if world > 1:
-        t = torch.stack([num, den]).to(device if dist.get_backend() == "nccl" else "cpu")
+        t = totals.to(device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t)
-        num, den = t[0].cpu(), t[1].cpu()
+        totals = t.cpu()
     loss_mod.train(was_training)
-    return float(num / max(1.0, float(den)))
+    result = {"eval_loss": float(totals[0] / max(1.0, float(totals[1])))}
+    if mrp:
+        per_k = totals[2:].view(cfg.unroll_k, len(AGREEMENT_COUNTS))
+        result["eval_token_agreement"] = [round(float(k[0] / k[1].clamp(min=1)), 4) for k in per_k]
+        result["eval_pick_agreement"] = [round(float(k[2] / k[3].clamp(min=1)), 4) for k in per_k]
+    return result
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -322,7 +337,8 @@ def train(
     callbacks: Sequence[Callable[[int, dict], None]] = (),
     device: torch.device | None = None,
 ) -> dict:
-    """Train ``model`` in place. Returns ``{"step", "loss", "eval_loss", "history"}``.
+    """Train ``model`` in place. Returns ``{"step", "loss", "eval_loss", "history"}`` (and the other metrics
+    of the last :func:`evaluate`).
 
     ``mode == "mrp"``: only parameters with ``requires_grad`` train (the caller freezes the
     rest); after the first backward this checks that no other parameter got a gradient.
@@ -423,7 +439,7 @@ def train(
         bar = None
 
     history: list[dict] = []
-    last_loss, eval_loss = float("nan"), None
+    last_loss, evaluation = float("nan"), {"eval_loss": None}
     checked = False
     loss_mod.train()
     t_start = time.perf_counter()
@@ -475,8 +491,8 @@ def train(
                 bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 bar.update(1)
             if eval_ds is not None and len(eval_ds) and cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                eval_loss = evaluate(loss_mod, eval_ds, cfg, device)
-                log({"step": step, "eval_loss": eval_loss})
+                evaluation = evaluate(loss_mod, eval_ds, cfg, device)
+                log({"step": step, **evaluation})
             if cfg.save_every and step % cfg.save_every == 0:
                 save(step)
             for cb in callbacks:
@@ -484,11 +500,11 @@ def train(
     if bar is not None:
         bar.close()
     if eval_ds is not None and len(eval_ds) and cfg.eval_batches:
-        eval_loss = evaluate(loss_mod, eval_ds, cfg, device)
-        log({"step": step, "eval_loss": eval_loss})
+        evaluation = evaluate(loss_mod, eval_ds, cfg, device)
+        log({"step": step, **evaluation})
     if cfg.save_every and step % cfg.save_every != 0 and step > start_step:
         save(step)
     if rank == 0 and export is not None:
         export(model)
     barrier()
-    return {"step": step, "loss": last_loss, "eval_loss": eval_loss, "history": history}
+    return {"step": step, "loss": last_loss, **evaluation, "history": history}
