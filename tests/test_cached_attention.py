@@ -1,5 +1,5 @@
-"""cached_attention: the Triton kernel (interpreter on CPU, real kernel on CUDA) vs the PyTorch reference, and the reference
-vs attention over the full sequence (what the cache stands for)."""
+"""cached_attention: the Triton kernel (interpreter on CPU, real kernel on CUDA) vs the PyTorch reference, and
+the reference vs attention over the full sequence (what the cache stands for)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The decode kernels, cached_attention and lm_head_confidence compile for a real GPU (sm_90, H100/H200) even on a machine without one.
+"""The decode kernels, cached_attention and lm_head_confidence compile for a real GPU (sm_90, H100/H200) even on
+a machine without one.
 
 The interpreter accepts things the CUDA lowering rejects (and vice versa), so this test compiles
 every kernel variant to a cubin with Triton's bundled ptxas, in a subprocess with the interpreter off.
