@@ -190,7 +190,7 @@ def run_eval(args) -> dict:
 
     if args.stdlib == bool(args.data):
         raise ConfigError("give the held-out data: --data PATH... or --stdlib")
-    cfg = TrainConfig(mode="mrp", out_dir=args.model, seq_len=args.seq_len, block_size=_model_block_size(args),
+    cfg = TrainConfig(mode="mrp", seq_len=args.seq_len, block_size=_model_block_size(args),
                       micro_batch_size=args.micro_batch_size, eval_batches=args.eval_batches, seed=args.seed,
                       unroll_k=args.unroll_k, mrp_loss=args.mrp_loss, progress=False).validate()
     if cfg.eval_batches < 1:

@@ -54,6 +54,9 @@ def kl_teacher_student(t_logits: torch.Tensor, s_logits: torch.Tensor) -> torch.
     return (t.exp() * (t - s)).sum(dim=-1)
 
 
+AGREEMENT_COUNTS = ("tokens_agree", "tokens", "picks_agree", "blocks")  # the counts of draft_agreement
+
+
 def _top_choice(logits: torch.Tensor, mask_token_id: int):
     """logits [n, V] -> (log of the largest probability [n], its token [n]), the mask token excluded (as the
     decoder's picks exclude it)."""
@@ -166,7 +169,7 @@ def mrp_loss_sum(
         else:
             total = total + student.sum() * 0.0  # keep the graph connected (DDP needs every grad)
             if agreement:
-                agreements.append(dict.fromkeys(("tokens_agree", "tokens", "picks_agree", "blocks"), 0))
+                agreements.append(dict.fromkeys(AGREEMENT_COUNTS, 0))
         n_scored += int(sel.sum())
     stats = {"scored": n_scored / unroll_k}
     if agreement:

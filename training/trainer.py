@@ -39,7 +39,7 @@ from torch import nn
 
 from .config import ConfigError, TrainConfig
 from .data import PackedDataset
-from .losses import backbone_loss_sum, mrp_loss_sum
+from .losses import AGREEMENT_COUNTS, backbone_loss_sum, mrp_loss_sum
 from .noising import block_diffusion_mask, make_generators, sample_mask, sample_seed
 
 CKPT_DIR = "checkpoints"
@@ -283,9 +283,6 @@ def _reference_backend():
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
     return use_backend("reference")
-
-
-AGREEMENT_COUNTS = ("tokens_agree", "tokens", "picks_agree", "blocks")
 
 
 @torch.no_grad()
