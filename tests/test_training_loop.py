@@ -213,6 +213,32 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
         run(["eval", "--model", str(mrp)])
 
 
+def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatch):
+    """--model / --tokenizer may name a Hub repo: huggingface_hub resolves it (here offline, from a pre-populated
+    cache in the layout it writes); a repo it cannot find is a ConfigError naming the flag."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from training.cli import run
+
+    repo_id, revision = "someone/tiny-sdar", "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
+    shutil.copytree(env["backbone"], snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert constants.HF_HUB_OFFLINE  # tests/conftest.py: no network
+    res = run(["mrp", "--model", repo_id, "--tokenizer", repo_id, "--data", env["paths"]["pairs"], "--out",
+               str(tmp_path / "mrp"), "--seq-len", str(T), "--mrp-layers", "1", "--micro-batch-size", "2",
+               "--max-steps", "2", "--no-progress"])
+    assert res["step"] == 2 and (tmp_path / "mrp" / "model.safetensors").exists()
+    for flag in ("--model", "--tokenizer"):
+        args = {"--model": repo_id, "--tokenizer": repo_id, flag: "someone/not-cached"}
+        with pytest.raises(ConfigError, match=f"{flag}: 'someone/not-cached' is neither a local folder nor a Hub repo"):
+            run(["mrp", "--data", env["paths"]["pairs"], "--out", str(tmp_path / "x"), *sum(args.items(), ())])
+
+
 def test_bad_configs_rejected(env, tmp_path):
     from training.cli import main, run
 

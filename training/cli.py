@@ -6,6 +6,7 @@
     mrp-train mrp --model runs/tiny --data sft.jsonl --out runs/tiny-mrp --mrp-layers 3 --unroll-k 2
     mrp-train mrp --model runs/stdlib --stdlib --out runs/stdlib-mrp   # same corpus and split as the backbone
     mrp-train eval --model runs/stdlib-mrp --stdlib --unroll-k 3   # held-out KD loss and draft agreement
+    mrp-train mrp --model JetLM/SDAR-1.7B-Chat --data sft.jsonl --out runs/sdar-mrp   # a Hub backbone
     torchrun --nproc_per_node 2 -m training.cli backbone ...    # same flags, DDP
 
 Exit status 2 with a message naming the flag on a bad configuration.
@@ -32,7 +33,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heldout-fraction", type=float, default=None,
                    help="documents (files for --stdlib) held out for evaluation; default 0.01 (0.02 with --stdlib)")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed sequence (multiple of --block-size)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (AutoTokenizer)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub repo id (AutoTokenizer)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--out", required=True, help="output folder (checkpoints, metrics.jsonl, final model)")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per process per micro-step")
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(m)
     _stdlib_args(m, "MODEL/stdlib_manifest.json (the backbone's split) if it exists, else OUT/stdlib_manifest.json")
     g = m.add_argument_group("MRP")
-    g.add_argument("--model", required=True, help="backbone folder (save_pretrained); its tokenizer is used unless --tokenizer")
+    g.add_argument("--model", required=True, help="backbone folder (save_pretrained) or Hub repo id; its tokenizer is "
+                   "used unless --tokenizer")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
     g.add_argument("--mrp-layers", type=int, default=3, help="D decoder layers of a new head")
     g.add_argument("--unroll-k", type=int, default=1, help="K successive reveals per sample")
@@ -113,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = _stdlib_args(e, "MODEL/stdlib_manifest.json")
     g.description = "--stdlib evaluates the manifest's held-out files"
     g = e.add_argument_group("evaluation")
-    g.add_argument("--model", required=True, help="a model folder with an MRP head (its tokenizer is used)")
+    g.add_argument("--model", required=True, help="a model folder or Hub repo id with an MRP head (its tokenizer "
+                   "is used)")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
     g.add_argument("--unroll-k", type=int, default=3, help="K successive reveals: agreement of drafts 1..K")
     g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default="kd_diff_sum",
@@ -169,6 +172,24 @@ def _default_manifest(args, out_dir: str) -> str:
     return os.path.join(out_dir, "stdlib_manifest.json")
 
 
+# What a model needs from its Hub repo: config, weights, remote code, tokenizer and chat template files.
+HUB_FILES = ["*.json", "*.safetensors", "*.py", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def _local_folder(path_or_repo: str, flag: str) -> str:
+    """A local folder as it is; otherwise a Hub repo id, fetched into the Hugging Face cache by huggingface_hub
+    (offline, ``HF_HUB_OFFLINE=1``: found there), and its snapshot folder returned."""
+    if os.path.isdir(path_or_repo):
+        return path_or_repo
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path_or_repo, allow_patterns=HUB_FILES)
+    except Exception as err:  # a malformed id, no such repo, offline without a cached copy, ...
+        raise ConfigError(f"{flag}: {path_or_repo!r} is neither a local folder nor a Hub repo that could be fetched "
+                          f"({type(err).__name__}: {err})") from err
+
+
 def _model_block_size(args) -> int:
     """``--block-size``, else the ``--model`` folder's (4 when its config has none)."""
     if not os.path.isdir(args.model) or not os.path.exists(os.path.join(args.model, "config.json")):
@@ -190,6 +211,7 @@ def run_eval(args) -> dict:
 
     if args.stdlib == bool(args.data):
         raise ConfigError("give the held-out data: --data PATH... or --stdlib")
+    args.model = _local_folder(args.model, "--model")
     cfg = TrainConfig(mode="mrp", seq_len=args.seq_len, block_size=_model_block_size(args),
                       micro_batch_size=args.micro_batch_size, eval_batches=args.eval_batches, seed=args.seed,
                       unroll_k=args.unroll_k, mrp_loss=args.mrp_loss, progress=False).validate()
@@ -221,9 +243,11 @@ def run(argv: list[str] | None = None) -> dict:
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
     from .trainer import barrier, init_distributed, train
 
+    if args.command == "mrp":
+        args.model = _local_folder(args.model, "--model")
+    if args.tokenizer is not None:
+        args.tokenizer = _local_folder(args.tokenizer, "--tokenizer")
     cfg = _config(args, _model_block_size(args) if args.command == "mrp" else args.block_size)
-    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
-        raise ConfigError(f"--tokenizer: {args.tokenizer!r} does not exist")
     if args.stdlib and args.data:
         raise ConfigError("--stdlib and --data are mutually exclusive")
     if not args.data and not args.stdlib:
