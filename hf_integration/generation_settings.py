@@ -28,7 +28,7 @@ HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None)
 # Settings that never change what a decoding step computes (so not part of a captured step's key).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
-                     "stop_strings", "tokenizer")
+                     "stop_strings", "tokenizer", "use_cache")
 
 
 @dataclass
@@ -47,6 +47,8 @@ class GenerationSettings:
     tokens after the one completing it become padding; ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a
     time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
     prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
+    ``use_cache`` is accepted as transformers' ``generate`` takes it: decoding always runs on its KV cache,
+    which gives the tokens a forward over the whole sequence would.
     ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
     graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's
     data flow, without the graph)."""
@@ -79,6 +81,7 @@ class GenerationSettings:
     streamer: object | None = None
     stop_strings: str | list[str] | tuple[str, ...] | None = None
     tokenizer: object | None = None
+    use_cache: bool = True
     eos_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod
@@ -162,6 +165,8 @@ class GenerationSettings:
             raise ValueError(f"top_k={self.top_k} must be >= 1 (or None to disable)")
         if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
+        if not isinstance(self.use_cache, bool):
+            raise TypeError(f"use_cache must be a bool, got {type(self.use_cache).__name__}")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")

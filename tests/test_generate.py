@@ -198,6 +198,19 @@ def test_generation_config_and_kwargs_precedence(model):
     assert overridden.shape == (1, 7)
 
 
+def test_use_cache_is_accepted_and_unknown_keywords_are_refused(model):
+    """transformers snippets pass use_cache: the tokens are those of the cached decoding either way (the cache
+    is exact); a keyword generate() does not know is a TypeError naming it."""
+    ids = random_prompts(1, 4, seed=9)
+    plain = model.generate(ids, max_new_tokens=6)
+    for use_cache in (True, False):
+        assert torch.equal(model.generate(ids, max_new_tokens=6, use_cache=use_cache), plain)
+    with pytest.raises(TypeError, match="use_cache must be a bool"):
+        model.generate(ids, max_new_tokens=6, use_cache="yes")
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['output_scores'\]"):
+        model.generate(ids, max_new_tokens=6, output_scores=True)
+
+
 def test_generation_config_fields_we_do_not_support_are_refused_or_flagged(model, caplog):
     """A generation_config the caller passes with e.g. beam search or a repetition penalty is refused (a silent
     drop would decode something else than asked); the same fields in the model's own generation config (as
