@@ -64,11 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(model_path: str, device: str, dtype: str | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(tokenizer, model) of a checkpoint folder or Hub repo id. The model is always this package's class, also
+    for the SDAR / MRP releases, whose own remote code ``AutoModelForCausalLM`` would run instead."""
+    from transformers import AutoTokenizer
+
+    from .modeling_sdar_mrp import SDARMRPForCausalLM
 
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True, dtype=getattr(torch, dtype))
+    model = SDARMRPForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     # With the model's config given, AutoTokenizer does not load (and ask to trust) the remote config again.
     tokenizer = AutoTokenizer.from_pretrained(model_path, config=model.config)
     return tokenizer, model.to(device).eval()

@@ -110,6 +110,22 @@ def test_authors_checkpoint_and_legacy_mtp_keys_load(tmp_path):
     assert any(k.startswith("mrp_modules.0.") for k in keys) and not any(k.startswith("mtp_") for k in keys)
 
 
+def test_mrp_generate_runs_release_checkpoints_on_our_code(tmp_path):
+    """A release checkpoint's auto_map points at its own remote code (which AutoModelForCausalLM would run, and
+    which is not there offline): mrp-generate loads it into this package's class all the same."""
+    from hf_integration.cli import SHIPPED_MODEL, load
+
+    config = dict(AUTHORS_MRP_CONFIG, auto_map={"AutoConfig": "configuration_sdar.SDARConfig",
+                                                 "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"})
+    _write_checkpoint(tmp_path, config, _hub_state_dict(SDARMRPConfig.from_dict(AUTHORS_MRP_CONFIG)))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_MODEL / name, tmp_path / name)
+    tokenizer, model = load(str(tmp_path), "cpu", None)
+    assert type(model) is SDARMRPForCausalLM and model.has_mrp and tokenizer.mask_token == "<|MASK|>"
+    out = model.generate(random_prompts(1, 4, seed=3), max_new_tokens=4, strategy="speculative")
+    assert out.shape == (1, 8)
+
+
 def test_checkpoint_without_mrp_weights_warns_then_refuses_mrp_decoding(tmp_path, caplog):
     config = SDARMRPConfig.from_dict(AUTHORS_MRP_CONFIG)
     state = {k: v for k, v in _hub_state_dict(config).items() if not k.startswith("mrp_modules.")}
