@@ -23,7 +23,7 @@ FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "gbps"
           "speedup_vs_eager", "gpu", "torch", "triton", "commit"]
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="directory for decode_kernels.csv / .json")
     ap.add_argument("--rows", default="4,16,64,256,1024,4096", help="comma-separated N for confidence")
@@ -31,7 +31,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--sweep", action="store_true", help="also time a few (splits, block_v) configs")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     cuda = _harness.cuda_or_smoke("bench_decode_kernels", args.smoke)
     if cuda is None:

@@ -131,7 +131,7 @@ def run_mode(model, tokenizer, prompts: list[str], settings: dict, batch_size: i
     return completions, totals, seconds
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(SHIPPED_MODEL))
     p.add_argument("--manifest", type=Path, help="default: MODEL/stdlib_manifest.json")
@@ -143,7 +143,11 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="*", help="substrings selecting modes (default: all)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--tag", default=None, help="file name stem (default: e2e_<device>)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     tokenizer, model = load(args.model, args.device, args.dtype)
     manifest = args.manifest or Path(args.model) / "stdlib_manifest.json"

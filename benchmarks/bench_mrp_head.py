@@ -54,7 +54,7 @@ SWEEP = [
 ]
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="directory for mrp_head.csv / .json")
     ap.add_argument("--rows", default="1,4,16,64,128", help="comma-separated N for lm_head_confidence")
@@ -65,7 +65,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configs of lm_head_confidence")
     ap.add_argument("--only", default="lm_head,ops", help="parts to run: lm_head, ops")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     cuda = _harness.cuda_or_smoke("bench_mrp_head", args.smoke)
     if cuda is None:
