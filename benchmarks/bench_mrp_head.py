@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                    x_weight_read=round(med / floor_us, 2) if floor_us else "",
                    speedup_vs_eager=round(eager_us / med, 2) if eager_us else "", note=note, **meta)
         results.append(row)
-        print(f"{kernel:20s} {shape:34s} {provider:16s} {med:10.1f} us  [{q[1]:.1f}, {q[2]:.1f}]"
+        print(f"{kernel:20s} {shape:34s} {provider:22s} {med:10.1f} us  [{q[1]:.1f}, {q[2]:.1f}]"
               f"  {row['gbps']!s:>8} GB/s  x_read {row['x_weight_read']!s:>5}  vs_eager {row['speedup_vs_eager']!s:>5}"
               + (f"  {note}" if note else ""))
         return med
