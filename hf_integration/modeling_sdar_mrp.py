@@ -66,7 +66,7 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
 
     def release_decode_engine(self) -> None:
         """Free the KV cache and CUDA graphs that graphed ``generate`` calls keep for the next call of the
-        same shapes. (One generate at a time per model: concurrent calls would share them.)"""
+        same shapes (calls on one model run one at a time: see :func:`.generation.one_call_at_a_time`)."""
         self._decode_engine = None
 
     # ----------------------------------------------------------------------------------- embeddings

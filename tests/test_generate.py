@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -471,6 +474,51 @@ def test_decoding_on_the_triton_kernels_equals_the_reference():
         out = model.generate(ids, **args)
     assert torch.equal(out.sequences, expected.sequences)
     assert torch.equal(out.stats.backbone_forwards, expected.stats.backbone_forwards)
+
+
+def test_generate_calls_on_one_model_run_one_at_a_time(model):
+    """Graphed calls share the model's engine (KV cache, per-row state, graphs). A second thread's call waits
+    until the first returns instead of resetting the engine under it, and both give what they give alone; a
+    call from inside a call (a streamer that generates) is refused, and the model stays usable."""
+    kw = dict(max_new_tokens=12, cuda_graphs=True)
+    ids_a, ids_b = random_prompts(1, 5, seed=21), random_prompts(1, 5, seed=22)
+    alone = {"a": model.generate(ids_a, **kw), "b": model.generate(ids_b, **kw)}
+    events, results, a_decoding = [], {}, threading.Event()
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.puts = name, 0
+
+        def put(self, ids):
+            self.puts += 1
+            events.append(f"{self.name} put")
+            if self.name == "a" and self.puts == 2:  # A holds the engine mid-call (a finished block)
+                a_decoding.set()
+                time.sleep(1.0)
+
+        def end(self):
+            events.append(f"{self.name} end")
+
+    def call(name, ids):
+        results[name] = model.generate(ids, streamer=Stream(name), **kw)
+
+    first = threading.Thread(target=call, args=("a", ids_a))
+    first.start()
+    assert a_decoding.wait(30)
+    second = threading.Thread(target=call, args=("b", ids_b))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert events.index("a end") < events.index("b put"), events
+    assert all(torch.equal(results[k], alone[k]) for k in alone)
+
+    class Reentrant(Stream):
+        def put(self, ids):
+            model.generate(ids_b, **kw)
+
+    with pytest.raises(RuntimeError, match="from inside its own generate"):
+        model.generate(ids_a, streamer=Reentrant("c"), **kw)
+    assert torch.equal(model.generate(ids_a, **kw), alone["a"])
 
 
 class RecordingStreamer:

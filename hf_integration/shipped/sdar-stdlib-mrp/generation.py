@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
+
 import torch
 
 from .decoding import DYNAMIC, STATIC, BlockDecoder, SDARGenerateOutput
@@ -10,6 +14,36 @@ from .mrp_decoding import MRP_DECODING
 from .prompts import PromptBatch
 
 DECODING = {"static": STATIC, "dynamic": DYNAMIC, **MRP_DECODING}
+
+
+class _OneCallAtATime:
+    """The lock of one model's generate calls and the thread holding it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.owner: int | None = None
+
+
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _OneCallAtATime
+_CALLS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def one_call_at_a_time(model):
+    """Graphed calls share the model's decode engine (KV cache, per-row state, captured graphs), so calls on one
+    model run one at a time: another thread's call waits for this one. A call from inside a call on the same
+    model (a streamer that generates) is refused: it would wait for itself."""
+    with _CALLS_LOCK:
+        calls = _CALLS.setdefault(model, _OneCallAtATime())
+    if calls.owner == threading.get_ident():
+        raise RuntimeError("generate() was called on this model from inside its own generate() call (a streamer "
+                           "or callback?); calls on one model run one at a time: generate after this call returns")
+    with calls.lock:
+        calls.owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            calls.owner = None
 
 
 def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
@@ -26,11 +60,12 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if settings.streamer is not None and len(prompts.lens) != 1:
         raise ValueError(f"streamer streams one prompt at a time (as transformers' streamers do), got a batch of "
                          f"{len(prompts.lens)}; generate the rows one by one or drop streamer")
-    decoder = BlockDecoder(model, prompts, settings)
-    x = decoder.run(DECODING[settings.strategy])
-    sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
-                                 decoder.mask_id, decoder.new_tokens_kept)
-    if settings.return_dict_in_generate:
-        return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
-                                    batch_steps=decoder.batch_steps)
+    with one_call_at_a_time(model):
+        decoder = BlockDecoder(model, prompts, settings)
+        x = decoder.run(DECODING[settings.strategy])
+        sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
+                                     decoder.mask_id, decoder.new_tokens_kept)
+        if settings.return_dict_in_generate:
+            return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
+                                      batch_steps=decoder.batch_steps)
     return sequences
