@@ -2,7 +2,8 @@
 
 The per-row state is which original row each row of the working batch is (``rows``: it keys the
 sampling noise and the stats), how many tokens each has committed (``counter``: the state index in the
-noise key) and the per-row stats. Like the cache, it lives in buffers whose storage never moves:
+noise key) and the per-row stats; beside it the call's sampling seed (``seed_key``), so one set of captured
+steps serves every seed. Like the cache, it lives in buffers whose storage never moves:
 ``rows`` and ``counter`` are views of the first B' entries, finished rows are dropped by moving the kept
 ones to the front, and the stats are indexed by original row. So steps captured in CUDA graphs may read
 and update it, and a graphed engine is kept on the model for the next call of the same shapes.
@@ -14,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from mrp_triton.reference.confidence import seed_hash
 
 from .kv_cache import StaticKVCache
 from .step_graphs import StepGraphs
@@ -90,7 +93,13 @@ class DecodeEngine:
         self._rows = torch.arange(s.batch, device=s.device)
         self._counter = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
+        self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
         self.reset()
+
+    def use_seed(self, seed: int) -> None:
+        """Key this call's sampling noise by ``seed``: folded to 31 bits, it fills the high half of the first
+        noise-key column (``rows + seed_key``; rows < 2**32), read from this buffer by the captured steps."""
+        self.seed_key.fill_((seed_hash(seed) & 0x7FFFFFFF) << 32)
 
     def reset(self) -> None:
         """Every row back, nothing committed, stats zero (graphs captured over the buffers stay valid)."""

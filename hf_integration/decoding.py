@@ -83,6 +83,7 @@ class BlockDecoder:
         shape = EngineShape(slots, B, width, config.num_key_value_heads, config.head_dim, model.lm_head.weight.dtype,
                             device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
         self.engine = engine_for(model, shape, graphed)
+        self.engine.use_seed(settings.seed)
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
         self.settings_key = settings.step_key()
         self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
@@ -237,11 +238,13 @@ class BlockDecoder:
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
-        keys = torch.stack([self.rows[:, None].expand(B, T), positions, counter.expand(B, T)
+        # The seed sits in the first key column (DecodeEngine.use_seed), not in the op's seed argument, which a
+        # captured step would bake in.
+        keys = torch.stack([(self.rows + self.engine.seed_key)[:, None].expand(B, T), positions, counter.expand(B, T)
                             if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=s.temperature if s.do_sample else 1.0,
-            skip_rows=~candidates.reshape(-1), mask_token_id=self.mask_id, do_sample=s.do_sample, seed=s.seed,
+            skip_rows=~candidates.reshape(-1), mask_token_id=self.mask_id, do_sample=s.do_sample, seed=0,
             noise_keys=keys.reshape(B * T, 3), top_k=s.top_k if s.do_sample else None,
             top_p=s.top_p if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)

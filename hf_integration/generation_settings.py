@@ -25,10 +25,11 @@ DEFAULT_MAX_NEW_TOKENS = 64
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
-# Settings that never change what a decoding step computes (so not part of a captured step's key).
+# Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
+# computes, or (the seed) reach it through a buffer.
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
-                     "stop_strings", "tokenizer", "use_cache")
+                     "stop_strings", "tokenizer", "use_cache", "seed")
 
 
 @dataclass

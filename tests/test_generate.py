@@ -437,6 +437,24 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
         assert torch.equal(getattr(graphed.stats, name), value), name
 
 
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_graphed_sampling_reads_the_seed_from_a_buffer(model, strategy):
+    """The seed reaches the captured steps through the engine's seed_key, not as a baked-in argument (a graph
+    per seed would capture again and pile up): each seed samples what it samples without graphs, and with
+    static decoding and no EOS (the same steps whatever is sampled) every seed replays the first seed's steps."""
+    ids = random_prompts(2, 6, seed=41)
+    kw = dict(max_new_tokens=10, do_sample=True, temperature=2.0, strategy=strategy, eos_token_id=[])
+    outputs, keys = {}, None
+    for seed in (0, 1, 2**40 + 5):
+        graphed = model.generate(ids, seed=seed, cuda_graphs=True, **kw)
+        assert torch.equal(graphed, model.generate(ids, seed=seed, cuda_graphs=False, **kw)), seed
+        captured = set(model._decode_engine[1].graphs.graphs)
+        if strategy == "static":
+            assert captured == (keys or captured), seed
+        keys, outputs[seed] = captured, graphed
+    assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2**40 + 5])
+
+
 def test_graphed_calls_reuse_one_engine(model):
     """Graphed calls of the same batch and cache width (the layout rounded up to 256 positions) reuse the
     cache (and graphs) of the previous call, reset; another shape replaces it; ``release_decode_engine`` frees
