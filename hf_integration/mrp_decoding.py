@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import mrp_triton
+from mrp_triton.reference.confidence import inverse_temperature
 
 from .decoding import BlockDecoder, Strategy, denoising_step
 
@@ -170,8 +171,7 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
         logits = dec.model.lm_head(h_a)
         return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
     _, _, lse = dec.pick(corrected, positions, revealed, dec.counter)
-    temperature = dec.settings.temperature if dec.settings.do_sample else 1.0
-    z = corrected.float().gather(-1, t)[..., 0] / temperature
+    z = corrected.float().gather(-1, t)[..., 0] * inverse_temperature(dec.temperature)  # as confidence scales
     return torch.exp(z - lse)
 
 
@@ -179,9 +179,9 @@ def remask_step(dec: BlockDecoder):
     """The step ``(block [B, T], positions [B, T], masks_at_start [B], steps_taken [B]) -> None``: reveal as
     dynamic decoding does (at least one per row; ``steps_taken`` is incremented in place), then one MRP
     pass vetoes reveals by the remask rule, all in ``block`` in place."""
-    s = dec.settings
-    rule, head = s.remask_rule, dec.model.lm_head
-    limit = s.threshold if rule == "tau" else s.residual_delta
+    rule, head = dec.settings.remask_rule, dec.model.lm_head
+    threshold = dec.on_device("threshold")
+    limit = threshold if rule == "tau" else dec.on_device("residual_delta")
 
     def step(block: torch.Tensor, positions: torch.Tensor, masks_at_start: torch.Tensor,
              steps_taken: torch.Tensor) -> None:
@@ -192,7 +192,7 @@ def remask_step(dec: BlockDecoder):
         before = block.clone()
         quota = torch.maximum(dec.scheduled_quota(masks_at_start, steps_taken), _one_each(masked)) * live
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
-                                            threshold=s.threshold)
+                                            threshold=threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
         score = _token_scores(dec, h_a, corrected, tok, revealed, positions)
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)

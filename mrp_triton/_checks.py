@@ -62,6 +62,20 @@ def check_token_id(mask_token_id) -> None:
         raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
 
 
+def check_device_scalar(name: str, value, device: torch.device) -> bool:
+    """Whether ``value`` (a setting such as a temperature or threshold) is given as a 0-d floating tensor on
+    ``device``: the kernel then reads it there, so one captured CUDA graph serves every value (which is not
+    checked on the host: that would synchronise). Any other tensor is refused; a Python number returns False."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.dim() != 0 or not value.is_floating_point():
+        raise ValueError(f"{name} must be a float or a 0-d floating-point tensor, got a {value.dtype} tensor of "
+                         f"shape {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but the data on {device}; move them together")
+    return True
+
+
 def check_float(name: str, t: torch.Tensor) -> None:
     """``t`` must have a floating-point dtype."""
     if not t.dtype.is_floating_point:

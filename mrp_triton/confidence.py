@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_kernel_device
+from ._checks import check_device_scalar, check_kernel_device
 from .backend import interpreter_on, select_backend
 from .reference.confidence import confidence as confidence_reference
-from .reference.confidence import effective_logits, pick_tokens, seed_hash
+from .reference.confidence import effective_logits, inverse_temperature, pick_tokens, seed_hash
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -60,9 +60,9 @@ def _mix32(x):
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
-    V, chunk, S, scale, inv_t, mask_id, seed_h,
+    V, chunk, S, scale, inv_t, inv_t_ptr, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, FINAL: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    T_TENSOR: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -71,6 +71,8 @@ def _conf_partial_kernel(
     if HAS_SKIP:
         skip = tl.load(skip_ptr + row)
         hi = tl.where(skip != 0, lo, hi)
+    if T_TENSOR:  # 1 / temperature read on the device (one graph serves every temperature)
+        inv_t = tl.load(inv_t_ptr)
     M32 = tl.full([], 0xFFFFFFFF, tl.int64)
     h = tl.full([], 0, tl.int64)
     if DO_SAMPLE:
@@ -209,6 +211,13 @@ def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None
     return s, block_v, nw
 
 
+def check_temperature(temperature: float) -> None:
+    """A temperature the kernel can use: finite, > 0 and with 1 / temperature finite in fp32."""
+    if not (float(temperature) > 0) or not math.isfinite(float(temperature)) or 1.0 / float(temperature) > 3.4e38:
+        raise ValueError(f"temperature must be a finite float > 0 (and > 3e-39), got {temperature}; "
+                         "use do_sample=False for greedy decoding")
+
+
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
                 top_k, top_p):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
@@ -231,9 +240,8 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
             raise ValueError(f"residual is on {residual.device} but logits on {logits.device}; move them together")
         if residual.dim() == 3 and residual.shape[0] == 0:
             raise ValueError("residual has R == 0 slices; pass residual=None instead")
-    if not (float(temperature) > 0) or not math.isfinite(float(temperature)) or 1.0 / float(temperature) > 3.4e38:
-        raise ValueError(f"temperature must be a finite float > 0 (and > 3e-39), got {temperature}; "
-                         "use do_sample=False for greedy decoding")
+    if not check_device_scalar("temperature", temperature, logits.device):
+        check_temperature(temperature)
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
     if skip_rows is not None:
@@ -253,7 +261,8 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
             raise ValueError(f"noise_keys is on {noise_keys.device} but logits on {logits.device}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (0.0 < float(top_p) <= 1.0):
+    if top_p is not None and not check_device_scalar("top_p", top_p, logits.device) and \
+            not (0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 
 
@@ -296,7 +305,10 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     keys = noise_keys.contiguous() if sample_in_kernel else dummy
     seed_h = seed_hash(seed) if sample_in_kernel else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
-    inv_t = struct.unpack("f", struct.pack("f", 1.0 / float(temperature)))[0]  # fp32-rounded, as the reference
+    t_tensor = isinstance(temperature, torch.Tensor)
+    # 1 / temperature rounded to fp32, as the reference: on the device for a tensor, else a kernel argument
+    inv_t_buf = inverse_temperature(temperature) if t_tensor else dummy
+    inv_t = 1.0 if t_tensor else struct.unpack("f", struct.pack("f", 1.0 / float(temperature)))[0]
     if S > 1:
         part = torch.empty(N * S * 4, dtype=torch.float32, device=dev)
         part_idx = torch.empty(N * S, dtype=torch.int64, device=dev)
@@ -307,9 +319,10 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
         skip, keys, part, part_idx, tok, prob, lse,
-        V, chunk, S, float(scale), inv_t, mask_id, seed_h,
+        V, chunk, S, float(scale), inv_t, inv_t_buf, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, FINAL=S == 1,
-        BLOCK_V=BLOCK_V, num_warps=nw, enable_fp_fusion=False,  # no FMA: same rounding as the reference
+        T_TENSOR=t_tensor, BLOCK_V=BLOCK_V, num_warps=nw,
+        enable_fp_fusion=False,  # no FMA: same rounding as the reference
     )
     if S > 1:
         _conf_merge_kernel[(N,)](part, part_idx, tok, prob, lse, S,
@@ -335,7 +348,9 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); noise_keys: int64 [N, 3] =
-    (sequence id, absolute position, step), required when ``do_sample``.
+    (sequence id, absolute position, step), required when ``do_sample``. ``temperature`` and ``top_p`` are floats
+    or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the caller
+    checks such a tensor's value: > 0, and in (0, 1]).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. Dispatches with :func:`mrp_triton.backend.select_backend`.
     """

@@ -15,22 +15,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_kernel_device,
-                      check_on_block_device, check_token_id)
+from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_device_scalar,
+                      check_kernel_device, check_on_block_device, check_token_id)
 from .backend import select_backend
 from .reference.remask import RULES
 from .reference.remask import remask as remask_reference
 
 
 @triton.jit(do_not_specialize=["mask_id"])
-def _remask_kernel(block_ptr, rev_ptr, score_ptr, out_ptr, L, thr, mask_id,
-                   IS_TAU: tl.constexpr, BLOCK_L: tl.constexpr):
+def _remask_kernel(block_ptr, rev_ptr, score_ptr, out_ptr, L, thr, thr_ptr, mask_id,
+                   IS_TAU: tl.constexpr, THR_TENSOR: tl.constexpr, BLOCK_L: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_L)
     msk = offs < L
     rev = (tl.load(rev_ptr + row * L + offs, mask=msk, other=0) != 0) & msk
     s = tl.load(score_ptr + row * L + offs, mask=msk, other=0.0).to(tl.float32)
     isnan = s != s
+    if THR_TENSOR:  # read on the device: one captured graph serves every threshold
+        thr = tl.load(thr_ptr).to(tl.float32)
     if IS_TAU:
         keep = rev & (s >= thr)
         key = tl.where(isnan, float("-inf"), s)
@@ -58,8 +60,10 @@ def _check_args(block, revealed, score, threshold, mask_token_id, rule):
     check_block_shaped("score", score, shape)
     check_on_block_device(block, revealed=revealed, score=score)
     check_token_id(mask_token_id)
-    if isinstance(threshold, torch.Tensor) or not isinstance(threshold, (int, float)):
-        raise TypeError(f"threshold must be a Python float, got {type(threshold).__name__}")
+    if check_device_scalar("threshold", threshold, block.device):
+        return
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise TypeError(f"threshold must be a float or a 0-d tensor, got {type(threshold).__name__}")
     if rule == "tau" and not (0.0 < threshold <= 1.0):
         raise ValueError(f"threshold for rule='tau' is a probability and must be in (0, 1], got {threshold}")
     if rule == "delta" and not (threshold > 0.0):
@@ -77,9 +81,11 @@ def remask_triton(block, revealed, score, threshold, *, mask_token_id, rule="tau
     if B == 0 or L == 0:
         remasked.zero_()
         return remasked
+    thr_tensor = isinstance(threshold, torch.Tensor)
     _remask_kernel[(B,)](block, revealed.contiguous().view(torch.uint8), score.contiguous(),
-                         remasked.view(torch.uint8), L, float(threshold), int(mask_token_id),
-                         IS_TAU=rule == "tau", BLOCK_L=max(16, triton.next_power_of_2(L)), num_warps=1)
+                         remasked.view(torch.uint8), L, 0.0 if thr_tensor else float(threshold),
+                         threshold if thr_tensor else score, int(mask_token_id), IS_TAU=rule == "tau",
+                         THR_TENSOR=thr_tensor, BLOCK_L=max(16, triton.next_power_of_2(L)), num_warps=1)
     return remasked
 
 
@@ -87,7 +93,9 @@ def remask(block, revealed, score, threshold, *, mask_token_id, rule="tau"):
     """Write ``mask_token_id`` back over revealed tokens that fail the rule; returns remasked bool [B, L].
 
     block: int64 [B, L] (in place), revealed: bool [B, L], score: float32 [B, L];
-    rule "tau" (threshold in (0, 1]) or "delta" (threshold > 0).
+    rule "tau" (threshold in (0, 1]) or "delta" (threshold > 0); threshold: a float or a 0-d tensor on the
+    block's device (read there, so a captured CUDA graph serves every value; its value is the caller's to check),
+    compared with the score in fp32.
     """
     _check_args(block, revealed, score, threshold, mask_token_id, rule)
     if select_backend(block.device) == "triton":

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_kernel_device,
-                      check_on_block_device, check_token_id)
+from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_device_scalar,
+                      check_kernel_device, check_on_block_device, check_token_id)
 from .backend import select_backend
 from .reference.select import select_commit as select_commit_reference
 
@@ -26,8 +26,9 @@ MAX_L = 8192
 
 
 @triton.jit(do_not_specialize=["n_scalar", "mask_id"])
-def _select_kernel(block_ptr, tok_ptr, conf_ptr, n_ptr, out_ptr, L, n_scalar, mask_id, thr,
-                   N_TENSOR: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_L: tl.constexpr, JB: tl.constexpr):
+def _select_kernel(block_ptr, tok_ptr, conf_ptr, n_ptr, out_ptr, L, n_scalar, mask_id, thr, thr_ptr,
+                   N_TENSOR: tl.constexpr, DYNAMIC: tl.constexpr, THR_TENSOR: tl.constexpr, BLOCK_L: tl.constexpr,
+                   JB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_L)
     msk = offs < L
@@ -57,6 +58,8 @@ def _select_kernel(block_ptr, tok_ptr, conf_ptr, n_ptr, out_ptr, L, n_scalar, ma
         rank += tl.sum((beats & cand_j[None, :]).to(tl.int32), 1)
     commit = cand & (rank < n_eff)
     if DYNAMIC:
+        if THR_TENSOR:  # read on the device: one captured graph serves every threshold
+            thr = tl.load(thr_ptr).to(tl.float32)
         passed = cand & (c > thr)
         n_pass = tl.sum(passed.to(tl.int64), 0)
         commit = tl.where(n_pass >= n_eff, passed, commit)
@@ -78,7 +81,8 @@ def _check_args(block, tokens, conf, mask_token_id, n, threshold):
             raise ValueError(f"n is on {n.device} but block on {block.device}")
     elif isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be an int or an integer tensor [B], got {type(n).__name__}")
-    if threshold is not None and not (0.0 < float(threshold) <= 1.0):
+    if threshold is not None and not check_device_scalar("threshold", threshold, block.device) and \
+            not (0.0 < float(threshold) <= 1.0):
         raise ValueError(f"threshold must be None (static rule) or a float in (0, 1] (dynamic rule), "
                          f"got {threshold!r}")
 
@@ -97,11 +101,12 @@ def select_commit_triton(block, tokens, conf, *, mask_token_id, n, threshold=Non
         committed.zero_()
         return committed
     n_t = n.reshape(B).contiguous() if isinstance(n, torch.Tensor) else block
+    thr_tensor = isinstance(threshold, torch.Tensor)
     _select_kernel[(B,)](
         block, tokens.contiguous(), conf.contiguous(), n_t, committed.view(torch.uint8), L,
         0 if isinstance(n, torch.Tensor) else int(n), int(mask_token_id),
-        0.0 if threshold is None else float(threshold),
-        N_TENSOR=isinstance(n, torch.Tensor), DYNAMIC=threshold is not None,
+        0.0 if threshold is None or thr_tensor else float(threshold), threshold if thr_tensor else conf,
+        N_TENSOR=isinstance(n, torch.Tensor), DYNAMIC=threshold is not None, THR_TENSOR=thr_tensor,
         BLOCK_L=max(16, triton.next_power_of_2(L)), JB=16, num_warps=4,
     )
     return committed
@@ -112,7 +117,9 @@ def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None):
 
     block: int64 [B, L] (masked = ``mask_token_id``), tokens: int64 [B, L], conf: float32 [B, L],
     n: int or int tensor [B] (0 = row inactive), threshold: None (static: the n most confident)
-    or float in (0, 1] (dynamic: every conf > threshold, else the top n). Ties: lowest index.
+    or in (0, 1] (dynamic: every conf > threshold, else the top n), a float or a 0-d tensor on the block's device
+    (read there, so a captured CUDA graph serves every value; its value is the caller's to check). Ties: lowest
+    index; conf and threshold compare in fp32.
     """
     _check_args(block, tokens, conf, mask_token_id, n, threshold)
     if select_backend(block.device) == "triton":

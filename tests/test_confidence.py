@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import mrp_triton as mt
 from mrp_triton.confidence import confidence_triton
-from mrp_triton.reference.confidence import filter_top_k_top_p, gumbel_uniform
+from mrp_triton.reference.confidence import effective_logits, filter_top_k_top_p, gumbel_uniform
 from mrp_triton.reference.confidence import confidence as confidence_ref
 
 from kernel_utils import DEV, DTYPES
@@ -65,13 +65,18 @@ def _cases(draw):
         seed=draw(st.integers(0, 2**40)),
         noise_keys=torch.randint(-5, 2**33, (N, 3), generator=g),
     )
-    return logits.to(dtype), residual, kw, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([64, 512]))
+    return (logits.to(dtype), residual, kw, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([64, 512])),
+            draw(st.booleans()))
 
 
 @given(_cases())
 def test_kernel_matches_reference(case):
-    logits, residual, kw, splits, block_v = case
+    """The kernel against the reference; a temperature given to the kernel as a float64 0-d tensor (read on the
+    device) scales (and samples) exactly as the float does."""
+    logits, residual, kw, splits, block_v, t_on_device = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    if t_on_device:
+        dev_kw["temperature"] = torch.tensor(kw["temperature"], dtype=torch.float64, device=DEV)
     L = logits.to(DEV)
     R = residual.to(DEV) if residual is not None else None
     got = confidence_triton(L, R, splits=splits, block_v=block_v, out=_poisoned(L.shape[0]), **dev_kw)
@@ -157,24 +162,36 @@ def test_gumbel_matches_softmax_empirically():
     assert torch.equal(ktok.cpu(), tok[:300])
 
 
-@pytest.mark.parametrize("top_k,top_p", [(3, None), (None, 0.5), (5, 0.8)])
-def test_top_k_top_p(top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,on_device", [(3, None, False), (None, 0.5, False), (5, 0.8, False),
+                                                   (None, 0.5, True), (5, 0.8, True), (None, 1.0, True)])
+def test_top_k_top_p(top_k, top_p, on_device):
+    """The filtered pick against the reference (top_p given to the kernel as a float or as a 0-d tensor on the
+    device, with the temperature: same picks as the floats; a top_p tensor of 1 filters nothing)."""
     g = torch.Generator().manual_seed(3)
     N, V = 16, 200
     L = torch.randn(N, V, generator=g) * 2
     keys = torch.randint(0, 1000, (N, 3), generator=g)
+    given = (lambda x: torch.tensor(x, dtype=torch.float64, device=DEV)) if on_device else (lambda x: x)
     got = confidence_triton(L.to(DEV), do_sample=True, seed=5, noise_keys=keys.to(DEV), top_k=top_k,
-                            top_p=top_p, mask_token_id=0)
-    exp = confidence_ref(L, do_sample=True, seed=5, noise_keys=keys, top_k=top_k, top_p=top_p, mask_token_id=0)
+                            top_p=None if top_p is None else given(top_p), mask_token_id=0, temperature=given(0.7))
+    exp = confidence_ref(L, do_sample=True, seed=5, noise_keys=keys, top_k=top_k, top_p=top_p, mask_token_id=0,
+                         temperature=0.7)
     _check(got, exp)
-    z = L.clone()
-    z[:, 0] = float("-inf")
+    z = effective_logits(L, temperature=0.7, mask_token_id=0)
     kept = filter_top_k_top_p(z, top_k, top_p) > float("-inf")
     assert kept.gather(1, got[0].cpu()[:, None]).all()
     if top_k is not None:
         assert (kept.sum(1) <= top_k).all()
     full_p = torch.softmax(z, -1).gather(1, got[0].cpu()[:, None])[:, 0]
     torch.testing.assert_close(got[1].cpu(), full_p, atol=1e-6, rtol=1e-5)  # full-softmax prob
+
+
+@pytest.mark.parametrize("top_p", [1.0, torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0)])
+def test_top_p_of_one_keeps_every_token(top_p):
+    """Even where the fp32 mass before the tail already rounds to 1 (one dominant token), as a float or a tensor."""
+    z = torch.zeros(2, 50)
+    z[:, 0] = 40.0
+    assert torch.equal(filter_top_k_top_p(z, None, top_p), z)
 
 
 @pytest.mark.triton
@@ -198,6 +215,9 @@ def test_reference_backend_on_cpu_matches():
     (dict(skip_rows=torch.zeros(2)), "skip_rows"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"),
+    (dict(temperature=torch.ones(2)), "temperature must be a float or a 0-d"),
+    (dict(top_p=torch.tensor(1)), "top_p must be a float or a 0-d"),
+    (dict(temperature=torch.tensor(1.0, device="meta")), "temperature is on meta"),
 ])
 def test_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -61,3 +61,31 @@ def test_graph_replay_equals_eager_reference_ops(kwargs, monkeypatch):
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: k["strategy"])
 def test_graph_replay_equals_eager_triton_ops(kwargs, monkeypatch):
     _graphed_equals_eager(kwargs, monkeypatch)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter cannot be captured")
+@pytest.mark.parametrize("strategy,first,second", [
+    ("dynamic", dict(threshold=0.9), dict(threshold=0.3)),
+    ("remask", dict(threshold=0.9, remask_rule="delta", residual_delta=2.0),
+     dict(threshold=0.3, remask_rule="delta", residual_delta=0.05)),
+    ("static", dict(do_sample=True, temperature=2.0, top_p=0.9, seed=0),
+     dict(do_sample=True, temperature=0.5, top_p=0.5, seed=1)),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_other_setting_values_replay_the_captured_graphs(strategy, first, second):
+    """The captured Triton kernels read the seed, temperature, top-p and thresholds on the device: a call with
+    other values replays the first call's graphs (captures nothing) and decodes as eager decoding does."""
+    model = tiny_model(seed=5, dtype=torch.float32, block_size=8).cuda()
+    ids = random_prompts(1, 6, seed=3).cuda()
+    kw = dict(max_new_tokens=15, strategy=strategy, eos_token_id=[], return_dict_in_generate=True)
+    model.generate(ids, **first, **kw)
+    graphs = model._decode_engine[1].graphs.graphs
+    captured = {key: id(entry) for key, entry in graphs.items()}
+    assert captured and all(entry != "eager" for entry in graphs.values()), list(graphs)
+    graphed = model.generate(ids, **second, **kw)
+    assert model._decode_engine[1].graphs.graphs is graphs
+    assert {key: id(entry) for key, entry in graphs.items()} == captured
+    eager = model.generate(ids, cuda_graphs=False, **second, **kw)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for name, value in vars(eager.stats).items():
+        assert torch.equal(getattr(graphed.stats, name), value), name

@@ -33,34 +33,37 @@ def _compile_all() -> list[str]:
         done.append(name)
 
     for dt in ("*bf16", "*fp16", "*fp32"):
-        for has_res, has_skip, sample, final, bv, nw in [(True, True, False, True, 2048, 8),
-                                                         (True, False, True, False, 1024, 4),
-                                                         (False, True, True, True, 2048, 8),
-                                                         (False, False, False, False, 1024, 4)]:
+        for has_res, has_skip, sample, final, t_tensor, bv, nw in [(True, True, False, True, False, 2048, 8),
+                                                                   (True, False, True, False, True, 1024, 4),
+                                                                   (False, True, True, True, False, 2048, 8),
+                                                                   (False, False, False, False, True, 1024, 4)]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
                    "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "part_ptr": "*fp32", "part_idx_ptr": "*i64",
                    "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "chunk": "i32",
-                   "S": "i32", "scale": "fp32", "inv_t": "fp32", "mask_id": "i32", "seed_h": "i64",
-                   "HAS_RES": "constexpr", "HAS_SKIP": "constexpr", "DO_SAMPLE": "constexpr", "FINAL": "constexpr",
-                   "BLOCK_V": "constexpr"}
+                   "S": "i32", "scale": "fp32", "inv_t": "fp32", "inv_t_ptr": "*fp32", "mask_id": "i32",
+                   "seed_h": "i64", "HAS_RES": "constexpr", "HAS_SKIP": "constexpr", "DO_SAMPLE": "constexpr",
+                   "FINAL": "constexpr", "T_TENSOR": "constexpr", "BLOCK_V": "constexpr"}
             comp(C._conf_partial_kernel, sig, {"HAS_RES": has_res, "HAS_SKIP": has_skip, "DO_SAMPLE": sample,
-                                               "FINAL": final, "BLOCK_V": bv}, nw, f"confidence {dt} {bv}")
+                                               "FINAL": final, "T_TENSOR": t_tensor, "BLOCK_V": bv}, nw,
+                 f"confidence {dt} {bv}")
     comp(C._conf_merge_kernel, {"part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
                                 "lse_ptr": "*fp32", "S": "i32", "BLOCK_S": "constexpr"}, {"BLOCK_S": 64}, 1, "merge")
     for n_t in (True, False):
-        for dyn in (True, False):
+        for dyn, thr_t in ((True, True), (True, False), (False, False)):
             comp(S._select_kernel, {"block_ptr": "*i64", "tok_ptr": "*i64", "conf_ptr": "*fp32", "n_ptr": "*i64",
                                     "out_ptr": "*u8", "L": "i32", "n_scalar": "i32", "mask_id": "i32", "thr": "fp32",
-                                    "N_TENSOR": "constexpr", "DYNAMIC": "constexpr", "BLOCK_L": "constexpr",
-                                    "JB": "constexpr"},
-                 {"N_TENSOR": n_t, "DYNAMIC": dyn, "BLOCK_L": 16, "JB": 16}, 4, "select")
+                                    "thr_ptr": "*fp64", "N_TENSOR": "constexpr", "DYNAMIC": "constexpr",
+                                    "THR_TENSOR": "constexpr", "BLOCK_L": "constexpr", "JB": "constexpr"},
+                 {"N_TENSOR": n_t, "DYNAMIC": dyn, "THR_TENSOR": thr_t, "BLOCK_L": 16, "JB": 16}, 4, "select")
     comp(Vf._verify_kernel, {"block_ptr": "*i64", "dpos_ptr": "*i64", "dtok_ptr": "*i64", "ttok_ptr": "*i64",
                              "tconf_ptr": "*fp32", "acc_ptr": "*i32", "bonus_ptr": "*i64", "L": "i32", "K": "i32",
                              "mask_id": "i32", "BLOCK_L": "constexpr"}, {"BLOCK_L": 16}, 1, "verify")
     for tau in (True, False):
-        comp(Rm._remask_kernel, {"block_ptr": "*i64", "rev_ptr": "*u8", "score_ptr": "*fp32", "out_ptr": "*u8",
-                                 "L": "i32", "thr": "fp32", "mask_id": "i32", "IS_TAU": "constexpr",
-                                 "BLOCK_L": "constexpr"}, {"IS_TAU": tau, "BLOCK_L": 16}, 1, "remask")
+        for thr_t in (True, False):
+            comp(Rm._remask_kernel, {"block_ptr": "*i64", "rev_ptr": "*u8", "score_ptr": "*fp32", "out_ptr": "*u8",
+                                     "L": "i32", "thr": "fp32", "thr_ptr": "*fp64", "mask_id": "i32",
+                                     "IS_TAU": "constexpr", "THR_TENSOR": "constexpr", "BLOCK_L": "constexpr"},
+                 {"IS_TAU": tau, "THR_TENSOR": thr_t, "BLOCK_L": 16}, 1, "remask")
     A = importlib.import_module("mrp_triton.cached_attention")
     strides = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "sc_b", "sc_h", "sc_t",
                "sp_b", "sp_t", "so_b", "so_h", "so_t")
@@ -104,7 +107,7 @@ def test_kernels_compile_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "compiled 30 kernel variants" in r.stdout, r.stdout
+    assert "compiled 34 kernel variants" in r.stdout, r.stdout
 
 
 if __name__ == "__main__":

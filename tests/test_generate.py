@@ -288,6 +288,7 @@ BAD_INPUTS = [
     (dict(denoising_steps=0), ValueError, "denoising_steps"),
     (dict(denoising_steps=5), ValueError, "denoising_steps"),
     (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
+    (dict(do_sample=True, temperature=float("inf")), ValueError, "temperature must be a finite float"),
     (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
     (dict(do_sample=True, top_k=0), ValueError, "top_k"),
     (dict(eos_token_id=1000), ValueError, "eos_token_id"),
@@ -438,21 +439,50 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
 
 
 @pytest.mark.parametrize("strategy", ["static", "speculative"])
-def test_graphed_sampling_reads_the_seed_from_a_buffer(model, strategy):
-    """The seed reaches the captured steps through the engine's seed_key, not as a baked-in argument (a graph
-    per seed would capture again and pile up): each seed samples what it samples without graphs, and with
-    static decoding and no EOS (the same steps whatever is sampled) every seed replays the first seed's steps."""
+def test_graphed_sampling_reads_seed_temperature_and_top_p_from_buffers(model, strategy):
+    """The seed, temperature and top-p reach the captured steps through the engine's buffers, not as baked-in
+    arguments (a graph per value would capture again and pile up): each call samples what it samples without
+    graphs, and with static decoding and no EOS (the same steps whatever is sampled) every call replays the
+    first call's steps."""
     ids = random_prompts(2, 6, seed=41)
-    kw = dict(max_new_tokens=10, do_sample=True, temperature=2.0, strategy=strategy, eos_token_id=[])
-    outputs, keys = {}, None
-    for seed in (0, 1, 2**40 + 5):
-        graphed = model.generate(ids, seed=seed, cuda_graphs=True, **kw)
-        assert torch.equal(graphed, model.generate(ids, seed=seed, cuda_graphs=False, **kw)), seed
+    kw = dict(max_new_tokens=10, do_sample=True, strategy=strategy, eos_token_id=[])
+    outputs, keys = [], None
+    for setting in (dict(seed=0, temperature=2.0, top_p=0.9), dict(seed=1, temperature=2.0, top_p=0.9),
+                    dict(seed=2**40 + 5, temperature=2.0, top_p=0.9), dict(seed=0, temperature=0.5, top_p=0.9),
+                    dict(seed=0, temperature=2.0, top_p=0.3)):
+        graphed = model.generate(ids, cuda_graphs=True, **setting, **kw)
+        assert torch.equal(graphed, model.generate(ids, cuda_graphs=False, **setting, **kw)), setting
         captured = set(model._decode_engine[1].graphs.graphs)
         if strategy == "static":
-            assert captured == (keys or captured), seed
-        keys, outputs[seed] = captured, graphed
-    assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2**40 + 5])
+            assert captured == (keys or captured), setting
+        keys = captured
+        outputs.append(graphed)
+    assert all(not torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+@pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
+                                                  ("remask", "threshold", (0.9, 0.3)),
+                                                  ("remask", "residual_delta", (2.0, 0.05))])
+def test_graphed_steps_read_thresholds_from_buffers(strategy, name, values):
+    """Dynamic and remask thresholds reach the captured steps through the engine's buffers: every value decodes
+    (tokens, stats, steps) as without graphs, the values decode differently, and a second value captures
+    nothing new (one row over several blocks: the same kinds of step whatever the threshold)."""
+    model = tiny_model(seed=5, block_size=8)
+    ids = random_prompts(1, 6, seed=3)
+    kw = dict(max_new_tokens=15, strategy=strategy, eos_token_id=[], return_dict_in_generate=True,
+              **(dict(remask_rule="delta", threshold=0.05) if name == "residual_delta" else {}))
+    runs, keys = [], None
+    for value in values:
+        graphed = model.generate(ids, cuda_graphs=True, **{name: value}, **kw)
+        plain = model.generate(ids, cuda_graphs=False, **{name: value}, **kw)
+        assert graphed.batch_steps == plain.batch_steps and torch.equal(graphed.sequences, plain.sequences), value
+        for counter, expected in vars(plain.stats).items():
+            assert torch.equal(getattr(graphed.stats, counter), expected), (value, counter)
+        captured = set(model._decode_engine[1].graphs.graphs)
+        assert captured == (keys or captured), value
+        keys = captured
+        runs.append((plain.batch_steps, plain.stats.tokens_remasked.tolist()))
+    assert runs[0] != runs[1]
 
 
 def test_graphed_calls_reuse_one_engine(model):

@@ -43,18 +43,20 @@ def _cases(draw):
     if rule == "delta":
         score = score * 3
     thr = draw(st.sampled_from([0.5, 1.0, 0.25] if rule == "tau" else [0.5, 1.0, 2.0]))
-    return block, revealed, score, thr, rule, draw(st.booleans())
+    return block, revealed, score, thr, rule, draw(st.booleans()), draw(st.booleans())
 
 
 @given(_cases())
 def test_kernel_matches_reference_and_oracle(case):
-    block, revealed, score, thr, rule, poison = case
+    """A threshold given as a 0-d tensor (read on the device) decides as the float does."""
+    block, revealed, score, thr, rule, poison, on_device = case
+    as_given = (lambda dev: torch.tensor(thr, dtype=torch.float64, device=dev)) if on_device else (lambda dev: thr)
     b_ref = block.clone()
-    exp = remask_ref(b_ref, revealed, score, thr, mask_token_id=M, rule=rule)
+    exp = remask_ref(b_ref, revealed, score, as_given("cpu"), mask_token_id=M, rule=rule)
     assert torch.equal(exp, _oracle(revealed, score, thr, rule))
     b_k = block.to(DEV)
     out = torch.full(block.shape, poison, dtype=torch.bool, device=DEV)
-    got = remask_triton(b_k, revealed.to(DEV), score.to(DEV), thr, mask_token_id=M, rule=rule, out=out)
+    got = remask_triton(b_k, revealed.to(DEV), score.to(DEV), as_given(DEV), mask_token_id=M, rule=rule, out=out)
     assert torch.equal(got.cpu(), exp)
     assert torch.equal(b_k.cpu(), b_ref)
     assert (b_ref[exp] == M).all() and torch.equal(b_ref[~exp], block[~exp])
@@ -98,3 +100,9 @@ def test_errors():
         mt.remask(b, r.int(), s, 0.5, mask_token_id=M)
     with pytest.raises(ValueError, match="score"):
         mt.remask(b, r, s[:, :2], 0.5, mask_token_id=M)
+    with pytest.raises(ValueError, match="threshold must be a float or a 0-d"):
+        mt.remask(b, r, s, torch.full((2,), 0.5), mask_token_id=M)
+    with pytest.raises(ValueError, match="threshold is on meta"):
+        mt.remask(b, r, s, torch.tensor(0.5, device="meta"), mask_token_id=M)
+    with pytest.raises(TypeError, match="threshold"):
+        mt.remask(b, r, s, "0.5", mask_token_id=M)

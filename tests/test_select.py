@@ -49,19 +49,22 @@ def _cases(draw):
     else:
         n = torch.randint(0, 6, (B,), generator=g)
     threshold = draw(st.sampled_from([None, 0.5, 1.0, 0.25]))
-    return block, tokens, conf, n, threshold, draw(st.booleans())
+    return block, tokens, conf, n, threshold, draw(st.booleans()), draw(st.booleans())
 
 
 @given(_cases())
 def test_kernel_matches_reference_and_oracle(case):
-    block, tokens, conf, n, threshold, poison = case
+    """A threshold given as a 0-d tensor (read on the device) decides as the float does."""
+    block, tokens, conf, n, threshold, poison, on_device = case
+    as_given = (lambda dev: torch.tensor(threshold, dtype=torch.float64, device=dev)) if on_device and \
+        threshold is not None else (lambda dev: threshold)
     b_ref = block.clone()
-    exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=n, threshold=threshold)
+    exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=n, threshold=as_given("cpu"))
     assert torch.equal(exp, _oracle(block, tokens, conf, n, threshold))
     b_k = block.to(DEV)
     out = torch.full(block.shape, poison, dtype=torch.bool, device=DEV)
     nd = n.to(DEV) if isinstance(n, torch.Tensor) else n
-    got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=nd, threshold=threshold,
+    got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=nd, threshold=as_given(DEV),
                                out=out)
     assert torch.equal(got.cpu(), exp)
     assert torch.equal(b_k.cpu(), b_ref)
@@ -96,12 +99,28 @@ def test_public_function_dispatches():
     assert got.cpu().tolist() == [[False, True, False]] and block.cpu().tolist() == [[M, 4, 1]]
 
 
+@pytest.mark.parametrize("fn", [select_ref, select_commit_triton])
+def test_threshold_compares_in_fp32_as_float_or_tensor(fn):
+    """conf = fp32(0.1) does not pass a threshold of 0.1, given as a float or as a float64 tensor (both rounded
+    to fp32): the top n = 1 is committed; with 0.0999 both positions pass."""
+    for threshold, committed in ((0.1, [[True, False]]), (0.0999, [[True, True]])):
+        for given in (threshold, torch.tensor(threshold, dtype=torch.float64, device=DEV)):
+            block = torch.full((1, 2), M, device=DEV)
+            got = fn(block, torch.tensor([[3, 4]], device=DEV), torch.tensor([[0.1, 0.1]], device=DEV),
+                     mask_token_id=M, n=1, threshold=given)
+            assert got.cpu().tolist() == committed, (threshold, given)
+
+
 def test_errors():
     b, t, c = torch.full((2, 4), M), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4)
     with pytest.raises(ValueError, match="threshold"):
         mt.select_commit(b, t, c, mask_token_id=M, n=1, threshold=0.0)
     with pytest.raises(ValueError, match="threshold"):
         mt.select_commit(b, t, c, mask_token_id=M, n=1, threshold=1.5)
+    with pytest.raises(ValueError, match="threshold must be a float or a 0-d"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1, threshold=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="threshold must be a float or a 0-d"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1, threshold=torch.tensor(1))
     with pytest.raises(ValueError, match="tokens"):
         mt.select_commit(b, t[:, :3], c, mask_token_id=M, n=1)
     with pytest.raises(ValueError, match="block"):

@@ -4,7 +4,8 @@ Defined behaviour (shared with the Triton kernel):
 
 * effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (fp64 for fp64 logits; the residual
   is summed in fp32 in order r = 0..R-1; the division is a multiplication by ``1 / temperature``
-  rounded to fp32, exactly as the kernel does it);
+  rounded to fp32, exactly as the kernel does it; ``temperature`` and ``top_p`` may be 0-d tensors on the
+  device, so a captured CUDA graph serves every value);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax);
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
@@ -71,6 +72,15 @@ def gumbel_noise(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
+def inverse_temperature(temperature) -> torch.Tensor:
+    """0-d float32 ``1 / temperature``: divided in float64 and rounded to fp32 once, as the kernel multiplies by
+    it. ``temperature``: a float, or a 0-d tensor (the result stays on its device; float64 gives exactly the
+    float's result)."""
+    if isinstance(temperature, torch.Tensor):
+        return (1.0 / temperature.double()).float()
+    return torch.tensor(1.0 / temperature, dtype=torch.float32)
+
+
 def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_token_id=None):
     """z: [N, V] float32 with NaN -> -inf, +inf -> FLT_MAX, mask column -> -inf."""
     z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
@@ -80,8 +90,7 @@ def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_
         for r in range(1, res.shape[0]):
             acc = acc + res[r].to(z.dtype)
         z = z + torch.tensor(scale, dtype=torch.float32) * acc
-    inv_t = torch.tensor(1.0 / temperature, dtype=torch.float32)
-    z = z * inv_t
+    z = z * inverse_temperature(temperature)
     z = torch.nan_to_num(z, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
     if mask_token_id is not None and 0 <= mask_token_id < z.shape[-1]:
         z[:, mask_token_id] = float("-inf")
@@ -92,7 +101,8 @@ def filter_top_k_top_p(z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
     """Set to -inf every z outside the top-k, then outside the top-p nucleus (HF order).
 
     Ties are broken by lowest index (stable sort). The nucleus keeps the smallest prefix of the
-    sorted distribution whose mass reaches ``top_p`` (at least one token).
+    sorted distribution whose mass reaches ``top_p`` (at least one token); ``top_p`` may be a 0-d tensor
+    (read on the device), and 1 keeps every token either way.
     """
     z = z.clone()
     V = z.shape[-1]
@@ -100,12 +110,12 @@ def filter_top_k_top_p(z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
         _, order = torch.sort(z, dim=-1, descending=True, stable=True)
         drop = order[:, top_k:]
         z.scatter_(1, drop, float("-inf"))
-    if top_p is not None and top_p < 1.0:
+    if top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0):
         sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
         p = torch.softmax(sz, dim=-1)
         p = torch.nan_to_num(p, nan=0.0)
         before = torch.cumsum(p, dim=-1) - p  # mass strictly before each sorted token
-        drop_sorted = before >= top_p
+        drop_sorted = (before >= top_p) & (top_p < 1.0)
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         z = z.masked_fill(drop, float("-inf"))

@@ -2,7 +2,8 @@
 
 Defined behaviour (shared with :mod:`mrp_triton.remask`):
 
-* "tau": keep a revealed token iff ``score >= threshold`` (score = MRP-corrected confidence);
+* "tau": keep a revealed token iff ``score >= threshold`` (score = MRP-corrected confidence; compared in fp32,
+  the threshold a float or a 0-d tensor);
   "delta": keep iff ``score <= threshold`` (score = |C[pos, token]|). A NaN score is never kept
   by the rule;
 * progress guard: a row that revealed at least one token keeps at least one, the best by score
@@ -24,10 +25,10 @@ def remask(block, revealed, score, threshold, *, mask_token_id, rule="tau"):
     s = score.float()
     idx = torch.arange(L, device=block.device)
     if rule == "tau":
-        keep = revealed & (s >= float(threshold))
+        keep = revealed & (s >= threshold)
         key = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
     else:
-        keep = revealed & (s <= float(threshold))
+        keep = revealed & (s <= threshold)
         key = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), -s)
     key = torch.where(revealed, key, torch.full_like(key, float("-inf")))
     mx = key.max(-1, keepdim=True).values

@@ -8,7 +8,7 @@ Defined behaviour (shared with :mod:`mrp_triton.select`):
 * NaN confidence ranks as ``-inf``; ties go to the lowest position index;
 * ``n`` (int or [B]) is clipped to [0, #candidates]; ``n <= 0`` means the row is inactive;
 * static (``threshold is None``): commit the n most confident candidates;
-  dynamic: commit every candidate with ``conf > threshold``; if fewer than n pass, the top n.
+  dynamic: commit every candidate with ``conf > threshold`` (compared in fp32); if fewer than n pass, the top n.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def rank_desc(score: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
 
 def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None):
     """block: int64 [B, L] (updated in place), tokens: int64 [B, L], conf: float32 [B, L];
-    n: int or int tensor [B]; threshold: None (static) or float in (0, 1] (dynamic).
+    n: int or int tensor [B]; threshold: None (static) or in (0, 1] (dynamic; a float or a 0-d tensor).
     Returns committed: bool [B, L]."""
     B, L = block.shape
     cand = (block == mask_token_id) & (tokens >= 0) & (tokens != mask_token_id)
@@ -43,7 +43,7 @@ def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None):
     n_eff = torch.minimum(n_row.clamp(min=0), cand.sum(-1))
     commit = cand & (rank_desc(c, cand) < n_eff[:, None])
     if threshold is not None:
-        passed = cand & (c > float(threshold))
+        passed = cand & (c > threshold)  # a float or a 0-d tensor
         commit = torch.where((passed.sum(-1) >= n_eff)[:, None], passed, commit)
     commit = commit & (n_row > 0)[:, None]
     block.copy_(torch.where(commit, tokens, block))

@@ -2,11 +2,12 @@
 
 The per-row state is which original row each row of the working batch is (``rows``: it keys the
 sampling noise and the stats), how many tokens each has committed (``counter``: the state index in the
-noise key) and the per-row stats; beside it the call's sampling seed (``seed_key``), so one set of captured
-steps serves every seed. Like the cache, it lives in buffers whose storage never moves:
-``rows`` and ``counter`` are views of the first B' entries, finished rows are dropped by moving the kept
-ones to the front, and the stats are indexed by original row. So steps captured in CUDA graphs may read
-and update it, and a graphed engine is kept on the model for the next call of the same shapes.
+noise key) and the per-row stats; beside it the call's sampling seed (``seed_key``) and the settings read on
+the device (``on_device``: temperature, top-p, thresholds), so one set of captured steps serves every value.
+Like the cache, it lives in buffers whose storage never moves: ``rows`` and ``counter`` are views of the
+first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats are indexed by
+original row. So steps captured in CUDA graphs may read and update it, and a graphed engine is kept on the
+model for the next call of the same shapes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from mrp_triton.reference.confidence import seed_hash
 
+from .generation_settings import ON_THE_DEVICE, GenerationSettings
 from .kv_cache import StaticKVCache
 from .step_graphs import StepGraphs
 
@@ -94,12 +96,18 @@ class DecodeEngine:
         self._counter = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
         self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
+        settings = torch.ones(len(ON_THE_DEVICE), dtype=torch.float64, device=s.device)
+        self.on_device = dict(zip(ON_THE_DEVICE, settings.unbind()))  # 0-d views of one fixed buffer
         self.reset()
 
-    def use_seed(self, seed: int) -> None:
-        """Key this call's sampling noise by ``seed``: folded to 31 bits, it fills the high half of the first
-        noise-key column (``rows + seed_key``; rows < 2**32), read from this buffer by the captured steps."""
-        self.seed_key.fill_((seed_hash(seed) & 0x7FFFFFFF) << 32)
+    def use_settings(self, settings: GenerationSettings) -> None:
+        """This call's values of the settings the captured steps read on the device: the seed (folded to 31 bits,
+        it fills the high half of the first noise-key column: ``rows + seed_key``, rows < 2**32) and those in
+        ``on_device`` (float64, so a step computes exactly what it would from the Python float; an unset one
+        holds 1)."""
+        self.seed_key.fill_((seed_hash(settings.seed) & 0x7FFFFFFF) << 32)
+        for name, value in self.on_device.items():
+            value.fill_(1.0 if getattr(settings, name) is None else float(getattr(settings, name)))
 
     def reset(self) -> None:
         """Every row back, nothing committed, stats zero (graphs captured over the buffers stay valid)."""

@@ -83,7 +83,7 @@ class BlockDecoder:
         shape = EngineShape(slots, B, width, config.num_key_value_heads, config.head_dim, model.lm_head.weight.dtype,
                             device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
         self.engine = engine_for(model, shape, graphed)
-        self.engine.use_seed(settings.seed)
+        self.engine.use_settings(settings)
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
         self.settings_key = settings.step_key()
         self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
@@ -104,6 +104,16 @@ class BlockDecoder:
     def counter(self) -> torch.Tensor:
         """int64 [B']: tokens each working row has committed so far (the state index in the noise key)."""
         return self.engine.counter
+
+    def on_device(self, name: str) -> torch.Tensor | None:
+        """The 0-d tensor the steps read setting ``name`` from (``DecodeEngine.on_device``; float64), or None
+        when it is not set; a captured step reads its value at every replay, so graphs serve every value."""
+        return None if getattr(self.settings, name) is None else self.engine.on_device[name]
+
+    @property
+    def temperature(self) -> torch.Tensor | float:
+        """What the logits are divided by: the temperature (on the device) when sampling, else 1."""
+        return self.on_device("temperature") if self.settings.do_sample else 1.0
 
     @property
     def stats(self) -> DecodeStats:
@@ -238,15 +248,14 @@ class BlockDecoder:
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
-        # The seed sits in the first key column (DecodeEngine.use_seed), not in the op's seed argument, which a
-        # captured step would bake in.
+        # The seed sits in the first key column (DecodeEngine.use_settings), not in the op's seed argument, which a
+        # captured step would bake in; so do the temperature and top-p (read on the device).
         keys = torch.stack([(self.rows + self.engine.seed_key)[:, None].expand(B, T), positions, counter.expand(B, T)
                             if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
         tok, conf, lse = mrp_triton.confidence(
-            logits.reshape(B * T, V), temperature=s.temperature if s.do_sample else 1.0,
-            skip_rows=~candidates.reshape(-1), mask_token_id=self.mask_id, do_sample=s.do_sample, seed=0,
-            noise_keys=keys.reshape(B * T, 3), top_k=s.top_k if s.do_sample else None,
-            top_p=s.top_p if s.do_sample else None)
+            logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
+            mask_token_id=self.mask_id, do_sample=s.do_sample, seed=0, noise_keys=keys.reshape(B * T, 3),
+            top_k=s.top_k if s.do_sample else None, top_p=self.on_device("top_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
@@ -490,7 +499,7 @@ def scheduled_step(dec: BlockDecoder, threshold: float | None = None):
 def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
     """Static (n most confident per step) and dynamic (all above the threshold, else the top n) decoding."""
     s = dec.settings
-    step = scheduled_step(dec, s.threshold if s.strategy == "dynamic" else None)
+    step = scheduled_step(dec, dec.on_device("threshold") if s.strategy == "dynamic" else None)
     state = dec.row_state
     for _ in range(steps):
         dec.step("denoise", step, block, positions, state["masks_at_start"], state["steps_taken"], mutated=(0, 3))

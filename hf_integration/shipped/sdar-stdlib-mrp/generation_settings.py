@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from transformers import GenerationConfig
 from transformers.utils import logging
 
+from mrp_triton.confidence import check_temperature
+
 logger = logging.get_logger(__name__)
 
 STRATEGIES = ("static", "dynamic", "direct", "speculative", "remask")
@@ -30,6 +32,9 @@ HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None)
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
                      "stop_strings", "tokenizer", "use_cache", "seed")
+# Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
+# at all (None or not) is part of a step's key, so one set of captured steps serves every value.
+ON_THE_DEVICE = ("temperature", "top_p", "threshold", "residual_delta")
 
 
 @dataclass
@@ -90,9 +95,10 @@ class GenerationSettings:
         return {f.name for f in dataclasses.fields(cls) if f.init}
 
     def step_key(self) -> tuple:
-        """The settings a decoding step's computation depends on, as a hashable key."""
-        return tuple((f.name, repr(getattr(self, f.name))) for f in dataclasses.fields(self)
-                     if f.name not in OUTSIDE_THE_STEPS)
+        """The settings a decoding step's computation depends on, as a hashable key (of a setting read on the
+        device, whether it is set)."""
+        return tuple((f.name, getattr(self, f.name) is None if f.name in ON_THE_DEVICE else repr(getattr(self, f.name)))
+                     for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
 
     @classmethod
     def resolve(cls, model, generation_config, kwargs: dict, prompt_width: int) -> "GenerationSettings":
@@ -159,9 +165,8 @@ class GenerationSettings:
             raise ValueError(f"strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
         if self.threshold is not None and not 0.0 < float(self.threshold) <= 1.0:
             raise ValueError(f"threshold={self.threshold} must be in (0, 1]")
-        if self.do_sample and not float(self.temperature) > 0.0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 when do_sample=True "
-                             "(use do_sample=False for greedy decoding)")
+        if self.do_sample:
+            check_temperature(self.temperature)
         if self.top_k is not None and int(self.top_k) < 1:
             raise ValueError(f"top_k={self.top_k} must be >= 1 (or None to disable)")
         if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
