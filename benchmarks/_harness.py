@@ -6,6 +6,8 @@ Triton interpreter is switched on before any ``mrp_triton`` kernel is decorated)
     cuda = _harness.cuda_or_smoke("bench_x", args.smoke)   # None: no GPU and no --smoke, exit 2
     meta = _harness.run_meta(cuda)                         # gpu, torch, triton, commit
     bench = _harness.make_bench(cuda, warmup=10, rep=40)   # fn -> [median, p20, p80] in us
+    graph_bench = _harness.make_bench(cuda, warmup=10, rep=40, graph=True)  # replayed from a CUDA graph
+    _harness.time_against_eager({"": bench, "_graph": graph_bench}, eager_fn, triton_fn, record, "op")
     q, bw = _harness.copy_bandwidth(bench)                 # the memory ceiling (CUDA only)
     _harness.write_results(out, stem, FIELDS, rows, {...}) # <out>/<stem>.csv and .json
 """
@@ -71,10 +73,14 @@ def add_model_bench_args(ap, rep_help: str = "do_bench repetition time, ms") -> 
     ap.add_argument("--smoke", action="store_true", help="tiny float32 model on CPU (reference ops), seconds")
 
 
-def make_bench(cuda: bool, *, warmup: int, rep: int):
+def make_bench(cuda: bool, *, warmup: int, rep: int, graph: bool = False):
     """Return ``bench(fn) -> [median, p20, p80]`` in microseconds.
 
-    CUDA: ``triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)`` (ms -> us).
+    CUDA: ``triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)`` (ms -> us): calls
+    from Python, so an op of a few microseconds measures its host launch path (what an eager caller pays).
+    ``graph``: ``triton.testing.do_bench_cudagraph`` (``fn`` repeated in one captured CUDA graph, replayed): the
+    GPU time alone, what the decode engine pays for the op inside its captured steps; ``fn`` must be capturable
+    (a RuntimeError otherwise).
     CPU (--smoke): one warm-up call, then three perf_counter timings (middle, fastest, slowest):
     only to show that the script runs, the numbers mean nothing.
     """
@@ -82,7 +88,10 @@ def make_bench(cuda: bool, *, warmup: int, rep: int):
         if cuda:
             import triton.testing
 
-            q = triton.testing.do_bench(fn, quantiles=QUANTILES, warmup=warmup, rep=rep)
+            if graph:
+                q = triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=QUANTILES)
+            else:
+                q = triton.testing.do_bench(fn, quantiles=QUANTILES, warmup=warmup, rep=rep)
             return [x * 1e3 for x in q]
         fn()
         ts = []
@@ -94,6 +103,25 @@ def make_bench(cuda: bool, *, warmup: int, rep: int):
         return [ts[1], ts[0], ts[2]]
 
     return bench
+
+
+def time_against_eager(benches: dict, eager_fn, triton_fn, record, what: str) -> dict:
+    """Time the torch reference ``eager_fn`` and the Triton op ``triton_fn`` with each of ``benches``
+    (``{suffix: bench}``, e.g. ``{"": bench, "_graph": graph_bench}``) and ``record(provider, quantiles,
+    eager_median)`` the rows ``torch_eager<suffix>`` (eager_median None) and ``triton<suffix>``. A timing that
+    fails (an op that cannot be captured) is printed to stderr with ``what`` and skipped. Returns
+    ``{suffix: eager median}`` of the timings that ran."""
+    eager = {}
+    for suffix, bench in benches.items():
+        try:
+            q = bench(eager_fn)
+            record("torch_eager" + suffix, q, None)
+            record("triton" + suffix, bench(triton_fn), q[0])
+        except RuntimeError as exc:
+            print(f"{what}: timing torch_eager{suffix} / triton{suffix} failed: {exc!r}", file=sys.stderr)
+            continue
+        eager[suffix] = q[0]
+    return eager
 
 
 def copy_bandwidth(bench, nbytes: int = 512 * 2**20) -> tuple[list[float], float]:

@@ -9,7 +9,9 @@
 (b) rms_norm (plain and with residual), qk_norm_rope, swiglu and mrp_input at decode shapes of
     SDAR-1.7B (H 2048, 16 q / 8 kv heads, head_dim 128, ffn 6144) and SDAR-8B
     (4096 / 32 / 8 / 128 / 12288), tokens x batch in {16, 64, 128} x {1, 8}: Triton vs eager (the
-    reference ops) vs ``torch.compile(reference, dynamic=True)``.
+    reference ops) vs ``torch.compile(reference, dynamic=True)``; eager and Triton also replayed from a CUDA
+    graph (``*_graph``: the GPU time alone, what the ops cost inside the decode engine's captured steps; called
+    from Python, an op of a few microseconds measures its host launch path).
 
 On CUDA: ``python benchmarks/bench_mrp_head.py --out benchmarks/results`` (about 2 minutes on an
 H200, most of it torch.compile; ``--no-compile`` skips that provider, ``--sweep`` also times a
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
     results: list[dict] = []
     failures: list[str] = []
     bench = _harness.make_bench(cuda, warmup=5, rep=25)
+    graph_bench = _harness.make_bench(cuda, warmup=5, rep=25, graph=True)
 
     def record(kernel, shape, provider, q, nbytes=None, floor_us=None, eager_us=None, note=""):
         med = q[0]
@@ -245,7 +248,10 @@ def main(argv=None) -> int:
                     for gg_, ww_ in zip(got if isinstance(got, tuple) else (got,),
                                         want if isinstance(want, tuple) else (want,)):
                         check(f"{kernel} {shape}", gg_.float(), ww_.float(), 6e-2, 2e-2)
-                    eager = record(kernel, shape, "torch_eager", bench(lambda: eag(*a)), nbytes)
+                    eager = _harness.time_against_eager(
+                        {"": bench, "_graph": graph_bench}, lambda: eag(*a), lambda: tri(*a),
+                        lambda provider, q, eager_us: record(kernel, shape, provider, q, nbytes, eager_us=eager_us),
+                        f"{kernel} {shape}").get("")
                     if cname in compiled:
                         try:
                             record(kernel, shape, "torch_compile", bench(lambda: compiled[cname](*a)), nbytes,
@@ -253,7 +259,6 @@ def main(argv=None) -> int:
                         except Exception as e:
                             print(f"  torch.compile failed for {kernel}: {type(e).__name__}: {str(e)[:200]}")
                             compiled.pop(cname)
-                    record(kernel, shape, "triton", bench(lambda: tri(*a)), nbytes, eager_us=eager)
             del E
 
     stem = "mrp_head_smoke" if args.smoke else "mrp_head"
