@@ -63,13 +63,13 @@ def check_token_id(mask_token_id) -> None:
 
 
 def check_device_scalar(name: str, value, device: torch.device) -> bool:
-    """Whether ``value`` (a setting such as a temperature or threshold) is given as a 0-d floating tensor on
-    ``device``: the kernel then reads it there, so one captured CUDA graph serves every value (which is not
-    checked on the host: that would synchronise). Any other tensor is refused; a Python number returns False."""
+    """Whether ``value`` (a setting such as a temperature, threshold or top-k) is given as a 0-d real tensor on
+    ``device``: the op then reads it there, so one captured CUDA graph serves every value (which is not checked
+    on the host: that would synchronise). Any other tensor is refused; a Python number returns False."""
     if not isinstance(value, torch.Tensor):
         return False
-    if value.dim() != 0 or not value.is_floating_point():
-        raise ValueError(f"{name} must be a float or a 0-d floating-point tensor, got a {value.dtype} tensor of "
+    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+        raise ValueError(f"{name} must be a number or a 0-d real tensor, got a {value.dtype} tensor of "
                          f"shape {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but the data on {device}; move them together")

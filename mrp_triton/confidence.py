@@ -259,7 +259,8 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
                              "step) per row")
         if noise_keys.device != logits.device:
             raise ValueError(f"noise_keys is on {noise_keys.device} but logits on {logits.device}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and not check_device_scalar("top_k", top_k, logits.device) and \
+            (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not check_device_scalar("top_p", top_p, logits.device) and \
             not (0.0 < float(top_p) <= 1.0):
@@ -348,9 +349,9 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); noise_keys: int64 [N, 3] =
-    (sequence id, absolute position, step), required when ``do_sample``. ``temperature`` and ``top_p`` are floats
-    or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the caller
-    checks such a tensor's value: > 0, and in (0, 1]).
+    (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k`` and ``top_p``
+    are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
+    caller checks such a tensor's value: > 0, >= 1, in (0, 1]).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. Dispatches with :func:`mrp_triton.backend.select_backend`.
     """

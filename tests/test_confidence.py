@@ -163,17 +163,19 @@ def test_gumbel_matches_softmax_empirically():
 
 
 @pytest.mark.parametrize("top_k,top_p,on_device", [(3, None, False), (None, 0.5, False), (5, 0.8, False),
-                                                   (None, 0.5, True), (5, 0.8, True), (None, 1.0, True)])
+                                                   (3, None, True), (None, 0.5, True), (5, 0.8, True),
+                                                   (None, 1.0, True)])
 def test_top_k_top_p(top_k, top_p, on_device):
-    """The filtered pick against the reference (top_p given to the kernel as a float or as a 0-d tensor on the
-    device, with the temperature: same picks as the floats; a top_p tensor of 1 filters nothing)."""
+    """The filtered pick against the reference (top_k, top_p and the temperature given to the kernel as numbers
+    or as 0-d float64 tensors on the device, as the decode engine passes them: the same picks)."""
     g = torch.Generator().manual_seed(3)
     N, V = 16, 200
     L = torch.randn(N, V, generator=g) * 2
     keys = torch.randint(0, 1000, (N, 3), generator=g)
     given = (lambda x: torch.tensor(x, dtype=torch.float64, device=DEV)) if on_device else (lambda x: x)
-    got = confidence_triton(L.to(DEV), do_sample=True, seed=5, noise_keys=keys.to(DEV), top_k=top_k,
-                            top_p=None if top_p is None else given(top_p), mask_token_id=0, temperature=given(0.7))
+    got = confidence_triton(L.to(DEV), do_sample=True, seed=5, noise_keys=keys.to(DEV),
+                            top_k=None if top_k is None else given(top_k), top_p=None if top_p is None else given(top_p),
+                            mask_token_id=0, temperature=given(0.7))
     exp = confidence_ref(L, do_sample=True, seed=5, noise_keys=keys, top_k=top_k, top_p=top_p, mask_token_id=0,
                          temperature=0.7)
     _check(got, exp)
@@ -186,12 +188,15 @@ def test_top_k_top_p(top_k, top_p, on_device):
     torch.testing.assert_close(got[1].cpu(), full_p, atol=1e-6, rtol=1e-5)  # full-softmax prob
 
 
-@pytest.mark.parametrize("top_p", [1.0, torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0)])
-def test_top_p_of_one_keeps_every_token(top_p):
-    """Even where the fp32 mass before the tail already rounds to 1 (one dominant token), as a float or a tensor."""
+@pytest.mark.parametrize("top_k,top_p", [(None, 1.0), (None, torch.tensor(1.0, dtype=torch.float64)),
+                                         (None, torch.tensor(1.0)), (50, None), (torch.tensor(50.0), None),
+                                         (torch.tensor(80), 1.0)])
+def test_filters_that_keep_every_token(top_k, top_p):
+    """top_k >= V and top_p = 1 filter nothing, as numbers or tensors; top_p = 1 even where the fp32 mass before
+    the tail already rounds to 1 (one dominant token). V = 50."""
     z = torch.zeros(2, 50)
     z[:, 0] = 40.0
-    assert torch.equal(filter_top_k_top_p(z, None, top_p), z)
+    assert torch.equal(filter_top_k_top_p(z, top_k, top_p), z)
 
 
 @pytest.mark.triton
@@ -215,8 +220,9 @@ def test_reference_backend_on_cpu_matches():
     (dict(skip_rows=torch.zeros(2)), "skip_rows"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"),
-    (dict(temperature=torch.ones(2)), "temperature must be a float or a 0-d"),
-    (dict(top_p=torch.tensor(1)), "top_p must be a float or a 0-d"),
+    (dict(temperature=torch.ones(2)), "temperature must be a number or a 0-d real tensor"),
+    (dict(top_p=torch.tensor(True)), "top_p must be a number or a 0-d real tensor"),
+    (dict(top_k=torch.tensor([3])), "top_k must be a number or a 0-d real tensor"),
     (dict(temperature=torch.tensor(1.0, device="meta")), "temperature is on meta"),
 ])
 def test_argument_errors(kwargs, match):

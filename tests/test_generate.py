@@ -439,17 +439,17 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
 
 
 @pytest.mark.parametrize("strategy", ["static", "speculative"])
-def test_graphed_sampling_reads_seed_temperature_and_top_p_from_buffers(model, strategy):
-    """The seed, temperature and top-p reach the captured steps through the engine's buffers, not as baked-in
+def test_graphed_sampling_reads_seed_temperature_top_k_and_top_p_from_buffers(model, strategy):
+    """The seed, temperature, top-k and top-p reach the captured steps through the engine's buffers, not as baked-in
     arguments (a graph per value would capture again and pile up): each call samples what it samples without
     graphs, and with static decoding and no EOS (the same steps whatever is sampled) every call replays the
     first call's steps."""
     ids = random_prompts(2, 6, seed=41)
     kw = dict(max_new_tokens=10, do_sample=True, strategy=strategy, eos_token_id=[])
     outputs, keys = [], None
-    for setting in (dict(seed=0, temperature=2.0, top_p=0.9), dict(seed=1, temperature=2.0, top_p=0.9),
-                    dict(seed=2**40 + 5, temperature=2.0, top_p=0.9), dict(seed=0, temperature=0.5, top_p=0.9),
-                    dict(seed=0, temperature=2.0, top_p=0.3)):
+    first = dict(seed=0, temperature=2.0, top_k=30, top_p=0.9)
+    for setting in (first, dict(first, seed=1), dict(first, seed=2**40 + 5), dict(first, temperature=0.5),
+                    dict(first, top_k=3), dict(first, top_p=0.3)):
         graphed = model.generate(ids, cuda_graphs=True, **setting, **kw)
         assert torch.equal(graphed, model.generate(ids, cuda_graphs=False, **setting, **kw)), setting
         captured = set(model._decode_engine[1].graphs.graphs)

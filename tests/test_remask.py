@@ -100,7 +100,7 @@ def test_errors():
         mt.remask(b, r.int(), s, 0.5, mask_token_id=M)
     with pytest.raises(ValueError, match="score"):
         mt.remask(b, r, s[:, :2], 0.5, mask_token_id=M)
-    with pytest.raises(ValueError, match="threshold must be a float or a 0-d"):
+    with pytest.raises(ValueError, match="threshold must be a number or a 0-d real tensor"):
         mt.remask(b, r, s, torch.full((2,), 0.5), mask_token_id=M)
     with pytest.raises(ValueError, match="threshold is on meta"):
         mt.remask(b, r, s, torch.tensor(0.5, device="meta"), mask_token_id=M)

@@ -4,8 +4,8 @@ Defined behaviour (shared with the Triton kernel):
 
 * effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (fp64 for fp64 logits; the residual
   is summed in fp32 in order r = 0..R-1; the division is a multiplication by ``1 / temperature``
-  rounded to fp32, exactly as the kernel does it; ``temperature`` and ``top_p`` may be 0-d tensors on the
-  device, so a captured CUDA graph serves every value);
+  rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
+  on the device, so a captured CUDA graph serves every value);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax);
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
@@ -101,15 +101,15 @@ def filter_top_k_top_p(z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
     """Set to -inf every z outside the top-k, then outside the top-p nucleus (HF order).
 
     Ties are broken by lowest index (stable sort). The nucleus keeps the smallest prefix of the
-    sorted distribution whose mass reaches ``top_p`` (at least one token); ``top_p`` may be a 0-d tensor
-    (read on the device), and 1 keeps every token either way.
+    sorted distribution whose mass reaches ``top_p`` (at least one token); a top_p of 1 keeps every token.
+    ``top_k`` and ``top_p`` may be 0-d tensors (read on the device, so a captured CUDA graph serves every value).
     """
     z = z.clone()
     V = z.shape[-1]
-    if top_k is not None and top_k < V:
+    if top_k is not None and (isinstance(top_k, torch.Tensor) or top_k < V):
         _, order = torch.sort(z, dim=-1, descending=True, stable=True)
-        drop = order[:, top_k:]
-        z.scatter_(1, drop, float("-inf"))
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(V, device=z.device).expand_as(order))
+        z = z.masked_fill(rank >= top_k, float("-inf"))
     if top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0):
         sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
         p = torch.softmax(sz, dim=-1)

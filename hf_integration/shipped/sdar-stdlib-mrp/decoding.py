@@ -249,13 +249,14 @@ class BlockDecoder:
         s = self.settings
         B, T, V = logits.shape
         # The seed sits in the first key column (DecodeEngine.use_settings), not in the op's seed argument, which a
-        # captured step would bake in; so do the temperature and top-p (read on the device).
+        # captured step would bake in; so do the temperature, top-k and top-p (read on the device).
         keys = torch.stack([(self.rows + self.engine.seed_key)[:, None].expand(B, T), positions, counter.expand(B, T)
                             if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_id, do_sample=s.do_sample, seed=0, noise_keys=keys.reshape(B * T, 3),
-            top_k=s.top_k if s.do_sample else None, top_p=self.on_device("top_p") if s.do_sample else None)
+            top_k=self.on_device("top_k") if s.do_sample else None,
+            top_p=self.on_device("top_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
