@@ -39,7 +39,7 @@ import triton.language as tl
 from ._checks import check_device_scalar, check_kernel_device
 from .backend import interpreter_on, select_backend
 from .reference.confidence import confidence as confidence_reference
-from .reference.confidence import effective_logits, inverse_temperature, pick_tokens, seed_hash
+from .reference.confidence import effective_logits, pick_tokens, seed_hash
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -60,7 +60,7 @@ def _mix32(x):
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
-    V, chunk, S, scale, inv_t, inv_t_ptr, mask_id, seed_h,
+    V, chunk, S, scale, inv_t, t_ptr, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, FINAL: tl.constexpr,
     T_TENSOR: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -71,8 +71,8 @@ def _conf_partial_kernel(
     if HAS_SKIP:
         skip = tl.load(skip_ptr + row)
         hi = tl.where(skip != 0, lo, hi)
-    if T_TENSOR:  # 1 / temperature read on the device (one graph serves every temperature)
-        inv_t = tl.load(inv_t_ptr)
+    if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
+        inv_t = (1.0 / tl.load(t_ptr).to(tl.float64)).to(tl.float32)
     M32 = tl.full([], 0xFFFFFFFF, tl.int64)
     h = tl.full([], 0, tl.int64)
     if DO_SAMPLE:
@@ -307,8 +307,8 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     seed_h = seed_hash(seed) if sample_in_kernel else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     t_tensor = isinstance(temperature, torch.Tensor)
-    # 1 / temperature rounded to fp32, as the reference: on the device for a tensor, else a kernel argument
-    inv_t_buf = inverse_temperature(temperature) if t_tensor else dummy
+    # 1 / temperature divided in float64, rounded to fp32 (as the reference): a kernel argument, or for a tensor
+    # computed by the kernel from it
     inv_t = 1.0 if t_tensor else struct.unpack("f", struct.pack("f", 1.0 / float(temperature)))[0]
     if S > 1:
         part = torch.empty(N * S * 4, dtype=torch.float32, device=dev)
@@ -320,7 +320,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
         skip, keys, part, part_idx, tok, prob, lse,
-        V, chunk, S, float(scale), inv_t, inv_t_buf, mask_id, seed_h,
+        V, chunk, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, FINAL=S == 1,
         T_TENSOR=t_tensor, BLOCK_V=BLOCK_V, num_warps=nw,
         enable_fp_fusion=False,  # no FMA: same rounding as the reference

@@ -120,6 +120,22 @@ def test_residual_sum_and_temperature():
     torch.testing.assert_close(prob.cpu(), torch.softmax(z, -1).max(-1).values, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 0.3, 1.7, 2.5, 0.013])
+def test_temperature_tensor_scales_exactly_as_the_float(temperature):
+    """The kernel turns a temperature tensor into 1 / t (float64 division, rounded to fp32) as the launcher does
+    a float: bit-identical outputs, sampled or greedy (1 ulp off in 1 / t would move the logsumexp)."""
+    g = torch.Generator().manual_seed(11)
+    L = (torch.randn(6, 300, generator=g) * 4).to(DEV)
+    keys = torch.randint(0, 1000, (6, 3), generator=g).to(DEV)
+    for do_sample in (False, True):
+        kw = dict(do_sample=do_sample, noise_keys=keys, seed=3, splits=2, block_v=64)
+        from_float = confidence_triton(L, temperature=temperature, **kw)
+        from_tensor = confidence_triton(L, temperature=torch.tensor(temperature, dtype=torch.float64, device=DEV),
+                                        **kw)
+        for a, b in zip(from_float, from_tensor):
+            assert torch.equal(a, b), (temperature, do_sample)
+
+
 def test_sampling_independent_of_batch_composition():
     g = torch.Generator().manual_seed(2)
     N, V = 8, 777

@@ -40,7 +40,7 @@ def _compile_all() -> list[str]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
                    "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "part_ptr": "*fp32", "part_idx_ptr": "*i64",
                    "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "chunk": "i32",
-                   "S": "i32", "scale": "fp32", "inv_t": "fp32", "inv_t_ptr": "*fp32", "mask_id": "i32",
+                   "S": "i32", "scale": "fp32", "inv_t": "fp32", "t_ptr": "*fp64", "mask_id": "i32",
                    "seed_h": "i64", "HAS_RES": "constexpr", "HAS_SKIP": "constexpr", "DO_SAMPLE": "constexpr",
                    "FINAL": "constexpr", "T_TENSOR": "constexpr", "BLOCK_V": "constexpr"}
             comp(C._conf_partial_kernel, sig, {"HAS_RES": has_res, "HAS_SKIP": has_skip, "DO_SAMPLE": sample,
