@@ -1,0 +1,160 @@
+"""The issues' benchmark targets against measured results: one line per measured figure, met or missed.
+
+    python benchmarks/targets.py RESULTS_DIR          # after benchmarks/gpu_session.sh: OUT/results
+
+Reads what the benchmarks wrote on a GPU (``decode_kernels.json``, ``mrp_head.json``, ``engine.json``,
+``e2e_gpu.json``), prints a Markdown table (issue, target, what was measured, the figure, met / missed; a target
+with no figure says "not measured") and writes it to ``RESULTS_DIR/targets.md``. The targets are the issues'
+benchmark figures (not tests) at the shapes they name: SDAR-1.7B (H 2048), V = 151936, batch 8 for the decode
+ops. ``--smoke`` reads the ``*_smoke.json`` files of ``--smoke`` runs at the tiny shapes (a check that this
+script reads them; those figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One measured figure against its target: ``what`` was measured, the figure as text, and whether it meets
+    the target."""
+
+    what: str
+    figure: str
+    met: bool
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target of an issue, checked on the rows of one results file (``source``: the stem bench_*.py writes)."""
+
+    issue: int
+    text: str
+    source: str
+    check: Callable[[list[dict], str], list[Finding]]  # (rows, model tag) -> findings
+
+
+def _rows_n(shape: str) -> int:
+    """N of a shape such as ``N=256,V=151936,bf16`` or ``N=16 H=2048 V=151936``."""
+    return int(re.search(r"N=(\d+)", shape).group(1))
+
+
+def _pick(rows: list[dict], **match) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _confidence_bandwidth(rows, model):
+    return [Finding(f"{r['kernel']} {r['shape']}", f"{100 * r['copy_ratio']:.0f}% of copy", r["copy_ratio"] >= 0.8)
+            for r in _pick(rows, provider="triton") if r["kernel"].startswith("confidence")
+            and _rows_n(r["shape"]) >= 256 and r.get("copy_ratio")]
+
+
+def _confidence_speedup(rows, model):
+    return [Finding(f"{r['kernel']} {r['shape']}", f"{r['speedup_vs_eager']:.1f}x eager", r["speedup_vs_eager"] >= 10)
+            for r in _pick(rows, provider="triton") if r["kernel"].startswith("confidence")
+            and _rows_n(r["shape"]) == 16 and r.get("speedup_vs_eager")]
+
+
+def _small_ops(rows, model):
+    findings = []
+    for r in _pick(rows, provider="triton_graph"):
+        if r["kernel"].split("_")[0] in ("select", "verify", "remask"):
+            called = _pick(rows, kernel=r["kernel"], shape=r["shape"], provider="triton")
+            note = f" ({called[0]['median_us']:.1f} us called from Python)" if called else ""
+            findings.append(Finding(f"{r['kernel']} {r['shape']}, in a CUDA graph", f"{r['median_us']:.1f} us{note}",
+                                    r["median_us"] < 10))
+    return findings
+
+
+def _lm_head(rows, model):
+    return [Finding(f"lm_head_confidence {r['shape']}", f"{r['x_weight_read']:.2f}x the weight read",
+                    r["x_weight_read"] <= 1.3)
+            for r in _pick(rows, kernel="lm_head_confidence", provider="triton_fused")
+            if _rows_n(r["shape"]) <= 128 and r.get("x_weight_read")]
+
+
+def _engine_row(kernel: str, shape: str, figure: Callable[[dict], tuple[str, bool]], provider: str = "cuda_graph"):
+    """A check of the engine row (kernel, ``<model> <shape>``, provider): ``figure(row)`` -> (text, met)."""
+    def check(rows, model):
+        return [Finding(f"{r['shape']} ({provider})", *figure(r))
+                for r in _pick(rows, kernel=kernel, shape=f"{model} {shape}", provider=provider)]
+    return check
+
+
+def _static_decoding(rows, model):
+    return [Finding(r["shape"], f"{r['ratio']:.1f}x eager ({r['tokens_per_s']:.0f} tokens/s)", r["ratio"] >= 8)
+            for r in _pick(rows, kernel="decode", provider="cuda_graph") if r["shape"].startswith(f"{model} ")]
+
+
+def _speculative_e2e(rows, model):
+    return [Finding(f"{r['mode']} on the shipped model ({r['identical_to_static']:.0%} identical to static)",
+                    f"{r['speedup_vs_static']:.2f}x static tokens/s",
+                    r["speedup_vs_static"] >= 1.6 and r["identical_to_static"] == 1)
+            for r in rows if r["mode"].startswith("speculative K=3")]
+
+
+TARGETS = [
+    Target(4, "confidence >= 80% of the copy bandwidth for N >= 256", "decode_kernels", _confidence_bandwidth),
+    Target(4, "confidence >= 10x faster than torch eager at N = 16", "decode_kernels", _confidence_speedup),
+    Target(4, "select, verify and remask under 10 us each at batch 8", "decode_kernels", _small_ops),
+    Target(5, "MRP head forward (D = 3) <= 12% of a backbone forward, batch 1", "engine",
+           _engine_row("step", "B=1 mrp D=3", lambda r: (f"{100 * r['ratio']:.1f}% of the plain step",
+                                                        r["ratio"] <= 0.12))),
+    Target(5, "fused LM-head confidence within 1.3x of reading the lm_head weight once, N <= 128", "mrp_head",
+           _lm_head),
+    Target(8, "static step at batch 1 <= 2.0 ms", "engine",
+           _engine_row("step", "B=1 plain q=16", lambda r: (f"{r['median_us'] / 1e3:.2f} ms",
+                                                           r["median_us"] <= 2000))),
+    Target(8, "static decoding >= 8x the eager loop", "engine", _static_decoding),
+    Target(8, "verify step with 4 copies <= 1.2x a plain step at batch 1", "engine",
+           _engine_row("step", "B=1 verify copies=4", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] <= 1.2))),
+    Target(8, "speculative K = 3 >= 1.6x over static decoding (estimate from step costs)", "engine",
+           _engine_row("speculative_estimate", "B=1 K=3", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] >= 1.6))),
+    Target(8, "speculative K = 3 >= 1.6x over static decoding, lossless (end to end)", "e2e_gpu", _speculative_e2e),
+]
+
+
+def evaluate(results: Path, smoke: bool = False, model: str = "1.7B") -> list[tuple[Target, str, list[Finding]]]:
+    """Every target with the file it reads and its findings from that file in ``results`` (none: not measured)."""
+    out = []
+    for target in TARGETS:
+        path = results / f"{target.source}{'_smoke' if smoke else ''}.json"
+        rows = json.loads(path.read_text())["rows"] if path.is_file() else []
+        out.append((target, path.name, target.check(rows, model)))
+    return out
+
+
+def table(evaluated: list[tuple[Target, str, list[Finding]]]) -> str:
+    lines = ["| issue | target | measured | figure | verdict |", "|---|---|---|---|---|"]
+    for target, source, findings in evaluated:
+        if not findings:
+            lines.append(f"| {target.issue} | {target.text} | - | - | not measured (no rows in {source}) |")
+        for f in findings:
+            lines.append(f"| {target.issue} | {target.text} | {f.what} | {f.figure} | {'met' if f.met else 'missed'} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path, help="folder with the benchmarks' JSON results")
+    ap.add_argument("--smoke", action="store_true", help="read the *_smoke.json files (tiny shapes)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    text = table(evaluate(args.results, args.smoke, "tiny" if args.smoke else "1.7B"))
+    print(text, end="")
+    (args.results / "targets.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""benchmarks/targets.py reads the benchmarks' JSON results and judges each issue target: checked here on rows
+made up to sit on either side of every target (the figures the GPU session writes have these fields), and on
+the files a --smoke run writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import targets  # noqa: E402
+
+
+def _write(folder: Path, stem: str, rows: list[dict]) -> None:
+    (folder / f"{stem}.json").write_text(json.dumps({"rows": rows}))
+
+
+@pytest.fixture
+def results(tmp_path):
+    conf = lambda n, provider, **kw: dict(kernel="confidence_res", shape=f"N={n},V=151936,bf16",  # noqa: E731
+                                          provider=provider, **kw)
+    _write(tmp_path, "decode_kernels", [
+        conf(256, "triton", copy_ratio=0.85, speedup_vs_eager=9.0), conf(4096, "triton", copy_ratio=0.7),
+        conf(16, "triton", copy_ratio=0.1, speedup_vs_eager=12.5), conf(4096, "torch_eager", copy_ratio=0.1),
+        dict(kernel="select_static", shape="B=8,L=16,K=3", provider="triton_graph", median_us=3.2),
+        dict(kernel="select_static", shape="B=8,L=16,K=3", provider="triton", median_us=25.0),
+        dict(kernel="verify", shape="B=8,L=16,K=3", provider="triton_graph", median_us=11.0),
+        dict(kernel="verify", shape="B=8,L=16,K=3", provider="torch_eager_graph", median_us=1.0),
+    ])
+    _write(tmp_path, "mrp_head", [
+        dict(kernel="lm_head_confidence", shape="N=64 H=2048 V=151936", provider="triton_fused", x_weight_read=1.2),
+        dict(kernel="lm_head_confidence", shape="N=128 H=2048 V=151936", provider="triton_fused", x_weight_read=2.1),
+        dict(kernel="lm_head_confidence", shape="N=512 H=2048 V=151936", provider="triton_fused", x_weight_read=5.0),
+    ])
+    _write(tmp_path, "engine", [
+        dict(kernel="step", shape="1.7B B=1 plain q=16", provider="cuda_graph", median_us=1900.0, ratio=""),
+        dict(kernel="step", shape="1.7B B=1 plain q=16", provider="eager", median_us=30000.0, ratio=""),
+        dict(kernel="step", shape="1.7B B=1 verify copies=4", provider="cuda_graph", median_us=2500.0, ratio=1.31),
+        dict(kernel="step", shape="1.7B B=1 mrp D=3", provider="cuda_graph", median_us=200.0, ratio=0.105),
+        dict(kernel="step", shape="8B B=1 mrp D=3", provider="cuda_graph", median_us=900.0, ratio=0.3),
+        dict(kernel="decode", shape="1.7B B=1 static 512+256", provider="cuda_graph", ratio=9.5, tokens_per_s=480.0),
+        dict(kernel="decode", shape="1.7B B=32 static 512+256", provider="cuda_graph", ratio=4.0, tokens_per_s=9e3),
+    ])
+    return tmp_path
+
+
+def test_each_target_is_judged_on_its_rows(results):
+    evaluated = {t.text: findings for t, _, findings in targets.evaluate(results)}
+    verdicts = {text: [(f.what, f.met) for f in findings] for text, findings in evaluated.items()}
+    assert verdicts["confidence >= 80% of the copy bandwidth for N >= 256"] == [
+        ("confidence_res N=256,V=151936,bf16", True), ("confidence_res N=4096,V=151936,bf16", False)]
+    assert verdicts["confidence >= 10x faster than torch eager at N = 16"] == [
+        ("confidence_res N=16,V=151936,bf16", True)]
+    assert verdicts["select, verify and remask under 10 us each at batch 8"] == [
+        ("select_static B=8,L=16,K=3, in a CUDA graph", True), ("verify B=8,L=16,K=3, in a CUDA graph", False)]
+    assert [f.figure for f in evaluated["select, verify and remask under 10 us each at batch 8"]][0] == \
+        "3.2 us (25.0 us called from Python)"
+    assert verdicts["MRP head forward (D = 3) <= 12% of a backbone forward, batch 1"] == [
+        ("1.7B B=1 mrp D=3 (cuda_graph)", True)]  # the 8B row is not the 1.7B target's
+    assert verdicts["fused LM-head confidence within 1.3x of reading the lm_head weight once, N <= 128"] == [
+        ("lm_head_confidence N=64 H=2048 V=151936", True), ("lm_head_confidence N=128 H=2048 V=151936", False)]
+    assert verdicts["static step at batch 1 <= 2.0 ms"] == [("1.7B B=1 plain q=16 (cuda_graph)", True)]
+    assert verdicts["static decoding >= 8x the eager loop"] == [("1.7B B=1 static 512+256", True),
+                                                                ("1.7B B=32 static 512+256", False)]
+    assert verdicts["verify step with 4 copies <= 1.2x a plain step at batch 1"] == [
+        ("1.7B B=1 verify copies=4 (cuda_graph)", False)]
+    assert verdicts["speculative K = 3 >= 1.6x over static decoding (estimate from step costs)"] == []
+
+
+def test_lossless_is_part_of_the_end_to_end_target(results):
+    _write(results, "e2e_gpu", [
+        dict(mode="static", speedup_vs_static=1.0, identical_to_static=1.0),
+        dict(mode="speculative K=3 mrp", speedup_vs_static=1.9, identical_to_static=1.0),
+        dict(mode="speculative K=3 authors", speedup_vs_static=1.7, identical_to_static=0.9),
+    ])
+    findings = dict((t.text, f) for t, _, f in targets.evaluate(results))[
+        "speculative K = 3 >= 1.6x over static decoding, lossless (end to end)"]
+    assert [f.met for f in findings] == [True, False]
+
+
+def test_the_table_names_unmeasured_targets_and_is_written(results):
+    assert targets.main([str(results)]) == 0
+    text = (results / "targets.md").read_text()
+    assert "| 8 | speculative K = 3 >= 1.6x over static decoding, lossless (end to end) | - | - | not measured " \
+           "(no rows in e2e_gpu.json) |" in text
+    assert "| 8 | static step at batch 1 <= 2.0 ms | 1.7B B=1 plain q=16 (cuda_graph) | 1.90 ms | met |" in text
+    assert len(text.splitlines()) == 2 + 14  # header, one line per finding or unmeasured target
+
+
+def test_reads_what_smoke_runs_write(tmp_path):
+    """The field names it reads are the ones the benchmarks write (their --smoke runs, tiny shapes)."""
+    for script in ("bench_decode_kernels.py", "bench_engine.py"):
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
+                       check=True, capture_output=True, cwd=ROOT, timeout=900)
+    found = {t.text: f for t, _, f in targets.evaluate(tmp_path, smoke=True, model="tiny")}
+    assert len(found["select, verify and remask under 10 us each at batch 8"]) == 4
+    assert len(found["static step at batch 1 <= 2.0 ms"]) == 1
+    assert len(found["static decoding >= 8x the eager loop"]) == 2
+    assert len(found["speculative K = 3 >= 1.6x over static decoding (estimate from step costs)"]) == 1
