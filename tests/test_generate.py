@@ -460,6 +460,17 @@ def test_graphed_sampling_reads_seed_temperature_top_k_and_top_p_from_buffers(mo
     assert all(not torch.equal(outputs[0], other) for other in outputs[1:])
 
 
+def test_greedy_calls_ignore_sampling_settings_in_the_graph_key(model):
+    """A greedy call that sets top_k / top_p / temperature (as a checkpoint's generation config may) computes
+    what one without them does, and replays its graphs."""
+    ids = random_prompts(2, 6, seed=41)
+    kw = dict(max_new_tokens=10, eos_token_id=[], cuda_graphs=True)
+    plain = model.generate(ids, **kw)
+    captured = set(model._decode_engine[1].graphs.graphs)
+    assert torch.equal(model.generate(ids, top_k=5, top_p=0.5, temperature=0.3, **kw), plain)
+    assert set(model._decode_engine[1].graphs.graphs) == captured
+
+
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
                                                   ("remask", "threshold", (0.9, 0.3)),
                                                   ("remask", "residual_delta", (2.0, 0.05))])

@@ -35,6 +35,7 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eo
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value.
 ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta")
+SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
 
 
 @dataclass
@@ -95,10 +96,16 @@ class GenerationSettings:
         return {f.name for f in dataclasses.fields(cls) if f.init}
 
     def step_key(self) -> tuple:
-        """The settings a decoding step's computation depends on, as a hashable key (of a setting read on the
-        device, whether it is set)."""
-        return tuple((f.name, getattr(self, f.name) is None if f.name in ON_THE_DEVICE else repr(getattr(self, f.name)))
-                     for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
+        """The settings a decoding step's computation depends on, as a hashable key: of a setting read on the
+        device, whether it is set; of a sampling setting in a greedy call, nothing (a checkpoint's generation
+        config may set top_k or top_p that greedy decoding ignores)."""
+        def part(name: str):
+            value = getattr(self, name)
+            if name in SAMPLING_ONLY and not self.do_sample:
+                return None
+            return value is None if name in ON_THE_DEVICE else repr(value)
+
+        return tuple((f.name, part(f.name)) for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
 
     @classmethod
     def resolve(cls, model, generation_config, kwargs: dict, prompt_width: int) -> "GenerationSettings":
