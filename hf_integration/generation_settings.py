@@ -34,7 +34,7 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eo
                      "stop_strings", "tokenizer", "use_cache", "seed")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value.
-ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta")
+ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta", "denoising_steps")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
 
 

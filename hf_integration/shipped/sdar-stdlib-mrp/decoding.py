@@ -285,9 +285,10 @@ class BlockDecoder:
     def scheduled_quota(self, masked_at_start: torch.Tensor, steps_taken: torch.Tensor) -> torch.Tensor:
         """This step's quota by SDAR's schedule (n = m // S per step, the first m % S steps one more), and the
         step counted: ``steps_taken`` is incremented in place. masked_at_start, steps_taken: [B] (each row's
-        masks when its block started, and the steps it has taken in it)."""
-        S = self.settings.denoising_steps
-        quota = masked_at_start // S + (steps_taken < masked_at_start % S).long()
+        masks when its block started, and the steps it has taken in it). S is read on the device (float64: exact
+        for these small integers), so one captured step serves every number of denoising steps."""
+        S, m = self.on_device("denoising_steps"), masked_at_start.double()
+        quota = torch.div(m, S, rounding_mode="floor").long() + (steps_taken < torch.remainder(m, S)).long()
         steps_taken.add_(1)
         return quota
 
