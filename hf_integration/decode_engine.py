@@ -4,11 +4,10 @@ The per-row state is which original row each row of the working batch is (``rows
 sampling noise and the stats), how many tokens each has committed (``counter``: the state index in the
 noise key) and the per-row stats; beside it the call's sampling seed (``seed_key``) and the settings read on
 the device (``on_device``: temperature, top-k, top-p, thresholds, denoising steps), so one set of captured steps
-serves every value.
-Like the cache, it lives in buffers whose storage never moves: ``rows`` and ``counter`` are views of the
-first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats are indexed by
-original row. So steps captured in CUDA graphs may read and update it, and a graphed engine is kept on the
-model for the next call of the same shapes.
+serves every value. Like the cache, it lives in buffers whose storage never moves: ``rows`` and ``counter`` are
+views of the first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats
+are indexed by original row. So steps captured in CUDA graphs may read and update it, and a graphed engine is
+kept on the model for the next call of the same shapes.
 """
 
 from __future__ import annotations
