@@ -117,7 +117,7 @@ def time_against_eager(benches: dict, eager_fn, triton_fn, record, what: str) ->
             q = bench(eager_fn)
             record("torch_eager" + suffix, q, None)
             record("triton" + suffix, bench(triton_fn), q[0])
-        except RuntimeError as exc:
+        except Exception as exc:  # e.g. an op that cannot be captured: report it, the run goes on
             print(f"{what}: timing torch_eager{suffix} / triton{suffix} failed: {exc!r}", file=sys.stderr)
             continue
         eager[suffix] = q[0]
