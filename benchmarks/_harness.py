@@ -89,7 +89,10 @@ def make_bench(cuda: bool, *, warmup: int, rep: int, graph: bool = False):
             import triton.testing
 
             if graph:
-                q = triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=QUANTILES)
+                import torch
+
+                with torch.cuda.stream(torch.cuda.Stream()):  # older Tritons refuse to capture on the default one
+                    q = triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=QUANTILES)
             else:
                 q = triton.testing.do_bench(fn, quantiles=QUANTILES, warmup=warmup, rep=rep)
             return [x * 1e3 for x in q]
