@@ -91,7 +91,9 @@ def make_bench(cuda: bool, *, warmup: int, rep: int, graph: bool = False):
             if graph:
                 import torch
 
-                with torch.cuda.stream(torch.cuda.Stream()):  # older Tritons refuse to capture on the default one
+                side = torch.cuda.Stream()  # older Tritons refuse to capture on the default stream
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
                     q = triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=QUANTILES)
             else:
                 q = triton.testing.do_bench(fn, quantiles=QUANTILES, warmup=warmup, rep=rep)
