@@ -94,10 +94,13 @@ def _static_decoding(rows, model):
 
 
 def _speculative_e2e(rows, model):
-    return [Finding(f"{r['mode']} on the shipped model ({r['identical_to_static']:.0%} identical to static)",
-                    f"{r['speedup_vs_static']:.2f}x static tokens/s",
-                    r["speedup_vs_static"] >= 1.6 and r["identical_to_static"] == 1)
-            for r in rows if r["mode"].startswith("speculative K=3")]
+    return [Finding(f"{r['mode']} on the shipped model", f"{r['speedup_vs_static']:.2f}x static tokens/s",
+                    r["speedup_vs_static"] >= 1.6) for r in rows if r["mode"].startswith("speculative K=3")]
+
+
+def _speculative_lossless(rows, model):
+    return [Finding(f"{r['mode']} on the shipped model", f"{r['identical_to_static']:.0%} of completions identical",
+                    r["identical_to_static"] == 1) for r in rows if r["mode"].startswith("speculative")]
 
 
 TARGETS = [
@@ -117,7 +120,11 @@ TARGETS = [
            _engine_row("step", "B=1 verify copies=4", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] <= 1.2))),
     Target(8, "speculative K = 3 >= 1.6x over static decoding (estimate from step costs)", "engine",
            _engine_row("speculative_estimate", "B=1 K=3", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] >= 1.6))),
-    Target(8, "speculative K = 3 >= 1.6x over static decoding, lossless (end to end)", "e2e_gpu", _speculative_e2e),
+    Target(8, "speculative K = 3 >= 1.6x over static decoding (end to end)", "e2e_gpu", _speculative_e2e),
+    # exact on the CPU (tested); in bf16 the verify forward's wider matmuls may round differently from the static
+    # step's and flip a near-tie: a miss here is a finding to look into, numerics or a defect
+    Target(8, "speculative decoding is lossless: identical to static decoding (greedy)", "e2e_gpu",
+           _speculative_lossless),
 ]
 
 
