@@ -62,6 +62,16 @@ def check_token_id(mask_token_id) -> None:
         raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
 
 
+def check_skip_rows(skip_rows, rows: int, device: torch.device, data: str) -> None:
+    """``skip_rows`` must be None or a bool tensor [rows] on ``device``, one per row of the tensor named ``data``."""
+    if skip_rows is None:
+        return
+    if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or tuple(skip_rows.shape) != (rows,):
+        raise ValueError(f"skip_rows must be a bool tensor of shape [{rows}] (one per row of {data}), or None")
+    if skip_rows.device != device:
+        raise ValueError(f"skip_rows is on {skip_rows.device} but {data} is on {device}")
+
+
 def check_device_scalar(name: str, value, device: torch.device) -> bool:
     """Whether ``value`` (a setting such as a temperature, threshold or top-k) is given as a 0-d real tensor on
     ``device``: the op then reads it there, so one captured CUDA graph serves every value (which is not checked

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_device_scalar, check_kernel_device
+from ._checks import check_device_scalar, check_kernel_device, check_skip_rows
 from .backend import interpreter_on, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import effective_logits, pick_tokens, seed_hash
@@ -244,11 +244,7 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
         check_temperature(temperature)
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
-    if skip_rows is not None:
-        if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or tuple(skip_rows.shape) != (N,):
-            raise ValueError(f"skip_rows must be a bool tensor of shape [{N}] (or None)")
-        if skip_rows.device != logits.device:
-            raise ValueError(f"skip_rows is on {skip_rows.device} but logits on {logits.device}")
+    check_skip_rows(skip_rows, N, logits.device, "logits")
     if mask_token_id is not None and (isinstance(mask_token_id, bool) or
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_skip_rows
 from .backend import interpreter_on, select_backend
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 
@@ -238,7 +239,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     temperature = float(temperature)
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    _check_skip_rows(skip_rows, hidden)
+    check_skip_rows(skip_rows, hidden.shape[0], hidden.device, "hidden")
 
     tokens = torch.empty(N, dtype=torch.int64, device=hidden.device)
     probs = torch.empty(N, dtype=torch.float32, device=hidden.device)
@@ -277,17 +278,6 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     return tokens, probs, lse
 
 
-def _check_skip_rows(skip_rows: torch.Tensor | None, hidden: torch.Tensor) -> None:
-    if skip_rows is None:
-        return
-    if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or \
-            tuple(skip_rows.shape) != (hidden.shape[0],):
-        raise ValueError(f"skip_rows must be a bool tensor of shape [{hidden.shape[0]}] (one per row of hidden), "
-                         "or None")
-    if skip_rows.device != hidden.device:
-        raise ValueError(f"skip_rows is on {skip_rows.device} but hidden is on {hidden.device}")
-
-
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                        mask_token_id: int | None = None, temperature: float = 1.0,
                        skip_rows: torch.Tensor | None = None):
@@ -303,5 +293,5 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and select_backend(hidden.device) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)
-    _check_skip_rows(skip_rows, hidden)
+    check_skip_rows(skip_rows, hidden.shape[0], hidden.device, "hidden")
     return lm_head_confidence_reference(hidden, weight, **kw)

@@ -147,9 +147,12 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
     prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))
     lse = torch.where(valid, lse, torch.full_like(lse, float("-inf")))
-    if skip_rows is not None:
-        skip = skip_rows.to(torch.bool)
-        tok = tok.masked_fill(skip, -1)
-        prob = prob.masked_fill(skip, 0.0)
-        lse = lse.masked_fill(skip, float("-inf"))
-    return tok, prob.float(), lse.float()
+    return mark_skipped(tok, prob.float(), lse.float(), skip_rows)
+
+
+def mark_skipped(tokens: torch.Tensor, probs: torch.Tensor, lse: torch.Tensor, skip_rows: torch.Tensor | None):
+    """The results of a row in ``skip_rows`` (bool [N], or None): token -1, prob 0, lse -inf (the ops' rule)."""
+    if skip_rows is None:
+        return tokens, probs, lse
+    return (tokens.masked_fill(skip_rows, -1), probs.masked_fill(skip_rows, 0.0),
+            lse.masked_fill(skip_rows, float("-inf")))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .confidence import mark_skipped
+
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                        mask_token_id: int | None = None, temperature: float = 1.0,
@@ -28,9 +30,4 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     lse = torch.logsumexp(z, dim=-1)
     tokens = torch.argmax(z, dim=-1)  # documented: first maximal index
     zmax = z.gather(1, tokens[:, None]).squeeze(1)
-    probs, lse = torch.exp(zmax - lse).float(), lse.float()
-    if skip_rows is not None:
-        tokens = tokens.masked_fill(skip_rows, -1)
-        probs = probs.masked_fill(skip_rows, 0.0)
-        lse = lse.masked_fill(skip_rows, float("-inf"))
-    return tokens, probs, lse
+    return mark_skipped(tokens, torch.exp(zmax - lse).float(), lse.float(), skip_rows)
