@@ -11,6 +11,7 @@ whose whole completion parses with only its last, cut line dropped. On CUDA each
 
     python benchmarks/bench_e2e.py                       # the shipped model, results to benchmarks/results/
     python benchmarks/bench_e2e.py --model DIR --prompts 8 --max-new-tokens 32 --out /tmp/e2e
+    python benchmarks/bench_e2e.py --device-loop --modes dynamic speculative --tag e2e_gpu_device_loop
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ def parse_args(argv):
     p.add_argument("--modes", nargs="*", help="substrings selecting modes (default: all)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--tag", default=None, help="file name stem (default: e2e_<device>)")
+    p.add_argument("--device-loop", action="store_true", help="dynamic, remask and speculative modes run the steps "
+                   "that may have work in device loops (generate's device_loop, with CUDA graphs; on CUDA it "
+                   "needs torch >= 2.12)")
     return p.parse_args(argv)
 
 
@@ -162,6 +166,8 @@ def main(argv=None) -> int:
 
     rows, static = [], None
     for name, extra in modes:
+        if args.device_loop and extra.get("strategy") in ("dynamic", "remask", "speculative"):
+            extra = {**extra, "device_loop": True, "cuda_graphs": True}
         completions, totals, seconds = run_mode(model, tokenizer, prompts, {**base, **extra}, args.batch_size)
         static = static or (completions, totals, seconds)
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
                             text=True).stdout.strip() or "unknown"
     meta = {"model": str(args.model), "device": device_name, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "batch_size": args.batch_size, "commit": commit, "example_prompt": prompts[0],
+            "batch_size": args.batch_size, "device_loop": args.device_loop, "commit": commit, "example_prompt": prompts[0],
             "example_static_completion": tokenizer.decode(static[0][0], skip_special_tokens=True)}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.tag or f"e2e_{'gpu' if args.device.startswith('cuda') else 'cpu'}"

@@ -1,13 +1,13 @@
 """What a ``generate`` call decodes on: the KV cache, the per-row state and the captured steps.
 
-The per-row state is which original row each row of the working batch is (``rows``: it keys the
-sampling noise and the stats), how many tokens each has committed (``counter``: the state index in the
-noise key) and the per-row stats; beside it the call's sampling seed (``seed_key``) and the settings read on
-the device (``on_device``: temperature, top-k, top-p, thresholds, denoising steps), so one set of captured steps
-serves every value. Like the cache, it lives in buffers whose storage never moves: ``rows`` and ``counter`` are
-views of the first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats
-are indexed by original row. So steps captured in CUDA graphs may read and update it, and a graphed engine is
-kept on the model for the next call of the same shapes.
+The per-row state is which original row each row of the working batch is (``rows``: it keys the sampling noise
+and the stats), how many tokens each has committed (``counter``: the state index in the noise key), the per-row
+stats and the steps device loops have run (``loop_steps``); beside it the call's sampling seed (``seed_key``)
+and the settings read on the device (``on_device``: temperature, top-k, top-p, thresholds, denoising steps), so
+one set of captured steps serves every value. Like the cache, it lives in buffers whose storage never moves:
+``rows`` and ``counter`` are views of the first B' entries, finished rows are dropped by moving the kept ones to
+the front, and the stats are indexed by original row. So steps captured in CUDA graphs may read and update it,
+and a graphed engine is kept on the model for the next call of the same shapes.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class DecodeEngine:
         self._rows = torch.arange(s.batch, device=s.device)
         self._counter = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
+        self.loop_steps = torch.zeros((), dtype=torch.long, device=s.device)
         self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
         settings = torch.ones(len(ON_THE_DEVICE), dtype=torch.float64, device=s.device)
         self.on_device = dict(zip(ON_THE_DEVICE, settings.unbind()))  # 0-d views of one fixed buffer
@@ -115,6 +116,7 @@ class DecodeEngine:
         self._rows.copy_(torch.arange(self.shape.batch, device=self._rows.device))
         self._counter.zero_()
         self.stats.zero_()
+        self.loop_steps.zero_()
         self._use_rows(self.shape.batch)
 
     def _use_rows(self, n: int) -> None:

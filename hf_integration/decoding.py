@@ -1,19 +1,19 @@
 """The block-diffusion decoding loop (every decision goes through mrp_triton ops).
 
-Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; blocks
-are aligned to position 0. Each row's full prompt blocks are prefilled in one forward. Then every
-row progresses on its own: it denoises its current block with the chosen strategy and moves on to its
-next block as soon as this one is full, while the other rows of the batch go on with theirs (rows of one
-forward sit at different positions over caches of different lengths; the attention masks derive from
-the per-row lengths). A finished block's keys/values (and the MRP head's) are written by the row's next
-forward (``fuse_commit``: the finished block rides in front of the next block, or of its K+1 candidate
-copies) or by a forward of their own; rows that commit nothing in that forward write past their length
-and do not advance. The host checks which rows are full (one synchronisation) only after as many steps
-as surely leave every row with work (:class:`Strategy`); a row finishes once it has produced an EOS or
-filled its last block and leaves the batch, so it stops costing work (with CUDA graphs, once the rows left
-fit a smaller batch bucket: until then it rides along as padding). Strategies run whole steps through
-:meth:`BlockDecoder.step`, which with CUDA graphs on replays each kind of step (forwards and decisions)
-as one graph.
+Layout (SDAR's): row b holds its prompt, then masks up to ``ceil((P_b + max_new) / B) * B``; blocks are aligned
+to position 0. Each row's full prompt blocks are prefilled in one forward. Then every row progresses on its own:
+it denoises its current block with the chosen strategy and moves on to its next block as soon as this one is
+full, while the other rows of the batch go on with theirs (rows of one forward sit at different positions over
+caches of different lengths; the attention masks derive from the per-row lengths). A finished block's
+keys/values (and the MRP head's) are written by the row's next forward (``fuse_commit``: the finished block
+rides in front of the next block, or of its K+1 candidate copies) or by a forward of their own; rows that commit
+nothing in that forward write past their length and do not advance. The host checks which rows are full (one
+synchronisation) only after as many steps as surely leave every row with work (:class:`Strategy`; with
+``device_loop``, and the steps that may have work after them in one graph, each run while no row has filled its
+block, tested on the device); a row finishes once it has produced an EOS or filled its last block and leaves the
+batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller batch bucket: until then it
+rides along as padding). Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on
+replays each kind of step (forwards and decisions) as one graph.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .decode_engine import DecodeStats, EngineShape, engine_for
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
+from .step_graphs import conditional_nodes_supported, run_if
 from .stop_strings import StopStrings
 from .streaming import BlockStream
 
@@ -64,6 +65,13 @@ class BlockDecoder:
                              f"{self.block}) but the model has max_position_embeddings="
                              f"{config.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
         graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
+        if settings.device_loop and not graphed:
+            raise ValueError("device_loop=True runs a block's steps inside one CUDA graph: it needs cuda_graphs "
+                             "(on by default for a CUDA model; cuda_graphs=True replays the recorded steps on a "
+                             "CPU model)")
+        if settings.device_loop and device.type == "cuda" and not conditional_nodes_supported():
+            raise ValueError(f"device_loop=True needs CUDA-graph conditional nodes (torch >= 2.12); this is torch "
+                             f"{torch.__version__}: upgrade torch or drop device_loop")
         # A graphed engine decodes a batch bucket: the rows past the prompts' are padding (one full block,
         # nothing to decode), so calls whose batches share a bucket share the engine and its graphs.
         real = len(prompts.lens)
@@ -89,11 +97,18 @@ class BlockDecoder:
         self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
         self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
         self.all_fresh = True  # every working row is at the start of a block (host)
-        self.batch_steps = 0
+        self.steps_launched = 0  # steps launched one by one
+        self.loop_steps = 0  # steps run inside device loops (read back at each check of the rows)
+        self.loop_slots = 0  # steps the next device loop may run (0: no loop)
         self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
         self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop string ended it)
         self.stream = None if settings.streamer is None else BlockStream(
             settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids, T)
+
+    @property
+    def batch_steps(self) -> int:
+        """Decoding steps the batch has run (see :class:`SDARGenerateOutput`), as of the last check of the rows."""
+        return self.steps_launched + self.loop_steps
 
     @property
     def rows(self) -> torch.Tensor:
@@ -125,12 +140,13 @@ class BlockDecoder:
         return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
                                block_size=self.block)
 
-    def graphed(self, key: tuple, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = ()):
+    def graphed(self, key: tuple, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = (), branches: bool = False):
         """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of ``key`` + the input shapes (see
         :class:`StepGraphs` for what ``fn`` may read and update)."""
         if self.graphs is None:
             return fn(*inputs)
-        return self.graphs.run((*key, *(tuple(t.shape) for t in inputs)), fn, *inputs, mutated=mutated)
+        return self.graphs.run((*key, *(tuple(t.shape) for t in inputs)), fn, *inputs, mutated=mutated,
+                               branches=branches)
 
     def _forward(self, kind: str, write_len: int, fn, *inputs: torch.Tensor) -> torch.Tensor:
         """A forward, graphed by (kind, write_len, input shapes). Forwards that write more than one block (the
@@ -147,7 +163,7 @@ class BlockDecoder:
         commit (``fuse_commit``): the finished ids, positions and committing rows become inputs of its
         graph, so the commit rides along in the same launch. Only the prefill (longer than a block, once per
         call) runs as it is, each of its forwards graphed on its own."""
-        self.batch_steps += 1
+        self.steps_launched += 1
         if self.pending is None:
             return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
         done_ids, done_pos, counted, done_rows = self.pending
@@ -164,6 +180,42 @@ class BlockDecoder:
 
         return self.graphed((name, "commit", counted, self.settings_key), with_commit, done_ids, done_pos,
                             done_rows, *inputs, mutated=tuple(i + 3 for i in mutated))
+
+    def steps(self, name: str, fn, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
+              carry: int | None = None) -> None:
+        """``count`` steps ``fn(*inputs)`` that surely have work, each as :meth:`step` (with ``carry``, its output
+        replaces input ``carry`` in place: the next step's seed), then, with ``device_loop``, up to
+        ``loop_slots`` steps that may have work in one graph, each run only while no working row has filled
+        its block (with rows moving on together: while any has masks), tested on the device; so the host
+        checks the rows once a block fills, not after every step. ``inputs[0]`` is the block [B, T]."""
+        for _ in range(count):
+            output = self.step(name, fn, *inputs, mutated=mutated)
+            if carry is not None:
+                inputs[carry].copy_(output)
+        if not self.loop_slots:
+            return
+        together, slots, loop_steps = self.together, self.loop_slots, self.engine.loop_steps
+
+        def busy(block: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+            has_masks = self.masked(block).any(-1)
+            return has_masks.any() if together else (has_masks | ~active).all()
+
+        def body(go: torch.Tensor, active: torch.Tensor, *inputs: torch.Tensor) -> None:
+            output = fn(*inputs)
+            if carry is not None:
+                inputs[carry].copy_(output)
+            loop_steps.add_(1)
+            go.copy_(busy(inputs[0], active))
+
+        def loop(active: torch.Tensor, *inputs: torch.Tensor) -> None:
+            go = busy(inputs[0], active)
+            for _ in range(slots):
+                run_if(go, body, go, active, *inputs)
+
+        active = torch.tensor([b > 0 for b in self.blocks_left], device=self.device)  # rows with blocks left
+        changed = tuple(i + 1 for i in (*mutated, *(() if carry is None else (carry,))))
+        self.graphed(("loop", name, slots, together, self.settings_key), loop, active, *inputs, mutated=changed,
+                     branches=True)
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                           write_len: int = 0) -> torch.Tensor:
@@ -324,17 +376,24 @@ class BlockDecoder:
         self.row_state["fresh"] = torch.ones_like(self.rows, dtype=torch.bool)
         eos = torch.tensor(self.settings.eos_ids, dtype=torch.long, device=self.device)
         step_limit = sum(self.blocks_left) * T  # every step commits a token in every row with masks
-        together = strategy.synchronous or not self.settings.per_row_blocks
+        self.together = together = strategy.synchronous or not self.settings.per_row_blocks
         most = strategy.most_per_step(self)
         with tqdm(total=sum(self.blocks_left), desc="blocks", disable=not self.settings.progress) as bar:
             while self.masks_left:
-                # Steps that surely have work: for the row with the fewest left (for all rows, together).
-                steps = (max if together else min)(-(-m // most) for m in self.masks_left if m)
+                # Steps that surely have work: for the row with the fewest left (for all rows, together). A step
+                # commits at least one token in each row with masks, so a block (together: every block) is full
+                # at most `left` steps after them.
+                row = max if together else min
+                steps = row(-(-m // most) for m in self.masks_left if m)
+                left = row(m for m in self.masks_left if m) - steps
+                if self.settings.device_loop and not strategy.synchronous and left > 0:
+                    self.loop_slots = 1 << (left - 1).bit_length()  # few sizes of loop: few graphs
                 strategy.decode(self, block, positions, steps)
-                if self.batch_steps > step_limit:
-                    raise RuntimeError("decoding made no progress (a strategy committed nothing); please report")
+                self.loop_slots = 0
                 self.all_fresh = False
                 block, positions = self._move_on(block, positions, eos, bar, together)
+                if self.batch_steps > step_limit:
+                    raise RuntimeError("decoding made no progress (a strategy committed nothing); please report")
         if self.stream is not None:
             self.stream.end()
         return self.x
@@ -354,12 +413,14 @@ class BlockDecoder:
             self.cache.lengths.copy_(self.first_block * T)
 
     def _move_on(self, block: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor, bar, together: bool):
-        """Check the working rows (one host synchronisation): full blocks go to x (and the stream); rows with
-        an EOS or no blocks left leave; the other full rows commit theirs and move on to their next block
-        (``together``: only once every row's block is full). Returns the working rows' block and positions
-        [B'', T]."""
+        """Check the working rows (one host synchronisation, which also reads the steps device loops ran): full
+        blocks go to x (and the stream); rows with an EOS or no blocks left leave; the other full rows commit
+        theirs and move on to their next block (``together``: only once every row's block is full). Returns the
+        working rows' block and positions [B'', T]."""
         hit = torch.isin(block, eos) & (positions >= self.lens[self.rows, None])
-        self.masks_left, hit = torch.stack([self.masked(block).sum(-1), hit.any(-1).long()]).tolist()
+        B = block.shape[0]
+        counts = torch.cat([self.masked(block).sum(-1), hit.any(-1).long(), self.engine.loop_steps.view(1)]).tolist()
+        self.masks_left, hit, self.loop_steps = counts[:B], counts[B:-1], counts[-1]
         live = sum(1 for b in self.blocks_left if b)
         full = [i for i, m in enumerate(self.masks_left) if m == 0 and self.blocks_left[i]]
         if not full or (together and len(full) < live):
@@ -444,7 +505,8 @@ class Strategy:
     ``block`` in place (per-row state in ``dec.row_state``: ``masks_at_start``, ``steps_taken``, ``fresh``
     for rows at the start of a block, and what the strategy keeps there itself). ``most_per_step(dec)``
     bounds the tokens one step commits per row, so with m masks left a row surely has work for the next
-    ceil(m / most) steps: the decoder runs that many for the row with the fewest, then checks. A
+    ceil(m / most) steps: the decoder runs that many for the row with the fewest, then checks (with
+    ``device_loop``, after the steps that may have work, run on the device until a block fills). A
     ``synchronous`` strategy starts its blocks in all rows at once (and so does any strategy with
     ``per_row_blocks=False``): the decoder runs as many steps as the row with the most surely needs, and
     rows move on when every block is full.
@@ -503,8 +565,8 @@ def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Te
     s = dec.settings
     step = scheduled_step(dec, dec.on_device("threshold") if s.strategy == "dynamic" else None)
     state = dec.row_state
-    for _ in range(steps):
-        dec.step("denoise", step, block, positions, state["masks_at_start"], state["steps_taken"], mutated=(0, 3))
+    dec.steps("denoise", step, block, positions, state["masks_at_start"], state["steps_taken"], count=steps,
+              mutated=(0, 3))
 
 
 # Static: a step commits at most ceil(T / S) tokens per row (SDAR's schedule), and every full block takes

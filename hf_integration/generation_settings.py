@@ -31,7 +31,7 @@ HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None)
 # computes, or (the seed) reach it through a buffer.
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
-                     "stop_strings", "tokenizer", "use_cache", "seed")
+                     "device_loop", "stop_strings", "tokenizer", "use_cache", "seed")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value.
 ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta", "denoising_steps")
@@ -51,14 +51,17 @@ class GenerationSettings:
     finished block riding in the next forward of every row (``False``: rows start their blocks together;
     the output is the same either way); ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as
     in transformers) end a row once its new text contains one of them: checked as its blocks fill, the
-    tokens after the one completing it become padding; ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a
-    time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
+    tokens after the one completing it become padding; ``progress`` shows a bar over blocks; ``streamer`` (one
+    prompt at a time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
     prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
     ``use_cache`` is accepted as transformers' ``generate`` takes it: decoding always runs on its KV cache,
     which gives the tokens a forward over the whole sequence would.
     ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
     graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's
-    data flow, without the graph)."""
+    data flow, without the graph). ``device_loop`` (dynamic, remask, speculative; needs ``cuda_graphs`` and on
+    CUDA torch >= 2.12) runs the steps after those that surely have work inside one graph, each only while no
+    row has filled its block, tested on the device (CUDA-graph conditional nodes), so the host checks the rows
+    once a block fills instead of after every step (same output)."""
 
     max_new_tokens: int | None = None
     max_length: int | None = None
@@ -85,6 +88,7 @@ class GenerationSettings:
     fuse_commit: bool = True
     per_row_blocks: bool = True
     cuda_graphs: bool | None = None
+    device_loop: bool = False
     streamer: object | None = None
     stop_strings: str | list[str] | tuple[str, ...] | None = None
     tokenizer: object | None = None
@@ -178,8 +182,9 @@ class GenerationSettings:
             raise ValueError(f"top_k={self.top_k} must be >= 1 (or None to disable)")
         if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
-        if not isinstance(self.use_cache, bool):
-            raise TypeError(f"use_cache must be a bool, got {type(self.use_cache).__name__}")
+        for name in ("use_cache", "device_loop"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")

@@ -149,17 +149,16 @@ def decode_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.
 
     A round commits at most K+1 tokens per row, so with m masks left the next ceil(m / (K+1)) rounds
     surely have work: the decoder runs them back to back and checks the host after them (at batch 1 on the
-    shipped model one check per 1.6 rounds at K = 3, per 2.9 at K = 1), never a round without work."""
+    shipped model one check per 1.6 rounds at K = 3, per 2.9 at K = 1), never a round without work; with
+    ``device_loop`` the rounds that may have work follow in the same graph, so one check per block."""
     state = dec.row_state
     if dec.all_fresh:
         state["seed_h"] = dec.step("denoise", denoising_step(dec), block, positions, _one_each(dec.masked(block)),
                                    mutated=(0,))
         state["fresh"].zero_()
         steps -= 1
-    round_ = speculation_round(dec)
-    for _ in range(steps):
-        state["seed_h"] = dec.step("speculate", round_, block, positions, state["seed_h"], state["fresh"],
-                                   mutated=(0, 3))
+    dec.steps("speculate", speculation_round(dec), block, positions, state["seed_h"], state["fresh"], count=steps,
+              mutated=(0, 3), carry=2)
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
@@ -207,9 +206,9 @@ def decode_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
     """Dynamic reveal (confidence > tau, at least one), then one MRP pass vetoes reveals: rule "tau"
     (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
     ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
-    step, state = remask_step(dec), dec.row_state
-    for _ in range(steps):
-        dec.step("remask", step, block, positions, state["masks_at_start"], state["steps_taken"], mutated=(0, 3))
+    state = dec.row_state
+    dec.steps("remask", remask_step(dec), block, positions, state["masks_at_start"], state["steps_taken"],
+              count=steps, mutated=(0, 3))
 
 
 MRP_DECODING = {

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from hf_integration.step_graphs import StepGraphs
+from hf_integration.step_graphs import StepGraphs, conditional_nodes_supported
 from tiny_models import random_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -21,12 +21,12 @@ STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
               dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4)]
 
 
-def _graphed_equals_eager(kwargs, monkeypatch):
+def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
     captured = []
     original = StepGraphs._record
 
-    def spy(self, key, fn, inputs):
-        output, entry = original(self, key, fn, inputs)
+    def spy(self, key, fn, inputs, branches=False):
+        output, entry = original(self, key, fn, inputs, branches)
         captured.append((key, entry))
         return output, entry
 
@@ -41,12 +41,13 @@ def _graphed_equals_eager(kwargs, monkeypatch):
     settings = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=1, pad_token_id=0,
                     return_dict_in_generate=True, **kwargs)
     eager = model.generate(ids, cuda_graphs=False, **settings)
-    graphed = model.generate(ids, **settings)  # on by default for a CUDA model
+    graphed = model.generate(ids, device_loop=device_loop, **settings)  # graphs: on by default for a CUDA model
     assert captured and all(entry != "eager" for _, entry in captured), captured
     kinds = {key[0] for key, _ in captured}
     assert {"denoise", "speculate", "remask"} & kinds, kinds  # whole steps, not only forwards
+    assert ("loop" in kinds) == device_loop, kinds
     assert {key[-1][0] for key, _ in captured} <= {8, 4, 2, 1}  # the bucket of 6 rows, then smaller ones
-    assert torch.equal(graphed.sequences, eager.sequences)
+    assert torch.equal(graphed.sequences, eager.sequences) and graphed.batch_steps == eager.batch_steps
     for name, value in vars(eager.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
 
@@ -61,6 +62,16 @@ def test_graph_replay_equals_eager_reference_ops(kwargs, monkeypatch):
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: k["strategy"])
 def test_graph_replay_equals_eager_triton_ops(kwargs, monkeypatch):
     _graphed_equals_eager(kwargs, monkeypatch)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter cannot be captured")
+@pytest.mark.skipif(not conditional_nodes_supported(), reason="CUDA-graph conditional nodes need torch >= 2.12")
+@pytest.mark.parametrize("kwargs", STRATEGIES[1:], ids=lambda k: k["strategy"])
+def test_device_loop_equals_eager(kwargs, monkeypatch):
+    """The steps after the surely busy ones, captured into conditional nodes (each run while no row has filled
+    its block, tested on the device), decode as eager decoding does: same tokens, counts and steps."""
+    _graphed_equals_eager(kwargs, monkeypatch, device_loop=True)
 
 
 @pytest.mark.triton

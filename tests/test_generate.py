@@ -105,12 +105,14 @@ SAMPLING = [dict(strategy="speculative", mrp_steps=2, do_sample=True, temperatur
 
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.integers(1, 13), min_size=2, max_size=4), kwargs=st.sampled_from(STRATEGIES + SAMPLING),
-       max_new=st.integers(1, 13), eos=st.integers(0, MASK_ID - 4), graphs=st.booleans(), seed=st.integers(0, 10**4))
-def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, graphs, seed):
+       max_new=st.integers(1, 13), eos=st.integers(0, MASK_ID - 4), graphs=st.booleans(), loop=st.booleans(),
+       seed=st.integers(0, 10**4))
+def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, graphs, loop, seed):
     """Drawn prompt lengths, strategy, new tokens and EOS token (rows stop at different blocks): rows moving on
-    per row (steps replayed or not) and rows starting blocks together (the other way) give the same tokens and
-    per-row counts, and with greedy decoding each row of the (left-padded) batch gives exactly what it gives
-    alone. (Sampling noise is keyed by the row's index in the batch, so a sampled row alone is another draw.)"""
+    per row (steps replayed or not) and rows starting blocks together (the other way; the replayed call with or
+    without a device loop) give the same tokens and per-row counts, and with greedy decoding each row of the
+    (left-padded) batch gives exactly what it gives alone. (Sampling noise is keyed by the row's index in the
+    batch, so a sampled row alone is another draw.)"""
     rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
     P = max(lens)
     ids = torch.zeros((len(rows), P), dtype=torch.long)
@@ -118,8 +120,9 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     for b, r in enumerate(rows):
         ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, **kwargs)
-    out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, **common)
-    together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=False, **common)
+    out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
+    together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=False,
+                              device_loop=not graphs and loop, **common)
     assert torch.equal(out.sequences, together.sequences)
     for name, value in vars(out.stats).items():
         assert torch.equal(getattr(together.stats, name), value), name
@@ -299,6 +302,8 @@ BAD_INPUTS = [
     (dict(strategy="direct", mrp_mix="product"), ValueError, "mrp_mix"),
     (dict(strategy="speculative", denoising_steps=2), ValueError, "denoising_steps"),
     (dict(frobnicate=True), TypeError, "frobnicate"),
+    (dict(strategy="dynamic", device_loop="yes"), TypeError, "device_loop must be a bool"),
+    (dict(strategy="dynamic", device_loop=True), ValueError, "device_loop=True .* needs cuda_graphs"),
 ]
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_integration.step_graphs import StepGraphs
+import hf_integration.decoding as decoding
+from hf_integration.step_graphs import StepGraphs, run_if
 from tiny_models import random_prompts, tiny_model
 
 
@@ -62,27 +63,43 @@ def test_steps_inside_a_step_are_part_of_it():
     assert list(graphs.graphs) == ["outer"]
 
 
+def test_run_if_runs_its_body_only_while_the_flag_is_set():
+    """Outside a capture the host reads the flag; the body may clear it, and the rest are skipped."""
+    calls, flag = [], torch.tensor(True)
+
+    def body(flag, x):
+        calls.append(x.item())
+        x.add_(1)
+        flag.copy_(x < 3)
+
+    x = torch.tensor(0)
+    for _ in range(5):
+        run_if(flag, body, flag, x)
+    assert calls == [0, 1, 2] and x.item() == 3
+
+
 STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
               dict(strategy="direct", mrp_steps=2), dict(strategy="speculative", mrp_steps=3),
               dict(strategy="remask", threshold=0.4),
               dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20)]
+DEVICE_LOOPS = [dict(strategy="dynamic", threshold=0.3, device_loop=True),
+                dict(strategy="speculative", mrp_steps=3, device_loop=True),
+                dict(strategy="remask", threshold=0.4, device_loop=True)]
 
 
-@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+@pytest.mark.parametrize("kwargs", STRATEGIES + DEVICE_LOOPS, ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     """Each step the decoder hands to StepGraphs (forwards, whole denoising / verify / remask steps) is
     traced by TorchDynamo with ``fullgraph=True`` on the reference ops: a host synchronisation
     (``.item()``, ``bool(tensor)``) or a Python branch on a tensor's value would break the graph and fail
     here, before a CUDA capture would; so would a replay whose trace no longer holds (a host value the step
     reads, which a captured graph bakes in, changed between replays). The traced steps decode exactly as the
-    plain path."""
+    plain path. A device loop's branches are the host's on CPU: there each body (a whole step, and the test of
+    the flag for the next) traces as one graph."""
     traced = []
     record = StepGraphs._record
 
-    def record_traced(self, key, fn, inputs):
-        traced.append(key[0])
-        if key[1] == "commit":
-            traced.append(f"{key[0]}+commit")
+    def traced_once(fn):
         compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)
         calls = []
 
@@ -95,13 +112,25 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
             with torch.compiler.set_stance("fail_on_recompile"):
                 return compiled(*args)
 
-        return record(self, key, step, inputs)
+        return step
+
+    def record_traced(self, key, fn, inputs, branches=False):
+        traced.append(key[0])
+        if key[1] == "commit":
+            traced.append(f"{key[0]}+commit")
+        return record(self, key, fn if branches else traced_once(fn), inputs, branches)
+
+    bodies = {}
+
+    def run_if_traced(flag, body, *args):
+        run_if(flag, bodies.setdefault(body, traced_once(body)), *args)
 
     model = tiny_model(seed=0, dtype=torch.float32)
     ids = random_prompts(2, 6, seed=60)
     settings = dict(max_new_tokens=8, return_dict_in_generate=True, **kwargs)
-    plain = model.generate(ids, cuda_graphs=False, **settings)
+    plain = model.generate(ids, cuda_graphs=False, **{k: v for k, v in settings.items() if k != "device_loop"})
     monkeypatch.setattr(StepGraphs, "_record", record_traced)
+    monkeypatch.setattr(decoding, "run_if", run_if_traced)
     torch._dynamo.reset()
     graphed = model.generate(ids, cuda_graphs=True, **settings)
     kinds = {"static": "denoise", "dynamic": "denoise", "direct": "direct_mrp", "speculative": "speculate",
@@ -111,6 +140,8 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     assert f"{first_step}+commit" in traced, traced  # a block's first step carries the previous block's commit
     if kwargs == dict(strategy="speculative", mrp_steps=3):  # here the rows fill their blocks at different
         assert "speculate+commit" in traced, traced  # rounds: a verify round carries the finished blocks
+    if kwargs.get("device_loop"):
+        assert "loop" in traced and bodies, traced
     assert torch.equal(graphed.sequences, plain.sequences)
     for name, value in vars(plain.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
@@ -154,3 +185,37 @@ def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(mon
     assert fewer.stats.tokens_committed.shape == (5,)
     model.release_decode_engine()
 
+
+
+@pytest.mark.parametrize("kwargs", DEVICE_LOOPS + [
+    dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20, device_loop=True),
+    dict(strategy="dynamic", threshold=0.3, per_row_blocks=False, device_loop=True)],
+    ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
+    """With ``device_loop`` the steps that may have work run in one graph, each only while no row has filled
+    its block: one prompt checks the host once per block (step by step: after every step but the surely
+    busy ones), a batch at most as often, and the tokens, per-row counts and steps are those of step-by-step
+    decoding. Loops come in a few sizes (powers of two), so few graphs."""
+    checks = []
+    move_on = decoding.BlockDecoder._move_on
+    monkeypatch.setattr(decoding.BlockDecoder, "_move_on", lambda self, *a: (checks.append(1), move_on(self, *a))[1])
+    model = tiny_model(seed=0)
+    step_by_step = {k: v for k, v in kwargs.items() if k != "device_loop"}
+    for ids, new in ((random_prompts(1, 5, seed=3), 40), (random_prompts(3, 6, seed=4), 17)):
+        runs = {}
+        for name, settings in (("plain", dict(cuda_graphs=False, **step_by_step)),
+                               ("loop", dict(cuda_graphs=True, **kwargs))):
+            checks.clear()
+            out = model.generate(ids, max_new_tokens=new, eos_token_id=[], return_dict_in_generate=True, **settings)
+            runs[name] = out, len(checks)
+        (plain, plain_checks), (loop, loop_checks) = runs["plain"], runs["loop"]
+        assert torch.equal(loop.sequences, plain.sequences) and loop.batch_steps == plain.batch_steps
+        for name, value in vars(plain.stats).items():
+            assert torch.equal(getattr(loop.stats, name), value), name
+        blocks = -(-(ids.shape[1] + new) // 4) - ids.shape[1] // 4
+        assert loop_checks <= plain_checks
+        if ids.shape[0] == 1:
+            assert loop_checks == blocks < plain_checks, (loop_checks, blocks, plain_checks)
+    loops = {key[2] for key in model._decode_engine[1].graphs.graphs if key[0] == "loop"}
+    assert loops and loops <= {1, 2, 4}, loops  # block 4: at most 3 steps may follow the first
+    model.release_decode_engine()

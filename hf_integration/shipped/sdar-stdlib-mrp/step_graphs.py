@@ -16,6 +16,10 @@ buffers (:mod:`.decode_engine`).
 Without CUDA (``capture=False``) a replay calls the step function recorded at the first call on the
 static buffers: the data flow of a replayed graph, so the CPU tests catch a step that depends on a
 tensor it was not given (a closure over the first call's positions, a buffer that moved).
+
+A step may hold work that runs only when a device flag says so (:func:`run_if`): in a captured graph a
+conditional node (CUDA 12.4+, exposed by torch 2.12+) tests the flag on the device, so a graph can run
+"up to n more steps, while there is work" without asking the host; elsewhere the host tests the flag.
 """
 
 from __future__ import annotations
@@ -24,6 +28,27 @@ import warnings
 from typing import Callable
 
 import torch
+
+
+def conditional_nodes_supported() -> bool:
+    """Whether this torch can capture :func:`run_if` into a CUDA graph (conditional nodes: torch >= 2.12)."""
+    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
+def run_if(flag: torch.Tensor, body: Callable, *args: torch.Tensor) -> None:
+    """``body(*args)`` if the 0-d bool tensor ``flag`` is true when the work before it has run. Inside a CUDA
+    graph capture ``body`` is captured into a conditional node that tests ``flag`` on the device at every
+    replay (no host synchronisation); outside a capture the host reads ``flag``. ``body`` updates tensors in
+    place and returns nothing (what it allocates is not defined after a replay that skipped it)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        graph.begin_capture_to_if_node(flag)
+        try:
+            body(*args)
+        finally:
+            graph.end_capture_to_conditional_node()
+    elif bool(flag):
+        body(*args)
 
 
 def _copy_back(inputs, static_inputs, mutated) -> None:
@@ -55,13 +80,15 @@ class StepGraphs:
         self.pool = None
         self._inside = False  # running (or capturing) a step: nested steps are part of it
 
-    def run(self, key, fn: Callable, *inputs: torch.Tensor, mutated: tuple[int, ...] = ()):
+    def run(self, key, fn: Callable, *inputs: torch.Tensor, mutated: tuple[int, ...] = (), branches: bool = False):
+        """``branches``: ``fn`` holds :func:`run_if` bodies, which the first call may skip, so their kernels may
+        first load during the capture; the capture then runs in "relaxed" mode, which allows that."""
         if self._inside:
             return fn(*inputs)
         entry = self.graphs.get(key)
         if entry is None:
             static_inputs = [t.clone() for t in inputs]
-            output, self.graphs[key] = self._record(key, fn, static_inputs)
+            output, self.graphs[key] = self._record(key, fn, static_inputs, branches)
             _copy_back(inputs, static_inputs, mutated)
             return _clone(output)  # it may alias the buffers the next call overwrites
         if entry == "eager":
@@ -83,7 +110,7 @@ class StepGraphs:
         finally:
             self._inside = False
 
-    def _record(self, key, fn, static_inputs):
+    def _record(self, key, fn, static_inputs, branches: bool = False):
         """Run ``fn`` for real on the buffers it will be replayed on (on a side stream on CUDA: the warm-up,
         which compiles Triton kernels for exactly the tensors the capture sees, since a compilation during
         capture is not allowed, and sets up library handles), then capture it on them (capture does not
@@ -100,7 +127,7 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed" if branches else "global"):
                 static_output = self._call(fn, static_inputs)
         except RuntimeError as err:
             warnings.warn(f"CUDA graph capture of the {key} step failed ({err}); it runs eagerly", stacklevel=3)
