@@ -24,6 +24,12 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     is kept on the model). Its time is the ``first call`` row: what a call of a new shape costs, capture
     included. ``tokens_per_s`` counts new tokens of all rows; ``ratio`` = graphed tokens/s over eager.
     Target: >= 8x.
+``host_checks``
+    Batch 1: graphed ``generate(strategy="dynamic", threshold=1.0)``, the steps of static one-token-a-step
+    decoding (no confidence exceeds 1) with the host checking the row after every step, as dynamic, remask and
+    speculative decoding do once a block may be full; ``ratio`` = per-step time over the graphed static step:
+    what those checks cost. Where torch captures conditional nodes (>= 2.12; and in ``--smoke``) a second row
+    with ``device_loop=True``: the steps after a block's first in one graph, one check per block.
 ``attention``
     One layer's attention of a decoding forward at the model's head shapes: ``mrp_triton.cached_attention``
     (Triton: reads each row's committed slots in place) vs its reference (``sdpa_cat``: concatenate the
@@ -106,20 +112,25 @@ def main(argv=None) -> int:
         prefix, new_tokens = args.prefix, args.new_tokens
     T, copies_list = args.block, steps.ints(args.copies)
     bench = _harness.make_bench(cuda, warmup=args.warmup, rep=args.rep)
-    rows: list[dict] = []
+    copy_bw = _harness.copy_bandwidth(bench)[1] if cuda else 1e10  # nominal on CPU: fills the column only
+    spec = _spec_counts(Path(args.e2e))
+    stem, rows = "engine_smoke" if args.smoke else "engine", []
+    doc = {"meta": {**meta, "copy_bw_tbps": round(copy_bw / 1e12, 3), "dtype": str(dtype).removeprefix("torch."),
+                    "models": models, "prefix": prefix, "new_tokens": new_tokens, "block": T,
+                    "speculative_counts": spec}, "rows": rows}
 
     def record(kernel, shape, provider, q, ratio=None, ratio_to="", floor_us=None, tokens_per_s="", note=""):
+        """Print and save a row at once: a run cut by a time limit keeps the rows it measured."""
         row = dict(kernel=kernel, shape=shape, provider=provider, median_us=round(q[0], 2), p20_us=round(q[1], 2),
                    p80_us=round(q[2], 2), ratio=round(ratio, 4) if ratio is not None else "", ratio_to=ratio_to,
                    x_weight_read=round(q[0] / floor_us, 2) if floor_us else "", note=note,
                    tokens_per_s=round(tokens_per_s, 1) if tokens_per_s != "" else "", **meta)
         rows.append(row)
+        _harness.write_results(args.out, stem, FIELDS, rows, doc)
         print(f"{kernel:20s} {shape:34s} {provider:10s} {q[0] / 1e3:9.3f} ms  ratio {row['ratio']!s:>7} "
               f"{ratio_to:24s} x_read {row['x_weight_read']!s:>6} tok/s {row['tokens_per_s']!s:>8}  {note}")
         return q[0]
 
-    copy_bw = _harness.copy_bandwidth(bench)[1] if cuda else 1e10  # nominal on CPU: fills the column only
-    spec = _spec_counts(Path(args.e2e))
     ops = nullcontext() if cuda else mrp_triton.use_backend("reference")
     torch.manual_seed(args.seed)
     with torch.no_grad(), ops:
@@ -153,12 +164,7 @@ def main(argv=None) -> int:
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    stem = "engine_smoke" if args.smoke else "engine"
-    doc = {"meta": {**meta, "copy_bw_tbps": round(copy_bw / 1e12, 3), "dtype": str(dtype).removeprefix("torch."),
-                    "models": models, "prefix": prefix, "new_tokens": new_tokens, "block": T,
-                    "speculative_counts": spec}, "rows": rows}
-    out = _harness.write_results(args.out, stem, FIELDS, rows, doc)
-    print(f"# wrote {out / stem}.csv and .json ({len(rows)} rows)")
+    print(f"# wrote {Path(args.out) / stem}.csv and .json ({len(rows)} rows)")
     return 0
 
 
@@ -250,42 +256,78 @@ def _attention_rows(record, bench, shape, B, prefix, width, T, device, dtype, ta
                ratio_to="speedup over sdpa_cat")
 
 
+def _timed_generate(model, ids, reps: int, cuda: bool, **kwargs):
+    """``model.generate(ids, return_dict_in_generate=True, **kwargs)`` once untimed (kernels compiled, allocator
+    primed, graphs captured), then ``reps`` times. Returns the last output, the first call's seconds and the
+    timed calls' seconds."""
+    import torch
+
+    def run():
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, return_dict_in_generate=True, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    out, first = run()
+    times = []
+    for _ in range(reps):
+        out, seconds = run()
+        times.append(seconds)
+    return out, first, times
+
+
+def _per_step(times: list[float], steps: int) -> list[float]:
+    """Median, fastest and slowest call over ``steps`` decoding steps, in microseconds."""
+    return [statistics.median(times) / steps * 1e6, min(times) / steps * 1e6, max(times) / steps * 1e6]
+
+
 def _decode_rows(record, model, B, prefix, new_tokens, T, reps, cuda, tag, step_floor, seed) -> None:
-    """Time static one-token-a-step ``generate`` with graphs off and on."""
+    """Time static one-token-a-step ``generate`` with graphs off and on; at batch 1 also the host checks between
+    steps (see :func:`_host_check_rows`)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     top = min(model.config.vocab_size, model.config.mask_token_id)
     ids = torch.randint(0, top, (B, prefix), generator=g).to(model.lm_head.weight.device)
-    kwargs = dict(max_new_tokens=new_tokens, block_length=T, strategy="static", eos_token_id=[])
+    kwargs = dict(max_new_tokens=new_tokens, block_length=T, eos_token_id=[])
     eager_tps = None
     for provider, graphs in PROVIDERS.items():
-        def run():
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = model.generate(ids, cuda_graphs=graphs, **kwargs)
-            if cuda:
-                torch.cuda.synchronize()
-            return out, time.perf_counter() - t0
-
-        out, first = run()  # warm-up: kernels compiled, allocator primed, graphs captured
+        out, first, times = _timed_generate(model, ids, reps, cuda, strategy="static", cuda_graphs=graphs, **kwargs)
         if graphs:
             record("decode", f"{tag} static {prefix}+{new_tokens}", "cuda_graph, first call",
                    [first / new_tokens * 1e6] * 3, tokens_per_s=B * new_tokens / first,
                    note="per step, capture included")
-        times = []
-        for _ in range(reps):
-            out, seconds = run()
-            times.append(seconds)
-        assert out.shape == (B, prefix + new_tokens)
-        seconds = statistics.median(times)
-        tps = B * new_tokens / seconds
-        per_step = seconds / new_tokens * 1e6
+        assert out.sequences.shape == (B, prefix + new_tokens)
+        tps = B * new_tokens / statistics.median(times)
         eager_tps = eager_tps or tps
-        record("decode", f"{tag} static {prefix}+{new_tokens}", provider, [per_step, min(times) / new_tokens * 1e6,
-               max(times) / new_tokens * 1e6], ratio=tps / eager_tps, ratio_to="eager tokens/s",
-               floor_us=step_floor, tokens_per_s=tps, note="per step; target >= 8x eager" if graphs else "per step")
+        static_step = record("decode", f"{tag} static {prefix}+{new_tokens}", provider, _per_step(times, new_tokens),
+                             ratio=tps / eager_tps, ratio_to="eager tokens/s", floor_us=step_floor, tokens_per_s=tps,
+                             note="per step; target >= 8x eager" if graphs else "per step")
+    if B == 1:  # static_step and out: the graphed call's (the last provider)
+        _host_check_rows(record, model, ids, reps, cuda, f"{tag} dynamic tau=1 {prefix}+{new_tokens}", static_step,
+                         out.batch_steps, **kwargs)
+
+
+def _host_check_rows(record, model, ids, reps, cuda, shape, static_step, static_steps, **kwargs) -> None:
+    """Graphed dynamic decoding at threshold 1: the steps of static one-token-a-step decoding (no confidence
+    exceeds 1), but the host checks the row after every step (a dynamic step may fill the block), so its
+    per-step time over the static one's is what those checks cost; with ``device_loop`` (where torch can
+    capture conditional nodes) the steps after a block's first run in one graph, one check per block."""
+    from hf_integration.step_graphs import conditional_nodes_supported
+
+    loops = [False] + ([True] if conditional_nodes_supported() or not cuda else [])
+    for device_loop in loops:
+        out, _, times = _timed_generate(model, ids, reps, cuda, strategy="dynamic", threshold=1.0, cuda_graphs=True,
+                                        device_loop=device_loop, **kwargs)
+        assert out.batch_steps == static_steps, (out.batch_steps, static_steps)  # one token a step, as static
+        q = _per_step(times, static_steps)
+        record("host_checks", shape, "cuda_graph, device_loop" if device_loop else "cuda_graph", q,
+               ratio=q[0] / static_step, ratio_to="static step (graphed)",
+               tokens_per_s=kwargs["max_new_tokens"] / statistics.median(times),
+               note="one host check a block" if device_loop else "a host check after every step")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def test_bench_engine_smoke(tmp_path):
     assert kinds == {("step", "eager"), ("step", "cuda_graph"), ("whole_step", "eager"), ("whole_step", "cuda_graph"),
                      ("decode", "eager"), ("decode", "cuda_graph"), ("decode", "cuda_graph, first call"),
                      ("speculative_estimate", "cuda_graph"),
+                     ("host_checks", "cuda_graph"), ("host_checks", "cuda_graph, device_loop"),
                      ("attention", "sdpa_cat"), ("attention", "triton")}
     for batch in (1, 2):
         shapes = {r["shape"] for r in rows if r["kernel"] in ("step", "whole_step") and r["provider"] == "cuda_graph"}
