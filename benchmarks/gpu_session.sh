@@ -31,7 +31,8 @@ step() {  # step NAME SECONDS COMMAND...
 # confidence tests (the most kernel variants to compile) last. The sm_90 compile test is CI's (CPU).
 step decode_tests 140 python3 -m pytest -v -p no:cacheprovider tests/test_cuda_graphs.py tests/test_select.py \
   tests/test_verify.py tests/test_remask.py tests/test_confidence.py
-step engine 170 python3 benchmarks/bench_engine.py --out "$RES"  # saves each row as measured: a cut run keeps them
+# bench_engine saves each row as measured: a run cut by its limit keeps them.
+step engine 170 python3 benchmarks/bench_engine.py --out "$RES"
 # Graph-replayed timings of every op (the *_graph rows) came on top of the sweep: 120 s. The eager per-forward
 # costs of bench_model_steps are in the engine step's eager rows already: not run here.
 step decode_kernels 120 python3 benchmarks/bench_decode_kernels.py --sweep --out "$RES"
