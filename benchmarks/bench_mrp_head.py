@@ -14,8 +14,9 @@
     from Python, an op of a few microseconds measures its host launch path).
 
 On CUDA: ``python benchmarks/bench_mrp_head.py --out benchmarks/results`` (about 2 minutes on an
-H200, most of it torch.compile; ``--no-compile`` skips that provider, ``--sweep`` also times a
-few tile configs of lm_head_confidence and prints the best per shape). Every kernel is first
+H200, most of it torch.compile; ``--no-compile`` skips that provider, ``--sweep`` also times the
+tile configs of ``SWEEP`` for lm_head_confidence, each first checked against the logits, and prints the
+best per shape; ``--sweep-rows`` limits the sweep to some N). Every kernel is first
 checked against its reference on the GPU (odd shapes, fp32/fp16/bf16); a mismatch is printed and
 recorded, timing goes on. Times are ``triton.testing.do_bench`` quantiles [0.5, 0.2, 0.8] in us;
 GB/s counts the bytes each op must move once. Rows go to ``<out>/mrp_head.csv`` and ``.json``.
@@ -53,6 +54,14 @@ SWEEP = [
     dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=1),
     dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
     dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
+    # rows on the MMA's M side (rows_major), for 64-128 rows; the 4-warp ones fit two programs per SM
+    # (benchmarks/sm90_kernels.py --lm-head-sweep), so one's softmax epilogue may run under the other's loads
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=1, rows_major=True),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=4, num_stages=3, tiles_per_split=1, rows_major=True),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=128, num_warps=8, num_stages=3, tiles_per_split=1, rows_major=True),
+    dict(BLOCK_N=128, BLOCK_V=64, BLOCK_K=64, num_warps=4, num_stages=4, tiles_per_split=1, rows_major=True),
+    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1, rows_major=True),
+    dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=4, num_stages=4, tiles_per_split=1, rows_major=True),
 ]
 
 
@@ -65,6 +74,7 @@ def parse_args(argv):
     ap.add_argument("--models", default="1.7B,8B", help=f"op-level shapes, from {list(MODELS)}")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configs of lm_head_confidence")
+    ap.add_argument("--sweep-rows", default=None, help="comma-separated N to sweep at (default: every N of --rows)")
     ap.add_argument("--only", default="lm_head,ops", help="parts to run: lm_head, ops")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     return ap.parse_args(argv)
@@ -92,6 +102,7 @@ def main(argv=None) -> int:
         rows, hiddens, V = [int(r) for r in args.rows.split(",")], [int(h) for h in args.hidden.split(",")], args.vocab
         models = {m: MODELS[m] for m in args.models.split(",")}
         seq = [(b, t) for b in (1, 8) for t in (16, 64, 128)]
+    sweep_rows = set(rows if args.sweep_rows is None else (int(r) for r in args.sweep_rows.split(",")))
     meta = _harness.run_meta(cuda)
     print(f"# {meta}")
     results: list[dict] = []
@@ -179,11 +190,15 @@ def main(argv=None) -> int:
             for N in rows:
                 h = torch.randn(N, H, device=dev, generator=g).to(dt)
                 shape = f"N={N} H={H} V={V}"
-                tok, prob, lse = mt.lm_head_confidence_triton(h, W)
+
+                def check_picks(name, config=None):
+                    tok, prob, _ = mt.lm_head_confidence_triton(h, W, config=config)
+                    check(f"lm_head_confidence prob {name}", prob, torch.softmax(z, -1).max(-1).values, 1e-4, 1e-3)
+                    check(f"lm_head_confidence picked logit {name}", z.gather(1, tok[:, None]).squeeze(1),
+                          z.max(-1).values, 2e-3, 1e-3)
+
                 z = h.float() @ W.float().T
-                check(f"lm_head_confidence prob {shape}", prob, torch.softmax(z, -1).max(-1).values, 1e-4, 1e-3)
-                check(f"lm_head_confidence picked logit {shape}", z.gather(1, tok[:, None]).squeeze(1),
-                      z.max(-1).values, 2e-3, 1e-3)
+                check_picks(shape)
                 nbytes = w_bytes + N * H * 2
                 record("lm_head_confidence", shape, "weight_read_floor", [floor_us] * 3, nbytes, floor_us)
                 eager = record("lm_head_confidence", shape, "torch_eager",
@@ -194,10 +209,11 @@ def main(argv=None) -> int:
                     skip = torch.arange(N, device=dev) % 2 == 1
                     record("lm_head_confidence", shape, "triton_fused_skip_half",
                            bench(lambda: mt.lm_head_confidence_triton(h, W, skip_rows=skip)), nbytes, floor_us, eager)
-                if args.sweep and cuda:
+                if args.sweep and N in sweep_rows:
                     best = None
                     for i, cfg in enumerate(SWEEP):
                         try:
+                            check_picks(f"{shape} sweep_{i}", cfg)
                             t = bench(lambda: mt.lm_head_confidence_triton(h, W, config=cfg))
                         except Exception as e:  # e.g. out of shared memory for big tiles
                             print(f"  sweep cfg {i} failed: {type(e).__name__}: {str(e)[:100]}")

@@ -29,19 +29,20 @@ step() {  # step NAME SECONDS COMMAND...
 # Kernel tests run on the GPU (tests/kernel_utils.py: DEV is cuda with the interpreter off); -v names each
 # test in the log, so a step cut by its limit still shows what passed: CUDA-graph decoding first, the
 # confidence tests (the most kernel variants to compile) last. The sm_90 compile test is CI's (CPU).
-step decode_tests 140 python3 -m pytest -v -p no:cacheprovider tests/test_cuda_graphs.py tests/test_select.py \
+step decode_tests 135 python3 -m pytest -v -p no:cacheprovider tests/test_cuda_graphs.py tests/test_select.py \
   tests/test_verify.py tests/test_remask.py tests/test_confidence.py
 # bench_engine saves each row as measured: a run cut by its limit keeps them.
-step engine 170 python3 benchmarks/bench_engine.py --out "$RES"
-# Graph-replayed timings of every op (the *_graph rows) came on top of the sweep: 120 s. The eager per-forward
+step engine 145 python3 benchmarks/bench_engine.py --out "$RES"
+# Graph-replayed timings of every op (the *_graph rows) came on top of the sweep. The eager per-forward
 # costs of bench_model_steps are in the engine step's eager rows already: not run here.
-step decode_kernels 120 python3 benchmarks/bench_decode_kernels.py --sweep --out "$RES"
+step decode_kernels 100 python3 benchmarks/bench_decode_kernels.py --sweep --out "$RES"
 # The modes the issues' targets name (static is always run first); the full table stays a CPU figure.
 step e2e 60 python3 benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --out "$RES" \
   --modes "speculative K=1 mrp" "speculative K=3" "dynamic tau=0.9" "direct K=2" "remask tau tau=0.7"
-# lm_head_confidence with half the rows skipped (what a decoding step asks) vs all rows, at a verify round's N.
-step lm_head_skip 30 python3 benchmarks/bench_mrp_head.py --only lm_head --rows 64,512 --hidden 2048 \
-  --no-compile --out "$RES"
+# lm_head_confidence: the tile sweep at the N its target misses (64-128 rows; the rows_major configs never ran
+# on a GPU), and half the rows skipped (what a decoding step asks) vs all rows, up to a verify round's N.
+step lm_head 70 python3 benchmarks/bench_mrp_head.py --only lm_head --rows 64,128,512 --hidden 2048,4096 \
+  --sweep --sweep-rows 64,128 --no-compile --out "$RES"
 step model_op_tests 50 python3 -m pytest -v -p no:cacheprovider tests/test_lm_head_confidence.py \
   tests/test_norm_ops.py tests/test_cached_attention.py
 # The issues' targets against what was measured (CPU only, seconds): also in results/targets.md.

@@ -56,16 +56,20 @@ def _mix32(x):
     return x
 
 
-@triton.jit(do_not_specialize=["R", "chunk", "S", "mask_id", "seed_h"])
+@triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
-    V, chunk, S, scale, inv_t, t_ptr, mask_id, seed_h,
+    V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, FINAL: tl.constexpr,
     T_TENSOR: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    # A split covers `tiles` whole tiles (not specialised: every split count shares a compile). Its bounds are
+    # then multiples of BLOCK_V, and of 16 where V is (as real vocabularies are), so each thread's loads are
+    # 16-byte vectors; with bounds of unknown alignment every element would be a load of its own.
+    chunk = tiles * BLOCK_V
     lo = split * chunk  # int32 vocabulary offsets (V < 2**31)
     hi = tl.minimum(lo + chunk, V)
     if HAS_SKIP:
@@ -192,8 +196,9 @@ def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None
     """Small table instead of autotune (the interpreter cannot autotune).
 
     CUDA: aim at ~4 programs per SM; rows with a long chunk stream 2048-wide tiles with 8 warps
-    (8 elements per thread: ~110 registers with the per-lane state, so 2 programs per SM; 4096-wide
-    tiles need ~200 registers), short chunks (many splits, small N) use 1024-wide tiles with 4 warps.
+    (8 elements a thread, one 16-byte load per tensor and tile: 60-80 registers with the per-lane state, 3-4
+    programs per SM, by ``benchmarks/sm90_kernels.py``), short chunks (many splits, small N) use 1024-wide
+    tiles with 4 warps.
     Untuned on hardware so far: ``benchmarks/bench_decode_kernels.py --sweep`` times the alternatives.
     Interpreter: wide tiles (numpy is faster on big vectors), S = 1 unless the caller forces ``splits``.
     """
@@ -316,7 +321,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
         skip, keys, part, part_idx, tok, prob, lse,
-        V, chunk, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
+        V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, FINAL=S == 1,
         T_TENSOR=t_tensor, BLOCK_V=BLOCK_V, num_warps=nw,
         enable_fp_fusion=False,  # no FMA: same rounding as the reference

@@ -24,8 +24,14 @@ Two launches (three with ``skip_rows``: ``_kept_first_kernel`` first):
    [s*v_per_split, (s+1)*v_per_split) and walks it in BLOCK_V tiles. Each tile is a
    ``tl.dot(W_tile [BLOCK_V, BLOCK_K], hidden_tile^T [BLOCK_K, BLOCK_N])`` accumulated over H in
    fp32 (V is the MMA's M side, so a handful of rows still fills the tensor cores), then an online
-   softmax per row: running max m, rescaled sum d, and the argmax (a later tile only wins with a
-   strictly larger max, so the lowest index is kept). It writes (m, d, argmax) per (row, split).
+   softmax per row: running max m, rescaled sum d, and the argmax (one max-with-index reduction per
+   tile; a later tile only wins with a strictly larger max, so the lowest index is kept). It writes
+   (m, d, argmax) per (row, split). ``rows_major`` (a config key) swaps the operands,
+   ``tl.dot(hidden_tile, W_tile^T)`` -> [BLOCK_N, BLOCK_V]: rows on the M side (64 or more rows fill it),
+   so the softmax's reductions over V run within each warp instead of across warps through shared memory
+   (``benchmarks/sm90_kernels.py --lm-head-sweep``, Triton 3.6 for sm_90: a 128-row x 128-V tile on 8 warps takes 192
+   registers a thread instead of 255); which layout is faster at N = 64-128 is for
+   ``benchmarks/bench_mrp_head.py --sweep`` on the GPU to say.
 2. ``_merge_kernel``, grid (N,) row slots: M = max_s m_s, d = sum_s d_s exp(m_s - M), the token of the
    first split reaching M (splits are in vocabulary order, so ties still go to the lowest
    index), lse = M + log d, prob = exp(M - lse), written to the slot's row (skipped slots write
@@ -76,7 +82,7 @@ def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, 
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
                      HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr,
-                     DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                     DOT_FP32: tl.constexpr, IEEE: tl.constexpr, ROWS_MAJOR: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -90,6 +96,10 @@ def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, 
     else:
         row_mask = slots < N
         rows64 = slots.to(tl.int64)
+    # the logits tile z: [BLOCK_V, BLOCK_N] (the vocabulary on the MMA's M side, filled by a handful of rows),
+    # or with ROWS_MAJOR [BLOCK_N, BLOCK_V] (rows on M: the softmax reductions over V stay within each warp)
+    V_AXIS: tl.constexpr = 1 if ROWS_MAJOR else 0
+    PRECISION: tl.constexpr = "ieee" if IEEE else None
     v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
 
@@ -100,7 +110,7 @@ def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, 
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < v_end
         cols64 = cols.to(tl.int64)
-        acc = tl.zeros([BLOCK_V, BLOCK_N], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_V] if ROWS_MAJOR else [BLOCK_V, BLOCK_N], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < H
@@ -112,27 +122,26 @@ def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, 
             if DOT_FP32:
                 w = w.to(tl.float32)
                 h = h.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(w, tl.trans(h), acc, input_precision="ieee")
+            if ROWS_MAJOR:
+                acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
             else:
-                acc = tl.dot(w, tl.trans(h), acc)
+                acc = tl.dot(w, tl.trans(h), acc, input_precision=PRECISION)
         z = acc
         if HAS_BASE:
-            b = tl.load(base_ptr + rows64[None, :] * stride_base + cols64[:, None],
-                        mask=row_mask[None, :] & col_mask[:, None], other=0.0)
+            b = tl.load(base_ptr + tl.expand_dims(rows64, V_AXIS) * stride_base + tl.expand_dims(cols64, 1 - V_AXIS),
+                        mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0.0)
             z = z + b.to(tl.float32)
         z = z * inv_temp
         valid = col_mask
         if HAS_MASK:
             valid = valid & (cols != mask_token)
-        z = tl.where(valid[:, None], z, float("-inf"))
-        tile_max = tl.max(z, axis=0)
-        tile_arg = tl.argmax(z, axis=0, tie_break_left=True).to(tl.int32)
-        best = tl.where(tile_max > m, v0 + tile_arg, best)
+        z = tl.where(tl.expand_dims(valid, 1 - V_AXIS), z, float("-inf"))
+        tile_max, tile_arg = tl.max(z, axis=V_AXIS, return_indices=True, return_indices_tie_break_left=True)
+        best = tl.where(tile_max > m, v0 + tile_arg.to(tl.int32), best)
         new_m = tl.maximum(m, tile_max)
         safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-        p = tl.exp(z - safe_m[None, :])
-        d = d * tl.exp(m - safe_m) + tl.sum(p, axis=0)
+        p = tl.exp(z - tl.expand_dims(safe_m, V_AXIS))
+        d = d * tl.exp(m - safe_m) + tl.sum(p, axis=V_AXIS)
         m = new_m
     out = slots.to(tl.int64) * n_splits + pid_s
     tl.store(m_ptr + out, m, mask=row_mask)
@@ -183,7 +192,7 @@ def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr,
 
 def _config(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
     """Tile sizes: {BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages, tiles_per_split}
-    (an override may also set BLOCK_S, the merge kernel's chunk of splits)."""
+    (an override may also set BLOCK_S, the merge kernel's chunk of splits, and rows_major)."""
     block_n = min(max(16, triton.next_power_of_2(N)), 128)
     if interpreter_on():
         # the interpreter runs one numpy call per op per program: few, large programs
@@ -270,6 +279,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
         mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
         HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None, HAS_SKIP=skip_rows is not None,
         DOT_FP32=interpreter_on() and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
+        ROWS_MAJOR=cfg.get("rows_major", False),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block_s = cfg.get("BLOCK_S") or min(triton.next_power_of_2(n_splits), 1024)

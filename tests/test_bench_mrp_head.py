@@ -1,4 +1,5 @@
-"""The MRP-head benchmark runs end to end in its --smoke mode (Triton interpreter, tiny shapes)."""
+"""The MRP-head benchmark runs end to end in its --smoke mode (Triton interpreter, tiny shapes), with a tile sweep
+at one N (every config checked against the logits, then timed)."""
 
 import importlib.util
 import json
@@ -10,9 +11,11 @@ def test_bench_mrp_head_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_mrp_head", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--smoke", "--no-compile", "--out", str(tmp_path)]) == 0
+    assert mod.main(["--smoke", "--no-compile", "--sweep", "--sweep-rows", "5", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "mrp_head_smoke.json").read_text())
     assert not data["failures"]
     kernels = {r["kernel"] for r in data["rows"]}
+    swept = {(r["shape"], r["provider"]) for r in data["rows"] if r["provider"].startswith("sweep_")}
+    assert swept == {("N=5 H=64 V=1000", f"sweep_{i}") for i in range(len(mod.SWEEP))}  # each checked, then timed
     assert {"lm_head_confidence", "rms_norm", "qk_norm_rope", "swiglu", "mrp_input"} <= kernels
     assert (tmp_path / "mrp_head_smoke.csv").read_text().startswith("kernel,shape,provider,median_us")

@@ -22,7 +22,7 @@ from mrp_triton.reference import lm_head_confidence as lm_head_confidence_refere
 # tiny tiles, so that small vocabularies still span several tiles, splits and H chunks
 configs = st.fixed_dictionaries(dict(
     BLOCK_N=st.sampled_from((16, 32)), BLOCK_V=st.sampled_from((16, 32)), BLOCK_K=st.sampled_from((16, 32)),
-    tiles_per_split=st.integers(1, 3), BLOCK_S=st.sampled_from((None, 2, 4)),
+    tiles_per_split=st.integers(1, 3), BLOCK_S=st.sampled_from((None, 2, 4)), rows_major=st.booleans(),
 ))
 
 
@@ -61,8 +61,8 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
 @settings(max_examples=20)
 @given(N=st.integers(1, 40), H=st.integers(1, 24), V=st.integers(2, 120), dtype=st.sampled_from(DTYPES),
        skip=st.sampled_from(("none", "all", "first", "last", "random")), with_base=st.booleans(),
-       block_n=st.sampled_from((16, 32)), seed=st.integers(0, 2**16))
-def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, seed):
+       block_n=st.sampled_from((16, 32)), rows_major=st.booleans(), seed=st.integers(0, 2**16))
+def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, seed):
     """Skipped rows give (-1, 0, -inf); the kept rows, gathered to the front on the device, give what they
     give unskipped, whichever row blocks they end up in."""
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +74,8 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
                  "random": torch.rand(N, generator=g) < 0.5}[skip].to(DEV)
     kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows)
     with poisoned_allocations():
-        out = lm_head_confidence_triton(hidden, weight, config=dict(BLOCK_N=block_n, BLOCK_V=32, BLOCK_K=16), **kw)
+        cfg = dict(BLOCK_N=block_n, BLOCK_V=32, BLOCK_K=16, rows_major=rows_major)
+        out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
     expect = lm_head_confidence_reference(hidden, weight, **kw)
     _check(out, expect)
     assert (out[0][skip_rows] == -1).all() and (out[1][skip_rows] == 0).all() and (out[2][skip_rows] == -inf).all()
@@ -110,8 +111,9 @@ def test_equals_softmax_max_with_default_tiles():
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows_major", (False, True))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_constructed_ties_across_tiles_and_splits(dtype):
+def test_constructed_ties_across_tiles_and_splits(dtype, rows_major):
     # V = 200 with 16-wide tiles, 2 tiles per split: copies of the best row sit in the same tile
     # (5, 9), in a later tile of the same split (20), in later splits (70, 197)
     V, H = 200, 24
@@ -120,7 +122,7 @@ def test_constructed_ties_across_tiles_and_splits(dtype):
     for j in (5, 9, 20, 70, 197):
         weight[j] = 2
     hidden = torch.ones(3, H, dtype=dtype, device=DEV)
-    cfg = dict(BLOCK_V=16, BLOCK_K=16, tiles_per_split=2)
+    cfg = dict(BLOCK_V=16, BLOCK_K=16, tiles_per_split=2, rows_major=rows_major)
     for mask, want in ((None, 5), (5, 9), (9, 5), (197, 5)):
         tok, prob, _ = lm_head_confidence_triton(hidden, weight, mask_token_id=mask, config=cfg)
         assert tok.tolist() == [want] * 3, (mask, tok)

@@ -1,0 +1,289 @@
+"""What each Triton kernel of mrp_triton asks of an sm_90 GPU (H100 / H200), read from its compiled code on a machine
+without one: registers a thread, spilled bytes, shared memory, programs per SM, the width of its global loads,
+whether its K loop's loads are pipelined (asynchronous copies into shared memory) and whether tiles multiply on
+wgmma.
+
+    python benchmarks/sm90_kernels.py                  # every kernel variant the library launches
+    python benchmarks/sm90_kernels.py --lm-head-sweep  # lm_head_confidence: the tile table and bench_mrp_head's SWEEP
+
+Each variant is compiled as a launch at real shapes specialises it: the pointers and the sizes and strides that
+are multiples of 16 there (V = 151936, H = 2048, head_dim 128, ...) are marked so (Triton marks each such
+argument at launch), the counts that vary (rows, query length, splits) are not. Registers and spills come from
+the cubin (Triton's bundled cuobjdump). These figures rule things out, they time nothing: a 2-byte load per
+element where 16-byte vectors could stream, a config that spills or fits one program per SM. Speed comes from
+the benchmarks on the GPU. tests/test_decode_kernels_compile.py compiles every variant and checks the loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 233472  # bytes; each program also reserves 1 KiB
+_LOAD = re.compile(r"ld\.global(?:\.[a-z_:0-9]+)*?(?:\.v(\d))?\.[bfsu](\d+)\s")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of a kernel: ``module``/``kernel`` names it, ``signature`` types every argument (the
+    constexprs as "constexpr"), ``constexprs`` sets those, ``divisible`` lists the arguments a launch at real
+    shapes finds to be multiples of 16 (besides every pointer)."""
+
+    name: str
+    module: str
+    kernel: str
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int | None = None
+    divisible: tuple[str, ...] = field(default=())
+
+    def function(self):
+        return getattr(importlib.import_module(f"mrp_triton.{self.module}"), self.kernel)
+
+
+def _ptrs_divisible(signature: dict, *more: str) -> tuple[str, ...]:
+    return tuple(name for name, kind in signature.items() if kind.startswith("*")) + more
+
+
+def _confidence() -> list[Variant]:
+    out = []
+    for dt in ("*bf16", "*fp16", "*fp32"):
+        for has_res, has_skip, sample, final, t_tensor, bv, nw in [(True, True, False, True, False, 2048, 8),
+                                                                   (True, False, True, False, True, 1024, 4),
+                                                                   (False, True, True, True, False, 2048, 8),
+                                                                   (False, False, False, False, True, 1024, 4)]:
+            sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
+                   "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "part_ptr": "*fp32", "part_idx_ptr": "*i64",
+                   "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "tiles": "i32",
+                   "S": "i32", "scale": "fp32", "inv_t": "fp32", "t_ptr": "*fp64", "mask_id": "i32",
+                   "seed_h": "i64", "HAS_RES": "constexpr", "HAS_SKIP": "constexpr", "DO_SAMPLE": "constexpr",
+                   "FINAL": "constexpr", "T_TENSOR": "constexpr", "BLOCK_V": "constexpr"}
+            consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "DO_SAMPLE": sample, "FINAL": final,
+                      "T_TENSOR": t_tensor, "BLOCK_V": bv}
+            out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={sample} {bv}", "confidence",
+                               "_conf_partial_kernel", sig, consts, nw,
+                               divisible=_ptrs_divisible(sig, "stride_ln", "stride_rr", "stride_rn", "V")))
+    sig = {"part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32",
+           "S": "i32", "BLOCK_S": "constexpr"}
+    out.append(Variant("confidence merge", "confidence", "_conf_merge_kernel", sig, {"BLOCK_S": 64}, 1,
+                       divisible=_ptrs_divisible(sig)))
+    return out
+
+
+def _decisions() -> list[Variant]:
+    out = []
+    sig = {"block_ptr": "*i64", "tok_ptr": "*i64", "conf_ptr": "*fp32", "n_ptr": "*i64", "out_ptr": "*u8", "L": "i32",
+           "n_scalar": "i32", "mask_id": "i32", "thr": "fp32", "thr_ptr": "*fp64", "N_TENSOR": "constexpr",
+           "DYNAMIC": "constexpr", "THR_TENSOR": "constexpr", "BLOCK_L": "constexpr", "JB": "constexpr"}
+    for n_t in (True, False):
+        for dyn, thr_t in ((True, True), (True, False), (False, False)):
+            out.append(Variant(f"select n_tensor={n_t} dynamic={dyn} thr_tensor={thr_t}", "select", "_select_kernel",
+                               sig, {"N_TENSOR": n_t, "DYNAMIC": dyn, "THR_TENSOR": thr_t, "BLOCK_L": 16, "JB": 16},
+                               4, divisible=_ptrs_divisible(sig)))
+    sig = {"block_ptr": "*i64", "dpos_ptr": "*i64", "dtok_ptr": "*i64", "ttok_ptr": "*i64", "tconf_ptr": "*fp32",
+           "acc_ptr": "*i32", "bonus_ptr": "*i64", "L": "i32", "K": "i32", "mask_id": "i32", "BLOCK_L": "constexpr"}
+    out.append(Variant("verify", "verify", "_verify_kernel", sig, {"BLOCK_L": 16}, 1, divisible=_ptrs_divisible(sig)))
+    sig = {"block_ptr": "*i64", "rev_ptr": "*u8", "score_ptr": "*fp32", "out_ptr": "*u8", "L": "i32", "thr": "fp32",
+           "thr_ptr": "*fp64", "mask_id": "i32", "IS_TAU": "constexpr", "THR_TENSOR": "constexpr",
+           "BLOCK_L": "constexpr"}
+    for tau in (True, False):
+        for thr_t in (True, False):
+            out.append(Variant(f"remask tau={tau} thr_tensor={thr_t}", "remask", "_remask_kernel", sig,
+                               {"IS_TAU": tau, "THR_TENSOR": thr_t, "BLOCK_L": 16}, 1, divisible=_ptrs_divisible(sig)))
+    return out
+
+
+def _cached_attention() -> list[Variant]:
+    attention = importlib.import_module("mrp_triton.cached_attention")
+    strides = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "sc_b", "sc_h", "sc_t",
+               "sp_b", "sp_t", "so_b", "so_h", "so_t")
+    consts = ("GROUP", "HAS_SEG", "DOT_FP32", "IEEE", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+    out = []
+    for dt, seg, d in (("*bf16", False, 128), ("*bf16", True, 128), ("*fp16", False, 64), ("*fp32", True, 128)):
+        sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "ck_ptr": dt, "cv_ptr": dt, "len_ptr": "*i64", "pos_ptr": "*i64",
+               "seg_ptr": "*i64", "o_ptr": dt, **{s: "i64" for s in strides}, "T": "i32", "Hq": "i32",
+               "HEAD_DIM": "i32", "block_size": "i32", "scale": "fp32", **{c: "constexpr" for c in consts}}
+        out.append(Variant(f"cached_attention {dt[1:]} seg={seg} D={d}", "cached_attention",
+                           "_cached_attention_kernel", sig,
+                           {"GROUP": 2, "HAS_SEG": seg, "DOT_FP32": False, "IEEE": dt == "*fp32",
+                            "BLOCK_M": attention._BLOCK_M, "BLOCK_N": attention._BLOCK_N, "BLOCK_D": d},
+                           attention._NUM_WARPS,
+                           divisible=_ptrs_divisible(sig, *(s for s in strides if s != "sp_t"), "HEAD_DIM")))
+    return out
+
+
+LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64", "kept_ptr": "*i64",
+                     "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "N": "i32", "V": "i32", "H": "i32",
+                     "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
+                     "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
+LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "DOT_FP32", "IEEE", "ROWS_MAJOR", "BLOCK_N", "BLOCK_V",
+                      "BLOCK_K")
+
+
+def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,
+                    skip: bool = True) -> Variant:
+    """The partials kernel of lm_head_confidence with tile ``config`` (the keys of its ``_config``)."""
+    sig = dict(LM_HEAD_SIGNATURE, h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", base_ptr=f"*{base or 'fp32'}",
+               **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
+    consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "DOT_FP32": False,
+              "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "BLOCK_N": config["BLOCK_N"],
+              "BLOCK_V": config["BLOCK_V"], "BLOCK_K": config["BLOCK_K"]}
+    return Variant(name, "lm_head_confidence", "_partials_kernel", sig, consts, config["num_warps"],
+                   config.get("num_stages"),
+                   divisible=_ptrs_divisible(sig, "V", "H", "stride_h", "stride_w", "stride_base", "v_per_split"))
+
+
+def _lm_head() -> list[Variant]:
+    out = [lm_head_variant(f"lm_head_confidence {dt} base={base} skip={skip} rows_major={rm} {bn}x{bv}x{bk}",
+                           dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=3, rows_major=rm),
+                           dt, base, skip)
+           for dt, base, skip, rm, (bn, bv, bk, nw) in (("bf16", None, True, False, (64, 256, 64, 8)),
+                                                        ("bf16", None, True, True, (128, 128, 64, 8)),
+                                                        ("bf16", "bf16", False, False, (16, 128, 128, 4)),
+                                                        ("bf16", "bf16", False, True, (64, 128, 64, 4)),
+                                                        ("fp32", "fp32", True, False, (64, 64, 32, 4)))]
+    sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
+    out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
+                       {"BLOCK": 1024}, 4, divisible=_ptrs_divisible(sig)))
+    sig = {"m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "order_ptr": "*i64", "kept_ptr": "*i64",
+           "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32", "n_splits": "i32", "HAS_SKIP": "constexpr",
+           "BLOCK_S": "constexpr"}
+    out += [Variant(f"lm_head_confidence merge skip={skip}", "lm_head_confidence", "_merge_kernel", sig,
+                    {"HAS_SKIP": skip, "BLOCK_S": 64}, 4, divisible=_ptrs_divisible(sig)) for skip in (True, False)]
+    return out
+
+
+def _model_ops() -> list[Variant]:
+    out = []
+    for dt in ("bf16", "fp32"):
+        sig = {"x_ptr": f"*{dt}", "r_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": f"*{dt}", "s_ptr": f"*{dt}",
+               "n_cols": "i32", "eps": "fp32", "stride_x": "i64", "stride_r": "i64", "stride_y": "i64",
+               "stride_s": "i64", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
+        out += [Variant(f"rms_norm {dt} residual={res}", "rms_norm", "_rms_norm_kernel", sig,
+                        {"HAS_RESIDUAL": res, "BLOCK": 2048}, 8,
+                        divisible=_ptrs_divisible(sig, "n_cols", "stride_x", "stride_r", "stride_y", "stride_s"))
+                for res in (False, True)]
+        sig = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "o_ptr": f"*{dt}", "n_elements": "i32", "BLOCK": "constexpr"}
+        swiglu = importlib.import_module("mrp_triton.swiglu")
+        out.append(Variant(f"swiglu {dt}", "swiglu", "_swiglu_kernel", sig, {"BLOCK": swiglu._BLOCK},
+                           swiglu._NUM_WARPS, divisible=_ptrs_divisible(sig, "n_elements")))
+        sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "qw_ptr": f"*{dt}", "kw_ptr": f"*{dt}", "cos_ptr": "*fp32",
+               "sin_ptr": "*fp32", "qo_ptr": f"*{dt}", "ko_ptr": f"*{dt}", "T": "i32", "Hq": "i32", "Hkv": "i32",
+               "D": "i32", "eps": "fp32", "stride_cb": "i64", "stride_ct": "i64", "stride_sb": "i64",
+               "stride_st": "i64", "BLOCK_HQ": "constexpr", "BLOCK_HK": "constexpr", "BLOCK_D": "constexpr"}
+        out.append(Variant(f"qk_norm_rope {dt}", "qk_norm_rope", "_qk_norm_rope_kernel", sig,
+                           {"BLOCK_HQ": 16, "BLOCK_HK": 8, "BLOCK_D": 128}, 4,
+                           divisible=_ptrs_divisible(sig, "Hq", "D", "stride_cb", "stride_ct", "stride_sb",
+                                                     "stride_st")))
+        sig = {"ids_ptr": "*i64", "e_ptr": f"*{dt}", "h_ptr": f"*{dt}", "ew_ptr": f"*{dt}", "hw_ptr": f"*{dt}",
+               "o_ptr": f"*{dt}", "V": "i32", "H": "i32", "eps": "fp32", "stride_e": "i64", "stride_h": "i64",
+               "stride_o": "i64", "BLOCK": "constexpr"}
+        out.append(Variant(f"mrp_input {dt}", "mrp_input", "_mrp_input_kernel", sig, {"BLOCK": 2048}, 8,
+                           divisible=_ptrs_divisible(sig, "V", "H", "stride_e", "stride_h", "stride_o")))
+    return out
+
+
+def variants() -> list[Variant]:
+    """Every kernel variant the library launches (dtypes, flags and tile shapes a launch may pick)."""
+    return _confidence() + _decisions() + _cached_attention() + _lm_head() + _model_ops()
+
+
+def compile_variant(v: Variant):
+    """The kernel compiled for sm_90 (needs Triton's NVIDIA backend, not a GPU; the interpreter must be off)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = v.function()
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in v.divisible}
+    options = {"num_warps": v.num_warps, **({} if v.num_stages is None else {"num_stages": v.num_stages})}
+    source = ASTSource(fn=fn, signature=v.signature, constexprs=v.constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def report(v: Variant, compiled) -> dict:
+    """registers, spill_bytes, shared_kib, programs_per_sm, loads (Counter: bytes per global load instruction
+    -> how many in the code), pipelined, wgmma."""
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    fields = dict(item.split(":", 1) for item in usage.split(f"Function {v.kernel}:")[1].split()
+                  if ":" in item)
+    registers, spilled, shared = int(fields["REG"]), int(fields["LOCAL"]), compiled.metadata.shared
+    per_sm = min(REGISTERS_PER_SM // (registers * 32 * v.num_warps), SHARED_PER_SM // (shared + 1024))
+    loads = Counter(int(vec or 1) * int(bits) // 8 for vec, bits in _LOAD.findall(compiled.asm["ptx"]))
+    return dict(registers=registers, spill_bytes=spilled, shared_kib=shared / 1024, programs_per_sm=per_sm,
+                loads=loads, pipelined="async_copy_global_to_local" in compiled.asm["ttgir"],
+                wgmma="wgmma.mma_async" in compiled.asm["ptx"])
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lm-head-sweep", action="store_true",
+                    help="lm_head_confidence instead: its tile table at --rows x --hidden and every SWEEP config")
+    ap.add_argument("--rows", default="64,128", help="with --lm-head-sweep: comma-separated N")
+    ap.add_argument("--hidden", default="2048,4096", help="with --lm-head-sweep: comma-separated H")
+    ap.add_argument("--only", default="", help="only the variants whose name contains this")
+    return ap.parse_args(argv)
+
+
+def _lm_head_sweep(rows: str, hidden: str) -> list[Variant]:
+    """The configs the tile table picks at (N, H), V = 151936, and bench_mrp_head's SWEEP (BLOCK_N 128 unless
+    set), one variant per distinct config, named by all that use it."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_mrp_head import SWEEP
+    from mrp_triton.lm_head_confidence import _config
+
+    named: dict[tuple, tuple[dict, list[str]]] = {}
+    for n in (int(r) for r in rows.split(",")):
+        for h in (int(x) for x in hidden.split(",")):
+            config = _config(n, 151936, h, torch.bfloat16)
+            named.setdefault(tuple(sorted(config.items())), (config, []))[1].append(f"default N={n} H={h}")
+    for i, config in enumerate(SWEEP):
+        config = {"BLOCK_N": 128, **config}
+        named.setdefault(tuple(sorted(config.items())), (config, []))[1].append(f"sweep_{i}")
+    return [lm_head_variant(f"{', '.join(names)}: {config}", config) for config, names in named.values()]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # before mrp_triton's kernels are decorated
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    sys.path.insert(0, str(ROOT))
+    import triton
+
+    chosen = _lm_head_sweep(args.rows, args.hidden) if args.lm_head_sweep else variants()
+    print(f"# sm_90 (H100 / H200), triton {triton.__version__}")
+    print("| variant | warps | registers | spilled bytes | shared KiB | programs / SM | global loads (bytes x count) "
+          "| pipelined | wgmma |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v in chosen:
+        if args.only not in v.name:
+            continue
+        r = report(v, compile_variant(v))
+        loads = ", ".join(f"{size}B x{count}" for size, count in sorted(r["loads"].items(), reverse=True))
+        print(f"| {v.name} | {v.num_warps} | {r['registers']} | {r['spill_bytes']} | {r['shared_kib']:.0f} | "
+              f"{r['programs_per_sm']} | {loads} | {r['pipelined']} | {r['wgmma']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
