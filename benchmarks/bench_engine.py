@@ -34,7 +34,9 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     One layer's attention of a decoding forward at the model's head shapes: ``mrp_triton.cached_attention``
     (Triton: reads each row's committed slots in place) vs its reference (``sdpa_cat``: concatenate the
     cache prefix with the new keys/values, SDPA with the derived mask), T = one block or 4 candidate
-    copies, over a cache of width prefix + new tokens with every row committed to the prefix.
+    copies, over a cache of width prefix + new tokens with every row committed to the prefix;
+    ``triton_one_split``: the kernel with each row's slots in one piece (at small batch the default cuts
+    them, flash-decoding style, so more SMs stream the cache).
 ``speculative_estimate``
     Speculative K=3 over static decoding from the graphed whole-step costs of this run and the counts that
     ``bench_e2e.py`` measured on the shipped model (``--e2e``, mode "speculative K=3 mrp"):
@@ -233,7 +235,8 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
 
 
 def _attention_rows(record, bench, shape, B, prefix, width, T, device, dtype, tag, seed) -> None:
-    """Time one layer's cached attention, Triton kernel vs reference, for one block and 4 copies of it."""
+    """Time one layer's cached attention, Triton kernel vs reference, for one block and 4 copies of it (and the
+    kernel with the committed slots in one piece, ``triton_one_split``)."""
     import torch
 
     from mrp_triton.cached_attention import cached_attention_triton
@@ -253,6 +256,9 @@ def _attention_rows(record, bench, shape, B, prefix, width, T, device, dtype, ta
         record("attention", f"{tag} copies={copies} prefix={prefix}", "sdpa_cat", base)
         t = bench(lambda: cached_attention_triton(*args))
         record("attention", f"{tag} copies={copies} prefix={prefix}", "triton", t, ratio=base[0] / t[0],
+               ratio_to="speedup over sdpa_cat")
+        t = bench(lambda: cached_attention_triton(*args, splits=1))  # what cutting the committed slots saves
+        record("attention", f"{tag} copies={copies} prefix={prefix}", "triton_one_split", t, ratio=base[0] / t[0],
                ratio_to="speedup over sdpa_cat")
 
 

@@ -17,6 +17,7 @@ import torch
 
 BACKENDS = ("reference", "triton")
 _override: list[str] = []
+_SM_COUNT: dict[int, int] = {}
 
 
 def _check(name: str, source: str) -> str:
@@ -65,3 +66,14 @@ def select_backend(device: torch.device) -> str:
             raise RuntimeError(f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 "
                                "before importing mrp_triton to run them on CPU, or use the reference backend")
     return name
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached), what launchers size their grids by; 4 elsewhere (the
+    interpreter: a stand-in that still exercises multi-program grids)."""
+    if device.type != "cuda":
+        return 4
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]

@@ -1,18 +1,22 @@
 """Attention of a decoding forward: T new positions over each row's committed KV-cache prefix and themselves.
 
 Cost model (B rows, Hq query / Hkv key-value heads, head dim D, row b with L_b committed slots, b bytes
-per element): the committed keys and values are read once per query head, B*Hq*mean(L)*2*D*b bytes
-(heads of one group re-read their shared slots, mostly from L2), plus q, the new keys/values and the
-output (small: T is one block or a few candidate copies of it). The eager path (the reference) first
-concatenates the cache prefix with the new keys/values, a copy of the whole prefix in every layer of
-every forward, and attends over the widest row's prefix for every row; this kernel reads the cache in
-place up to each row's own length, which also lets CUDA-graph replays read the full-width cache views
-without paying for their unused slots.
+per element): the committed keys and values are read once per key/value head, B*Hkv*mean(L)*2*D*b bytes
+(the query heads of a group share one program), plus q, the new keys/values and the output (small: T is one
+block or a few candidate copies of it), plus, when the slots are split, B*Hq*T*S*(D+2)*4 bytes of partials
+written and read once. The eager path (the reference) first concatenates the cache prefix with the new
+keys/values, a copy of the whole prefix in every layer of every forward, and attends over the widest row's
+prefix for every row; this kernel reads the cache in place up to each row's own length, which also lets
+CUDA-graph replays read the full-width cache views without paying for their unused slots.
 
-Kernel: grid (cdiv(T, BLOCK_M), B * Hq). A program holds BLOCK_M queries of one head, streams the row's
-committed slots in BLOCK_N tiles (the loop bound, L_b, is read on the device: no host value), then the
-new keys under the block-causal and segment mask, with an online softmax in fp32. Every query sees at
-least its own key, so no row of the softmax is empty.
+Kernel: grid (cdiv(T, BLOCK_M), B * Hkv, S). A program holds BLOCK_M queries of each of the GROUP query heads
+of one key/value head (so their shared keys and values are loaded once), streams its split of the row's
+committed slots in BLOCK_N tiles (the bounds derive from L_b, read on the device: no host value), and split 0
+also the new keys under the block-causal and segment mask, with an online softmax in fp32. Every query sees
+at least its own key, so split 0 never has an empty softmax row. With S = 1 it writes the output; with S > 1
+(flash-decoding: a batch of one has only Hkv programs per query tile, a few percent of the GPU's SMs, each
+streaming the whole prefix) each split writes its unnormalised (acc, m, l) and ``_merge_splits_kernel``
+combines them. S is a host choice from the cache's width (:func:`_splits`), so a captured graph keeps it.
 
 dtypes: bf16/fp16 dots accumulate in fp32 (the probabilities are cast to the value dtype for the second
 dot, as flash attention does); fp32 uses IEEE products (no TF32). Under TRITON_INTERPRET=1, tl.dot on
@@ -26,12 +30,14 @@ import triton
 import triton.language as tl
 
 from ._checks import check_kernel_device
-from .backend import interpreter_on, select_backend
+from .backend import interpreter_on, num_sms, select_backend
 from .reference.cached_attention import cached_attention as cached_attention_reference
 
 _BLOCK_M = 16
 _BLOCK_N = 64
 _NUM_WARPS = 4
+_MIN_SPLIT_SLOTS = 128  # committed slots a split at least covers (two tiles): fewer would cost more to merge
+_MAX_SPLITS = 16
 
 
 @triton.jit
@@ -59,58 +65,101 @@ def _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32: tl.constexpr, IEEE
 
 
 @triton.jit
-def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_ptr, seg_ptr, o_ptr,
+def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, sk_t, sv_t, sp_t, t, row_mask, dims, dim_mask, T, block_size,
+                m_i, l_i, acc, scale, HAS_SEG: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The online-softmax updates of queries q (positions ``t``) with the T new keys/values of their row and
+    key/value head (k_ptr, v_ptr, pos_ptr at them): block-causal, within a segment or from a shared (negative)
+    one."""
+    q_block = tl.load(pos_ptr + t * sp_t, mask=row_mask, other=0) // block_size
+    if HAS_SEG:
+        q_seg = tl.load(seg_ptr + t, mask=row_mask, other=-1)
+    for start in range(0, T, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < T
+        k_block = tl.load(pos_ptr + cols * sp_t, mask=col_mask, other=0) // block_size
+        valid = col_mask[None, :] & (k_block[None, :] <= q_block[:, None])
+        if HAS_SEG:
+            k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=0)
+            valid = valid & ((k_seg[None, :] == q_seg[:, None]) | (k_seg[None, :] < 0))
+        tile_mask = col_mask[:, None] & dim_mask[None, :]
+        kt = tl.load(k_ptr + cols[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
+        vt = tl.load(v_ptr + cols[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
+        m_i, l_i, acc = _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_ptr, seg_ptr, o_ptr, part_ptr, ml_ptr,
                              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_h, sc_t,
-                             sp_b, sp_t, so_b, so_h, so_t, T, Hq, HEAD_DIM, block_size, scale,
-                             GROUP: tl.constexpr, HAS_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
-                             IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             sp_b, sp_t, so_b, so_h, so_t, T, Hq, Hkv, HEAD_DIM, block_size, scale,
+                             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS: tl.constexpr,
+                             HAS_SEG: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    kvh = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < T
+    pid_s = tl.program_id(2)
+    b = (pid_bh // Hkv).to(tl.int64)
+    kvh = (pid_bh % Hkv).to(tl.int64)
+    # rows: BLOCK_M positions of each of the GROUP query heads that share this key/value head
+    r = tl.arange(0, GROUP_P2 * BLOCK_M)
+    h = kvh * GROUP + r // BLOCK_M
+    t = pid_m * BLOCK_M + r % BLOCK_M
+    row_mask = (r // BLOCK_M < GROUP) & (t < T)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + dims[None, :],
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i = tl.full([GROUP_P2 * BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2 * BLOCK_M], tl.float32)
+    acc = tl.zeros([GROUP_P2 * BLOCK_M, BLOCK_D], tl.float32)
 
-    # the row's committed slots: all visible
+    # this split's share of the row's committed slots (whole tiles; all visible)
     length = tl.load(len_ptr + b)
-    for start in range(0, length, BLOCK_N):
+    span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    lo = pid_s * span
+    hi = tl.minimum(lo + span, length)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < length
+        col_mask = cols < hi
         tile = b * sc_b + kvh * sc_h + cols[:, None] * sc_t + dims[None, :]
         tile_mask = col_mask[:, None] & dim_mask[None, :]
         kt = tl.load(ck_ptr + tile, mask=tile_mask, other=0.0)
         vt = tl.load(cv_ptr + tile, mask=tile_mask, other=0.0)
         m_i, l_i, acc = _attend(q, kt, vt, col_mask[None, :], m_i, l_i, acc, scale, DOT_FP32, IEEE)
 
-    # the new positions: block-causal, within a segment or from a shared (negative) one
-    q_block = tl.load(pos_ptr + b * sp_b + rows * sp_t, mask=row_mask, other=0) // block_size
-    if HAS_SEG:
-        q_seg = tl.load(seg_ptr + rows, mask=row_mask, other=-1)
-    for start in range(0, T, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < T
-        k_block = tl.load(pos_ptr + b * sp_b + cols * sp_t, mask=col_mask, other=0) // block_size
-        valid = col_mask[None, :] & (k_block[None, :] <= q_block[:, None])
-        if HAS_SEG:
-            k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=0)
-            valid = valid & ((k_seg[None, :] == q_seg[:, None]) | (k_seg[None, :] < 0))
-        tile_mask = col_mask[:, None] & dim_mask[None, :]
-        kt = tl.load(k_ptr + b * sk_b + kvh * sk_h + cols[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
-        vt = tl.load(v_ptr + b * sv_b + kvh * sv_h + cols[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
-        m_i, l_i, acc = _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32, IEEE)
+    if pid_s == 0:  # the new positions
+        m_i, l_i, acc = _attend_new(q, k_ptr + b * sk_b + kvh * sk_h, v_ptr + b * sv_b + kvh * sv_h,
+                                    pos_ptr + b * sp_b, seg_ptr, sk_t, sv_t, sp_t, t, row_mask, dims, dim_mask,
+                                    T, block_size, m_i, l_i, acc, scale, HAS_SEG, DOT_FP32, IEEE, BLOCK_N)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on the tile's padding rows
-    tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + dims[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & dim_mask[None, :])
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on the tile's padding rows
+        tl.store(o_ptr + b * so_b + h[:, None] * so_h + t[:, None] * so_t + dims[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    else:  # unnormalised partials of (b, h, t, split): acc [BLOCK_D] and (m, l), merged by _merge_splits_kernel
+        slot = ((b * Hq + h) * T + t) * SPLITS + pid_s
+        tl.store(part_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=row_mask[:, None])
+        tl.store(ml_ptr + slot * 2, m_i, mask=row_mask)
+        tl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, so_t, T, Hq, HEAD_DIM,
+                         SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (b, h, t): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s."""
+    i = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, BLOCK_D)
+    live = splits < SPLITS
+    m = tl.load(ml_ptr + (i * SPLITS + splits) * 2, mask=live, other=float("-inf"))
+    l = tl.load(ml_ptr + (i * SPLITS + splits) * 2 + 1, mask=live, other=0.0)
+    acc = tl.load(part_ptr + (i * SPLITS + splits)[:, None] * BLOCK_D + dims[None, :], mask=live[:, None],
+                  other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))  # split 0 saw the new keys: M is finite
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    b, h, t = i // (Hq * T), (i // T) % Hq, i % T
+    tl.store(o_ptr + b * so_b + h * so_h + t * so_t + dims, out.to(o_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def _check(q, k, v, cache_k, cache_v, lengths, positions, segments) -> None:
@@ -142,8 +191,9 @@ def _check(q, k, v, cache_k, cache_v, lengths, positions, segments) -> None:
 
 def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                             cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
-                            segments: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton launcher of :func:`cached_attention` (same arguments and result)."""
+                            segments: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """Triton launcher of :func:`cached_attention` (same arguments and result). ``splits``: pieces each row's
+    committed slots are cut into (default: :func:`_splits`; tests and benchmarks set it)."""
     _check(q, k, v, cache_k, cache_v, lengths, positions, segments)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
@@ -151,22 +201,45 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         cache_v = cache_v.contiguous()
         cache_k = cache_k.contiguous()
     B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
+    if splits is None:
+        splits = _splits(B * Hkv * triton.cdiv(T, _BLOCK_M), cache_k.shape[2], q.device)
+    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+        raise ValueError(f"splits must be a positive int or None, got {splits!r}")
     seg = segments.to(torch.int64).contiguous() if segments is not None else lengths
+    group, block_d = Hq // Hkv, max(16, triton.next_power_of_2(D))
+    part = ml = out  # dummy pointers with one split
+    if splits > 1:
+        part = torch.empty((B * Hq * T * splits, block_d), dtype=torch.float32, device=q.device)
+        ml = torch.empty((B * Hq * T * splits, 2), dtype=torch.float32, device=q.device)
     interp = interpreter_on()
-    grid = (triton.cdiv(T, _BLOCK_M), B * Hq)
-    _cached_attention_kernel[grid](
-        q, k, v, cache_k, cache_v, lengths, positions, seg, out,
+    _cached_attention_kernel[(triton.cdiv(T, _BLOCK_M), B * Hkv, splits)](
+        q, k, v, cache_k, cache_v, lengths, positions, seg, out, part, ml,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        T, Hq, D, block_size, D ** -0.5,
-        GROUP=Hq // k.shape[1], HAS_SEG=segments is not None, DOT_FP32=interp and q.dtype == torch.bfloat16,
-        IEEE=q.dtype == torch.float32, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=_NUM_WARPS)
+        T, Hq, Hkv, D, block_size, D ** -0.5,
+        GROUP=group, GROUP_P2=triton.next_power_of_2(group), SPLITS=splits, HAS_SEG=segments is not None,
+        DOT_FP32=interp and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=_NUM_WARPS)
+    if splits > 1:
+        _merge_splits_kernel[(B * Hq * T,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, D,
+                                            SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+                                            BLOCK_D=block_d, num_warps=1)
     return out
+
+
+def _splits(programs: int, width: int, device: torch.device) -> int:
+    """How many pieces each row's committed slots are cut into: enough for about two programs per SM when the
+    rows, heads and query tiles alone give fewer, each piece at least _MIN_SPLIT_SLOTS of the cache's width
+    (the width, not the rows' lengths: a host value, fixed for a captured graph). The interpreter keeps one."""
+    if device.type != "cuda":
+        return 1
+    wanted = triton.cdiv(2 * num_sms(device), programs)
+    return max(1, min(wanted, width // _MIN_SPLIT_SLOTS, _MAX_SPLITS))
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,

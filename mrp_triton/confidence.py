@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_device_scalar, check_kernel_device, check_skip_rows
-from .backend import interpreter_on, select_backend
+from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import effective_logits, pick_tokens, seed_hash
 
@@ -180,16 +180,6 @@ def _conf_merge_kernel(part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, S, BL
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
 
 
 def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None, num_warps=None):
@@ -206,7 +196,7 @@ def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None
         bv = block_v or min(4096, triton.next_power_of_2(max(V, 16)))
         s = splits or 1
         return max(1, min(s, triton.cdiv(V, bv))), bv, num_warps or 4
-    target = 4 * _num_sms(device)
+    target = 4 * num_sms(device)
     s = splits or (1 if N >= target // 2 else triton.cdiv(target, N))
     if block_v is None:
         per_prog = triton.cdiv(V, s)

@@ -3,6 +3,8 @@ the reference vs attention over the full sequence (what the cache stands for).""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ from kernel_utils import DEV, DTYPES, poisoned_allocations
 from mrp_triton import cached_attention
 from mrp_triton import reference as ref
 from mrp_triton.cached_attention import cached_attention_triton
+
+attention_module = importlib.import_module("mrp_triton.cached_attention")  # the package's name is the op
 
 # attention outputs are convex combinations of values ~N(0, 1): absolute tolerances per dtype
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
@@ -54,13 +58,15 @@ def _tensors(p, device=DEV):
 
 
 @settings(max_examples=30, deadline=None)
-@given(p=problems())
-def test_kernel_matches_reference(p):
+@given(p=problems(), splits=st.sampled_from([None, 1, 2, 3, 5]))
+def test_kernel_matches_reference(p, splits):
+    """Grouped heads in one program, the committed slots cut into ``splits`` pieces (more pieces than tiles
+    too: empty pieces) and merged."""
     q, k, v, ck, cv = _tensors(p)
     args = (p["lengths"].to(DEV), p["positions"].to(DEV), p["block"],
             None if p["segments"] is None else p["segments"].to(DEV))
     with poisoned_allocations():
-        out = cached_attention_triton(q, k, v, ck, cv, *args)
+        out = cached_attention_triton(q, k, v, ck, cv, *args, splits=splits)
     expect = ref.cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args)
     assert out.shape == expect.shape and out.dtype == p["dtype"]
     torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
@@ -80,6 +86,21 @@ def test_uncommitted_slots_are_never_read():
                                atol=2e-5, rtol=0)
     stale_k[0, :, 4:], stale_v[0, :, 4:] = float("nan"), float("nan")
     assert torch.equal(cached_attention_triton(q, k, v, stale_k, stale_v, lengths, positions, 4), clean)
+    split = cached_attention_triton(q, k, v, stale_k, stale_v, lengths, positions, 4, splits=3)
+    torch.testing.assert_close(split, clean, atol=2e-5, rtol=0)
+
+
+def test_splits_fill_the_gpu_only_when_rows_and_heads_do_not(monkeypatch):
+    """On a 132-SM GPU: batch 1 of an 8-KV-head model, one block (8 programs), over a 768-slot cache is cut
+    into 6 pieces of >= 128 slots; 32 rows with 5 query tiles (1280 programs) are not cut; a short cache is
+    not cut below 128 slots a piece; the interpreter never cuts unasked."""
+    monkeypatch.setattr(attention_module, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert attention_module._splits(8, 768, cuda) == 6
+    assert attention_module._splits(1280, 768, cuda) == 1
+    assert attention_module._splits(8, 200, cuda) == 1
+    assert attention_module._splits(8, 1 << 16, cuda) == 16
+    assert attention_module._splits(8, 768, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("segments", ["none", "copies", "shared+copies"])
@@ -138,3 +159,12 @@ def test_bad_arguments_are_named(bad, message):
         args["v"] = bad["k"]
     with pytest.raises((ValueError, TypeError), match=message):
         cached_attention_triton(**args)
+
+
+@pytest.mark.parametrize("splits", [0, -1, 2.0, True])
+def test_bad_splits_are_named(splits):
+    p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=3, dtype=torch.float32)
+    q, k, v, ck, cv = _tensors(p)
+    with pytest.raises(ValueError, match="splits must be a positive int"):
+        cached_attention_triton(q, k, v, ck, cv, torch.tensor([4], device=DEV), torch.tensor([[4, 5, 6]], device=DEV),
+                                4, splits=splits)
