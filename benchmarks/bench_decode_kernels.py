@@ -1,7 +1,7 @@
 """Benchmark of the decode kernels: confidence (with / without residual), select, verify, remask.
 
 On CUDA: ``python benchmarks/bench_decode_kernels.py --out benchmarks/results`` (about a minute on
-an H200; ``--no-compile`` skips torch.compile, ``--sweep`` also times a few split / tile configs
+an H200; ``--no-compile`` skips torch.compile, ``--sweep`` also times a few split / tile / prefetch configs
 of the confidence kernel). Times are ``triton.testing.do_bench`` quantiles [0.5, 0.2, 0.8] in us
 (calls from Python: for an op of a few microseconds, its host launch path); the ``*_graph`` providers
 are the same calls replayed from a CUDA graph (``do_bench_cudagraph``): the GPU time alone, what the op
@@ -34,7 +34,7 @@ def parse_args(argv):
     ap.add_argument("--rows", default="4,16,64,256,1024,4096", help="comma-separated N for confidence")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
-    ap.add_argument("--sweep", action="store_true", help="also time a few (splits, block_v) configs")
+    ap.add_argument("--sweep", action="store_true", help="also time a few (splits, block_v, prefetch) configs")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     return ap.parse_args(argv)
 
@@ -125,11 +125,15 @@ def main(argv=None) -> int:
                 except Exception as exc:  # keep the run going; report the failure
                     print(f"torch.compile failed for {kname} {shape}: {exc!r}", file=sys.stderr)
             if args.sweep and cuda:
-                for s, bv, nw in ((1, 2048, 8), (0, 1024, 4), (0, 2048, 8), (0, 4096, 8), (0, 4096, 16), (0, 8192, 16)):
+                for s, bv, nw, pf in ((1, 2048, 8, True), (0, 1024, 4, True), (0, 2048, 8, True), (0, 4096, 8, True),
+                                      (0, 4096, 16, True), (0, 8192, 16, True), (0, 1024, 4, False),
+                                      (0, 2048, 8, False)):
                     sp = None if s == 0 else s
                     try:
-                        q = bench(lambda: mt.confidence_triton(L, res, splits=sp, block_v=bv, num_warps=nw))
-                        add(kname, shape, f"triton[s={s or 'auto'},bv={bv},w={nw}]", q, nbytes, e)
+                        q = bench(lambda: mt.confidence_triton(L, res, splits=sp, block_v=bv, num_warps=nw,
+                                                               prefetch=pf))
+                        add(kname, shape, f"triton[s={s or 'auto'},bv={bv},w={nw}{'' if pf else ',no prefetch'}]",
+                            q, nbytes, e)
                     except Exception as exc:
                         print(f"sweep config s={s} bv={bv} failed: {exc!r}", file=sys.stderr)
         del L, Rr

@@ -14,6 +14,12 @@ Cost model (N rows, V vocab, R residual slices, b bytes per element):
   over V in BLOCK_V tiles keeps a running max m, a rescaled sum d and the running argmax (lowest
   index on ties; tiles are visited in increasing order and only a strictly larger score replaces).
 
+Memory-level parallelism: each thread loads 8 consecutive elements (one 16-byte vector) of a tile and issues
+the next tile's loads before it works on the current one, so two tiles a thread are in flight: the register
+budget that per-lane softmax state leaves allows 3-4 programs of 8 warps per SM, and one tile each (16 KiB
+per SM) would leave HBM mostly waiting (about 23 KiB per SM must be in flight to cover ~0.7 us of latency at
+4.3 TB/s). Untimed on a GPU so far; the benchmark's sweep times it off too.
+
 Parallelism: rows x S vocabulary splits, S chosen so that about 4 programs per SM are in flight
 (small N -> many splits; N >= 2 * SMs -> S = 1). With S = 1 one launch writes the outputs; with
 S > 1 a first launch writes (m, d, best score, best index, z at best) per (row, split) and a tiny
@@ -62,7 +68,7 @@ def _conf_partial_kernel(
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
     V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, FINAL: tl.constexpr,
-    T_TENSOR: tl.constexpr, BLOCK_V: tl.constexpr,
+    T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -94,12 +100,29 @@ def _conf_partial_kernel(
     z_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
     idx_vec = tl.full([BLOCK_V], -1, tl.int32)
     ar = tl.arange(0, BLOCK_V)
+    logits_row = logits_ptr + row * stride_ln
+    res_row = res_ptr + row * stride_rn
+    if PREFETCH:  # the first tile's logits (and first residual slice), as raw loads
+        x_next = tl.load(logits_row + lo + ar, mask=lo + ar < hi, other=0.0)
+        r_next = x_next
+        if HAS_RES:
+            r_next = tl.load(res_row + lo + ar, mask=lo + ar < hi, other=0.0)
     for start in range(lo, hi, BLOCK_V):
         offs = start + ar
         msk = offs < hi
-        x = tl.load(logits_ptr + row * stride_ln + offs, mask=msk, other=0.0).to(tl.float32)
+        if PREFETCH:  # issue the next tile's loads before this tile's work: two tiles in flight per thread
+            x_raw, r_raw = x_next, r_next
+            x_next = tl.load(logits_row + offs + BLOCK_V, mask=offs + BLOCK_V < hi, other=0.0)
+            if HAS_RES:
+                r_next = tl.load(res_row + offs + BLOCK_V, mask=offs + BLOCK_V < hi, other=0.0)
+        else:
+            x_raw = tl.load(logits_row + offs, mask=msk, other=0.0)
+            r_raw = x_raw
+            if HAS_RES:
+                r_raw = tl.load(res_row + offs, mask=msk, other=0.0)
+        x = x_raw.to(tl.float32)
         if HAS_RES:
-            acc = tl.load(res_ptr + row * stride_rn + offs, mask=msk, other=0.0).to(tl.float32)
+            acc = r_raw.to(tl.float32)
             for r in range(1, R):
                 acc += tl.load(res_ptr + r * stride_rr + row * stride_rn + offs, mask=msk, other=0.0).to(tl.float32)
             x = x + scale * acc
@@ -260,10 +283,11 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-                      splits=None, block_v=None, num_warps=None, out=None):
+                      splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
-    ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks);
+    ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
+    loads each tile when it is processed instead of one tile ahead (tests, the benchmark's sweep);
     ``out = (tokens, probs, lse)`` preallocated outputs (tests poison them).
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
@@ -313,7 +337,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         skip, keys, part, part_idx, tok, prob, lse,
         V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, FINAL=S == 1,
-        T_TENSOR=t_tensor, BLOCK_V=BLOCK_V, num_warps=nw,
+        T_TENSOR=t_tensor, PREFETCH=bool(prefetch), BLOCK_V=BLOCK_V, num_warps=nw,
         enable_fp_fusion=False,  # no FMA: same rounding as the reference
     )
     if S > 1:

@@ -66,20 +66,21 @@ def _cases(draw):
         noise_keys=torch.randint(-5, 2**33, (N, 3), generator=g),
     )
     return (logits.to(dtype), residual, kw, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([64, 512])),
-            draw(st.booleans()))
+            draw(st.booleans()), draw(st.booleans()))
 
 
 @given(_cases())
 def test_kernel_matches_reference(case):
-    """The kernel against the reference; a temperature given to the kernel as a float64 0-d tensor (read on the
-    device) scales (and samples) exactly as the float does."""
-    logits, residual, kw, splits, block_v, t_on_device = case
+    """The kernel against the reference (tiles loaded one ahead or as processed); a temperature given to the kernel
+    as a float64 0-d tensor (read on the device) scales (and samples) exactly as the float does."""
+    logits, residual, kw, splits, block_v, t_on_device, prefetch = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if t_on_device:
         dev_kw["temperature"] = torch.tensor(kw["temperature"], dtype=torch.float64, device=DEV)
     L = logits.to(DEV)
     R = residual.to(DEV) if residual is not None else None
-    got = confidence_triton(L, R, splits=splits, block_v=block_v, out=_poisoned(L.shape[0]), **dev_kw)
+    got = confidence_triton(L, R, splits=splits, block_v=block_v, prefetch=prefetch, out=_poisoned(L.shape[0]),
+                            **dev_kw)
     _check(got, confidence_ref(logits, residual, **kw))
 
 

@@ -50,9 +50,17 @@ def test_every_variant_compiles_for_sm90(reports):
 
 def test_streaming_kernels_load_16_byte_vectors(reports):
     streaming = {name: r["loads"] for name, r in reports.items() if name.startswith(STREAMING)}
-    assert len(streaming) == 20
+    assert len(streaming) == 26
     for name, loads in streaming.items():
         assert "16" in loads and "2" not in loads, (name, loads)  # bf16/fp16 data: 8 elements a load, never 1
+
+
+def test_confidence_loads_the_next_tile_ahead_without_losing_occupancy(reports):
+    """Greedy 2048-wide tiles on 8 warps: with prefetch the loop holds the first tile's load and the next one's
+    (two 16-byte loads in the code) and still fits as many programs per SM as without."""
+    ahead, alone = (reports[f"confidence bf16 res=False sample=False prefetch={p} 2048"] for p in (True, False))
+    assert (ahead["loads"]["16"], alone["loads"]["16"]) == (2, 1)
+    assert ahead["programs_per_sm"] == alone["programs_per_sm"] >= 3
 
 
 def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
