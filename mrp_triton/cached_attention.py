@@ -16,7 +16,8 @@ also the new keys under the block-causal and segment mask, with an online softma
 at least its own key, so split 0 never has an empty softmax row. With S = 1 it writes the output; with S > 1
 (flash-decoding: a batch of one has only Hkv programs per query tile, a few percent of the GPU's SMs, each
 streaming the whole prefix) each split writes its unnormalised (acc, m, l) and ``_merge_splits_kernel``
-combines them. S is a host choice from the cache's width (:func:`_splits`), so a captured graph keeps it.
+combines them. S is a host choice from the cache's width (:func:`_splits`), so a captured graph keeps it; it is
+a runtime argument (not specialised): one compile serves every S > 1.
 
 dtypes: bf16/fp16 dots accumulate in fp32 (the probabilities are cast to the value dtype for the second
 dot, as flash attention does); fp32 uses IEEE products (no TF32). Under TRITON_INTERPRET=1, tl.dot on
@@ -89,11 +90,11 @@ def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, sk_t, sv_t, sp_t, t, row_mask
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_ptr, seg_ptr, o_ptr, part_ptr, ml_ptr,
                              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_h, sc_t,
-                             sp_b, sp_t, so_b, so_h, so_t, T, Hq, Hkv, HEAD_DIM, block_size, scale,
-                             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS: tl.constexpr,
+                             sp_b, sp_t, so_b, so_h, so_t, T, Hq, Hkv, HEAD_DIM, block_size, scale, splits,
+                             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ONE_SPLIT: tl.constexpr,
                              HAS_SEG: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -116,7 +117,7 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
 
     # this split's share of the row's committed slots (whole tiles; all visible)
     length = tl.load(len_ptr + b)
-    span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    span = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
     lo = pid_s * span
     hi = tl.minimum(lo + span, length)
     for start in range(lo, hi, BLOCK_N):
@@ -133,28 +134,28 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
                                     pos_ptr + b * sp_b, seg_ptr, sk_t, sv_t, sp_t, t, row_mask, dims, dim_mask,
                                     T, block_size, m_i, l_i, acc, scale, HAS_SEG, DOT_FP32, IEEE, BLOCK_N)
 
-    if SPLITS == 1:
+    if ONE_SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on the tile's padding rows
         tl.store(o_ptr + b * so_b + h[:, None] * so_h + t[:, None] * so_t + dims[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
     else:  # unnormalised partials of (b, h, t, split): acc [BLOCK_D] and (m, l), merged by _merge_splits_kernel
-        slot = ((b * Hq + h) * T + t) * SPLITS + pid_s
+        slot = ((b * Hq + h) * T + t) * splits + pid_s
         tl.store(part_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=row_mask[:, None])
         tl.store(ml_ptr + slot * 2, m_i, mask=row_mask)
         tl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, so_t, T, Hq, HEAD_DIM,
-                         SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["splits"])
+def _merge_splits_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, so_t, T, Hq, HEAD_DIM, splits,
+                         SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (b, h, t): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s."""
     i = tl.program_id(0).to(tl.int64)
-    splits = tl.arange(0, SPLITS_P2)
+    pieces = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, BLOCK_D)
-    live = splits < SPLITS
-    m = tl.load(ml_ptr + (i * SPLITS + splits) * 2, mask=live, other=float("-inf"))
-    l = tl.load(ml_ptr + (i * SPLITS + splits) * 2 + 1, mask=live, other=0.0)
-    acc = tl.load(part_ptr + (i * SPLITS + splits)[:, None] * BLOCK_D + dims[None, :], mask=live[:, None],
+    live = pieces < splits
+    m = tl.load(ml_ptr + (i * splits + pieces) * 2, mask=live, other=float("-inf"))
+    l = tl.load(ml_ptr + (i * splits + pieces) * 2 + 1, mask=live, other=0.0)
+    acc = tl.load(part_ptr + (i * splits + pieces)[:, None] * BLOCK_D + dims[None, :], mask=live[:, None],
                   other=0.0)
     w = tl.exp(m - tl.max(m, axis=0))  # split 0 saw the new keys: M is finite
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
@@ -221,13 +222,13 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        T, Hq, Hkv, D, block_size, D ** -0.5,
-        GROUP=group, GROUP_P2=triton.next_power_of_2(group), SPLITS=splits, HAS_SEG=segments is not None,
+        T, Hq, Hkv, D, block_size, D ** -0.5, splits,
+        GROUP=group, GROUP_P2=triton.next_power_of_2(group), ONE_SPLIT=splits == 1, HAS_SEG=segments is not None,
         DOT_FP32=interp and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=_NUM_WARPS)
     if splits > 1:
         _merge_splits_kernel[(B * Hq * T,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, D,
-                                            SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+                                            splits, SPLITS_P2=triton.next_power_of_2(splits),
                                             BLOCK_D=block_d, num_warps=1)
     return out
 
