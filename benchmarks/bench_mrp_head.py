@@ -190,6 +190,7 @@ def main(argv=None) -> int:
             for N in rows:
                 h = torch.randn(N, H, device=dev, generator=g).to(dt)
                 shape = f"N={N} H={H} V={V}"
+                z = h.float() @ W.float().T
 
                 def check_picks(name, config=None):
                     tok, prob, _ = mt.lm_head_confidence_triton(h, W, config=config)
@@ -197,7 +198,6 @@ def main(argv=None) -> int:
                     check(f"lm_head_confidence picked logit {name}", z.gather(1, tok[:, None]).squeeze(1),
                           z.max(-1).values, 2e-3, 1e-3)
 
-                z = h.float() @ W.float().T
                 check_picks(shape)
                 nbytes = w_bytes + N * H * 2
                 record("lm_head_confidence", shape, "weight_read_floor", [floor_us] * 3, nbytes, floor_us)

@@ -62,6 +62,17 @@ def _mix32(x):
     return x
 
 
+@triton.jit
+def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
+    """The raw (not yet converted) loads of one tile at ``offs`` (those < hi): the logits and the first residual
+    slice (the logits again without a residual), so a caller can hold them in flight while it works."""
+    x = tl.load(logits_row + offs, mask=offs < hi, other=0.0)
+    r = x
+    if HAS_RES:
+        r = tl.load(res_row + offs, mask=offs < hi, other=0.0)
+    return x, r
+
+
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr,
@@ -102,29 +113,21 @@ def _conf_partial_kernel(
     ar = tl.arange(0, BLOCK_V)
     logits_row = logits_ptr + row * stride_ln
     res_row = res_ptr + row * stride_rn
-    if PREFETCH:  # the first tile's logits (and first residual slice), as raw loads
-        x_next = tl.load(logits_row + lo + ar, mask=lo + ar < hi, other=0.0)
-        r_next = x_next
-        if HAS_RES:
-            r_next = tl.load(res_row + lo + ar, mask=lo + ar < hi, other=0.0)
+    if PREFETCH:
+        x_next, r_next = _tile_loads(logits_row, res_row, lo + ar, hi, HAS_RES)
     for start in range(lo, hi, BLOCK_V):
         offs = start + ar
         msk = offs < hi
         if PREFETCH:  # issue the next tile's loads before this tile's work: two tiles in flight per thread
             x_raw, r_raw = x_next, r_next
-            x_next = tl.load(logits_row + offs + BLOCK_V, mask=offs + BLOCK_V < hi, other=0.0)
-            if HAS_RES:
-                r_next = tl.load(res_row + offs + BLOCK_V, mask=offs + BLOCK_V < hi, other=0.0)
+            x_next, r_next = _tile_loads(logits_row, res_row, offs + BLOCK_V, hi, HAS_RES)
         else:
-            x_raw = tl.load(logits_row + offs, mask=msk, other=0.0)
-            r_raw = x_raw
-            if HAS_RES:
-                r_raw = tl.load(res_row + offs, mask=msk, other=0.0)
+            x_raw, r_raw = _tile_loads(logits_row, res_row, offs, hi, HAS_RES)
         x = x_raw.to(tl.float32)
         if HAS_RES:
             acc = r_raw.to(tl.float32)
             for r in range(1, R):
-                acc += tl.load(res_ptr + r * stride_rr + row * stride_rn + offs, mask=msk, other=0.0).to(tl.float32)
+                acc += tl.load(res_row + r * stride_rr + offs, mask=msk, other=0.0).to(tl.float32)
             x = x + scale * acc
         x = x * inv_t
         x = tl.where(x != x, float("-inf"), x)
