@@ -48,9 +48,7 @@ SWEEP = [
     dict(BLOCK_V=128, BLOCK_K=128, num_warps=8, num_stages=3, tiles_per_split=2),
     dict(BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
     dict(BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
-    dict(BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=6, tiles_per_split=1),
     dict(BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
-    dict(BLOCK_V=256, BLOCK_K=128, num_warps=8, num_stages=2, tiles_per_split=1),
     dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=1),
     dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2),
     dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1),
@@ -62,6 +60,16 @@ SWEEP = [
     dict(BLOCK_N=128, BLOCK_V=64, BLOCK_K=64, num_warps=4, num_stages=4, tiles_per_split=1, rows_major=True),
     dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1, rows_major=True),
     dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=4, num_stages=4, tiles_per_split=1, rows_major=True),
+    # the weight tiles through the TMA copy engine (tma), and with flatten the loop over a split's tiles and the
+    # K loop inside it pipelined as one loop: the next tile's copies are in flight during this tile's softmax
+    # epilogue. 9 tiles of 128 per split: 132 splits of V = 151936, one per SM of an H200.
+    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1, tma=True),
+    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=4, tma=True, flatten=True),
+    dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, tiles_per_split=4, tma=True, flatten=True),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2, tma=True),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=9, tma=True, flatten=True),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=4, rows_major=True,
+         tma=True, flatten=True),
 ]
 
 
@@ -107,16 +115,20 @@ def main(argv=None) -> int:
     print(f"# {meta}")
     results: list[dict] = []
     failures: list[str] = []
+    stem = "mrp_head_smoke" if args.smoke else "mrp_head"
+    doc = {"meta": meta, "failures": failures, "rows": results}  # the copy bandwidth joins meta once measured
     bench = _harness.make_bench(cuda, warmup=5, rep=25)
     graph_bench = _harness.make_bench(cuda, warmup=5, rep=25, graph=True)
 
     def record(kernel, shape, provider, q, nbytes=None, floor_us=None, eager_us=None, note=""):
+        """Print and save a row at once: a run cut by a time limit keeps the rows it measured."""
         med = q[0]
         row = dict(kernel=kernel, shape=shape, provider=provider, median_us=round(med, 2), p20_us=round(q[1], 2),
                    p80_us=round(q[2], 2), gbps=round(nbytes / med / 1e3, 1) if nbytes else "",
                    x_weight_read=round(med / floor_us, 2) if floor_us else "",
                    speedup_vs_eager=round(eager_us / med, 2) if eager_us else "", note=note, **meta)
         results.append(row)
+        _harness.write_results(args.out, stem, FIELDS, results, doc)
         print(f"{kernel:20s} {shape:34s} {provider:22s} {med:10.1f} us  [{q[1]:.1f}, {q[2]:.1f}]"
               f"  {row['gbps']!s:>8} GB/s  x_read {row['x_weight_read']!s:>5}  vs_eager {row['speedup_vs_eager']!s:>5}"
               + (f"  {note}" if note else ""))
@@ -136,7 +148,7 @@ def main(argv=None) -> int:
         print(f"# device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + written)")
     else:
         copy_bw = 1e10
-    meta_bw = copy_bw
+    doc["meta"] = {**meta, "copy_bw_tbps": round(copy_bw / 1e12, 3)}
 
     # ------------------------------------------------------------ correctness on this device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -277,10 +289,7 @@ def main(argv=None) -> int:
                             compiled.pop(cname)
             del E
 
-    stem = "mrp_head_smoke" if args.smoke else "mrp_head"
-    out = _harness.write_results(args.out, stem, FIELDS, results,
-                                 {"meta": {**meta, "copy_bw_tbps": round(meta_bw / 1e12, 3)}, "failures": failures,
-                                  "rows": results})
+    out = _harness.write_results(args.out, stem, FIELDS, results, doc)
     print(f"# wrote {out / stem}.csv and .json ({len(results)} rows, {len(failures)} mismatches)")
     return 1 if failures else 0
 

@@ -1,7 +1,7 @@
 """What each Triton kernel of mrp_triton asks of an sm_90 GPU (H100 / H200), read from its compiled code on a machine
 without one: registers a thread, spilled bytes, shared memory, programs per SM, the width of its global loads,
-whether its K loop's loads are pipelined (asynchronous copies into shared memory) and whether tiles multiply on
-wgmma.
+whether its K loop's loads are pipelined (asynchronous copies into shared memory), whether tiles come through the
+TMA copy engine and whether they multiply on wgmma.
 
     python benchmarks/sm90_kernels.py                  # every kernel variant the library launches
     python benchmarks/sm90_kernels.py --lm-head-sweep  # lm_head_confidence: the tile table and bench_mrp_head's SWEEP
@@ -134,36 +134,44 @@ def _cached_attention() -> list[Variant]:
     return out
 
 
-LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64", "kept_ptr": "*i64",
-                     "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "N": "i32", "V": "i32", "H": "i32",
+LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
+                     "kept_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "N": "i32", "V": "i32",
+                     "H": "i32",
                      "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
                      "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
-LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "DOT_FP32", "IEEE", "ROWS_MAJOR", "BLOCK_N", "BLOCK_V",
-                      "BLOCK_K")
+LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA", "FLATTEN",
+                      "BLOCK_N", "BLOCK_V", "BLOCK_K")
 
 
 def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,
                     skip: bool = True) -> Variant:
     """The partials kernel of lm_head_confidence with tile ``config`` (the keys of its ``_config``)."""
-    sig = dict(LM_HEAD_SIGNATURE, h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", base_ptr=f"*{base or 'fp32'}",
+    tma = bool(config.get("tma"))
+    w_desc = f"tensordesc<{dtype}[{config['BLOCK_V']}, {config['BLOCK_K']}]>" if tma else f"*{dtype}"
+    sig = dict(LM_HEAD_SIGNATURE, h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", w_desc=w_desc, base_ptr=f"*{base or 'fp32'}",
                **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
     consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "DOT_FP32": False,
-              "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "BLOCK_N": config["BLOCK_N"],
-              "BLOCK_V": config["BLOCK_V"], "BLOCK_K": config["BLOCK_K"]}
+              "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "W_TMA": tma,
+              "FLATTEN": bool(config.get("flatten")), "BLOCK_N": config["BLOCK_N"], "BLOCK_V": config["BLOCK_V"],
+              "BLOCK_K": config["BLOCK_K"]}
     return Variant(name, "lm_head_confidence", "_partials_kernel", sig, consts, config["num_warps"],
                    config.get("num_stages"),
                    divisible=_ptrs_divisible(sig, "V", "H", "stride_h", "stride_w", "stride_base", "v_per_split"))
 
 
 def _lm_head() -> list[Variant]:
-    out = [lm_head_variant(f"lm_head_confidence {dt} base={base} skip={skip} rows_major={rm} {bn}x{bv}x{bk}",
-                           dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=3, rows_major=rm),
-                           dt, base, skip)
-           for dt, base, skip, rm, (bn, bv, bk, nw) in (("bf16", None, True, False, (64, 256, 64, 8)),
-                                                        ("bf16", None, True, True, (128, 128, 64, 8)),
-                                                        ("bf16", "bf16", False, False, (16, 128, 128, 4)),
-                                                        ("bf16", "bf16", False, True, (64, 128, 64, 4)),
-                                                        ("fp32", "fp32", True, False, (64, 64, 32, 4)))]
+    out = [lm_head_variant(f"lm_head_confidence {dt} base={base} skip={skip} rows_major={rm} tma={tma} "
+                           f"flatten={tma} {bn}x{bv}x{bk}",
+                           dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=3, rows_major=rm, tma=tma,
+                                flatten=tma), dt, base, skip)
+           for dt, base, skip, rm, tma, (bn, bv, bk, nw) in (("bf16", None, True, False, False, (64, 256, 64, 8)),
+                                                             ("bf16", None, True, False, True, (64, 256, 64, 8)),
+                                                             ("bf16", None, True, True, False, (128, 128, 64, 8)),
+                                                             ("bf16", None, True, True, True, (128, 128, 64, 8)),
+                                                             ("bf16", "bf16", False, False, False, (16, 128, 128, 4)),
+                                                             ("bf16", "bf16", False, True, False, (64, 128, 64, 4)),
+                                                             ("fp32", "fp32", True, False, True, (64, 64, 32, 4)),
+                                                             ("fp32", "fp32", True, False, False, (64, 64, 32, 4)))]
     sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
     out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
                        {"BLOCK": 1024}, 4, divisible=_ptrs_divisible(sig)))
@@ -225,7 +233,7 @@ def compile_variant(v: Variant):
 
 def report(v: Variant, compiled) -> dict:
     """registers, spill_bytes, shared_kib, programs_per_sm, loads (Counter: bytes per global load instruction
-    -> how many in the code), pipelined, wgmma."""
+    -> how many in the code), pipelined, tma, wgmma."""
     import triton
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -240,8 +248,9 @@ def report(v: Variant, compiled) -> dict:
     per_sm = min(REGISTERS_PER_SM // (registers * 32 * v.num_warps), SHARED_PER_SM // (shared + 1024))
     loads = Counter(int(vec or 1) * int(bits) // 8 for vec, bits in _LOAD.findall(compiled.asm["ptx"]))
     return dict(registers=registers, spill_bytes=spilled, shared_kib=shared / 1024, programs_per_sm=per_sm,
-                loads=loads, pipelined="async_copy_global_to_local" in compiled.asm["ttgir"],
-                wgmma="wgmma.mma_async" in compiled.asm["ptx"])
+                loads=loads,
+                pipelined=re.search(r"async_(tma_)?copy_global_to_local", compiled.asm["ttgir"]) is not None,
+                tma="cp.async.bulk.tensor" in compiled.asm["ptx"], wgmma="wgmma.mma_async" in compiled.asm["ptx"])
 
 
 def parse_args(argv):
@@ -284,15 +293,15 @@ def main(argv=None) -> int:
     chosen = _lm_head_sweep(args.rows, args.hidden) if args.lm_head_sweep else variants()
     print(f"# sm_90 (H100 / H200), triton {triton.__version__}")
     print("| variant | warps | registers | spilled bytes | shared KiB | programs / SM | global loads (bytes x count) "
-          "| pipelined | wgmma |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| pipelined | TMA | wgmma |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for v in chosen:
         if args.only not in v.name:
             continue
         r = report(v, compile_variant(v))
         loads = ", ".join(f"{size}B x{count}" for size, count in sorted(r["loads"].items(), reverse=True))
         print(f"| {v.name} | {v.num_warps} | {r['registers']} | {r['spill_bytes']} | {r['shared_kib']:.0f} | "
-              f"{r['programs_per_sm']} | {loads} | {r['pipelined']} | {r['wgmma']} |", flush=True)
+              f"{r['programs_per_sm']} | {loads} | {r['pipelined']} | {r['tma']} | {r['wgmma']} |", flush=True)
     return 0
 
 

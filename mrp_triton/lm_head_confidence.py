@@ -32,6 +32,12 @@ Two launches (three with ``skip_rows``: ``_kept_first_kernel`` first):
    (``benchmarks/sm90_kernels.py --lm-head-sweep``, Triton 3.6 for sm_90: a 128-row x 128-V tile on 8 warps takes 192
    registers a thread instead of 255); which layout is faster at N = 64-128 is for
    ``benchmarks/bench_mrp_head.py --sweep`` on the GPU to say.
+   Two more config keys, also for the sweep to judge (neither is in the default table yet): ``tma`` has the copy
+   engine fetch the weight tiles through a TMA descriptor (sm_90 or newer, weight rows a multiple of 16 bytes;
+   it zero-fills past V and H, so the tile needs no mask and no per-thread address arithmetic), and ``flatten``
+   pipelines a split's tile loop and the K loop inside it as one loop, so the next tile's copies are in flight
+   while this tile's softmax runs (without it each tile starts with its pipeline empty); it pays with several
+   tiles per split.
 2. ``_merge_kernel``, grid (N,) row slots: M = max_s m_s, d = sum_s d_s exp(m_s - M), the token of the
    first split reaching M (splits are in vocabulary order, so ties still go to the lowest
    index), lse = M + log d, prob = exp(M - lse), written to the slot's row (skipped slots write
@@ -47,6 +53,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import check_skip_rows
 from .backend import interpreter_on, select_backend
@@ -78,11 +85,12 @@ def _kept_first_kernel(skip_ptr, order_ptr, kept_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
-def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, idx_ptr,
+def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, idx_ptr,
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
                      HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr,
                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr, ROWS_MAJOR: tl.constexpr,
+                     W_TMA: tl.constexpr, FLATTEN: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -106,7 +114,7 @@ def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, 
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     d = tl.zeros([BLOCK_N], tl.float32)
     best = tl.zeros([BLOCK_N], tl.int32) + v_start
-    for v0 in range(v_start, v_end, BLOCK_V):
+    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLATTEN):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < v_end
         cols64 = cols.to(tl.int64)
@@ -114,8 +122,11 @@ def _partials_kernel(h_ptr, w_ptr, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, 
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < H
-            w = tl.load(w_ptr + cols64[:, None] * stride_w + ks[None, :],
-                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_TMA:  # the copy engine fetches the tile; it fills zeros past V and H
+                w = w_desc.load([v0, k0])
+            else:
+                w = tl.load(w_ptr + cols64[:, None] * stride_w + ks[None, :],
+                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)
             h = tl.load(h_ptr + rows64[:, None] * stride_h + ks[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             h = h.to(w_ptr.dtype.element_ty)
@@ -192,7 +203,7 @@ def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr,
 
 def _config(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
     """Tile sizes: {BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages, tiles_per_split}
-    (an override may also set BLOCK_S, the merge kernel's chunk of splits, and rows_major)."""
+    (an override may also set BLOCK_S, the merge kernel's chunk of splits, rows_major, tma and flatten)."""
     block_n = min(max(16, triton.next_power_of_2(N)), 128)
     if interpreter_on():
         # the interpreter runs one numpy call per op per program: few, large programs
@@ -209,6 +220,18 @@ def _config(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
     if H <= 2048:  # two 64-row blocks, adjacent programs: the second weight read hits L2
         return dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3, tiles_per_split=1)
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4, tiles_per_split=2)
+
+
+def _weight_descriptor(w: torch.Tensor, block_v: int, block_k: int) -> TensorDescriptor:
+    """The TMA descriptor of the lm_head weight w [V, H] in [block_v, block_k] tiles (config key ``tma``)."""
+    if w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] < 9:
+        raise ValueError("config tma=True needs a GPU with TMA (sm_90 or newer), got "
+                         f"{torch.cuda.get_device_name(w.device)}; drop the tma key")
+    row_bytes = w.stride(0) * w.element_size()
+    if row_bytes % 16 or w.data_ptr() % 16:
+        raise ValueError(f"config tma=True needs 16-byte aligned weight rows, got rows of {row_bytes} bytes at address "
+                         f"{w.data_ptr():#x}; drop the tma key for this weight")
+    return TensorDescriptor.from_tensor(w, [block_v, block_k])
 
 
 def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
@@ -266,6 +289,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     d_part = torch.empty_like(m_part)
     i_part = torch.empty((N, n_splits), dtype=torch.int32, device=hidden.device)
     base = base_logits if base_logits is not None else m_part  # dummy pointer when HAS_BASE=False
+    w_desc = _weight_descriptor(w, cfg["BLOCK_V"], cfg["BLOCK_K"]) if cfg.get("tma") else w
     order = kept = tokens  # dummy pointers when HAS_SKIP=False
     if skip_rows is not None:
         order = torch.empty(N, dtype=torch.int64, device=hidden.device)
@@ -274,12 +298,12 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
                                  BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
-        h, w, base, order, kept, m_part, d_part, i_part,
+        h, w, w_desc, base, order, kept, m_part, d_part, i_part,
         N, V, H, h.stride(0), w.stride(0), base.stride(0), 1.0 / temperature,
         mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
         HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None, HAS_SKIP=skip_rows is not None,
         DOT_FP32=interpreter_on() and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
-        ROWS_MAJOR=cfg.get("rows_major", False),
+        ROWS_MAJOR=cfg.get("rows_major", False), W_TMA=bool(cfg.get("tma")), FLATTEN=bool(cfg.get("flatten")),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block_s = cfg.get("BLOCK_S") or min(triton.next_power_of_2(n_splits), 1024)

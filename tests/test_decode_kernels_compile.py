@@ -5,7 +5,8 @@ The interpreter accepts things the CUDA lowering rejects (and vice versa), so th
 of ``benchmarks/sm90_kernels.py`` (as a launch at real shapes specialises it) to a cubin with Triton's bundled
 ptxas, in a subprocess with the interpreter off, and reads what ``sm90_kernels.report`` finds: the streaming
 kernels load their rows as 16-byte vectors (a 2-byte load per element would cap them far below the memory
-bandwidth), the fused LM-head tiles are pipelined into wgmma, and nothing spills.
+bandwidth), the fused LM-head tiles are pipelined into wgmma (through TMA where their config asks), and nothing
+spills.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ def test_confidence_loads_the_next_tile_ahead_without_losing_occupancy(reports):
 
 def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
     tiles = {name: r for name, r in reports.items() if name.startswith("lm_head_confidence bf16")}
-    assert len(tiles) == 4
+    assert len(tiles) == 6
     assert all(r["pipelined"] and r["wgmma"] for r in tiles.values()), tiles
+    # the weight tiles come through the TMA copy engine exactly where the config asks for it
+    partials = {name: r for name, r in reports.items() if name.startswith("lm_head_confidence") and "tma=" in name}
+    assert len(partials) == 8
+    assert all(r["tma"] == ("tma=True" in name) for name, r in partials.items()), partials
 
 
 if __name__ == "__main__":

@@ -19,10 +19,13 @@ from mrp_triton import lm_head_confidence
 from mrp_triton.lm_head_confidence import _kept_first_kernel, lm_head_confidence_triton
 from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
 
+# the weight tiles come through TMA where the device has it (Hopper or newer; the interpreter on CPU)
+HAS_TMA = DEV == "cpu" or torch.cuda.get_device_capability()[0] >= 9
 # tiny tiles, so that small vocabularies still span several tiles, splits and H chunks
 configs = st.fixed_dictionaries(dict(
     BLOCK_N=st.sampled_from((16, 32)), BLOCK_V=st.sampled_from((16, 32)), BLOCK_K=st.sampled_from((16, 32)),
     tiles_per_split=st.integers(1, 3), BLOCK_S=st.sampled_from((None, 2, 4)), rows_major=st.booleans(),
+    tma=st.booleans() if HAS_TMA else st.just(False), flatten=st.booleans(),
 ))
 
 
@@ -44,6 +47,8 @@ def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
        base=st.sampled_from((None, torch.float32, torch.bfloat16)), use_mask=st.booleans(),
        temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, seed=st.integers(0, 2**16))
 def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, seed):
+    if cfg["tma"]:
+        H = -(-H // 8) * 8  # TMA needs 16-byte aligned weight rows
     g = torch.Generator().manual_seed(seed)
     hidden = _ints((N, H), -2, 2, dtype, g)
     weight = _ints((V, H), -2, 2, dtype, g)
@@ -111,9 +116,11 @@ def test_equals_softmax_max_with_default_tiles():
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows_major", (False, True))
+@pytest.mark.parametrize("layout", [{}, dict(rows_major=True),
+                                    pytest.param(dict(tma=True, flatten=True), marks=pytest.mark.skipif(
+                                        not HAS_TMA, reason="TMA needs sm_90 or newer"))])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_constructed_ties_across_tiles_and_splits(dtype, rows_major):
+def test_constructed_ties_across_tiles_and_splits(dtype, layout):
     # V = 200 with 16-wide tiles, 2 tiles per split: copies of the best row sit in the same tile
     # (5, 9), in a later tile of the same split (20), in later splits (70, 197)
     V, H = 200, 24
@@ -122,7 +129,7 @@ def test_constructed_ties_across_tiles_and_splits(dtype, rows_major):
     for j in (5, 9, 20, 70, 197):
         weight[j] = 2
     hidden = torch.ones(3, H, dtype=dtype, device=DEV)
-    cfg = dict(BLOCK_V=16, BLOCK_K=16, tiles_per_split=2, rows_major=rows_major)
+    cfg = dict(BLOCK_V=16, BLOCK_K=16, tiles_per_split=2, **layout)
     for mask, want in ((None, 5), (5, 9), (9, 5), (197, 5)):
         tok, prob, _ = lm_head_confidence_triton(hidden, weight, mask_token_id=mask, config=cfg)
         assert tok.tolist() == [want] * 3, (mask, tok)
@@ -181,5 +188,7 @@ def test_errors():
         for op in (lm_head_confidence_triton, lm_head_confidence):
             with pytest.raises(ValueError, match="skip_rows must be a bool tensor of shape \\[2\\]"):
                 op(h, w, skip_rows=bad)
+    with pytest.raises(ValueError, match="tma=True needs 16-byte aligned weight rows, got rows of 20 bytes"):
+        lm_head_confidence_triton(h[:, :5], w[:, :5].contiguous(), config=dict(tma=True))
     tok, prob, lse = lm_head_confidence_triton(h[:0], w)
     assert tok.shape == prob.shape == lse.shape == (0,)
