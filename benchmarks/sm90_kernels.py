@@ -136,8 +136,7 @@ def _cached_attention() -> list[Variant]:
 
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
                      "kept_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "N": "i32", "V": "i32",
-                     "H": "i32",
-                     "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
+                     "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
                      "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
 LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA", "FLATTEN",
                       "BLOCK_N", "BLOCK_V", "BLOCK_K")
