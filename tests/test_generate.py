@@ -235,6 +235,19 @@ def test_generation_config_fields_we_do_not_support_are_refused_or_flagged(model
     assert "['repetition_penalty']" in caplog.text and "ignored" in caplog.text
 
 
+def test_generation_config_filled_with_transformers_defaults_is_accepted(model):
+    """transformers fills the fields nobody set with its own defaults (num_beams=1, repetition_penalty=1.0, ...;
+    the text-generation pipeline of transformers 5.17 does so before calling generate): those ask for nothing,
+    so they are not refused, and the call decodes as without them."""
+    from hf_integration.generation_settings import FILLED_DEFAULTS
+
+    ids = random_prompts(1, 4, seed=9)
+    unsupported = {k: v for k, v in FILLED_DEFAULTS.items() if k in ("num_beams", "repetition_penalty", "typical_p")}
+    assert len(unsupported) == 3, "transformers no longer fills these defaults: revisit FILLED_DEFAULTS"
+    filled = GenerationConfig(max_new_tokens=4, **unsupported)
+    assert torch.equal(model.generate(ids, generation_config=filled), model.generate(ids, max_new_tokens=4))
+
+
 def test_stats_report_tokens_per_forward(model):
     out = model.generate(random_prompts(1, 4, seed=1), max_new_tokens=8, denoising_steps=2,
                          return_dict_in_generate=True)

@@ -27,6 +27,9 @@ DEFAULT_MAX_NEW_TOKENS = 64
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
+# Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
+# which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
+FILLED_DEFAULTS = getattr(GenerationConfig, "_get_default_generation_params", dict)()
 # Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
 # computes, or (the seed) reach it through a buffer.
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
@@ -123,8 +126,8 @@ class GenerationSettings:
             if source is None:
                 continue
             given = {k: v for k, v in source.to_diff_dict().items() if v is not None and k not in NOT_DECODING_FIELDS}
-            unsupported = sorted(k for k in set(given) - names
-                                 if given[k] not in (False, None) and given[k] != getattr(HF_DEFAULTS, k, None))
+            unsupported = sorted(k for k in set(given) - names if given[k] not in (False, None)
+                                 and given[k] not in (getattr(HF_DEFAULTS, k, None), FILLED_DEFAULTS.get(k)))
             if unsupported and source is generation_config:
                 raise TypeError(f"generation_config sets {unsupported}, which block-diffusion decoding does not "
                                 f"support; drop them (supported: {sorted(names)})")
