@@ -17,6 +17,10 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     acceptance. ``ratio`` = over the static step. ``+ commit``: the same step carrying another block's commit
     (the finished block in front of the step's forward, as when rows of a batch move on to their next
     block at different steps, ``per_row_blocks``); ``ratio`` = over the step alone.
+``unpacked``
+    The plain forward and the static whole step again, graphed, with each q/k/v and gate/up projection as a GEMM
+    of its own (``packed_projections=False``; decoding packs each group into one GEMM): ``ratio`` = over the
+    packed ``cuda_graph`` row, what packing saves.
 ``decode``
     Wall clock of ``model.generate(strategy="static")``: random 512-token prompts, 256 new tokens one
     token a step, batch 1, 8 and 32, with ``cuda_graphs=False`` (the eager reference loop) and ``True``.
@@ -142,11 +146,13 @@ def main(argv=None) -> int:
             floor = {"step": (layers + steps.weight_bytes(model.lm_head)) / copy_bw * 1e6,
                      "backbone": layers / copy_bw * 1e6,
                      "mrp": steps.weight_bytes(model.mrp_modules[0]) / copy_bw * 1e6}
+            graphed = {}  # batch -> the graphed step costs
             for B in step_batches:
                 cost = {}
                 for provider, graphs in PROVIDERS.items():
                     cost[provider] = _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor,
                                                 f"{mname} B={B}", provider, args.seed)
+                graphed[B] = cost["cuda_graph"]
                 if spec:
                     c = cost["cuda_graph"]
                     openings = spec["backbone_forwards"] - spec["verify_rounds"]
@@ -162,6 +168,8 @@ def main(argv=None) -> int:
             for B in decode_batches:
                 _decode_rows(record, model, B, prefix, new_tokens, T, args.decode_reps, cuda, f"{mname} B={B}",
                              floor["step"], args.seed)
+            for B in step_batches:  # last: the issues' targets come first when a time limit cuts the run
+                _unpacked_rows(record, bench, model, B, prefix, T, floor, f"{mname} B={B}", args.seed, graphed[B])
             del model
             gc.collect()
             if cuda:
@@ -232,6 +240,24 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
         q = bench(lambda: carrying("denoise" if fn is static_step else "speculate", fn, *inputs))
         record("whole_step", f"{tag} {name} + commit", provider, q, ratio=q[0] / alone, ratio_to=name)
     return {"plain": plain, "verify": verify, "mrp": mrp, "static_step": static, "round": spec_round_us}
+
+
+def _unpacked_rows(record, bench, model, B, prefix, T, floor, tag, seed, packed: dict) -> None:
+    """Time the graphed plain forward and static whole step with every projection a GEMM of its own."""
+    import torch
+
+    from hf_integration.decoding import denoising_step
+
+    dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, packed=False)
+    ids, pos = steps.query(dec, T, seed)
+    q = bench(lambda: dec.backbone(ids, pos))
+    record("step", f"{tag} plain q={T}", "unpacked", q, ratio=q[0] / packed["plain"], ratio_to="packed (cuda_graph)",
+           floor_us=floor["backbone"])
+    block, quota = ids.clone(), torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+    static_step = denoising_step(dec)
+    q = bench(lambda: dec.step("denoise", static_step, block, pos, quota, mutated=(0,)))
+    record("whole_step", f"{tag} static step", "unpacked", q, ratio=q[0] / packed["static_step"],
+           ratio_to="packed (cuda_graph)", floor_us=floor["step"])
 
 
 def _attention_rows(record, bench, shape, B, prefix, width, T, device, dtype, tag, seed) -> None:

@@ -123,12 +123,13 @@ def weight_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_graphs: bool = False):
-    """A ``BlockDecoder`` (speculative settings, commits not fused; forwards eager unless ``cuda_graphs``)
-    whose cache holds ``prefix`` committed random tokens per row, written the way decoding writes them:
-    ``commit`` = one backbone forward plus one MRP forward over the prefix, each writing its layers'
-    keys/values, then ``cache.advance``. With ``cuda_graphs`` it holds the batch bucket's rows (as
-    ``generate`` would: 1, 2, 4, 8, 16, 24, ...)."""
+def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_graphs: bool = False,
+                 packed: bool = True):
+    """A ``BlockDecoder`` (speculative settings, commits not fused; forwards eager unless ``cuda_graphs``;
+    q/k/v and gate/up projections packed into one GEMM each unless not ``packed``) whose cache holds ``prefix``
+    committed random tokens per row, written the way decoding writes them: ``commit`` = one backbone forward plus
+    one MRP forward over the prefix, each writing its layers' keys/values, then ``cache.advance``. With
+    ``cuda_graphs`` it holds the batch bucket's rows (as ``generate`` would: 1, 2, 4, 8, 16, 24, ...)."""
     import torch
 
     from hf_integration.decoding import BlockDecoder
@@ -141,7 +142,8 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_gra
     ids = torch.randint(0, top, (batch, prefix), generator=g).to(device)
     settings = GenerationSettings.resolve(model, None, dict(max_new_tokens=block, block_length=block,
                                                             strategy="speculative", fuse_commit=False,
-                                                            cuda_graphs=cuda_graphs), prompt_width=prefix)
+                                                            cuda_graphs=cuda_graphs, packed_projections=packed),
+                                       prompt_width=prefix)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
     positions = torch.arange(prefix, device=device).expand(dec.x.shape[0], -1)
     dec.commit(dec.x[:, :prefix], positions, None)

@@ -192,18 +192,20 @@ def _model_ops() -> list[Variant]:
                         {"HAS_RESIDUAL": res, "BLOCK": 2048}, 8,
                         divisible=_ptrs_divisible(sig, "n_cols", "stride_x", "stride_r", "stride_y", "stride_s"))
                 for res in (False, True)]
-        sig = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "o_ptr": f"*{dt}", "n_elements": "i32", "BLOCK": "constexpr"}
+        sig = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "o_ptr": f"*{dt}", "F": "i32", "stride_g": "i32",
+               "stride_u": "i32", "BLOCK": "constexpr"}
         swiglu = importlib.import_module("mrp_triton.swiglu")
         out.append(Variant(f"swiglu {dt}", "swiglu", "_swiglu_kernel", sig, {"BLOCK": swiglu._BLOCK},
-                           swiglu._NUM_WARPS, divisible=_ptrs_divisible(sig, "n_elements")))
+                           swiglu._NUM_WARPS, divisible=_ptrs_divisible(sig, "F", "stride_g", "stride_u")))
         sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "qw_ptr": f"*{dt}", "kw_ptr": f"*{dt}", "cos_ptr": "*fp32",
                "sin_ptr": "*fp32", "qo_ptr": f"*{dt}", "ko_ptr": f"*{dt}", "T": "i32", "Hq": "i32", "Hkv": "i32",
-               "D": "i32", "eps": "fp32", "stride_cb": "i64", "stride_ct": "i64", "stride_sb": "i64",
-               "stride_st": "i64", "BLOCK_HQ": "constexpr", "BLOCK_HK": "constexpr", "BLOCK_D": "constexpr"}
+               "D": "i32", "eps": "fp32", "stride_qb": "i64", "stride_qt": "i64", "stride_kb": "i64",
+               "stride_kt": "i64", "stride_cb": "i64", "stride_ct": "i64", "stride_sb": "i64", "stride_st": "i64",
+               "BLOCK_HQ": "constexpr", "BLOCK_HK": "constexpr", "BLOCK_D": "constexpr"}
+        strides = [name for name in sig if name.startswith("stride_")]
         out.append(Variant(f"qk_norm_rope {dt}", "qk_norm_rope", "_qk_norm_rope_kernel", sig,
                            {"BLOCK_HQ": 16, "BLOCK_HK": 8, "BLOCK_D": 128}, 4,
-                           divisible=_ptrs_divisible(sig, "Hq", "D", "stride_cb", "stride_ct", "stride_sb",
-                                                     "stride_st")))
+                           divisible=_ptrs_divisible(sig, "Hq", "D", *strides)))
         sig = {"ids_ptr": "*i64", "e_ptr": f"*{dt}", "h_ptr": f"*{dt}", "ew_ptr": f"*{dt}", "hw_ptr": f"*{dt}",
                "o_ptr": f"*{dt}", "V": "i32", "H": "i32", "eps": "fp32", "stride_e": "i64", "stride_h": "i64",
                "stride_o": "i64", "BLOCK": "constexpr"}

@@ -86,6 +86,8 @@ class BlockDecoder:
         self.first_block = torch.tensor(self.first_blocks, device=device)
         self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)] + [0] * (B - real)
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
+        # Before the engine: packing may move the weights' storage, which keys a graphed engine.
+        self.packed = settings.packed_projections and model.pack_projections()
         slots = config.num_hidden_layers + (config.num_nextn_predict_layers if self.uses_mrp else 0)
         width = _graphed_width(total, config.max_position_embeddings) if graphed else total
         shape = EngineShape(slots, B, width, config.num_key_value_heads, config.head_dim, model.lm_head.weight.dtype,
@@ -138,7 +140,7 @@ class BlockDecoder:
     # ---------------------------------------------------------------------------------- forwards
     def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0):
         return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
-                               block_size=self.block)
+                               block_size=self.block, packed=self.packed)
 
     def graphed(self, key: tuple, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = (), branches: bool = False):
         """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of ``key`` + the input shapes (see
@@ -153,7 +155,7 @@ class BlockDecoder:
         prefill) run once and are not worth a capture."""
         if write_len > self.block:
             return fn(*inputs)
-        return self.graphed((kind, write_len), fn, *inputs)
+        return self.graphed((kind, write_len, self.packed), fn, *inputs)
 
     def step(self, name: str, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = ()):
         """One whole decoding step ``fn(*inputs)``: its forwards and the decode ops between them, graphed as

@@ -93,7 +93,8 @@ class AttentionInputs:
     positions ``[B, T]``, their segments ``[T]`` (candidate copies verified in one forward; None for one
     copy) and the block size, from which ``mrp_triton.cached_attention`` derives who sees what; and
     ``write_len``, how many leading new positions each layer appends to the cache (0 for a denoising
-    forward).
+    forward). ``packed``: the layers' q/k/v and gate/up projections are packed (``modeling_sdar.pack_linears``;
+    the decoder packs them), so each group runs as one GEMM (inference only).
     """
 
     mask: torch.Tensor | None = None
@@ -102,3 +103,4 @@ class AttentionInputs:
     positions: torch.Tensor | None = None
     segments: torch.Tensor | None = None
     block_size: int = 0
+    packed: bool = False

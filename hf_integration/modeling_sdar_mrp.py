@@ -20,7 +20,7 @@ from .attention_masks import block_causal_mask
 from .configuration_sdar_mrp import SDARMRPConfig
 from .generation import generate_blocks
 from .modeling_mrp import MRPModule
-from .modeling_sdar import SDARModel
+from .modeling_sdar import SDARModel, pack_projections
 
 logger = logging.get_logger(__name__)
 
@@ -68,6 +68,13 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         """Free the KV cache and CUDA graphs that graphed ``generate`` calls keep for the next call of the
         same shapes (calls on one model run one at a time: see :func:`.generation.one_call_at_a_time`)."""
         self._decode_engine = None
+
+    def pack_projections(self) -> bool:
+        """Lay each decoder layer's q/k/v and gate/up weights (backbone and MRP head) out one after another in
+        one storage, so that decoding runs each group as one GEMM (``generate`` does this itself; see
+        :func:`.modeling_sdar.pack_linears`: the parameters keep their identity, names, shapes and values).
+        Returns whether every layer is packed."""
+        return pack_projections(self)
 
     # ----------------------------------------------------------------------------------- embeddings
     def get_input_embeddings(self) -> nn.Embedding:

@@ -6,7 +6,9 @@ write q and k ((Hq + Hkv)*D*b). Eager torch moves each head ~8 times (norm: read
 write; rope: two products, a cat and a sum) in ~12 launches; this is one launch.
 
 One program per (batch, time) token holds all its q heads as a [BLOCK_HQ, BLOCK_D] tile and all
-its k heads as a [BLOCK_HK, BLOCK_D] tile. The rotate-half partner of element d is read at
+its k heads as a [BLOCK_HK, BLOCK_D] tile. q and k are read in place wherever each token's heads lie
+next to each other (any batch and time strides): the q and k column slices of one fused q/k/v
+projection output need no copy. The rotate-half partner of element d is read at
 ``(d + D/2) mod D`` from the same (L1-hot) row, so no in-register shuffle is needed. cos/sin
 may be broadcast over the batch (stride 0). Computed in fp32; the normalised heads are rounded to
 the output dtype before RoPE, and cos/sin are rounded to it, as the reference does.
@@ -46,7 +48,7 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos, sin, cols, cols_rot, sign, col_ma
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-                         T, Hq, Hkv, D, eps,
+                         T, Hq, Hkv, D, eps, stride_qb, stride_qt, stride_kb, stride_kt,
                          stride_cb, stride_ct, stride_sb, stride_st,
                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
@@ -64,9 +66,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
     sin_q = sin.to(qo_ptr.dtype.element_ty).to(tl.float32)
     cos_k = cos.to(ko_ptr.dtype.element_ty).to(tl.float32)
     sin_k = sin.to(ko_ptr.dtype.element_ty).to(tl.float32)
-    _norm_rope_heads(q_ptr + tok * Hq * D, qo_ptr + tok * Hq * D, qw_ptr, cos_q, sin_q,
+    _norm_rope_heads(q_ptr + b * stride_qb + t * stride_qt, qo_ptr + tok * Hq * D, qw_ptr, cos_q, sin_q,
                      cols, cols_rot, sign, col_mask, Hq, D, eps, BLOCK_HQ)
-    _norm_rope_heads(k_ptr + tok * Hkv * D, ko_ptr + tok * Hkv * D, kw_ptr, cos_k, sin_k,
+    _norm_rope_heads(k_ptr + b * stride_kb + t * stride_kt, ko_ptr + tok * Hkv * D, kw_ptr, cos_k, sin_k,
                      cols, cols_rot, sign, col_mask, Hkv, D, eps, BLOCK_HK)
 
 
@@ -81,6 +83,15 @@ def _rope_table(name: str, t: torch.Tensor, B: int, T: int, D: int, device: torc
     if t.stride(2) != 1:
         t = t.contiguous()
     return t
+
+
+def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D] as the kernel reads it: each token's heads next to each other (strides (., ., D, 1));
+    any batch and time strides. A copy only when x is laid out otherwise."""
+    heads, D = x.shape[2:]
+    if x.stride(3) == 1 and (x.stride(2) == D or heads == 1):
+        return x
+    return x.contiguous()
 
 
 def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -104,7 +115,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
                          f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
     cos = _rope_table("cos", cos, B, T, D, q.device)
     sin = _rope_table("sin", sin, B, T, D, q.device)
-    qc, kc = q.contiguous(), k.contiguous()
+    qc, kc = _heads_packed(q), _heads_packed(k)
     q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, q_weight.dtype), device=q.device)
     k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, k_weight.dtype), device=k.device)
     BLOCK_D = triton.next_power_of_2(D)
@@ -115,7 +126,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
     if B * T > 0 and (Hq > 0 or Hkv > 0):
         _qk_norm_rope_kernel[(B * T,)](
             qc, kc, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out,
-            T, Hq, Hkv, D, float(eps),
+            T, Hq, Hkv, D, float(eps), qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D, num_warps=num_warps)
     return q_out, k_out

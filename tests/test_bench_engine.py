@@ -25,6 +25,7 @@ def test_bench_engine_smoke(tmp_path):
     rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
     kinds = {(r["kernel"], r["provider"]) for r in rows}
     assert kinds == {("step", "eager"), ("step", "cuda_graph"), ("whole_step", "eager"), ("whole_step", "cuda_graph"),
+                     ("step", "unpacked"), ("whole_step", "unpacked"),
                      ("decode", "eager"), ("decode", "cuda_graph"), ("decode", "cuda_graph, first call"),
                      ("speculative_estimate", "cuda_graph"),
                      ("host_checks", "cuda_graph"), ("host_checks", "cuda_graph, device_loop"),
@@ -33,6 +34,9 @@ def test_bench_engine_smoke(tmp_path):
         shapes = {r["shape"] for r in rows if r["kernel"] in ("step", "whole_step") and r["provider"] == "cuda_graph"}
         assert {f"tiny B={batch} plain q=16", f"tiny B={batch} verify copies=4", f"tiny B={batch} mrp D=3",
                 f"tiny B={batch} static step", f"tiny B={batch} speculative round K=3"} <= shapes
+        unpacked = {r["shape"]: r for r in rows if r["provider"] == "unpacked"}
+        assert {f"tiny B={batch} plain q=16", f"tiny B={batch} static step"} <= unpacked.keys()
+        assert all(r["ratio"] > 0 and r["ratio_to"] == "packed (cuda_graph)" for r in unpacked.values())
     for r in rows:
         assert r["median_us"] > 0
         if r["kernel"] == "decode":

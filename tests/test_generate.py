@@ -316,6 +316,7 @@ BAD_INPUTS = [
     (dict(strategy="speculative", denoising_steps=2), ValueError, "denoising_steps"),
     (dict(frobnicate=True), TypeError, "frobnicate"),
     (dict(strategy="dynamic", device_loop="yes"), TypeError, "device_loop must be a bool"),
+    (dict(packed_projections=1), TypeError, "packed_projections must be a bool"),
     (dict(strategy="dynamic", device_loop=True), ValueError, "device_loop=True .* needs cuda_graphs"),
 ]
 

@@ -93,10 +93,16 @@ def test_rms_norm_errors():
 # ------------------------------------------------------------------------------------------ swiglu
 @settings(max_examples=15)
 @given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=2), F=st.integers(1, 3000), dtype=dtypes,
-       seed=st.integers(0, 2**16))
-def test_swiglu_matches_reference(lead, F, dtype, seed):
-    g = _randn((*lead, F), dtype, seed, 4.0)
-    u = _randn((*lead, F), dtype, seed + 1, 2.0)
+       fused=st.booleans(), pad=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_swiglu_matches_reference(lead, F, dtype, fused, pad, seed):
+    """``fused``: gate and up are the two halves of one [..., 2F + pad] tensor (a fused gate/up projection's
+    output), read in place at that row stride."""
+    if fused:
+        gate_up = _randn((*lead, 2 * F + pad), dtype, seed, 3.0)
+        g, u = gate_up[..., :F], gate_up[..., F: 2 * F]
+    else:
+        g = _randn((*lead, F), dtype, seed, 4.0)
+        u = _randn((*lead, F), dtype, seed + 1, 2.0)
     with poisoned_allocations():
         out = swiglu_triton(g, u)
     _close(out, ref.swiglu(g, u))
@@ -117,12 +123,22 @@ def test_swiglu_public_dispatch_and_errors():
 @settings(max_examples=15)
 @given(B=st.integers(1, 3), T=st.integers(1, 5), Hkv=st.integers(1, 3), groups=st.integers(1, 3),
        half=st.integers(1, 40), dtype=dtypes, table_dtype=st.sampled_from((torch.float32, None)),
-       broadcast_batch=st.booleans(), seed=st.integers(0, 2**16))
-def test_qk_norm_rope_matches_reference(B, T, Hkv, groups, half, dtype, table_dtype, broadcast_batch, seed):
+       broadcast_batch=st.booleans(), layout=st.sampled_from(("contiguous", "fused", "heads_apart")),
+       seed=st.integers(0, 2**16))
+def test_qk_norm_rope_matches_reference(B, T, Hkv, groups, half, dtype, table_dtype, broadcast_batch, layout, seed):
+    """``layout``: q and k contiguous; column slices of one fused q/k/v projection output [B, T, (Hq + 2 Hkv) D]
+    (read in place); or [B, heads, T, D] tensors transposed, whose heads do not lie next to each other (copied)."""
     D = 2 * half
     Hq = Hkv * groups
-    q = _randn((B, T, Hq, D), dtype, seed, 2.0)
-    k = _randn((B, T, Hkv, D), dtype, seed + 1, 2.0)
+    if layout == "fused":
+        qkv = _randn((B, T, (Hq + 2 * Hkv) * D), dtype, seed, 2.0)
+        q, k = qkv[..., : Hq * D].unflatten(-1, (Hq, D)), qkv[..., Hq * D: (Hq + Hkv) * D].unflatten(-1, (Hkv, D))
+    elif layout == "heads_apart":
+        q = _randn((B, Hq, T, D), dtype, seed, 2.0).transpose(1, 2)
+        k = _randn((B, Hkv, T, D), dtype, seed + 1, 2.0).transpose(1, 2)
+    else:
+        q = _randn((B, T, Hq, D), dtype, seed, 2.0)
+        k = _randn((B, T, Hkv, D), dtype, seed + 1, 2.0)
     qw = _randn((D,), dtype, seed + 2)
     kw = _randn((D,), dtype, seed + 3)
     angle = _randn((1 if broadcast_batch else B, T, D), torch.float32, seed + 4, 3.0)

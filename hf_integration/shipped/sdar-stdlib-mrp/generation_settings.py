@@ -64,7 +64,10 @@ class GenerationSettings:
     data flow, without the graph). ``device_loop`` (dynamic, remask, speculative; needs ``cuda_graphs`` and on
     CUDA torch >= 2.12) runs the steps after those that surely have work inside one graph, each only while no
     row has filled its block, tested on the device (CUDA-graph conditional nodes), so the host checks the rows
-    once a block fills instead of after every step (same output)."""
+    once a block fills instead of after every step (same output). ``packed_projections`` runs each layer's
+    q/k/v projections as one GEMM and its gate/up projections as another (the model's weights are laid out for
+    it once, in place: ``model.pack_projections()``); the same output up to the rounding of a differently
+    blocked GEMM (``False``: one GEMM per projection, to measure what packing saves)."""
 
     max_new_tokens: int | None = None
     max_length: int | None = None
@@ -92,6 +95,7 @@ class GenerationSettings:
     per_row_blocks: bool = True
     cuda_graphs: bool | None = None
     device_loop: bool = False
+    packed_projections: bool = True
     streamer: object | None = None
     stop_strings: str | list[str] | tuple[str, ...] | None = None
     tokenizer: object | None = None
@@ -185,7 +189,7 @@ class GenerationSettings:
             raise ValueError(f"top_k={self.top_k} must be >= 1 (or None to disable)")
         if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
-        for name in ("use_cache", "device_loop"):
+        for name in ("use_cache", "device_loop", "packed_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):

@@ -4,10 +4,14 @@ Parameter names are exactly those of the Hub checkpoints (``model.embed_tokens``
 ``model.layers.N.self_attn.{q,k,v,o}_proj``, ``...self_attn.{q,k}_norm``,
 ``...mlp.{gate,up,down}_proj``, ``...input_layernorm``, ``...post_attention_layernorm``,
 ``model.norm``). Norms, q/k-norm + RoPE and SwiGLU go through the :mod:`mrp_triton` ops (fused
-Triton kernels on CUDA, the PyTorch reference on CPU).
+Triton kernels on CUDA, the PyTorch reference on CPU). For decoding, each layer's q/k/v projections and
+its gate/up projections can run as one GEMM each (:func:`pack_linears`): the parameters keep their
+names, shapes and identity, only their storage is laid out one after another.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,52 @@ class SDARRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return mrp_triton.rms_norm(x, self.weight, self.eps, residual)
+
+
+def _adjacent(params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``params`` (of one dtype) are contiguous and lie one right after another in one storage."""
+    storage, end = params[0].untyped_storage().data_ptr(), params[0].data_ptr()
+    for p in params:
+        if not p.is_contiguous() or p.data_ptr() != end or p.untyped_storage().data_ptr() != storage:
+            return False
+        end += p.numel() * p.element_size()
+    return True
+
+
+@torch.no_grad()
+def pack_linears(linears: Sequence[nn.Linear]) -> bool:
+    """Lay the weights (and biases) of ``linears``, which read the same input, out one after another in one
+    storage, so that :func:`packed_linears` runs them as one GEMM. Each parameter keeps its identity, name,
+    shape and values (only its ``.data`` moves into the new storage): optimizers, state dicts and
+    ``save_pretrained`` see no change. Already packed: nothing moves. Returns whether they are packed; False
+    (nothing moved) when their parameters live on the meta device or differ in dtype or device."""
+    groups = [[lin.weight for lin in linears]]
+    if linears[0].bias is not None:
+        groups.append([lin.bias for lin in linears])
+    for group in groups:
+        if any(p is None or p.is_meta or p.dtype != group[0].dtype or p.device != group[0].device for p in group):
+            return False
+    for group in groups:
+        if not _adjacent(group):
+            packed = torch.cat([p.detach() for p in group])
+            for p, part in zip(group, packed.split([p.shape[0] for p in group])):
+                p.data = part
+    return True
+
+
+def packed_linears(x: torch.Tensor, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x) for linear in linears)`` as one GEMM, for parameters :func:`pack_linears` packed (the
+    caller's guarantee; inference only: no gradient reaches them). x: [..., in] -> views [..., out_i] of one
+    [..., sum(out_i)] output."""
+    first, sizes = linears[0], [lin.out_features for lin in linears]
+    weight = first.weight.as_strided((sum(sizes), first.in_features), (first.in_features, 1))
+    bias = None if first.bias is None else first.bias.as_strided((sum(sizes),), (1,))
+    return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+
+def project(x: torch.Tensor, linears: Sequence[nn.Linear], packed: bool) -> tuple[torch.Tensor, ...]:
+    """Each of ``linears`` applied to x: as one GEMM when ``packed`` (see :func:`packed_linears`)."""
+    return packed_linears(x, linears) if packed else tuple(lin(x) for lin in linears)
 
 
 def rotary_cos_sin(config: SDARMRPConfig, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -66,11 +116,16 @@ class SDARAttention(nn.Module):
         self.q_norm = SDARRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = SDARRMSNorm(self.head_dim, config.rms_norm_eps)
 
+    @property
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         """x: [B, T, H], cos/sin: [B, T, head_dim] -> [B, T, H]."""
-        q = rearrange(self.q_proj(x), "b t (h d) -> b t h d", d=self.head_dim)
-        k = rearrange(self.k_proj(x), "b t (h d) -> b t h d", d=self.head_dim)
-        v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", d=self.head_dim)
+        q, k, v = project(x, self.projections, attn.packed)
+        q = rearrange(q, "b t (h d) -> b t h d", d=self.head_dim)
+        k = rearrange(k, "b t (h d) -> b t h d", d=self.head_dim)
+        v = rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
         q, k = mrp_triton.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if attn.cache is None:
@@ -91,8 +146,13 @@ class SDARMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(mrp_triton.swiglu(self.gate_proj(x), self.up_proj(x)))
+    @property
+    def projections(self) -> tuple[nn.Linear, nn.Linear]:
+        return self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """x: [..., H] -> [..., H]; ``packed``: gate and up as one GEMM (see :func:`packed_linears`)."""
+        return self.down_proj(mrp_triton.swiglu(*project(x, self.projections, packed)))
 
 
 class SDARDecoderLayer(nn.Module):
@@ -108,7 +168,7 @@ class SDARDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         normed, x = self.post_attention_layernorm(h, residual=x)
-        return x + self.mlp(normed)
+        return x + self.mlp(normed, attn.packed)
 
 
 def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, config: SDARMRPConfig, position_ids: torch.Tensor,
@@ -125,6 +185,13 @@ def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, config: SDARMRPCo
     for layer in layers:
         x = layer(x, cos, sin, attn)
     return x
+
+
+def pack_projections(module: nn.Module) -> bool:
+    """Pack the q/k/v and the gate/up projections of every decoder layer in ``module`` (:func:`pack_linears`);
+    returns whether all are packed."""
+    groups = [m.projections for m in module.modules() if isinstance(m, (SDARAttention, SDARMLP))]
+    return all([pack_linears(group) for group in groups])
 
 
 class SDARModel(nn.Module):
