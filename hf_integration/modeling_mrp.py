@@ -52,5 +52,4 @@ class MRPModule(nn.Module):
         x = mrp_triton.mrp_input(input_ids.reshape(-1), embed_weight, hidden_states.reshape(-1, h),
                                  m.enorm.weight, m.hnorm.weight, m.config.rms_norm_eps)
         x = m.eh_proj(x.view(b, t, 2 * h))
-        x = run_decoder_layers(m.layers, x, m.config, position_ids, attention_mask, attn)
-        return m.norm(x)
+        return run_decoder_layers(m.layers, m.norm, x, m.config, position_ids, attention_mask, attn)

@@ -203,7 +203,8 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         cache_k = cache_k.contiguous()
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
-    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    # [B, Hq, T, D] laid out as [B, T, Hq, D]: the output projection's "b t (h d)" view of it is free
+    out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     if out.numel() == 0:
         return out
     if splits is None:
@@ -255,7 +256,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     sees every committed slot of its row and the new keys of its own or an earlier block
     (position // block_size) in its own segment or in a negative (shared) one, which is how a finished
     block written in the same forward as K+1 candidate copies reaches every copy. Returns [B, Hq, T, D] in
-    q's dtype."""
+    q's dtype (the Triton kernel's laid out as [B, T, Hq, D], so that its "b t (h d)" view costs no copy)."""
     if q.dtype != torch.float64 and select_backend(q.device) == "triton":
         return cached_attention_triton(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)
     return cached_attention_reference(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)

@@ -156,7 +156,8 @@ class SDARMLP(nn.Module):
 
 
 class SDARDecoderLayer(nn.Module):
-    """Pre-norm transformer layer; the residual add is fused into the post-attention norm."""
+    """Pre-norm transformer layer. Its residual adds are fused into the norms after them: the attention's into the
+    post-attention norm, the MLP's into the next layer's input norm (or the stack's final norm)."""
 
     def __init__(self, config: SDARMRPConfig, layer_idx: int):
         super().__init__()
@@ -165,15 +166,23 @@ class SDARDecoderLayer(nn.Module):
         self.input_layernorm = SDARRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = SDARRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        normed, x = self.post_attention_layernorm(h, residual=x)
-        return x + self.mlp(normed, attn.packed)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, H], the previous layer's MLP output to add to the ``residual`` stream [B, T, H] (for the first
+        layer: its input, residual None). Returns (this layer's MLP output, the stream before it): the layer's
+        output is their sum."""
+        normed, residual = (self.input_layernorm(x), x) if residual is None else \
+            self.input_layernorm(x, residual=residual)
+        h = self.self_attn(normed, cos, sin, attn)
+        normed, residual = self.post_attention_layernorm(h, residual=residual)
+        return self.mlp(normed, attn.packed), residual
 
 
-def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, config: SDARMRPConfig, position_ids: torch.Tensor,
-                       attention_mask: torch.Tensor | None, attn: AttentionInputs | None) -> torch.Tensor:
-    """Shared by the backbone and the MRP head. x: [B, T, H], position_ids: [B, T].
+def run_decoder_layers(layers: nn.ModuleList, norm: SDARRMSNorm, x: torch.Tensor, config: SDARMRPConfig,
+                       position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       attn: AttentionInputs | None) -> torch.Tensor:
+    """The decoder ``layers`` and the final ``norm`` (the last residual add fused into it); shared by the backbone
+    and the MRP head. x: [B, T, H], position_ids: [B, T] -> [B, T, H].
 
     Without ``attn`` the stack attends only over x itself, with ``attention_mask`` (bool, broadcastable
     to [B, 1, T, T]) or, if that is None, the block-causal mask of ``position_ids``."""
@@ -182,9 +191,10 @@ def run_decoder_layers(layers: nn.ModuleList, x: torch.Tensor, config: SDARMRPCo
             attention_mask = block_causal_mask(position_ids, position_ids, config.block_size)
         attn = AttentionInputs(mask=attention_mask)
     cos, sin = rotary_cos_sin(config, position_ids)
+    residual = None
     for layer in layers:
-        x = layer(x, cos, sin, attn)
-    return x
+        x, residual = layer(x, residual, cos, sin, attn)
+    return norm(x) if residual is None else norm(x, residual=residual)[0]
 
 
 def pack_projections(module: nn.Module) -> bool:
@@ -212,5 +222,4 @@ class SDARModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
-        x = run_decoder_layers(self.layers, x, self.config, position_ids, attention_mask, attn)
-        return self.norm(x)
+        return run_decoder_layers(self.layers, self.norm, x, self.config, position_ids, attention_mask, attn)
