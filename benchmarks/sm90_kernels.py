@@ -201,10 +201,10 @@ def _model_ops() -> list[Variant]:
                "sin_ptr": "*fp32", "qo_ptr": f"*{dt}", "ko_ptr": f"*{dt}", "T": "i32", "Hq": "i32", "Hkv": "i32",
                "D": "i32", "eps": "fp32", "stride_qb": "i64", "stride_qt": "i64", "stride_kb": "i64",
                "stride_kt": "i64", "stride_cb": "i64", "stride_ct": "i64", "stride_sb": "i64", "stride_st": "i64",
-               "BLOCK_HQ": "constexpr", "BLOCK_HK": "constexpr", "BLOCK_D": "constexpr"}
+               "BLOCK_HQ": "constexpr", "BLOCK_HK": "constexpr", "BLOCK_HALF": "constexpr"}
         strides = [name for name in sig if name.startswith("stride_")]
         out.append(Variant(f"qk_norm_rope {dt}", "qk_norm_rope", "_qk_norm_rope_kernel", sig,
-                           {"BLOCK_HQ": 16, "BLOCK_HK": 8, "BLOCK_D": 128}, 4,
+                           {"BLOCK_HQ": 16, "BLOCK_HK": 8, "BLOCK_HALF": 64}, 4,
                            divisible=_ptrs_divisible(sig, "Hq", "D", *strides)))
         sig = {"ids_ptr": "*i64", "e_ptr": f"*{dt}", "h_ptr": f"*{dt}", "ew_ptr": f"*{dt}", "hw_ptr": f"*{dt}",
                "o_ptr": f"*{dt}", "V": "i32", "H": "i32", "eps": "fp32", "stride_e": "i64", "stride_h": "i64",

@@ -5,12 +5,11 @@ read q and k ((Hq + Hkv)*D*b), cos and sin (2*D*b_cos), the two weights (L2-resi
 write q and k ((Hq + Hkv)*D*b). Eager torch moves each head ~8 times (norm: read, temp,
 write; rope: two products, a cat and a sum) in ~12 launches; this is one launch.
 
-One program per (batch, time) token holds all its q heads as a [BLOCK_HQ, BLOCK_D] tile and all
-its k heads as a [BLOCK_HK, BLOCK_D] tile. q and k are read in place wherever each token's heads lie
+One program per (batch, time) token holds all its q heads as two [BLOCK_HQ, BLOCK_HALF] tiles (the
+first and second halves of each head) and all its k heads as two [BLOCK_HK, BLOCK_HALF] tiles. q and k are read in place wherever each token's heads lie
 next to each other (any batch and time strides): the q and k column slices of one fused q/k/v
-projection output need no copy. The rotate-half partner of element d is read at
-``(d + D/2) mod D`` from the same (L1-hot) row, so no in-register shuffle is needed. cos/sin
-may be broadcast over the batch (stride 0). Computed in fp32; the normalised heads are rounded to
+projection output need no copy. Rotate-half pairs element d of one half with element d of the
+other, so the halves combine elementwise: no shuffle, every load contiguous. cos/sin may be broadcast over the batch (stride 0). Computed in fp32; the normalised heads are rounded to
 the output dtype before RoPE, and cos/sin are rounded to it, as the reference does.
 """
 
@@ -25,51 +24,59 @@ from .reference.qk_norm_rope import qk_norm_rope as qk_norm_rope_reference
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos, sin, cols, cols_rot, sign, col_mask,
+def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos1, sin1, cos2, sin2, cols, col_mask,
                      n_heads, D, eps, BLOCK_H: tl.constexpr):
-    """Normalise and rotate the [n_heads, D] rows starting at x_ptr; store at o_ptr."""
+    """Normalise and rotate the [n_heads, D] rows starting at x_ptr (heads D apart); store at o_ptr. Each row
+    is read as its two halves, so both loads are contiguous."""
+    half = D // 2
     heads = tl.arange(0, BLOCK_H)
     mask = (heads[:, None] < n_heads) & col_mask[None, :]
-    base = heads[:, None] * D
-    x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_rot = tl.load(x_ptr + base + cols_rot[None, :], mask=mask, other=0.0).to(tl.float32)
-    var = tl.sum(x * x, axis=1) / D
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    w_rot = tl.load(w_ptr + cols_rot, mask=col_mask, other=0.0).to(tl.float32)
+    first = heads[:, None] * D + cols[None, :]
+    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + first + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
     # rms_norm rounding points: norm -> x dtype, * weight -> output dtype
-    xn = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    xn = (xn * w[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
-    xr = (x_rot * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    xr = (xr * w_rot[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
-    out = xn * cos[None, :] + sign[None, :] * xr * sin[None, :]
-    tl.store(o_ptr + base + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
+    x1 = (x1 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x1 = (x1 * w1[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
+    x2 = (x2 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x2 = (x2 * w2[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
+    # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+    tl.store(o_ptr + first, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + first + half, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _heads_of(x_ptr, o_ptr, w_ptr, cos_row, sin_row, cols, col_mask, n_heads, D, eps, BLOCK_H: tl.constexpr):
+    """:func:`_norm_rope_heads` with the halves of the token's cos and sin rows, rounded to the output's dtype as the
+    reference casts the tables to each output's."""
+    half = D // 2
+    dt = o_ptr.dtype.element_ty
+    cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos1, sin1, cos2, sin2, cols, col_mask, n_heads, D, eps, BLOCK_H)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
                          T, Hq, Hkv, D, eps, stride_qb, stride_qt, stride_kb, stride_kt,
                          stride_cb, stride_ct, stride_sb, stride_st,
-                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // T
     t = tok % T
     half = D // 2
-    cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < D
-    cols_rot = tl.where(cols < half, cols + half, cols - half)
-    sign = tl.where(cols < half, -1.0, 1.0)
-    cos = tl.load(cos_ptr + b * stride_cb + t * stride_ct + cols, mask=col_mask, other=0.0)
-    sin = tl.load(sin_ptr + b * stride_sb + t * stride_st + cols, mask=col_mask, other=0.0)
-    # the reference casts cos/sin to each output's dtype before the products
-    cos_q = cos.to(qo_ptr.dtype.element_ty).to(tl.float32)
-    sin_q = sin.to(qo_ptr.dtype.element_ty).to(tl.float32)
-    cos_k = cos.to(ko_ptr.dtype.element_ty).to(tl.float32)
-    sin_k = sin.to(ko_ptr.dtype.element_ty).to(tl.float32)
-    _norm_rope_heads(q_ptr + b * stride_qb + t * stride_qt, qo_ptr + tok * Hq * D, qw_ptr, cos_q, sin_q,
-                     cols, cols_rot, sign, col_mask, Hq, D, eps, BLOCK_HQ)
-    _norm_rope_heads(k_ptr + b * stride_kb + t * stride_kt, ko_ptr + tok * Hkv * D, kw_ptr, cos_k, sin_k,
-                     cols, cols_rot, sign, col_mask, Hkv, D, eps, BLOCK_HK)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < half
+    cos_row = cos_ptr + b * stride_cb + t * stride_ct
+    sin_row = sin_ptr + b * stride_sb + t * stride_st
+    _heads_of(q_ptr + b * stride_qb + t * stride_qt, qo_ptr + tok * Hq * D, qw_ptr, cos_row, sin_row, cols,
+              col_mask, Hq, D, eps, BLOCK_HQ)
+    _heads_of(k_ptr + b * stride_kb + t * stride_kt, ko_ptr + tok * Hkv * D, kw_ptr, cos_row, sin_row, cols,
+              col_mask, Hkv, D, eps, BLOCK_HK)
 
 
 def _rope_table(name: str, t: torch.Tensor, B: int, T: int, D: int, device: torch.device) -> torch.Tensor:
@@ -118,17 +125,17 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
     qc, kc = _heads_packed(q), _heads_packed(k)
     q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, q_weight.dtype), device=q.device)
     k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, k_weight.dtype), device=k.device)
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_HALF = triton.next_power_of_2(D // 2)
     BLOCK_HQ = triton.next_power_of_2(max(Hq, 1))
     BLOCK_HK = triton.next_power_of_2(max(Hkv, 1))
-    tile = max(BLOCK_HQ, BLOCK_HK) * BLOCK_D
+    tile = max(BLOCK_HQ, BLOCK_HK) * 2 * BLOCK_HALF
     num_warps = 8 if tile >= 4096 else 4
     if B * T > 0 and (Hq > 0 or Hkv > 0):
         _qk_norm_rope_kernel[(B * T,)](
             qc, kc, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out,
             T, Hq, Hkv, D, float(eps), qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-            BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D, num_warps=num_warps)
+            BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_HALF=BLOCK_HALF, num_warps=num_warps)
     return q_out, k_out
 
 

@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # one pass over their rows: bandwidth is their speed
-STREAMING = ("confidence bf16", "confidence fp16", "confidence fp32", "rms_norm", "swiglu", "mrp_input")
+STREAMING = ("confidence bf16", "confidence fp16", "confidence fp32", "rms_norm", "swiglu", "mrp_input",
+             "qk_norm_rope")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_every_variant_compiles_for_sm90(reports):
 
 def test_streaming_kernels_load_16_byte_vectors(reports):
     streaming = {name: r["loads"] for name, r in reports.items() if name.startswith(STREAMING)}
-    assert len(streaming) == 26
+    assert len(streaming) == 28
     for name, loads in streaming.items():
         assert "16" in loads and "2" not in loads, (name, loads)  # bf16/fp16 data: 8 elements a load, never 1
 
