@@ -41,6 +41,8 @@ MODES = (
     + [(f"speculative K={k} {s}", {"strategy": "speculative", "mrp_steps": k, "draft_schedule": s})
        for s in ("mrp", "authors") for k in (1, 2, 3, 4)]
     + [("speculative K=3 mrp, blocks together", {"strategy": "speculative", "mrp_steps": 3, "per_row_blocks": False})]
+    + [(f"speculative K=3 mrp, draft_vocab={n}", {"strategy": "speculative", "mrp_steps": 3, "draft_vocab": n})
+       for n in (1024, 512)]
     + [(f"remask {r} tau={t}", {"strategy": "remask", "threshold": t, "remask_rule": r})
        for r in ("tau", "delta") for t in (0.5, 0.6, 0.7, 0.8, 0.9)]
 )

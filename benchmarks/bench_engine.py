@@ -21,6 +21,11 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     The plain forward and the static whole step again, graphed, with each q/k/v and gate/up projection as a GEMM
     of its own (``packed_projections=False``; decoding packs each group into one GEMM): ``ratio`` = over the
     packed ``cuda_graph`` row, what packing saves.
+``draft_vocab=N``
+    The graphed speculative round K=3 with drafts choosing among the first N token ids (``draft_vocab``: each
+    draft step reads N rows of the lm_head instead of all; N = 32768 of 151936, N = 16 for the smoke model):
+    ``ratio`` = over the round with whole-vocabulary drafts. What it does to acceptance is measured on the
+    shipped model by ``bench_e2e.py``.
 ``decode``
     Wall clock of ``model.generate(strategy="static")``: random 512-token prompts, 256 new tokens one
     token a step, batch 1, 8 and 32, with ``cuda_graphs=False`` (the eager reference loop) and ``True``.
@@ -77,6 +82,7 @@ FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "ratio
           "tokens_per_s", "gpu", "torch", "triton", "commit", "note"]
 PROVIDERS = {"eager": False, "cuda_graph": True}
 SPEC_MODE = "speculative K=3 mrp"
+DRAFT_VOCAB, SMOKE_DRAFT_VOCAB = 32768, 16  # the draft_vocab rows' (the smoke model has 512 ids)
 
 
 def parse_args(argv):
@@ -170,6 +176,8 @@ def main(argv=None) -> int:
                              floor["step"], args.seed)
             for B in step_batches:  # last: the issues' targets come first when a time limit cuts the run
                 _unpacked_rows(record, bench, model, B, prefix, T, floor, f"{mname} B={B}", args.seed, graphed[B])
+                _draft_vocab_rows(record, bench, model, B, prefix, T, f"{mname} B={B}", args.seed,
+                                  DRAFT_VOCAB if cuda else SMOKE_DRAFT_VOCAB, graphed[B]["round"])
             del model
             gc.collect()
             if cuda:
@@ -248,7 +256,7 @@ def _unpacked_rows(record, bench, model, B, prefix, T, floor, tag, seed, packed:
 
     from hf_integration.decoding import denoising_step
 
-    dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, packed=False)
+    dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, packed_projections=False)
     ids, pos = steps.query(dec, T, seed)
     q = bench(lambda: dec.backbone(ids, pos))
     record("step", f"{tag} plain q={T}", "unpacked", q, ratio=q[0] / packed["plain"], ratio_to="packed (cuda_graph)",
@@ -258,6 +266,22 @@ def _unpacked_rows(record, bench, model, B, prefix, T, floor, tag, seed, packed:
     q = bench(lambda: dec.step("denoise", static_step, block, pos, quota, mutated=(0,)))
     record("whole_step", f"{tag} static step", "unpacked", q, ratio=q[0] / packed["static_step"],
            ratio_to="packed (cuda_graph)", floor_us=floor["step"])
+
+
+def _draft_vocab_rows(record, bench, model, B, prefix, T, tag, seed, vocab: int, full_round: float) -> None:
+    """Time the graphed speculative round K=3 with drafts among the first ``vocab`` token ids."""
+    import torch
+
+    from hf_integration.mrp_decoding import speculation_round
+
+    dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, draft_vocab=vocab)
+    ids, pos = steps.query(dec, T, seed)
+    h_a = dec.backbone(ids, pos)
+    block, opening = ids.clone(), torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    spec_round = speculation_round(dec)
+    q = bench(lambda: dec.step("speculate", spec_round, block, pos, h_a, opening, mutated=(0,)))
+    record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", f"draft_vocab={vocab}", q,
+           ratio=q[0] / full_round, ratio_to="whole-vocabulary drafts (cuda_graph)")
 
 
 def _attention_rows(record, bench, shape, B, prefix, width, T, device, dtype, tag, seed) -> None:

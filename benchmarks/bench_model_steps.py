@@ -123,13 +123,12 @@ def weight_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_graphs: bool = False,
-                 packed: bool = True):
-    """A ``BlockDecoder`` (speculative settings, commits not fused; forwards eager unless ``cuda_graphs``;
-    q/k/v and gate/up projections packed into one GEMM each unless not ``packed``) whose cache holds ``prefix``
-    committed random tokens per row, written the way decoding writes them: ``commit`` = one backbone forward plus
-    one MRP forward over the prefix, each writing its layers' keys/values, then ``cache.advance``. With
-    ``cuda_graphs`` it holds the batch bucket's rows (as ``generate`` would: 1, 2, 4, 8, 16, 24, ...)."""
+def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_graphs: bool = False, **settings):
+    """A ``BlockDecoder`` (speculative settings, commits not fused, plus ``settings``; forwards eager unless
+    ``cuda_graphs``) whose cache holds ``prefix`` committed random tokens per row, written the way decoding writes
+    them: ``commit`` = one backbone forward plus one MRP forward over the prefix, each writing its layers'
+    keys/values, then ``cache.advance``. With ``cuda_graphs`` it holds the batch bucket's rows (as ``generate``
+    would: 1, 2, 4, 8, 16, 24, ...)."""
     import torch
 
     from hf_integration.decoding import BlockDecoder
@@ -142,7 +141,7 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_gra
     ids = torch.randint(0, top, (batch, prefix), generator=g).to(device)
     settings = GenerationSettings.resolve(model, None, dict(max_new_tokens=block, block_length=block,
                                                             strategy="speculative", fuse_commit=False,
-                                                            cuda_graphs=cuda_graphs, packed_projections=packed),
+                                                            cuda_graphs=cuda_graphs, **settings),
                                        prompt_width=prefix)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None), settings)
     positions = torch.arange(prefix, device=device).expand(dec.x.shape[0], -1)

@@ -25,7 +25,7 @@ def test_bench_engine_smoke(tmp_path):
     rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
     kinds = {(r["kernel"], r["provider"]) for r in rows}
     assert kinds == {("step", "eager"), ("step", "cuda_graph"), ("whole_step", "eager"), ("whole_step", "cuda_graph"),
-                     ("step", "unpacked"), ("whole_step", "unpacked"),
+                     ("step", "unpacked"), ("whole_step", "unpacked"), ("whole_step", "draft_vocab=16"),
                      ("decode", "eager"), ("decode", "cuda_graph"), ("decode", "cuda_graph, first call"),
                      ("speculative_estimate", "cuda_graph"),
                      ("host_checks", "cuda_graph"), ("host_checks", "cuda_graph, device_loop"),

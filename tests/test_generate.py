@@ -317,6 +317,10 @@ BAD_INPUTS = [
     (dict(frobnicate=True), TypeError, "frobnicate"),
     (dict(strategy="dynamic", device_loop="yes"), TypeError, "device_loop must be a bool"),
     (dict(packed_projections=1), TypeError, "packed_projections must be a bool"),
+    (dict(draft_vocab=8), ValueError, "draft_vocab applies to the drafts of strategy='speculative'"),
+    (dict(strategy="speculative", draft_vocab=1), ValueError, "draft_vocab=1 must be >= 2"),
+    (dict(strategy="speculative", draft_vocab=1000), ValueError, "draft_vocab=1000 exceeds the vocabulary"),
+    (dict(strategy="speculative", draft_vocab=8.0), TypeError, "draft_vocab must be an int"),
     (dict(strategy="dynamic", device_loop=True), ValueError, "device_loop=True .* needs cuda_graphs"),
 ]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from transformers.modeling_outputs import ModelOutput
 from transformers.utils.logging import tqdm
 
@@ -294,8 +295,12 @@ class BlockDecoder:
                 self.count("commit_forwards", rows)
 
     # --------------------------------------------------------------------------------- decisions
+    def mask_among(self, vocab: int) -> int | None:
+        """The mask token id when it is among the first ``vocab`` ids (the columns a pick reads), else None."""
+        return self.mask_id if self.mask_id < vocab else None
+
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, counter: torch.Tensor):
-        """Per position the token to commit and its confidence.
+        """Per position the token to commit and its confidence (never the mask token).
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
         counter: [B] or [B, T] (the state index in the noise key).
@@ -308,22 +313,25 @@ class BlockDecoder:
                             if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
-            mask_token_id=self.mask_id, do_sample=s.do_sample, seed=0, noise_keys=keys.reshape(B * T, 3),
+            mask_token_id=self.mask_among(V), do_sample=s.do_sample, seed=0, noise_keys=keys.reshape(B * T, 3),
             top_k=self.on_device("top_k") if s.do_sample else None,
             top_p=self.on_device("top_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor):
-        """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]). Greedy picks go through the fused
-        LM-head confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that
-        are not candidates (committed ones: about half of a step's); sampling builds the logits."""
+                    counter: torch.Tensor, vocab: int | None = None):
+        """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``vocab``, among the token ids below it only
+        (the first ``vocab`` rows of the lm_head; confidences under the softmax over them). Greedy picks go through
+        the fused LM-head confidence, which never writes the [B, T, V] logits and on the GPU skips the positions
+        that are not candidates (committed ones: about half of a step's); sampling builds the logits."""
         s = self.settings
+        weight = self.model.lm_head.weight if vocab is None else self.model.lm_head.weight[:vocab]
         if s.do_sample:
-            return self.pick(self.model.lm_head(hidden), positions, candidates, counter)
+            return self.pick(F.linear(hidden, weight), positions, candidates, counter)
         B, T, H = hidden.shape
-        tok, conf, lse = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), self.model.lm_head.weight,
-                                                       mask_token_id=self.mask_id, skip_rows=~candidates.reshape(-1))
+        tok, conf, lse = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), weight,
+                                                       mask_token_id=self.mask_among(weight.shape[0]),
+                                                       skip_rows=~candidates.reshape(-1))
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

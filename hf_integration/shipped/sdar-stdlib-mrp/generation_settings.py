@@ -67,7 +67,11 @@ class GenerationSettings:
     once a block fills instead of after every step (same output). ``packed_projections`` runs each layer's
     q/k/v projections as one GEMM and its gate/up projections as another (the model's weights are laid out for
     it once, in place: ``model.pack_projections()``); the same output up to the rounding of a differently
-    blocked GEMM (``False``: one GEMM per projection, to measure what packing saves)."""
+    blocked GEMM (``False``: one GEMM per projection, to measure what packing saves). ``draft_vocab`` (speculative)
+    lets the drafts choose among token ids below it only: each draft step reads that many rows of the lm_head
+    instead of all of them (the lm_head is most of a draft step's weights at large vocabularies); BPE ids are in
+    merge order, so the first ids are the frequent tokens. Verification uses the whole vocabulary: the output
+    stays lossless, only the acceptance may drop."""
 
     max_new_tokens: int | None = None
     max_length: int | None = None
@@ -86,6 +90,7 @@ class GenerationSettings:
     return_dict_in_generate: bool = False
     mrp_steps: int = 3
     draft_schedule: str = "mrp"
+    draft_vocab: int | None = None
     remask_rule: str = "tau"
     residual_delta: float = 1.0
     mrp_mix: str = "logits_sum"
@@ -216,6 +221,13 @@ class GenerationSettings:
                 raise ValueError(f"mrp_mix={self.mrp_mix!r} is unknown; use one of {MRP_MIX_MODES}")
             if not float(self.residual_delta) > 0.0:
                 raise ValueError(f"residual_delta={self.residual_delta} must be > 0")
+        if self.draft_vocab is not None:
+            if self.strategy != "speculative":
+                raise ValueError(f"draft_vocab applies to the drafts of strategy='speculative', not "
+                                 f"{self.strategy!r}: drop it")
+            _int_at_least("draft_vocab", self.draft_vocab, 2)
+            if self.draft_vocab > config.vocab_size:
+                raise ValueError(f"draft_vocab={self.draft_vocab} exceeds the vocabulary ({config.vocab_size})")
         if self.strategy == "speculative" and self.denoising_steps != self.block_length:
             raise ValueError("strategy='speculative' verifies one token per step: leave denoising_steps at "
                              f"block_length ({self.block_length})")
