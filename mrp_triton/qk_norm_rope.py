@@ -6,11 +6,13 @@ write q and k ((Hq + Hkv)*D*b). Eager torch moves each head ~8 times (norm: read
 write; rope: two products, a cat and a sum) in ~12 launches; this is one launch.
 
 One program per (batch, time) token holds all its q heads as two [BLOCK_HQ, BLOCK_HALF] tiles (the
-first and second halves of each head) and all its k heads as two [BLOCK_HK, BLOCK_HALF] tiles. q and k are read in place wherever each token's heads lie
-next to each other (any batch and time strides): the q and k column slices of one fused q/k/v
-projection output need no copy. Rotate-half pairs element d of one half with element d of the
-other, so the halves combine elementwise: no shuffle, every load contiguous. cos/sin may be broadcast over the batch (stride 0). Computed in fp32; the normalised heads are rounded to
-the output dtype before RoPE, and cos/sin are rounded to it, as the reference does.
+first and second halves of each head) and all its k heads as two [BLOCK_HK, BLOCK_HALF] tiles. q and
+k are read in place wherever each token's heads lie next to each other (any batch and time strides):
+the q and k column slices of one fused q/k/v projection output need no copy. Rotate-half pairs
+element d of one half with element d of the other, so the halves combine elementwise: no shuffle,
+every load contiguous. cos/sin may be broadcast over the batch (stride 0). Computed in fp32; the
+normalised heads are rounded to the output dtype before RoPE, and cos/sin are rounded to it, as the
+reference does.
 """
 
 from __future__ import annotations
