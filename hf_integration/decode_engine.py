@@ -21,6 +21,7 @@ from mrp_triton.reference.confidence import seed_hash
 
 from .generation_settings import ON_THE_DEVICE, GenerationSettings
 from .kv_cache import StaticKVCache
+from .modeling_sdar import rotary_cos_sin
 from .step_graphs import StepGraphs
 
 
@@ -82,13 +83,17 @@ class EngineShape:
 
 
 class DecodeEngine:
-    """The cache, per-row state and (with ``graphed``) the :class:`StepGraphs` of ``generate`` calls of one
-    :class:`EngineShape`. ``graphed`` engines read the cache over its full width (what a captured graph
+    """The cache, per-row state, RoPE tables and (with ``graphed``) the :class:`StepGraphs` of ``generate`` calls of
+    one :class:`EngineShape`. ``graphed`` engines read the cache over its full width (what a captured graph
     needs); the graphs capture on CUDA and replay the recorded step functions elsewhere."""
 
-    def __init__(self, shape: EngineShape, graphed: bool):
+    def __init__(self, shape: EngineShape, graphed: bool, config):
         self.shape = shape
         s = shape
+        # RoPE tables of every position a forward may use (the layout's, and a block past it: where rows that do not
+        # commit put their part of a commit forward), read by position: no table kernels in each forward.
+        positions = torch.arange(s.max_len + s.block, device=s.device)[None]
+        self.rope = tuple(t[0] for t in rotary_cos_sin(config, positions))
         self.cache = StaticKVCache(s.slots, s.batch, s.max_len, s.kv_heads, s.head_dim, s.dtype, s.device,
                                    full_width=graphed)
         self.graphs = StepGraphs(capture=s.device.type == "cuda") if graphed else None
@@ -136,13 +141,14 @@ def engine_for(model, shape: EngineShape, graphed: bool) -> DecodeEngine:
     shape and weight storage (its captured graphs are reused); a new graphed engine replaces it.
     ``model.release_decode_engine()`` frees it."""
     if not graphed:
-        return DecodeEngine(shape, graphed=False)
-    key = (dataclasses.astuple(shape), tuple(p.data_ptr() for p in model.parameters()))
+        return DecodeEngine(shape, graphed=False, config=model.config)
+    key = (dataclasses.astuple(shape), repr(model.config.rope_parameters),
+           tuple(p.data_ptr() for p in model.parameters()))
     kept = model._decode_engine
     if kept is not None and kept[0] == key:
         kept[1].reset()
         return kept[1]
     model.release_decode_engine()  # free the old buffers before allocating new ones
-    engine = DecodeEngine(shape, graphed=True)
+    engine = DecodeEngine(shape, graphed=True, config=model.config)
     model._decode_engine = (key, engine)
     return engine

@@ -141,7 +141,7 @@ class BlockDecoder:
     # ---------------------------------------------------------------------------------- forwards
     def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0):
         return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
-                               block_size=self.block, packed=self.packed)
+                               block_size=self.block, packed=self.packed, rope=self.engine.rope)
 
     def graphed(self, key: tuple, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = (), branches: bool = False):
         """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of ``key`` + the input shapes (see

@@ -94,7 +94,9 @@ class AttentionInputs:
     copy) and the block size, from which ``mrp_triton.cached_attention`` derives who sees what; and
     ``write_len``, how many leading new positions each layer appends to the cache (0 for a denoising
     forward). ``packed``: the layers' q/k/v and gate/up projections are packed (``modeling_sdar.pack_linears``;
-    the decoder packs them), so each group runs as one GEMM (inference only).
+    the decoder packs them), so each group runs as one GEMM (inference only). ``rope``: the cos and sin tables
+    ``[P, head_dim]`` of positions 0..P-1 (``modeling_sdar.rotary_cos_sin``'s values), read by position instead of
+    computed in every forward.
     """
 
     mask: torch.Tensor | None = None
@@ -104,3 +106,4 @@ class AttentionInputs:
     segments: torch.Tensor | None = None
     block_size: int = 0
     packed: bool = False
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 import mrp_triton
-from hf_integration import SDARMRPForCausalLM
+from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from tiny_models import MASK_ID, random_prompts, tiny_config, tiny_model
 
 
@@ -246,6 +246,26 @@ def test_generation_config_filled_with_transformers_defaults_is_accepted(model):
     assert len(unsupported) == 3, "transformers no longer fills these defaults: revisit FILLED_DEFAULTS"
     filled = GenerationConfig(max_new_tokens=4, **unsupported)
     assert torch.equal(model.generate(ids, generation_config=filled), model.generate(ids, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_decoding_forwards_read_rope_tables_built_once(model, monkeypatch, strategy):
+    """The decoder's forwards read the RoPE tables the engine built once (positions 0 .. width + block - 1) instead
+    of computing them; the tokens are those of the oracle, which computes them in every forward."""
+    calls = []
+    compute = modeling_sdar.rotary_cos_sin
+
+    def counted(config, positions, *args):
+        calls.append(tuple(positions.shape))
+        return compute(config, positions, *args)
+
+    for module in (modeling_sdar, decode_engine):
+        monkeypatch.setattr(module, "rotary_cos_sin", counted)
+    prompt = random_prompts(1, 5, seed=2)[0]
+    out = model.generate(prompt[None], max_new_tokens=10, strategy=strategy)
+    assert calls == [(1, 16 + model.config.block_size)]  # the layout: 5 + 10 tokens in blocks of 4
+    monkeypatch.undo()
+    assert torch.equal(out[0], naive_static_decode(model, prompt, 10, model.config.block_size))
 
 
 def test_stats_report_tokens_per_forward(model):
