@@ -123,12 +123,14 @@ def weight_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_graphs: bool = False, **settings):
+def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_graphs: bool = False,
+                 new_tokens: int | None = None, **settings):
     """A ``BlockDecoder`` (speculative settings, commits not fused, plus ``settings``; forwards eager unless
     ``cuda_graphs``) whose cache holds ``prefix`` committed random tokens per row, written the way decoding writes
     them: ``commit`` = one backbone forward plus one MRP forward over the prefix, each writing its layers'
-    keys/values, then ``cache.advance``. With ``cuda_graphs`` it holds the batch bucket's rows (as ``generate``
-    would: 1, 2, 4, 8, 16, 24, ...)."""
+    keys/values, then ``cache.advance``. Its layout has room for ``new_tokens`` (default one block) after the
+    prefix: the positions its forwards may use. With ``cuda_graphs`` it holds the batch bucket's rows (as
+    ``generate`` would: 1, 2, 4, 8, 16, 24, ...)."""
     import torch
 
     from hf_integration.decoding import BlockDecoder
@@ -139,7 +141,7 @@ def make_decoder(model, batch: int, prefix: int, block: int, seed: int, cuda_gra
     g = torch.Generator(device="cpu").manual_seed(seed)
     top = min(model.config.vocab_size, model.config.mask_token_id)  # prompts never hold the mask token
     ids = torch.randint(0, top, (batch, prefix), generator=g).to(device)
-    settings = GenerationSettings.resolve(model, None, dict(max_new_tokens=block, block_length=block,
+    settings = GenerationSettings.resolve(model, None, dict(max_new_tokens=new_tokens or block, block_length=block,
                                                             strategy="speculative", fuse_commit=False,
                                                             cuda_graphs=cuda_graphs, **settings),
                                        prompt_width=prefix)
@@ -268,7 +270,7 @@ def run(args, cuda: bool) -> int:
                        note=f"{nbytes / 1e9:.3f} GB at {copy_bw / 1e12:.2f} TB/s")
 
             for B in batches:
-                dec = make_decoder(model, B, prefix, T, args.seed)
+                dec = make_decoder(model, B, prefix, T, args.seed, new_tokens=max(queries))
                 tag = f"{mname} B={B}"
                 # ------------------------------------------------ (a) plain denoising forwards
                 for q in queries:
