@@ -26,11 +26,16 @@ from .reference.qk_norm_rope import qk_norm_rope as qk_norm_rope_reference
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos1, sin1, cos2, sin2, cols, col_mask,
-                     n_heads, D, eps, BLOCK_H: tl.constexpr):
-    """Normalise and rotate the [n_heads, D] rows starting at x_ptr (heads D apart); store at o_ptr. Each row
-    is read as its two halves, so both loads are contiguous."""
+def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, cols, col_mask, n_heads, D, eps, BLOCK_H: tl.constexpr):
+    """Normalise and rotate the [n_heads, D] rows starting at x_ptr (heads D apart) with the token's cos and sin
+    rows; store at o_ptr. Each row is read as its two halves, so every load is contiguous."""
     half = D // 2
+    dt = o_ptr.dtype.element_ty
+    # the reference casts cos/sin to each output's dtype before the products
+    cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
     heads = tl.arange(0, BLOCK_H)
     mask = (heads[:, None] < n_heads) & col_mask[None, :]
     first = heads[:, None] * D + cols[None, :]
@@ -41,25 +46,12 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos1, sin1, cos2, sin2, cols, col_mask
     w2 = tl.load(w_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
     # rms_norm rounding points: norm -> x dtype, * weight -> output dtype
     x1 = (x1 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    x1 = (x1 * w1[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
+    x1 = (x1 * w1[None, :]).to(dt).to(tl.float32)
     x2 = (x2 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    x2 = (x2 * w2[None, :]).to(o_ptr.dtype.element_ty).to(tl.float32)
+    x2 = (x2 * w2[None, :]).to(dt).to(tl.float32)
     # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-    tl.store(o_ptr + first, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + first + half, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _heads_of(x_ptr, o_ptr, w_ptr, cos_row, sin_row, cols, col_mask, n_heads, D, eps, BLOCK_H: tl.constexpr):
-    """:func:`_norm_rope_heads` with the halves of the token's cos and sin rows, rounded to the output's dtype as the
-    reference casts the tables to each output's."""
-    half = D // 2
-    dt = o_ptr.dtype.element_ty
-    cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos1, sin1, cos2, sin2, cols, col_mask, n_heads, D, eps, BLOCK_H)
+    tl.store(o_ptr + first, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(dt), mask=mask)
+    tl.store(o_ptr + first + half, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(dt), mask=mask)
 
 
 @triton.jit
@@ -75,10 +67,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
     col_mask = cols < half
     cos_row = cos_ptr + b * stride_cb + t * stride_ct
     sin_row = sin_ptr + b * stride_sb + t * stride_st
-    _heads_of(q_ptr + b * stride_qb + t * stride_qt, qo_ptr + tok * Hq * D, qw_ptr, cos_row, sin_row, cols,
-              col_mask, Hq, D, eps, BLOCK_HQ)
-    _heads_of(k_ptr + b * stride_kb + t * stride_kt, ko_ptr + tok * Hkv * D, kw_ptr, cos_row, sin_row, cols,
-              col_mask, Hkv, D, eps, BLOCK_HK)
+    _norm_rope_heads(q_ptr + b * stride_qb + t * stride_qt, qo_ptr + tok * Hq * D, qw_ptr, cos_row, sin_row,
+                     cols, col_mask, Hq, D, eps, BLOCK_HQ)
+    _norm_rope_heads(k_ptr + b * stride_kb + t * stride_kt, ko_ptr + tok * Hkv * D, kw_ptr, cos_row, sin_row,
+                     cols, col_mask, Hkv, D, eps, BLOCK_HK)
 
 
 def _rope_table(name: str, t: torch.Tensor, B: int, T: int, D: int, device: torch.device) -> torch.Tensor:
