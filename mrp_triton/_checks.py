@@ -1,4 +1,4 @@
-"""Argument checks shared by the op launchers; every error names the offending argument.
+"""Argument checks (and the row layout) shared by the op launchers; every error names the offending argument.
 
 Decode ops (select, verify, remask) work on a ``block``: int64 [B, L], updated in place, with
 the other tensors on its device. Row ops (rms_norm, swiglu) pair an operand with another
@@ -100,3 +100,10 @@ def check_matches(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) 
         raise TypeError(f"{name} dtype {t.dtype} != {ref_name} dtype {ref.dtype}")
     if t.device != ref.device:
         raise ValueError(f"{ref_name} is on {ref.device} but {name} is on {t.device}")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., F] as [rows, F] for a kernel that takes a row stride: each row contiguous, one stride between rows
+    (a view when x is laid out so, e.g. a column slice of a wider tensor; else a copy)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()

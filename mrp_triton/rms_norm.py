@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_float, check_matches
+from ._checks import as_rows, check_float, check_matches
 from .backend import select_backend
 from .reference.rms_norm import rms_norm as rms_norm_reference
 
@@ -78,13 +78,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         check_matches("residual", residual, "x", x)
     BLOCK, num_warps = row_settings(H)
-    x2 = x.reshape(-1, H).contiguous()
+    x2 = as_rows(x)
     w = weight.contiguous()
     M = x2.shape[0]
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     y2 = y.view(-1, H)
     if residual is not None:
-        r2 = residual.reshape(-1, H).contiguous()
+        r2 = as_rows(residual)
         s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         s2 = s.view(-1, H)
     else:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_float, check_matches
+from ._checks import as_rows, check_float, check_matches
 from .backend import select_backend
 from .reference.swiglu import swiglu as swiglu_reference
 
@@ -36,19 +36,13 @@ def _swiglu_kernel(g_ptr, u_ptr, o_ptr, F, stride_g, stride_u, BLOCK: tl.constex
     tl.store(o_ptr + row * F + cols, (act * u).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., F] as [rows, F] with contiguous rows at one stride (a view when it is one, else a copy)."""
-    x = x.reshape(-1, x.shape[-1])
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Triton launcher of :func:`swiglu` (same arguments and result)."""
     check_float("gate", gate)
     check_matches("gate", gate, "up", up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() > 0:
-        g, u = _rows(gate), _rows(up)
+        g, u = as_rows(gate), as_rows(up)
         F = g.shape[1]
         block = min(_BLOCK, triton.next_power_of_2(F))
         _swiglu_kernel[(g.shape[0], triton.cdiv(F, block))](g, u, out, F, g.stride(0), u.stride(0), BLOCK=block,

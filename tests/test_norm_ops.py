@@ -41,12 +41,13 @@ def _randn(shape, dtype, seed, scale=1.0):
 # ---------------------------------------------------------------------------------------- rms_norm
 @settings(max_examples=20)
 @given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2), H=st.integers(1, 300), dtype=dtypes,
-       with_residual=st.booleans(), seed=st.integers(0, 2**16))
-def test_rms_norm_matches_reference(lead, H, dtype, with_residual, seed):
-    shape = (*lead, H)
-    x = _randn(shape, dtype, seed, 3.0)
+       with_residual=st.booleans(), pad=st.sampled_from((0, 0, 5)), seed=st.integers(0, 2**16))
+def test_rms_norm_matches_reference(lead, H, dtype, with_residual, pad, seed):
+    """``pad``: x and the residual are the first H columns of [..., H + pad] tensors (rows read in place)."""
+    wide = (*lead, H + pad)
+    x = _randn(wide, dtype, seed, 3.0)[..., :H]
     w = _randn((H,), dtype, seed + 1)
-    r = _randn(shape, dtype, seed + 2) if with_residual else None
+    r = _randn(wide, dtype, seed + 2)[..., :H] if with_residual else None
     with poisoned_allocations():
         out = rms_norm_triton(x, w, EPS, r)
     expect = ref.rms_norm(x, w, EPS, r)
