@@ -207,9 +207,6 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     returns their medians (us)."""
     import torch
 
-    from hf_integration.decoding import denoising_step
-    from hf_integration.mrp_decoding import speculation_round
-
     dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=graphs)
     ids, pos = steps.query(dec, T, seed)
     h_a = dec.backbone(ids, pos)
@@ -225,61 +222,67 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     q = bench(lambda: dec.mrp(ids, h_a, pos))
     mrp = record("step", f"{tag} mrp D=3", provider, q, ratio=q[0] / plain, ratio_to=f"plain q={T}",
                  floor_us=floor["mrp"])
-    # Whole steps commit into the block they are given; their cost does not depend on how many masks are left.
-    block, quota = ids.clone(), torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
-    static_step, spec_round = denoising_step(dec), speculation_round(dec)
-    static = record("whole_step", f"{tag} static step", provider,
-                    bench(lambda: dec.step("denoise", static_step, block, pos, quota, mutated=(0,))),
+    whole = _whole_steps(dec, ids, pos, h_a)
+    static = record("whole_step", f"{tag} static step", provider, _time_step(bench, dec, whole, "denoise"),
                     floor_us=floor["step"])
-    opening = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)  # every row mid-block: drafts
-    q = bench(lambda: dec.step("speculate", spec_round, block, pos, h_a, opening, mutated=(0,)))
+    q = _time_step(bench, dec, whole, "speculate")
     spec_round_us = record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", provider, q,
                            ratio=q[0] / static, ratio_to="static step")
     # A finished block riding in front (committed for no row, so the cache stays as it is: the same work).
     riding = (ids.clone(), pos + T, False, torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device))
+    for name, label, alone in (("denoise", "static step", static),
+                               ("speculate", f"speculative round K={dec.settings.mrp_steps}", spec_round_us)):
+        q = _time_step(bench, dec, whole, name, riding)
+        record("whole_step", f"{tag} {label} + commit", provider, q, ratio=q[0] / alone, ratio_to=label)
+    return {"plain": plain, "verify": verify, "mrp": mrp, "static_step": static, "round": spec_round_us}
 
-    def carrying(name, fn, *inputs):
-        dec.pending = riding
+
+def _whole_steps(dec, ids, pos, h_a) -> dict:
+    """The decoder's whole steps as ``generate`` runs them, by step name: ``denoise`` (the static step) and
+    ``speculate`` (the speculative round; every row mid-block, so it drafts), each (step function, inputs). Whole
+    steps commit into the block they are given; their cost does not depend on how many masks are left."""
+    import torch
+
+    from hf_integration.decoding import denoising_step
+    from hf_integration.mrp_decoding import speculation_round
+
+    block, B = ids.clone(), ids.shape[0]
+    quota = torch.ones(B, dtype=torch.long, device=ids.device)
+    opening = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    return {"denoise": (denoising_step(dec), (block, pos, quota)),
+            "speculate": (speculation_round(dec), (block, pos, h_a, opening))}
+
+
+def _time_step(bench, dec, whole: dict, name: str, riding: tuple | None = None):
+    """``bench`` of the whole step ``name`` of :func:`_whole_steps` (with ``riding``: carrying that pending commit)."""
+    fn, inputs = whole[name]
+
+    def run():
+        if riding is not None:
+            dec.pending = riding
         return dec.step(name, fn, *inputs, mutated=(0,))
 
-    for name, fn, inputs, alone in (("static step", static_step, (block, pos, quota), static),
-                                    (f"speculative round K={dec.settings.mrp_steps}", spec_round,
-                                     (block, pos, h_a, opening), spec_round_us)):
-        q = bench(lambda: carrying("denoise" if fn is static_step else "speculate", fn, *inputs))
-        record("whole_step", f"{tag} {name} + commit", provider, q, ratio=q[0] / alone, ratio_to=name)
-    return {"plain": plain, "verify": verify, "mrp": mrp, "static_step": static, "round": spec_round_us}
+    return bench(run)
 
 
 def _unpacked_rows(record, bench, model, B, prefix, T, floor, tag, seed, packed: dict) -> None:
     """Time the graphed plain forward and static whole step with every projection a GEMM of its own."""
-    import torch
-
-    from hf_integration.decoding import denoising_step
-
     dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, packed_projections=False)
     ids, pos = steps.query(dec, T, seed)
+    h_a = dec.backbone(ids, pos)
     q = bench(lambda: dec.backbone(ids, pos))
     record("step", f"{tag} plain q={T}", "unpacked", q, ratio=q[0] / packed["plain"], ratio_to="packed (cuda_graph)",
            floor_us=floor["backbone"])
-    block, quota = ids.clone(), torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
-    static_step = denoising_step(dec)
-    q = bench(lambda: dec.step("denoise", static_step, block, pos, quota, mutated=(0,)))
+    q = _time_step(bench, dec, _whole_steps(dec, ids, pos, h_a), "denoise")
     record("whole_step", f"{tag} static step", "unpacked", q, ratio=q[0] / packed["static_step"],
            ratio_to="packed (cuda_graph)", floor_us=floor["step"])
 
 
 def _draft_vocab_rows(record, bench, model, B, prefix, T, tag, seed, vocab: int, full_round: float) -> None:
     """Time the graphed speculative round K=3 with drafts among the first ``vocab`` token ids."""
-    import torch
-
-    from hf_integration.mrp_decoding import speculation_round
-
     dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, draft_vocab=vocab)
     ids, pos = steps.query(dec, T, seed)
-    h_a = dec.backbone(ids, pos)
-    block, opening = ids.clone(), torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    spec_round = speculation_round(dec)
-    q = bench(lambda: dec.step("speculate", spec_round, block, pos, h_a, opening, mutated=(0,)))
+    q = _time_step(bench, dec, _whole_steps(dec, ids, pos, dec.backbone(ids, pos)), "speculate")
     record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", f"draft_vocab={vocab}", q,
            ratio=q[0] / full_round, ratio_to="whole-vocabulary drafts (cuda_graph)")
 
