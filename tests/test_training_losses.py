@@ -9,7 +9,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 from training.config import TrainConfig
 from training.data import build_datasets
-from training.losses import backbone_loss_sum, block_picks, draft_agreement, kl_teacher_student, mrp_loss_sum
+from training.kd_loss import top_choice
+from training.losses import backbone_loss_sum, block_picks, draft_agreement, mrp_loss_sum
 from training.noising import block_diffusion_mask, make_generators, pack_noisy_clean, reveal_one_per_block, sample_mask
 
 T, BS = 16, 4
@@ -99,8 +100,8 @@ def test_block_picks_and_agreement_by_hand():
     assert position.tolist() == [[0, 2]] and token.tolist() == [[1, 1]] and has.tolist() == [[True, True]]
     student = teacher.clone()
     student[2] = torch.tensor([0, 0, 5, 0, 1.0])  # position 3: token 2 (not 4), and now block 0's pick
-    assert draft_agreement(teacher, student, sel, 4, M) == {"tokens_agree": 4, "tokens": 5, "picks_agree": 1,
-                                                            "blocks": 2}
+    assert draft_agreement(top_choice(teacher, M), top_choice(student, M), sel, 4) == {
+        "tokens_agree": 4, "tokens": 5, "picks_agree": 1, "blocks": 2}
 
 
 def test_kd_matches_hand_computation(setup):
@@ -124,7 +125,8 @@ def test_kd_matches_hand_computation(setup):
         for b in range(ids.shape[0]):
             for i in range(T):
                 if masked[b, i] and not reveal[b, i]:
-                    want += float(kl_teacher_student(lb[b, i], la[b, i])) / float(p[b])
+                    teacher, student = lb[b, i].double().softmax(-1), la[b, i].double().softmax(-1)
+                    want += float((teacher * (teacher / student).log()).sum()) / float(p[b])
     assert float(got) == pytest.approx(want, rel=1e-4)
 
 

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .kd_loss import kd_loss_sum, top_choices
 from .noising import pack_noisy_clean, reveal_one_per_block
 
 
@@ -40,29 +41,7 @@ def backbone_loss_sum(model, ids, masked, p, attn_mask, mask_token_id: int):
     return (ce * w).sum(), int(masked.sum())
 
 
-def lm_head_fp32(model, h: torch.Tensor) -> torch.Tensor:
-    """``lm_head(h)`` in fp32 even under bf16 autocast: the KD targets are small logit differences."""
-    w = model.lm_head.weight
-    with torch.autocast(h.device.type, enabled=False):
-        return F.linear(h.float(), w.float())
-
-
-def kl_teacher_student(t_logits: torch.Tensor, s_logits: torch.Tensor) -> torch.Tensor:
-    """Forward KL(softmax(t) || softmax(s)) per row, in fp32."""
-    t = F.log_softmax(t_logits.float(), dim=-1)
-    s = F.log_softmax(s_logits.float(), dim=-1)
-    return (t.exp() * (t - s)).sum(dim=-1)
-
-
 AGREEMENT_COUNTS = ("tokens_agree", "tokens", "picks_agree", "blocks")  # the counts of draft_agreement
-
-
-def _top_choice(logits: torch.Tensor, mask_token_id: int):
-    """logits [n, V] -> (log of the largest probability [n], its token [n]), the mask token excluded (as the
-    decoder's picks exclude it)."""
-    z = logits.float().index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
-    top, token = z.max(-1)  # first maximal index
-    return top - torch.logsumexp(z, -1), token
 
 
 def block_picks(log_conf: torch.Tensor, token: torch.Tensor, sel: torch.Tensor, block_size: int):
@@ -79,15 +58,15 @@ def block_picks(log_conf: torch.Tensor, token: torch.Tensor, sel: torch.Tensor, 
     return position, picked, sel.view(B, -1, block_size).any(-1)
 
 
-def draft_agreement(t_logits: torch.Tensor, s_logits: torch.Tensor, sel: torch.Tensor, block_size: int,
-                    mask_token_id: int) -> dict[str, int]:
+def draft_agreement(teacher_top: tuple[torch.Tensor, torch.Tensor], student_top: tuple[torch.Tensor, torch.Tensor],
+                    sel: torch.Tensor, block_size: int) -> dict[str, int]:
     """How often the student (the MRP-corrected logits) agrees with the teacher (the backbone on the same
     state), as counts: at ``tokens_agree`` of the ``tokens`` scored positions the argmax token is the same,
     and in ``picks_agree`` of the ``blocks`` blocks with a scored position the step's pick
     (:func:`block_picks`) is the same position and token, which is what gets a speculative draft accepted.
-    t_logits, s_logits: [n, V] at the positions of ``sel`` (bool [B, T])."""
-    t_conf, t_tok = _top_choice(t_logits, mask_token_id)
-    s_conf, s_tok = _top_choice(s_logits, mask_token_id)
+    teacher_top, student_top: (log-probability [n], token [n]) of each side's top choice
+    (:func:`training.kd_loss.top_choice`) at the positions of ``sel`` (bool [B, T])."""
+    (t_conf, t_tok), (s_conf, s_tok) = teacher_top, student_top
     t_pos, t_pick, has = block_picks(t_conf, t_tok, sel, block_size)
     s_pos, s_pick, _ = block_picks(s_conf, s_tok, sel, block_size)
     return {"tokens_agree": int((t_tok == s_tok).sum()), "tokens": int(sel.sum()),
@@ -119,7 +98,8 @@ def mrp_loss_sum(
     The clean half of the MRP input always carries h_A of the clean tokens (the MRP's prefix).
     Loss_k = sum over positions still masked in state_k of KL(teacher || student) / p.
     Gradients flow through the whole unroll (acc / h_p chain) into the MRP only. Teacher and
-    student logits are computed in fp32 (also under bf16 autocast).
+    student logits are computed in fp32 (also under bf16 autocast), chunk by chunk
+    (:func:`training.kd_loss.kd_loss_sum`: no [n, V] tensor is kept for backward).
 
     Returns ``(sum_k Loss_k / K, stats)``; with ``agreement`` the stats also hold, per unroll step k, the
     counts of :func:`draft_agreement` (``"agreement"``: a list of K dicts).
@@ -159,13 +139,11 @@ def mrp_loss_sum(
             student = h_p
         sel = state_mask
         if bool(sel.any()):
-            with torch.no_grad():
-                t_logits = lm_head_fp32(model, h_b[sel])
-            s_logits = lm_head_fp32(model, student[sel])
-            kl = kl_teacher_student(t_logits, s_logits)
-            total = total + (kl * w[sel]).sum()
+            head = model.lm_head.weight
+            total = total + kd_loss_sum(student[sel], h_b[sel], head, w[sel])
             if agreement:
-                agreements.append(draft_agreement(t_logits, s_logits.detach(), sel, block_size, mask_token_id))
+                tops = [top_choices(h[sel], head, mask_token_id) for h in (h_b, student.detach())]
+                agreements.append(draft_agreement(*tops, sel, block_size))
         else:
             total = total + student.sum() * 0.0  # keep the graph connected (DDP needs every grad)
             if agreement:

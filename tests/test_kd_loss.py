@@ -1,0 +1,138 @@
+"""The chunked MRP distillation loss (training.kd_loss) against autograd through the dense formula."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from training.kd_loss import kd_loss_sum, top_choice, top_choices
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+def dense_kd_sum(student, teacher, weight, row_weights):
+    """sum_i w_i KL(softmax(W t_i) || softmax(W s_i)), written out for autograd (the oracle)."""
+    log_p = F.linear(teacher, weight).log_softmax(-1)
+    log_q = F.linear(student, weight).log_softmax(-1)
+    return ((log_p.exp() * (log_p - log_q)).sum(-1) * row_weights).sum()
+
+
+def draw_case(data, dtype=torch.float64):
+    n = data.draw(st.integers(0, 24), label="n")
+    V = data.draw(st.integers(2, 150), label="V")
+    H = data.draw(st.integers(1, 10), label="H")
+    sharp = data.draw(st.sampled_from([0.1, 1.0, 8.0]), label="logit scale")  # flat to nearly one-hot
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    student = torch.randn(n, H, generator=g, dtype=torch.float64).to(dtype)
+    teacher = (student.double() + 0.5 * torch.randn(n, H, generator=g, dtype=torch.float64)).to(dtype)
+    weight = (sharp * torch.randn(V, H, generator=g, dtype=torch.float64)).to(dtype)
+    row_weights = 1.0 / torch.rand(n, generator=g, dtype=torch.float64).clamp(min=1e-3)
+    return student, teacher, weight, row_weights.to(dtype)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_loss_and_student_gradient_equal_autograd_of_the_dense_formula(data):
+    student, teacher, weight, row_weights = draw_case(data)
+    chunk = data.draw(st.integers(1, student.shape[0] + 3), label="chunk_rows")
+    upstream = data.draw(st.floats(-3.0, 3.0), label="upstream grad")
+    s1 = student.clone().requires_grad_()
+    got = kd_loss_sum(s1, teacher, weight, row_weights, chunk_rows=chunk)
+    (got * upstream).backward()
+    s2 = student.clone().requires_grad_()
+    want = dense_kd_sum(s2, teacher, weight, row_weights)
+    (want * upstream).backward()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s1.grad, s2.grad, rtol=1e-9, atol=1e-12)
+    assert got.dtype == torch.float64
+
+
+@SETTINGS
+@given(data=st.data())
+def test_low_precision_inputs_are_scored_in_fp32_with_grads_in_their_dtype(data):
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), label="dtype")
+    student, teacher, weight, row_weights = draw_case(data, dtype)
+    s1 = student.clone().requires_grad_()
+    got = kd_loss_sum(s1, teacher, weight, row_weights, chunk_rows=5)
+    got.backward()
+    s2 = student.float().requires_grad_()
+    want = dense_kd_sum(s2, teacher.float(), weight.float(), row_weights.float())
+    want.backward()
+    assert got.dtype == torch.float32 and s1.grad.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s1.grad, s2.grad.to(dtype))
+
+
+def test_autocast_does_not_lower_the_logits_to_bf16():
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(7, 16, generator=g).requires_grad_(), torch.randn(7, 16, generator=g)
+    weight, rw = torch.randn(50, 16, generator=g), torch.rand(7, generator=g) + 0.5
+    plain = kd_loss_sum(student, teacher, weight, rw, chunk_rows=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = kd_loss_sum(student, teacher, weight, rw, chunk_rows=3)
+    assert autocast.dtype == torch.float32
+    assert torch.equal(plain, autocast)
+
+
+def test_backward_keeps_one_n_by_h_tensor_and_nothing_of_the_vocabulary():
+    """What the loss saves for backward: the student gradient [n, H] only (autograd through the dense
+    formula would keep [n, V] log-probabilities)."""
+    n, H, V = 12, 8, 301
+    student = torch.randn(n, H).requires_grad_()
+    teacher, weight, rw = torch.randn(n, H), torch.randn(V, H), torch.ones(n)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = kd_loss_sum(student, teacher, weight, rw, chunk_rows=4)
+    assert saved == [(n, H)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        dense_kd_sum(student, teacher, weight, rw)
+    assert any(V in shape for shape in saved[1:])  # the oracle does keep vocabulary-sized tensors
+    loss.backward()
+    assert student.grad.shape == (n, H)
+
+
+def test_frozen_inputs_are_required():
+    student, teacher = torch.randn(3, 4).requires_grad_(), torch.randn(3, 4)
+    weight, rw = torch.randn(9, 4), torch.ones(3)
+    with pytest.raises(ValueError, match="lm_head weight"):
+        kd_loss_sum(student, teacher, weight.requires_grad_(), rw)
+    with torch.no_grad():  # evaluation: nothing is differentiated, so a trainable lm_head is fine
+        assert torch.isfinite(kd_loss_sum(student, teacher, weight, rw))
+
+
+@pytest.mark.parametrize("args,match", [
+    (((3, 4), (3, 5), (9, 4), (3,)), "student and teacher"),
+    (((3, 4), (3, 4), (9, 5), (3,)), "weight must be"),
+    (((3, 4), (3, 4), (9, 4), (2,)), "row_weights"),
+])
+def test_mismatched_shapes_are_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        kd_loss_sum(*(torch.randn(s) for s in args))
+
+
+def test_chunk_rows_below_one_is_refused():
+    with pytest.raises(ValueError, match="chunk_rows"):
+        kd_loss_sum(torch.randn(3, 4), torch.randn(3, 4), torch.randn(9, 4), torch.ones(3), chunk_rows=0)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_top_choices_in_chunks_equal_top_choice_of_the_whole_logits(data):
+    hidden, _, weight, _ = draw_case(data, torch.float32)
+    weight = weight.round()  # integer logits: exact ties between tokens
+    hidden = hidden.round()
+    mask = data.draw(st.integers(0, weight.shape[0] - 1), label="mask_token_id")
+    chunk = data.draw(st.integers(1, hidden.shape[0] + 3), label="chunk_rows")
+    conf, token = top_choices(hidden, weight, mask, chunk_rows=chunk)
+    want_conf, want_token = top_choice(hidden @ weight.T, mask)
+    assert torch.equal(token, want_token) and not (token == mask).any()
+    torch.testing.assert_close(conf, want_conf)
+    z = (hidden @ weight.T).index_fill(-1, torch.tensor([mask]), float("-inf"))
+    first_max = (z == z.max(-1, keepdim=True).values).int().argmax(-1)  # ties go to the lowest token id
+    assert torch.equal(token, first_max)

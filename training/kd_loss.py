@@ -1,0 +1,125 @@
+"""The MRP distillation loss over the vocabulary, in row chunks, keeping nothing of size V for backward.
+
+``kd_loss_sum(student, teacher, weight, row_weights)`` = sum_i w_i KL(softmax(W t_i) || softmax(W s_i)): the
+teacher's and student's logits through the (frozen) lm_head W [V, H], in fp32 (fp64 inputs stay fp64).
+
+Written out through autograd, one unroll step keeps its [n, V] log-probabilities for backward (plus a
+few more [n, V] temporaries at the peak): at V = 151936 and the n ~ 2000 masked positions of one
+4096-token sequence that is ~1.2 GB per tensor, several GB per unroll step, which is what bounds the
+micro-batch of MRP training on a real backbone. Here each chunk of rows computes its logits, its share
+of the loss and, in the same pass, its gradient with respect to the student rows,
+``w_i (softmax(W s_i) - softmax(W t_i)) @ W``: backward keeps only that [n, H] tensor and scales it.
+Same GEMMs as autograd (two logit products forward, one for the gradient), fewer passes over [n, V]. The
+weight is cast to fp32 once per call, as the dense formula also needs ([V, H] fp32: 1.2 GB at the 1.7B shape).
+
+``top_choices`` gives what the draft-agreement statistics need (per row the most probable token without the
+mask token and its log-probability) in the same chunks, without gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ELEMENTS = 1 << 25  # logits per chunk: [chunk_rows, V] in fp32 is 128 MB; a chunk holds ~4 such at its peak
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk: as many as keep one [rows, V] tensor at CHUNK_ELEMENTS (at least one)."""
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+
+
+def _chunks(n: int, rows: int) -> Iterator[slice]:
+    for start in range(0, n, rows):
+        yield slice(start, min(start + rows, n))
+
+
+def _no_autocast(device: torch.device) -> torch.autocast:
+    """The logits in fp32 even under bf16 autocast: the KD targets are small logit differences."""
+    return torch.autocast(device.type, enabled=False)
+
+
+def _check(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, row_weights: torch.Tensor,
+           chunk_rows: int | None) -> None:
+    if student.dim() != 2 or teacher.shape != student.shape:
+        raise ValueError(f"student and teacher must both be [n, H], got {tuple(student.shape)} and "
+                         f"{tuple(teacher.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != student.shape[1]:
+        raise ValueError(f"weight must be the lm_head weight [V, H={student.shape[1]}], got {tuple(weight.shape)}")
+    if row_weights.shape != student.shape[:1]:
+        raise ValueError(f"row_weights must be [n={student.shape[0]}], got {tuple(row_weights.shape)}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+
+
+class _ChunkedKD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student, teacher, weight, row_weights, chunk_rows, want_grad):
+        dt = _compute_dtype(student.dtype)
+        ctx.student_dtype = student.dtype
+        with _no_autocast(student.device):
+            w = weight.to(dt)
+            grad = torch.empty(student.shape, dtype=dt, device=student.device) if want_grad else None
+            total = torch.zeros((), dtype=dt, device=student.device)
+            for rows in _chunks(student.shape[0], chunk_rows):
+                log_q = F.linear(student[rows].to(dt), w).log_softmax(-1)
+                log_p = F.linear(teacher[rows].to(dt), w).log_softmax(-1)
+                p = log_p.exp()
+                rw = row_weights[rows].to(dt)
+                total += ((p * (log_p - log_q)).sum(-1) * rw).sum()
+                if grad is not None:
+                    grad[rows] = log_q.exp_().sub_(p).mul_(rw[:, None]) @ w
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total).to(ctx.student_dtype), None, None, None, None, None
+
+
+def kd_loss_sum(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, row_weights: torch.Tensor,
+                chunk_rows: int | None = None) -> torch.Tensor:
+    """sum_i row_weights_i * KL(softmax(weight @ teacher_i) || softmax(weight @ student_i)), a 0-d tensor.
+
+    student: [n, H] (the only input that may require grad), teacher: [n, H], weight: [V, H] (frozen),
+    row_weights: [n]. Computed ``chunk_rows`` rows at a time (default :func:`default_chunk_rows`) in fp32
+    (fp64 for fp64 inputs), also under autocast; backward keeps one [n, H] tensor."""
+    _check(student, teacher, weight, row_weights, chunk_rows)
+    grad_on = torch.is_grad_enabled()
+    if grad_on and (teacher.requires_grad or weight.requires_grad or row_weights.requires_grad):
+        raise ValueError("kd_loss_sum differentiates the student rows only: the teacher, the lm_head weight and the "
+                         "row weights must not require grad (freeze the lm_head, detach the teacher)")
+    rows = default_chunk_rows(weight.shape[0]) if chunk_rows is None else chunk_rows
+    return _ChunkedKD.apply(student, teacher, weight, row_weights, rows, grad_on and student.requires_grad)
+
+
+def top_choice(logits: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] -> (log of the largest probability [n], its token [n]), the mask token excluded (as the
+    decoder's picks exclude it); ties go to the lowest token id."""
+    z = logits.to(_compute_dtype(logits.dtype)).index_fill(-1, torch.tensor([mask_token_id], device=logits.device),
+                                                           float("-inf"))
+    top, token = z.max(-1)  # first maximal index
+    return top - torch.logsumexp(z, -1), token
+
+
+@torch.no_grad()
+def top_choices(hidden: torch.Tensor, weight: torch.Tensor, mask_token_id: int,
+                chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_choice` of ``hidden [n, H] @ weight.T`` (fp32), ``chunk_rows`` rows at a time."""
+    rows_per_chunk = default_chunk_rows(weight.shape[0]) if chunk_rows is None else chunk_rows
+    dt = _compute_dtype(hidden.dtype)
+    with _no_autocast(hidden.device):
+        w = weight.to(dt)
+        parts = [top_choice(F.linear(hidden[rows].to(dt), w), mask_token_id)
+                 for rows in _chunks(hidden.shape[0], rows_per_chunk)]
+    if not parts:
+        empty = hidden.new_empty(0, dtype=dt)
+        return empty, empty.long()
+    return torch.cat([c for c, _ in parts]), torch.cat([t for _, t in parts])
