@@ -50,6 +50,13 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     kwargs: dict):
     """input_ids: [B, P] -> [B * num_return_sequences, P + max_new_tokens] (or :class:`SDARGenerateOutput`),
     with the settings :class:`GenerationSettings` resolves from ``generation_config`` and ``kwargs``."""
+    if "inputs" in kwargs:  # transformers' name for the prompt ids
+        if input_ids is not None:
+            raise TypeError("generate() got the prompt twice, as input_ids and as inputs: pass one of them")
+        input_ids = kwargs.pop("inputs")
+    if input_ids is None:
+        raise TypeError("generate() needs input_ids, the prompt's token ids [batch, prompt_len] (inputs_embeds is "
+                        "not supported: decoding embeds the ids it writes)")
     device = model.lm_head.weight.device
     if isinstance(input_ids, torch.Tensor) and input_ids.device != device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "

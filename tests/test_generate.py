@@ -302,6 +302,8 @@ def test_num_return_sequences_samples_each_prompt_that_many_times(model, strateg
 
 
 BAD_INPUTS = [
+    (dict(input_ids=None, inputs_embeds=torch.zeros(1, 3, 8)), TypeError, "needs input_ids"),
+    (dict(inputs=torch.tensor([[1, 2]])), TypeError, "prompt twice"),
     (dict(input_ids=torch.tensor([[1, 2, 99]])), ValueError, "outside the vocabulary"),
     (dict(input_ids=torch.tensor([[1, -1]])), ValueError, "outside the vocabulary"),
     (dict(input_ids=torch.zeros((1, 0), dtype=torch.long)), ValueError, "empty"),
@@ -351,6 +353,11 @@ def test_bad_input_is_rejected_with_a_clear_message(model, overrides, error, mes
     kwargs.update(overrides)
     with pytest.raises(error, match=message):
         model.generate(**kwargs)
+
+
+def test_inputs_is_transformers_name_for_input_ids(model):
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(inputs=ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
 
 
 def test_device_mismatch_is_rejected(model):

@@ -196,11 +196,12 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
 
     # ---------------------------------------------------------------------------------- generation
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config=None, **kwargs):
         """Block-diffusion decoding.
 
-        input_ids: [B, P] (left or right padded, with ``attention_mask`` [B, P] of 0/1) ->
+        input_ids (or ``inputs``, transformers' name): [B, P] (left or right padded, with ``attention_mask`` [B, P]
+        of 0/1) ->
         ids [B * num_return_sequences, P + max_new_tokens]; with ``return_dict_in_generate=True`` an output
         with ``.sequences`` and per-row ``.stats``. Keywords (also read from ``generation_config`` and the model's
         generation config): see :class:`.generation_settings.GenerationSettings`.
