@@ -25,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +34,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
+
+@dataclass(frozen=True)
+class MostFrequent:
+    """A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files."""
+
+    size: int
+
 
 MODES = (
     [("static", {})]
@@ -43,6 +51,8 @@ MODES = (
     + [("speculative K=3 mrp, blocks together", {"strategy": "speculative", "mrp_steps": 3, "per_row_blocks": False})]
     + [(f"speculative K=3 mrp, draft_vocab={n}", {"strategy": "speculative", "mrp_steps": 3, "draft_vocab": n})
        for n in (1024, 512)]
+    + [(f"speculative K=3 mrp, draft_vocab={n} most frequent ids",
+        {"strategy": "speculative", "mrp_steps": 3, "draft_vocab": MostFrequent(n)}) for n in (1024, 512)]
     + [(f"remask {r} tau={t}", {"strategy": "remask", "threshold": t, "remask_rule": r})
        for r in ("tau", "delta") for t in (0.5, 0.6, 0.7, 0.8, 0.9)]
 )
@@ -106,6 +116,18 @@ def _parses(text: str) -> bool:
     return True
 
 
+def most_frequent_ids(manifest: Path, tokenizer, size: int, model, counts: dict) -> list[int]:
+    """The ``size`` most frequent token ids of the manifest's training files, without the mask token (what
+    ``mrp-train draft-vocab --stdlib`` writes); the counts are kept in ``counts`` for the next mode."""
+    from training.draft_vocab import most_frequent_ids as top_ids
+    from training.draft_vocab import token_counts
+    from training.stdlib_corpus import load_manifest, manifest_records
+
+    if "train" not in counts:
+        counts["train"] = token_counts(manifest_records(load_manifest(manifest))[0], tokenizer)
+    return top_ids(counts["train"], size, model.config.vocab_size, exclude=[model.config.mask_token_id])
+
+
 def run_mode(model, tokenizer, prompts: list[str], settings: dict, batch_size: int):
     """Returns per-prompt completions (token lists) and summed stats, plus wall seconds."""
     completions, totals, seconds = [], {}, 0.0
@@ -166,8 +188,11 @@ def main(argv=None) -> int:
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     base = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos)
 
-    rows, static = [], None
+    rows, static, counts = [], None, {}
     for name, extra in modes:
+        if isinstance(extra.get("draft_vocab"), MostFrequent):
+            extra = {**extra, "draft_vocab": most_frequent_ids(manifest, tokenizer, extra["draft_vocab"].size, model,
+                                                               counts)}
         if args.device_loop and extra.get("strategy") in ("dynamic", "remask", "speculative"):
             extra = {**extra, "device_loop": True, "cuda_graphs": True}
         completions, totals, seconds = run_mode(model, tokenizer, prompts, {**base, **extra}, args.batch_size)

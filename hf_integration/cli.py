@@ -12,6 +12,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,20 @@ COMPARE = [
 ]
 
 
+def draft_vocab_arg(value: str) -> int | list[int]:
+    """``--draft-vocab``: an int N, or a JSON file holding a list of token ids."""
+    if value.isdigit():
+        return int(value)
+    try:
+        with open(value) as f:
+            ids = json.load(f)
+    except (OSError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"neither a number of ids nor a readable JSON list of ids: {err}") from err
+    if not isinstance(ids, list):
+        raise argparse.ArgumentTypeError(f"{value} must hold a JSON list of token ids, got {type(ids).__name__}")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrp-generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -47,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, help="dynamic / remask confidence threshold in (0, 1]")
     p.add_argument("--mrp-steps", "-K", type=int, default=3, help="MRP steps (drafts) per backbone forward")
     p.add_argument("--draft-schedule", choices=DRAFT_SCHEDULES, default="mrp")
+    p.add_argument("--draft-vocab", type=draft_vocab_arg, metavar="N|FILE",
+                   help="speculative drafts choose among the token ids below N, or those listed in a JSON FILE "
+                   "(mrp-train draft-vocab); the output stays lossless")
     p.add_argument("--remask-rule", choices=REMASK_RULES, default="tau")
     p.add_argument("--residual-delta", type=float, default=1.0)
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -114,6 +132,8 @@ def compare_table(model, ids: torch.Tensor, base: dict) -> str:
     header = f"{'strategy':<12}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
     for strategy, extra in COMPARE:
         settings = {**base, "strategy": strategy, **extra}
+        if strategy != "speculative":
+            settings.pop("draft_vocab", None)  # the drafts of speculative decoding only
         if ids.is_cuda:
             run_one(model, ids, settings)
         new, stats, seconds = run_one(model, ids, settings)
@@ -139,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = encode(tokenizer, prompt, args).to(args.device)
     settings = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length,
                     denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
-                    draft_schedule=args.draft_schedule, remask_rule=args.remask_rule,
+                    draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab, remask_rule=args.remask_rule,
                     residual_delta=args.residual_delta, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256,
                     stop_strings=args.stop, tokenizer=tokenizer if args.stop else None)

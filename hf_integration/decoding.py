@@ -29,6 +29,7 @@ from transformers.utils.logging import tqdm
 import mrp_triton
 
 from .decode_engine import DecodeStats, EngineShape, engine_for
+from .draft_vocab import DraftHead, draft_head
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
@@ -97,6 +98,8 @@ class BlockDecoder:
         self.engine.use_settings(settings)
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
         self.settings_key = settings.step_key()
+        self.draft = None if settings.draft_vocab is None else draft_head(
+            model.lm_head.weight, settings.draft_vocab, self.mask_id, self.engine.draft_rows)
         self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
         self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
         self.all_fresh = True  # every working row is at the start of a block (host)
@@ -319,19 +322,23 @@ class BlockDecoder:
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor, vocab: int | None = None):
-        """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``vocab``, among the token ids below it only
-        (the first ``vocab`` rows of the lm_head; confidences under the softmax over them). Greedy picks go through
-        the fused LM-head confidence, which never writes the [B, T, V] logits and on the GPU skips the positions
-        that are not candidates (committed ones: about half of a step's); sampling builds the logits."""
-        s = self.settings
-        weight = self.model.lm_head.weight if vocab is None else self.model.lm_head.weight[:vocab]
-        if s.do_sample:
-            return self.pick(F.linear(hidden, weight), positions, candidates, counter)
+                    counter: torch.Tensor, draft: DraftHead | None = None):
+        """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``draft``, among its token ids only (its
+        rows of the lm_head; confidences under the softmax over them). Greedy picks go through the fused LM-head
+        confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that are not
+        candidates (committed ones: about half of a step's); sampling builds the logits."""
+        weight = self.model.lm_head.weight if draft is None else draft.weight
+        if self.settings.do_sample:
+            logits = F.linear(hidden, weight)
+            if draft is not None:
+                logits = draft.full_logits(logits, self.model.lm_head.weight.shape[0])
+            return self.pick(logits, positions, candidates, counter)
         B, T, H = hidden.shape
         tok, conf, lse = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), weight,
-                                                       mask_token_id=self.mask_among(weight.shape[0]),
-                                                       skip_rows=~candidates.reshape(-1))
+                                                       mask_token_id=self.mask_id if draft is None else
+                                                       draft.mask_column, skip_rows=~candidates.reshape(-1))
+        if draft is not None:
+            tok = draft.tokens(tok)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

@@ -343,6 +343,8 @@ BAD_INPUTS = [
     (dict(strategy="speculative", draft_vocab=1), ValueError, "draft_vocab=1 must be >= 2"),
     (dict(strategy="speculative", draft_vocab=1000), ValueError, "draft_vocab=1000 exceeds the vocabulary"),
     (dict(strategy="speculative", draft_vocab=8.0), TypeError, "draft_vocab must be an int"),
+    (dict(strategy="speculative", draft_vocab=[3, 3, 4]), ValueError, "draft_vocab lists 1 token id"),
+    (dict(strategy="speculative", draft_vocab=[3, 99]), ValueError, "draft_vocab holds ids outside"),
     (dict(strategy="dynamic", device_loop=True), ValueError, "device_loop=True .* needs cuda_graphs"),
 ]
 

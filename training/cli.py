@@ -6,6 +6,7 @@
     mrp-train mrp --model runs/tiny --data sft.jsonl --out runs/tiny-mrp --mrp-layers 3 --unroll-k 2
     mrp-train mrp --model runs/stdlib --stdlib --out runs/stdlib-mrp   # same corpus and split as the backbone
     mrp-train eval --model runs/stdlib-mrp --stdlib --unroll-k 3   # held-out KD loss and draft agreement
+    mrp-train draft-vocab --model runs/stdlib-mrp --stdlib --size 512 --out draft_vocab.json   # speculative drafts
     mrp-train mrp --model JetLM/SDAR-1.7B-Chat --data sft.jsonl --out runs/sdar-mrp   # a Hub backbone
     torchrun --nproc_per_node 2 -m training.cli backbone ...    # same flags, DDP
 
@@ -125,6 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=int, default=16, help="micro-batches to evaluate")
     g.add_argument("--seed", type=int, default=0, help="noise seed")
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+
+    v = sub.add_parser("draft-vocab", help="the most frequent token ids of your data, as a draft vocabulary for "
+                       "speculative decoding (generate(draft_vocab=...), mrp-generate --draft-vocab FILE)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = v.add_argument_group("data")
+    g.add_argument("--data", nargs="+", default=[], metavar="PATH", help="text files, JSONL or folders (all counted)")
+    g = _stdlib_args(v, "MODEL/stdlib_manifest.json")
+    g.description = "--stdlib counts the manifest's training files"
+    g = v.add_argument_group("vocabulary")
+    g.add_argument("--model", required=True, help="a model folder or Hub repo id (its tokenizer and config are used)")
+    g.add_argument("--size", type=int, required=True, help="token ids to keep (a draft step reads that many lm_head "
+                   "rows)")
+    g.add_argument("--out", required=True, help="JSON file to write: the sorted list of token ids")
     return ap
 
 
@@ -234,11 +248,48 @@ def run_eval(args) -> dict:
             **evaluate(LossModule(model, cfg, mask_id), data, cfg, device)}
 
 
+def run_draft_vocab(args) -> dict:
+    """``mrp-train draft-vocab``: the ``--size`` most frequent token ids of the data (without the mask token),
+    written to ``--out`` as a JSON list; reports how much of the counted text they cover, and the ids below
+    ``--size`` (what ``draft_vocab=SIZE`` takes) for comparison."""
+    from .data import read_records
+    from .draft_vocab import coverage, most_frequent_ids, token_counts
+    from .stdlib_corpus import load_manifest, manifest_records
+    from .tokenizer import load_tokenizer, special_token_ids
+
+    if args.stdlib == bool(args.data):
+        raise ConfigError("give the data to count: --data PATH... or --stdlib")
+    args.model = _local_folder(args.model, "--model")
+    if args.stdlib:
+        records, _ = manifest_records(load_manifest(args.stdlib_manifest or
+                                                    os.path.join(args.model, "stdlib_manifest.json")))
+    else:
+        records = read_records(args.data)
+    tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    counts = token_counts(records, tokenizer)
+    if not counts:
+        raise ConfigError("--data: no tokens found to count")
+    try:
+        ids = most_frequent_ids(counts, args.size, vocab_size, exclude=[special_token_ids(tokenizer)["mask_token_id"]])
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    with open(args.out, "w") as f:
+        json.dump(ids, f)
+    return {"out": args.out, "size": len(ids), "tokens_counted": sum(counts.values()),
+            "coverage": round(coverage(counts, ids), 4),
+            "coverage_ids_below_size": round(coverage(counts, range(args.size)), 4)}
+
+
 def run(argv: list[str] | None = None) -> dict:
-    """Parse ``argv``, train and export (or evaluate). Raises ConfigError on a bad configuration."""
+    """Parse ``argv``, train and export (or evaluate, or count a draft vocabulary). Raises ConfigError on a bad
+    configuration."""
     args = build_parser().parse_args(argv)
     if args.command == "eval":
         return run_eval(args)
+    if args.command == "draft-vocab":
+        return run_draft_vocab(args)
     from .data import build_datasets, read_records, record_texts, split_records
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
     from .trainer import barrier, init_distributed, train

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Sequence
 
+import torch
 from transformers import GenerationConfig
 from transformers.utils import logging
 
 from mrp_triton.confidence import check_temperature
+
+from .draft_vocab import normalize_draft_vocab
 
 logger = logging.get_logger(__name__)
 
@@ -68,10 +72,11 @@ class GenerationSettings:
     q/k/v projections as one GEMM and its gate/up projections as another (the model's weights are laid out for
     it once, in place: ``model.pack_projections()``); the same output up to the rounding of a differently
     blocked GEMM (``False``: one GEMM per projection, to measure what packing saves). ``draft_vocab`` (speculative)
-    lets the drafts choose among token ids below it only: each draft step reads that many rows of the lm_head
-    instead of all of them (the lm_head is most of a draft step's weights at large vocabularies); BPE ids are in
-    merge order, so the first ids are the frequent tokens. Verification uses the whole vocabulary: the output
-    stays lossless, only the acceptance may drop."""
+    lets the drafts choose among some token ids only: an int N (the ids below N; BPE ids are in merge order, so
+    roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor, e.g. the most frequent tokens of
+    your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the lm_head instead of all of them
+    (the lm_head is most of a draft step's weights at large vocabularies); verification uses the whole vocabulary:
+    the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`)."""
 
     max_new_tokens: int | None = None
     max_length: int | None = None
@@ -90,7 +95,7 @@ class GenerationSettings:
     return_dict_in_generate: bool = False
     mrp_steps: int = 3
     draft_schedule: str = "mrp"
-    draft_vocab: int | None = None
+    draft_vocab: int | Sequence[int] | torch.Tensor | None = None  # validated: an int or a sorted tuple of ids
     remask_rule: str = "tau"
     residual_delta: float = 1.0
     mrp_mix: str = "logits_sum"
@@ -225,9 +230,7 @@ class GenerationSettings:
             if self.strategy != "speculative":
                 raise ValueError(f"draft_vocab applies to the drafts of strategy='speculative', not "
                                  f"{self.strategy!r}: drop it")
-            _int_at_least("draft_vocab", self.draft_vocab, 2)
-            if self.draft_vocab > config.vocab_size:
-                raise ValueError(f"draft_vocab={self.draft_vocab} exceeds the vocabulary ({config.vocab_size})")
+            self.draft_vocab = normalize_draft_vocab(self.draft_vocab, config.vocab_size)
         if self.strategy == "speculative" and self.denoising_steps != self.block_length:
             raise ValueError("strategy='speculative' verifies one token per step: leave denoising_steps at "
                              f"block_length ({self.block_length})")

@@ -102,7 +102,7 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         else:
             hidden = chain.step(state, committing_rows_discard=True)  # committing rows are fresh
             dec.count("mrp_forwards", masked.any(-1))
-        tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k, dec.settings.draft_vocab)
+        tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k, dec.draft)
         committed = mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
         pos, t = _only_position(committed, tok)
         draft_pos.append(pos)
