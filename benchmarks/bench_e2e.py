@@ -25,7 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 import torch
@@ -35,11 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
 
-@dataclass(frozen=True)
-class MostFrequent:
-    """A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files."""
-
-    size: int
+# A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files.
+MostFrequent = namedtuple("MostFrequent", "size")
 
 
 MODES = (

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import mrp_triton
 from hf_integration.draft_vocab import draft_head, normalize_draft_vocab
-from tiny_models import MASK_ID, VOCAB, random_prompts, tiny_model
+from tiny_models import VOCAB, random_prompts, spy_on_drafts, tiny_model
 from training.draft_vocab import coverage, most_frequent_ids
 
 ODD_IDS = tuple(range(1, VOCAB, 2))  # without the mask token (66)
@@ -97,18 +97,6 @@ def test_speculative_with_listed_draft_ids_equals_static(seed, batch, k, max_new
     assert torch.equal(spec, static)
 
 
-def _drafted_tokens(monkeypatch) -> list:
-    drafts = []
-    verify = mrp_triton.verify_drafts
-
-    def spy(block, draft_pos, draft_tok, *args, **kwargs):
-        drafts.append(draft_tok.clone())
-        return verify(block, draft_pos, draft_tok, *args, **kwargs)
-
-    monkeypatch.setattr(mrp_triton, "verify_drafts", spy)
-    return drafts
-
-
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_drafts_are_among_the_listed_ids(monkeypatch, do_sample):
     """Drafts choose among the listed ids only; listing the tokens static decoding commits (and two more) gets
@@ -117,7 +105,7 @@ def test_drafts_are_among_the_listed_ids(monkeypatch, do_sample):
     prompts = random_prompts(2, 5, seed=1)
     kwargs = dict(max_new_tokens=16, do_sample=do_sample, seed=2)
     listed = sorted(set(model.generate(prompts, **kwargs)[:, 5:].flatten().tolist()) | {1, 2})
-    drafts = _drafted_tokens(monkeypatch)
+    drafts = spy_on_drafts(monkeypatch)
     out = model.generate(prompts, strategy="speculative", draft_vocab=torch.tensor(listed),
                          return_dict_in_generate=True, **kwargs)
     drafted = torch.cat([d.flatten() for d in drafts])
@@ -129,7 +117,7 @@ def test_drafts_are_among_the_listed_ids(monkeypatch, do_sample):
 def test_graphed_calls_draft_from_the_current_weights(monkeypatch):
     """With the replayed steps (cuda_graphs=True) the draft rows sit in the engine's buffer across calls;
     after the lm_head changes in place a call drafts what a fresh engine drafts."""
-    drafts = _drafted_tokens(monkeypatch)
+    drafts = spy_on_drafts(monkeypatch)
     model = tiny_model(seed=4, block_size=8)
     prompts = random_prompts(1, 5, seed=2)
     kwargs = dict(max_new_tokens=16, strategy="speculative", draft_vocab=list(ODD_IDS), cuda_graphs=True)

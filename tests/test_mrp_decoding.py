@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiny_models import MASK_ID, random_prompts, tiny_model
+from tiny_models import MASK_ID, random_prompts, spy_on_drafts, tiny_model
 
 
 def install_oracle_mrp(model, monkeypatch):
@@ -153,16 +153,7 @@ def test_speculative_sampling_commits_exact_backbone_samples(schedule, draft_voc
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_drafts_choose_among_the_first_draft_vocab_ids(monkeypatch, do_sample):
     """With draft_vocab=F every draft token is an id below F (and the drafts still get accepted sometimes)."""
-    import mrp_triton
-
-    drafts = []
-    verify = mrp_triton.verify_drafts
-
-    def spy(block, draft_pos, draft_tok, *args, **kwargs):
-        drafts.append(draft_tok.clone())
-        return verify(block, draft_pos, draft_tok, *args, **kwargs)
-
-    monkeypatch.setattr(mrp_triton, "verify_drafts", spy)
+    drafts = spy_on_drafts(monkeypatch)
     model = tiny_model(seed=3, block_size=8)
     out = model.generate(random_prompts(2, 5, seed=1), max_new_tokens=16, strategy="speculative", draft_vocab=40,
                          do_sample=do_sample, return_dict_in_generate=True)

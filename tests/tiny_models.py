@@ -30,3 +30,18 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -
 def random_prompts(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, MASK_ID - 3, (batch, length), generator=g)
+
+
+def spy_on_drafts(monkeypatch) -> list[torch.Tensor]:
+    """From now on, the draft tokens [B, K] of every verify round (``mrp_triton.verify_drafts``'s input), in order."""
+    import mrp_triton
+
+    drafts: list[torch.Tensor] = []
+    verify = mrp_triton.verify_drafts
+
+    def spy(block, draft_pos, draft_tok, *args, **kwargs):
+        drafts.append(draft_tok.clone())
+        return verify(block, draft_pos, draft_tok, *args, **kwargs)
+
+    monkeypatch.setattr(mrp_triton, "verify_drafts", spy)
+    return drafts

@@ -214,28 +214,36 @@ def _model_block_size(args) -> int:
         return json.load(f).get("block_size") or 4
 
 
+def _model_records(args, what: str, heldout: bool) -> list[dict]:
+    """The records of ``--data``, or with ``--stdlib`` the manifest's held-out or training files (the manifest
+    recorded with ``--model`` unless ``--stdlib-manifest``); ``args.model`` becomes a local folder first."""
+    from .data import read_records
+    from .stdlib_corpus import load_manifest, manifest_records
+
+    if args.stdlib == bool(args.data):
+        raise ConfigError(f"give the {what}: --data PATH... or --stdlib")
+    args.model = _local_folder(args.model, "--model")
+    if args.stdlib:
+        train, held = manifest_records(load_manifest(args.stdlib_manifest or
+                                                     os.path.join(args.model, "stdlib_manifest.json")))
+        return held if heldout else train
+    return read_records(args.data)
+
+
 def run_eval(args) -> dict:
     """``mrp-train eval``: :func:`training.trainer.evaluate` of the model's own MRP head on held-out data."""
     from hf_integration import SDARMRPForCausalLM
 
-    from .data import build_datasets, read_records
-    from .stdlib_corpus import load_manifest, manifest_records
+    from .data import build_datasets
     from .tokenizer import load_tokenizer, special_token_ids
     from .trainer import LossModule, evaluate
 
-    if args.stdlib == bool(args.data):
-        raise ConfigError("give the held-out data: --data PATH... or --stdlib")
-    args.model = _local_folder(args.model, "--model")
+    records = _model_records(args, "held-out data", heldout=True)
     cfg = TrainConfig(mode="mrp", seq_len=args.seq_len, block_size=_model_block_size(args),
                       micro_batch_size=args.micro_batch_size, eval_batches=args.eval_batches, seed=args.seed,
                       unroll_k=args.unroll_k, mrp_loss=args.mrp_loss, progress=False).validate()
     if cfg.eval_batches < 1:
         raise ConfigError(f"--eval-batches must be >= 1, got {cfg.eval_batches}")
-    if args.stdlib:
-        _, records = manifest_records(load_manifest(args.stdlib_manifest or
-                                                    os.path.join(args.model, "stdlib_manifest.json")))
-    else:
-        records = read_records(args.data)
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
     data, _ = build_datasets(None, tokenizer, cfg.seq_len, cfg.block_size, records=(records, []))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -252,19 +260,10 @@ def run_draft_vocab(args) -> dict:
     """``mrp-train draft-vocab``: the ``--size`` most frequent token ids of the data (without the mask token),
     written to ``--out`` as a JSON list; reports how much of the counted text they cover, and the ids below
     ``--size`` (what ``draft_vocab=SIZE`` takes) for comparison."""
-    from .data import read_records
     from .draft_vocab import coverage, most_frequent_ids, token_counts
-    from .stdlib_corpus import load_manifest, manifest_records
     from .tokenizer import load_tokenizer, special_token_ids
 
-    if args.stdlib == bool(args.data):
-        raise ConfigError("give the data to count: --data PATH... or --stdlib")
-    args.model = _local_folder(args.model, "--model")
-    if args.stdlib:
-        records, _ = manifest_records(load_manifest(args.stdlib_manifest or
-                                                    os.path.join(args.model, "stdlib_manifest.json")))
-    else:
-        records = read_records(args.data)
+    records = _model_records(args, "data to count", heldout=False)
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
     with open(os.path.join(args.model, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
