@@ -129,6 +129,11 @@ class SDARAttention(nn.Module):
         q, k = mrp_triton.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if attn.cache is None:
+            if attn.kv_out is not None:
+                attn.kv_out.append((k, v))
+            if attn.kv_in is not None:
+                k_in, v_in = attn.kv_in[self.layer_idx]
+                k, v = torch.cat([k, k_in], 2), torch.cat([v, v_in], 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, enable_gqa=True)
         else:
             past_k, past_v = attn.cache.prefix(self.layer_idx)

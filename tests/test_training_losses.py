@@ -7,6 +7,7 @@ from training_fixtures import make_tokenizer, one_thread, subprocess_env, tiny_b
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+from hf_integration.kv_cache import AttentionInputs
 from training.config import TrainConfig
 from training.data import build_datasets
 from training.kd_loss import top_choice
@@ -157,6 +158,30 @@ def test_clean_half_never_sees_noisy(setup):
         b = model.model(*pack_noisy_clean(ids, ids), attention_mask=am)
     assert torch.allclose(a[:, T:], b[:, T:], atol=1e-6)
     assert not torch.allclose(a[:, :T], b[:, :T])
+
+
+def test_teacher_forward_over_the_noisy_half_equals_the_full_forward(setup):
+    """What mrp_loss_sum's teacher forwards rest on: the noisy half of a [state | clean] forward equals a forward
+    over the state alone that attends to the clean half's keys and values kept from another state's forward
+    (the clean half never sees the noisy one), in float64 to rounding."""
+    tok, train = setup
+    model = tiny_backbone(tok).double().eval()
+    ids, isp, seeds = _batch(train, 3)
+    gens = make_generators(seeds)
+    masked, _ = sample_mask(isp, gens)
+    am = block_diffusion_mask(T, BS)
+    noisy = ids.masked_fill(masked, tok.mask_token_id)
+    state = torch.where(reveal_one_per_block(masked, BS, gens), ids, noisy)
+    with torch.no_grad():
+        kv = []
+        model.model(*pack_noisy_clean(noisy, ids), attn=AttentionInputs(mask=am, kv_out=kv))
+        inp, pos = pack_noisy_clean(state, ids)
+        full = model.model(inp, pos, attention_mask=am)[:, :T]
+        half = model.model(state, pos[:, :T], attn=AttentionInputs(
+            mask=am[..., :T, :], kv_in=[(k[:, :, T:], v[:, :, T:]) for k, v in kv]))
+    assert len(kv) == model.config.num_hidden_layers
+    torch.testing.assert_close(half, full, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(half, model.model(state, pos[:, :T], attention_mask=am[..., :T, :T]))  # needs them
 
 
 @pytest.mark.parametrize("loss_type,K", [("kd_diff_sum", 2), ("direct", 1)])

@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from hf_integration.kv_cache import AttentionInputs
+
 from .kd_loss import kd_loss_sum, top_choices
 from .noising import pack_noisy_clean, reveal_one_per_block
 
@@ -90,7 +92,8 @@ def mrp_loss_sum(
 
     Pass A (frozen, no grad): backbone on ``[noisy | clean]`` -> h_A (post-norm).
     For k = 1..K: reveal one random still-masked position per block with its ground-truth token
-    (state_k); teacher h_B_k = backbone on ``[state_k | clean]`` (no grad);
+    (state_k); teacher h_B_k = backbone on ``[state_k | clean]`` (no grad; the clean half's keys and values
+    kept from pass A, so it runs over state_k's T positions only);
     ``h_p_k = MRP([state_k | clean], [h_in_k | h_A(clean)])`` with the same mask/positions.
     - ``kd_diff_sum``: h_in_k = h_A + acc_{k-1}, acc_k = acc_{k-1} + h_p_k (acc_0 = 0), student
       logits lm_head(h_A + acc_k) with h_A detached (method.md section 3, "chaining", s = 1).
@@ -112,9 +115,15 @@ def mrp_loss_sum(
     w = _weights(p, T)
     noisy = ids.masked_fill(masked, mask_token_id)
     inp, pos = pack_noisy_clean(noisy, ids)
+    kv: list = []
     with torch.no_grad():
-        h = model.model(inp, pos, attention_mask=attn_mask)
+        h = model.model(inp, pos, attn=AttentionInputs(mask=attn_mask, kv_out=kv))
     h_a, h_a_clean = h[:, :T].detach(), h[:, T:].detach()
+    # The clean half sees only clean positions: its keys and values are the same in every teacher forward, which
+    # therefore runs over the noisy half alone, attending to these after its own (the mask's noisy rows).
+    clean_kv = [(k[:, :, T:].contiguous(), v[:, :, T:].contiguous()) for k, v in kv]
+    del kv
+    teacher = AttentionInputs(mask=attn_mask[..., :T, :], kv_in=clean_kv)
 
     state, state_mask = noisy, masked
     acc = None
@@ -128,7 +137,7 @@ def mrp_loss_sum(
         state_mask = state_mask & ~reveal
         inp, _ = pack_noisy_clean(state, ids)
         with torch.no_grad():
-            h_b = model.model(inp, pos, attention_mask=attn_mask)[:, :T]
+            h_b = model.model(state, pos[:, :T], attn=teacher)
         h_in = (h_a if acc is None else h_a + acc) if loss_type == "kd_diff_sum" else prev
         h_p = model.mrp_forward(inp, torch.cat([h_in, h_a_clean], dim=1), pos, attention_mask=attn_mask)[:, :T]
         if loss_type == "kd_diff_sum":
