@@ -163,6 +163,7 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--modes", nargs="*", help="substrings selecting modes (default: all)")
+    p.add_argument("--skip", nargs="*", default=[], help="substrings of modes to leave out of those selected")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--tag", default=None, help="file name stem (default: e2e_<device>)")
     p.add_argument("--device-loop", action="store_true", help="dynamic, remask and speculative modes run the steps "
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
     prompts = heldout_prompts(manifest, args.prompts)
     if not prompts:
         raise SystemExit(f"no held-out prompts found from {manifest}")
-    modes = [m for m in MODES if not args.modes or any(s in m[0] for s in args.modes)]
+    modes = [m for m in MODES if (not args.modes or any(s in m[0] for s in args.modes))
+             and not any(s in m[0] for s in args.skip)]
     if modes[0][0] != "static":
         modes.insert(0, MODES[0])
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
