@@ -130,7 +130,7 @@ class SDARAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if attn.cache is None:
             if attn.kv_out is not None:
-                attn.kv_out.append((k, v))
+                attn.kv_out[self.layer_idx] = (k, v)
             if attn.kv_in is not None:
                 k_in, v_in = attn.kv_in[self.layer_idx]
                 k, v = torch.cat([k, k_in], 2), torch.cat([v, v_in], 2)

@@ -33,12 +33,12 @@ class ExactResidualMRP:
     def __init__(self, model):
         self.model, self.lm_head, self.config = model.model, model.lm_head, model.config
 
-    def mrp_forward(self, input_ids, hidden_states, position_ids, attention_mask=None):
-        return self.model(input_ids, position_ids, attention_mask=attention_mask) - hidden_states
+    def mrp_forward(self, input_ids, hidden_states, position_ids, attention_mask=None, attn=None):
+        return self.model(input_ids, position_ids, attention_mask=attention_mask, attn=attn) - hidden_states
 
 
 class ZeroMRP(ExactResidualMRP):
-    def mrp_forward(self, input_ids, hidden_states, position_ids, attention_mask=None):
+    def mrp_forward(self, input_ids, hidden_states, position_ids, attention_mask=None, attn=None):
         return torch.zeros_like(hidden_states)
 
 
@@ -173,15 +173,68 @@ def test_teacher_forward_over_the_noisy_half_equals_the_full_forward(setup):
     noisy = ids.masked_fill(masked, tok.mask_token_id)
     state = torch.where(reveal_one_per_block(masked, BS, gens), ids, noisy)
     with torch.no_grad():
-        kv = []
+        kv = {}
         model.model(*pack_noisy_clean(noisy, ids), attn=AttentionInputs(mask=am, kv_out=kv))
         inp, pos = pack_noisy_clean(state, ids)
         full = model.model(inp, pos, attention_mask=am)[:, :T]
         half = model.model(state, pos[:, :T], attn=AttentionInputs(
-            mask=am[..., :T, :], kv_in=[(k[:, :, T:], v[:, :, T:]) for k, v in kv]))
-    assert len(kv) == model.config.num_hidden_layers
+            mask=am[..., :T, :], kv_in={i: (k[:, :, T:], v[:, :, T:]) for i, (k, v) in kv.items()}))
+    assert sorted(kv) == list(range(model.config.num_hidden_layers))
     torch.testing.assert_close(half, full, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(half, model.model(state, pos[:, :T], attention_mask=am[..., :T, :T]))  # needs them
+
+
+def _full_forward_loss(model, ids, masked, p, am, mask_id, gens, K, loss_type):
+    """mrp_loss_sum's value written with whole [state | clean] forwards everywhere (its oracle), float64."""
+    noisy = ids.masked_fill(masked, mask_id)
+    inp, pos = pack_noisy_clean(noisy, ids)
+    h = model.model(inp, pos, attention_mask=am)
+    h_a, h_a_clean, acc, state, state_mask, total = h[:, :T], h[:, T:], 0.0, noisy, masked, 0.0
+    for _ in range(K):
+        reveal = reveal_one_per_block(state_mask, BS, gens)
+        state, state_mask = torch.where(reveal, ids, state), state_mask & ~reveal
+        inp, _ = pack_noisy_clean(state, ids)
+        h_b = model.model(inp, pos, attention_mask=am)[:, :T]
+        h_in = h_a + acc if loss_type == "kd_diff_sum" else (h_a if isinstance(acc, float) else acc)
+        h_p = model.mrp_forward(inp, torch.cat([h_in, h_a_clean], 1), pos, attention_mask=am)[:, :T]
+        acc = acc + h_p if loss_type == "kd_diff_sum" else h_p
+        student = h_a + acc if loss_type == "kd_diff_sum" else h_p
+        log_p, log_q = model.lm_head(h_b).log_softmax(-1), model.lm_head(student).log_softmax(-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        total = total + (kl * state_mask * (1.0 / p.float())[:, None]).sum()  # 1/p in fp32, as the loss takes it
+    return total / K
+
+
+@pytest.mark.parametrize("loss_type,K", [("kd_diff_sum", 3), ("direct", 2)])
+def test_loss_and_head_gradients_equal_whole_forwards(setup, loss_type, K):
+    """The teacher forwards and the MRP forwards after the first run over the state's half with the clean half's
+    keys and values kept: the loss and every gradient of the head equal those of whole forwards (float64 model;
+    its RMSNorms compute in fp32)."""
+    from training.models import freeze_all_but_mrp
+
+    tok, train = setup
+    model = tiny_backbone(tok).double()
+    model.add_mrp_head(2)
+    model.double()
+    freeze_all_but_mrp(model)
+    ids, isp, seeds = _batch(train)
+    am = block_diffusion_mask(T, BS)
+    results = []
+    for fn in (mrp_loss_sum, _full_forward_loss):
+        gens = make_generators(seeds)
+        masked, p = sample_mask(isp, gens)
+        model.zero_grad()
+        loss = fn(model, ids, masked, p, am, tok.mask_token_id, BS, gens, K, loss_type) if fn is mrp_loss_sum \
+            else fn(model, ids, masked, p, am, tok.mask_token_id, gens, K, loss_type)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss.backward()
+        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.requires_grad}))
+    (got, got_grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert got_grads.keys() == want_grads.keys() and any(g.abs().sum() > 0 for g in want_grads.values())
+    for name in want_grads:
+        want = want_grads[name]  # the norms compute in fp32 (Qwen3's), so the sums of shared paths round there
+        torch.testing.assert_close(got_grads[name], want, rtol=1e-6, atol=1e-6 * float(want.abs().max()), msg=name)
 
 
 @pytest.mark.parametrize("loss_type,K", [("kd_diff_sum", 2), ("direct", 1)])

@@ -75,6 +75,12 @@ def draft_agreement(teacher_top: tuple[torch.Tensor, torch.Tensor], student_top:
             "picks_agree": int(((t_pos == s_pos) & (t_pick == s_pick) & has).sum()), "blocks": int(has.sum())}
 
 
+def _clean_half(kv: dict, T: int) -> dict:
+    """Each layer's keys and values (``AttentionInputs.kv_out`` of a ``[state | clean]`` forward) at the clean
+    half's positions T..2T-1."""
+    return {layer: (k[:, :, T:].contiguous(), v[:, :, T:].contiguous()) for layer, (k, v) in kv.items()}
+
+
 def mrp_loss_sum(
     model,
     ids: torch.Tensor,
@@ -94,7 +100,8 @@ def mrp_loss_sum(
     For k = 1..K: reveal one random still-masked position per block with its ground-truth token
     (state_k); teacher h_B_k = backbone on ``[state_k | clean]`` (no grad; the clean half's keys and values
     kept from pass A, so it runs over state_k's T positions only);
-    ``h_p_k = MRP([state_k | clean], [h_in_k | h_A(clean)])`` with the same mask/positions.
+    ``h_p_k = MRP([state_k | clean], [h_in_k | h_A(clean)])`` with the same mask/positions (the clean half's
+    keys and values kept from k = 1 likewise).
     - ``kd_diff_sum``: h_in_k = h_A + acc_{k-1}, acc_k = acc_{k-1} + h_p_k (acc_0 = 0), student
       logits lm_head(h_A + acc_k) with h_A detached (method.md section 3, "chaining", s = 1).
     - ``direct``: h_in_k = h_p_{k-1} (h_p_0 = h_A), student logits lm_head(h_p_k) alone.
@@ -115,15 +122,16 @@ def mrp_loss_sum(
     w = _weights(p, T)
     noisy = ids.masked_fill(masked, mask_token_id)
     inp, pos = pack_noisy_clean(noisy, ids)
-    kv: list = []
+    kv: dict = {}
     with torch.no_grad():
         h = model.model(inp, pos, attn=AttentionInputs(mask=attn_mask, kv_out=kv))
     h_a, h_a_clean = h[:, :T].detach(), h[:, T:].detach()
-    # The clean half sees only clean positions: its keys and values are the same in every teacher forward, which
-    # therefore runs over the noisy half alone, attending to these after its own (the mask's noisy rows).
-    clean_kv = [(k[:, :, T:].contiguous(), v[:, :, T:].contiguous()) for k, v in kv]
+    # The clean half sees only clean positions, so its keys and values are the same in every forward over
+    # [state | clean]: the teacher forwards (and the MRP's after its first) run over the state's half alone,
+    # attending to the clean half's keys and values after their own (the mask's rows of the state's half).
+    teacher = AttentionInputs(mask=attn_mask[..., :T, :], kv_in=_clean_half(kv, T))
     del kv
-    teacher = AttentionInputs(mask=attn_mask[..., :T, :], kv_in=clean_kv)
+    mrp_half = None
 
     state, state_mask = noisy, masked
     acc = None
@@ -135,11 +143,16 @@ def mrp_loss_sum(
         reveal = reveal_one_per_block(state_mask, block_size, generators).to(ids.device)
         state = torch.where(reveal, ids, state)
         state_mask = state_mask & ~reveal
-        inp, _ = pack_noisy_clean(state, ids)
         with torch.no_grad():
             h_b = model.model(state, pos[:, :T], attn=teacher)
         h_in = (h_a if acc is None else h_a + acc) if loss_type == "kd_diff_sum" else prev
-        h_p = model.mrp_forward(inp, torch.cat([h_in, h_a_clean], dim=1), pos, attention_mask=attn_mask)[:, :T]
+        if mrp_half is None:  # the first step runs the whole input and keeps the clean half's keys and values
+            kv = {}
+            h_p = model.mrp_forward(pack_noisy_clean(state, ids)[0], torch.cat([h_in, h_a_clean], dim=1), pos,
+                                    attn=AttentionInputs(mask=attn_mask, kv_out=kv))[:, :T]
+            mrp_half = AttentionInputs(mask=attn_mask[..., :T, :], kv_in=_clean_half(kv, T))
+        else:  # gradients reach the head through the kept keys and values too
+            h_p = model.mrp_forward(state, h_in, pos[:, :T], attn=mrp_half)
         if loss_type == "kd_diff_sum":
             acc = h_p if acc is None else acc + h_p
             student = h_a + acc

@@ -96,11 +96,11 @@ class AttentionInputs:
     forward). ``packed``: the layers' q/k/v and gate/up projections are packed (``modeling_sdar.pack_linears``;
     the decoder packs them), so each group runs as one GEMM (inference only). ``rope``: the cos and sin tables
     ``[P, head_dim]`` of positions 0..P-1 (``modeling_sdar.rotary_cos_sin``'s values), read by position instead of
-    computed in every forward. Without a cache, for a backbone forward: ``kv_out``, a list each layer appends its
-    keys and values to (``[B, kv_heads, T, head_dim]``, after the k-norm and RoPE); ``kv_in``, per layer the keys
-    and values of positions outside the forward, attended after the forward's own (the columns of ``mask`` are
-    the forward's T positions, then these). Training runs the clean half of ``[noisy | clean]`` once and the
-    teacher forwards over the noisy half only this way (``training.losses.mrp_loss_sum``).
+    computed in every forward. Without a cache: ``kv_out``, a dict each layer puts its keys and values in under its
+    layer index (``[B, kv_heads, T, head_dim]``, after the k-norm and RoPE); ``kv_in``, by layer index the keys and
+    values of positions outside the forward, attended after the forward's own (the columns of ``mask`` are the
+    forward's T positions, then these). Training runs the clean half of ``[noisy | clean]`` once and the later
+    forwards over the noisy half only this way (``training.losses.mrp_loss_sum``).
     """
 
     mask: torch.Tensor | None = None
@@ -111,5 +111,5 @@ class AttentionInputs:
     block_size: int = 0
     packed: bool = False
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    kv_out: list | None = None
-    kv_in: list | None = None
+    kv_out: dict | None = None
+    kv_in: dict | None = None
