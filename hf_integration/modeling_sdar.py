@@ -98,6 +98,19 @@ def rotary_cos_sin(config: SDARMRPConfig, position_ids: torch.Tensor, dtype: tor
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     expand_kv: bool) -> torch.Tensor:
+    """Grouped-query attention with ``mask`` (bool, True = may attend). q: [B, Hq, T, D], k and v: [B, Hkv, S, D]
+    -> [B, Hq, T, D]. ``expand_kv`` repeats each key/value head for its query heads first: on CUDA, SDPA's
+    flash kernel takes no mask and its memory-efficient kernel no grouped heads, so a masked ``enable_gqa``
+    call falls back to the math kernel, which writes the [T, S] scores of every head (training's
+    [noisy | clean] forwards); with the heads expanded the memory-efficient kernel takes it."""
+    if expand_kv and mask is not None and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class SDARAttention(nn.Module):
     """Grouped-query attention with per-head q/k RMSNorm before RoPE; reads/writes cache slot ``layer_idx``."""
 
@@ -134,7 +147,7 @@ class SDARAttention(nn.Module):
             if attn.kv_in is not None:
                 k_in, v_in = attn.kv_in[self.layer_idx]
                 k, v = torch.cat([k, k_in], 2), torch.cat([v, v_in], 2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, enable_gqa=True)
+            out = masked_attention(q, k, v, attn.mask, expand_kv=q.is_cuda)
         else:
             past_k, past_v = attn.cache.prefix(self.layer_idx)
             if attn.write_len:  # visible from the next forward on (after cache.advance)
