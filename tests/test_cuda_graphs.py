@@ -18,7 +18,12 @@ from tiny_models import random_prompts, tiny_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
-              dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4)]
+              dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4),
+              dict(strategy="speculative", mrp_steps=2, draft_vocab=list(range(1, 67, 2)))]  # rows in a buffer
+
+
+def _name(kwargs: dict) -> str:
+    return kwargs["strategy"] + (" draft_vocab" if "draft_vocab" in kwargs else "")
 
 
 def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
@@ -52,14 +57,14 @@ def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
         assert torch.equal(getattr(graphed.stats, name), value), name
 
 
-@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=_name)
 def test_graph_replay_equals_eager_reference_ops(kwargs, monkeypatch):
     _graphed_equals_eager(kwargs, monkeypatch)
 
 
 @pytest.mark.triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter cannot be captured")
-@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=_name)
 def test_graph_replay_equals_eager_triton_ops(kwargs, monkeypatch):
     _graphed_equals_eager(kwargs, monkeypatch)
 
@@ -67,7 +72,7 @@ def test_graph_replay_equals_eager_triton_ops(kwargs, monkeypatch):
 @pytest.mark.triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter cannot be captured")
 @pytest.mark.skipif(not conditional_nodes_supported(), reason="CUDA-graph conditional nodes need torch >= 2.12")
-@pytest.mark.parametrize("kwargs", STRATEGIES[1:], ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("kwargs", STRATEGIES[1:], ids=_name)
 def test_device_loop_equals_eager(kwargs, monkeypatch):
     """The steps after the surely busy ones, captured into conditional nodes (each run while no row has filled
     its block, tested on the device), decode as eager decoding does: same tokens, counts and steps."""
