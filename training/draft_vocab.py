@@ -9,18 +9,21 @@ frequent ids cover 80% of the tokens, the ids below 512 cover 69%). The output s
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Iterable
 
 from .data import record_to_segments
 
 
-def token_counts(records: Iterable[dict], tokenizer) -> Counter:
-    """How often each token id occurs in the records' texts (as the data pipeline segments them)."""
+def token_counts(records: Iterable[dict], tokenizer, batch: int = 256) -> Counter:
+    """How often each token id occurs in the records' texts (as the data pipeline segments them), tokenized
+    ``batch`` texts at a time (a fast tokenizer encodes a batch in parallel)."""
     counts: Counter = Counter()
-    for rec in records:
-        for text, _ in record_to_segments(rec, tokenizer):
-            counts.update(tokenizer(text, add_special_tokens=False).input_ids)
+    texts = (text for rec in records for text, _ in record_to_segments(rec, tokenizer))
+    while chunk := list(itertools.islice(texts, batch)):
+        for ids in tokenizer(chunk, add_special_tokens=False).input_ids:
+            counts.update(ids)
     return counts
 
 
