@@ -257,6 +257,6 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     (position // block_size) in its own segment or in a negative (shared) one, which is how a finished
     block written in the same forward as K+1 candidate copies reaches every copy. Returns [B, Hq, T, D] in
     q's dtype (the Triton kernel's laid out as [B, T, Hq, D], so that its "b t (h d)" view costs no copy)."""
-    if q.dtype != torch.float64 and select_backend(q.device) == "triton":
+    if q.dtype != torch.float64 and select_backend(q.device, q, k, v, cache_k, cache_v) == "triton":
         return cached_attention_triton(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)
     return cached_attention_reference(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)

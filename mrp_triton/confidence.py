@@ -376,7 +376,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
                 top_k, top_p)
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
-    if logits.dtype != torch.float64 and select_backend(logits.device) == "triton":
+    if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                  mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
                                  noise_keys=noise_keys, top_k=top_k, top_p=top_p)

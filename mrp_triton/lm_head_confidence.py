@@ -325,7 +325,7 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     """
     kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, temperature=temperature, skip_rows=skip_rows)
     # float64 (exact-comparison tests) is computed by the reference on any device.
-    if weight.dtype != torch.float64 and select_backend(hidden.device) == "triton":
+    if weight.dtype != torch.float64 and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)
     check_skip_rows(skip_rows, hidden.shape[0], hidden.device, "hidden")
     return lm_head_confidence_reference(hidden, weight, **kw)

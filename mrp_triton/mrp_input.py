@@ -88,6 +88,6 @@ def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tenso
 
     ``[enorm(embed_weight[ids]) | hnorm(hidden)]``, the embedding half first.
     """
-    if select_backend(hidden.device) == "triton":
+    if select_backend(hidden.device, embed_weight, hidden, enorm_weight, hnorm_weight) == "triton":
         return mrp_input_triton(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
     return mrp_input_reference(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)

@@ -140,6 +140,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     q: [B, T, Hq, D], k: [B, T, Hkv, D], q_weight, k_weight: [D], cos, sin: [B, T, D].
     Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) with the input shapes and dtypes.
     """
-    if select_backend(q.device) == "triton":
+    if select_backend(q.device, q, k, q_weight, k_weight, cos, sin) == "triton":
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)

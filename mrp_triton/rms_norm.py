@@ -9,9 +9,11 @@ The floor is that traffic at copy bandwidth; at decode shapes (N <= a few hundre
 is launch-bound (~3-5 us), which is why the add and the norm are one launch.
 
 One program normalises one row, held in registers (BLOCK = next_power_of_2(H), H <= 65536).
-Everything is computed in fp32; the rounding points of the reference are kept: s is rounded to
-x's dtype before it is normalised, and the normalised row is rounded to x's dtype before the
-weight multiply (``weight * norm(s).to(x.dtype)``, as Qwen3 / Hugging Face do).
+Everything is computed in fp32; the rounding points of the reference are kept: s = x + residual is
+rounded to their promoted dtype (x's, when they match) before it is normalised, and the normalised row
+is rounded to that dtype before the weight multiply (``weight * norm(s).to(s.dtype)``, as Qwen3 /
+Hugging Face do). Mixed dtypes are what an autocast forward gives (a bf16 layer output added to an
+fp32 residual stream).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import as_rows, check_float, check_matches
+from ._checks import as_rows, check_float
 from .backend import select_backend
 from .reference.rms_norm import rms_norm as rms_norm_reference
 
@@ -58,7 +60,10 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_cols, eps,
         x = s.to(tl.float32)
     var = tl.sum(x * x, axis=0) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
-    xn = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_RESIDUAL:  # rounded to the dtype of the row it normalises (Qwen3's input_dtype)
+        xn = (x * rstd).to(s_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        xn = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (xn * w).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -76,16 +81,20 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if weight.device != x.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     if residual is not None:
-        check_matches("residual", residual, "x", x)
+        check_float("residual", residual)
+        if residual.shape != x.shape or residual.device != x.device:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)} and device {x.device}, got "
+                             f"{tuple(residual.shape)} on {residual.device}")
     BLOCK, num_warps = row_settings(H)
     x2 = as_rows(x)
     w = weight.contiguous()
     M = x2.shape[0]
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)  # as x + residual
+    y = torch.empty(x.shape, dtype=torch.promote_types(s_dtype, weight.dtype), device=x.device)
     y2 = y.view(-1, H)
     if residual is not None:
         r2 = as_rows(residual)
-        s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        s = torch.empty(x.shape, dtype=s_dtype, device=x.device)
         s2 = s.view(-1, H)
     else:
         r2, s, s2 = x2, None, y2  # unused pointers (HAS_RESIDUAL=False)
@@ -99,10 +108,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim, optionally after adding ``residual``.
 
-    x: [..., H], weight: [H], residual: [..., H] (x's dtype) or None.
+    x: [..., H], weight: [H], residual: [..., H] or None.
     Returns y [..., H] (dtype promote(x, weight)) when ``residual`` is None, else ``(y, s)`` with
-    ``s = x + residual`` [..., H] (x's dtype, the new residual stream) and ``y = rms_norm(s)``.
+    ``s = x + residual`` [..., H] (dtype promote(x, residual), the new residual stream) and ``y = rms_norm(s)``
+    (dtype promote(s, weight)).
     """
-    if select_backend(x.device) == "triton":
+    if select_backend(x.device, x, weight, residual) == "triton":
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)

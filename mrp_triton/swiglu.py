@@ -52,6 +52,6 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``; gate, up: [..., F] (same dtype) -> [..., F] (same dtype)."""
-    if select_backend(gate.device) == "triton":
+    if select_backend(gate.device, gate, up) == "triton":
         return swiglu_triton(gate, up)
     return swiglu_reference(gate, up)

@@ -58,6 +58,20 @@ def test_rms_norm_matches_reference(lead, H, dtype, with_residual, pad, seed):
         _close(out, expect)
 
 
+@settings(max_examples=10)
+@given(x_dtype=dtypes, r_dtype=dtypes, w_dtype=dtypes, seed=st.integers(0, 2**16))
+def test_rms_norm_mixed_dtypes_promote_like_reference(x_dtype, r_dtype, w_dtype, seed):
+    """What an autocast forward hands the norm (a bf16 layer output, an fp32 residual stream): s = x + residual in
+    their promoted dtype, the normalised row rounded to it (Qwen3's input dtype), y in promote(s, weight)."""
+    x, r, w = _randn((3, 5, 40), x_dtype, seed, 3.0), _randn((3, 5, 40), r_dtype, seed + 1), _randn((40,), w_dtype, 2)
+    y, s = rms_norm_triton(x, w, EPS, r)
+    ey, es = ref.rms_norm(x, w, EPS, r)
+    assert (y.dtype, s.dtype) == (ey.dtype, es.dtype) == (torch.promote_types(es.dtype, w_dtype),
+                                                          torch.promote_types(x_dtype, r_dtype))
+    _close(s, es)
+    torch.testing.assert_close(y.float(), ey.float(), **tol(es.dtype))  # rounded at s's dtype before the weight
+
+
 def test_rms_norm_fp32_weight_promotes_like_reference():
     x = _randn((3, 40), torch.bfloat16, 0)
     w = _randn((40,), torch.float32, 1)
@@ -83,10 +97,10 @@ def test_rms_norm_errors():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="weight must have shape"):
         rms_norm_triton(x, torch.ones(7), EPS)
-    with pytest.raises(ValueError, match="residual shape"):
+    with pytest.raises(ValueError, match="residual must have x's shape"):
         rms_norm_triton(x, torch.ones(8), EPS, torch.randn(2, 7))
-    with pytest.raises(TypeError, match="residual dtype"):
-        rms_norm_triton(x, torch.ones(8), EPS, torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="residual must be a floating-point"):
+        rms_norm_triton(x, torch.ones(8), EPS, torch.ones(2, 8, dtype=torch.int64))
     with pytest.raises(TypeError, match="floating-point"):
         rms_norm_triton(torch.ones(2, 8, dtype=torch.int64), torch.ones(8), EPS)
 

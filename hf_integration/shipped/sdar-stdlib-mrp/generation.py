@@ -67,7 +67,9 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if settings.streamer is not None and len(prompts.lens) != 1:
         raise ValueError(f"streamer streams one prompt at a time (as transformers' streamers do), got a batch of "
                          f"{len(prompts.lens)}; generate the rows one by one or drop streamer")
-    with one_call_at_a_time(model):
+    # Decoding runs in the model's dtype (load it in bf16 for bf16 decoding): an enclosing autocast would hand the
+    # static KV cache keys of another dtype.
+    with one_call_at_a_time(model), torch.autocast(device.type, enabled=False):
         decoder = BlockDecoder(model, prompts, settings)
         x = decoder.run(DECODING[settings.strategy])
         sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,

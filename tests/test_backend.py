@@ -1,0 +1,56 @@
+"""Backend dispatch (mrp_triton.backend): ops autograd must differentiate run the reference; autocast forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrp_triton import select_backend, use_backend
+from tiny_models import random_prompts, tiny_model
+
+pytestmark = pytest.mark.triton  # the default dispatch (the interpreter is on), not the suite's reference override
+
+
+def test_ops_that_autograd_differentiates_run_the_reference():
+    x = torch.randn(3, 8, requires_grad=True)
+    assert select_backend(x.device, x, None) == "reference"
+    assert select_backend(x.device, x.detach(), None) == "triton"
+    with torch.no_grad():
+        assert select_backend(x.device, x) == "triton"
+    with use_backend("triton"), pytest.raises(RuntimeError, match="no backward"):
+        select_backend(x.device, x)
+    with use_backend("reference"):
+        assert select_backend(x.device, x) == "reference"
+
+
+def test_a_forward_with_grad_gets_every_gradient():
+    """Kernel outputs would cut the autograd graph (the embeddings and layers would get no gradient at all): with
+    grad on, the default dispatch runs the reference, so the gradients are the reference's."""
+    model = tiny_model(dtype=torch.float32).train()
+    ids = random_prompts(2, 8)
+    grads = []
+    for context in (use_backend("reference"), torch.enable_grad()):
+        model.zero_grad()
+        with context:
+            model.lm_head(model.model(ids)).logsumexp(-1).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    reference, default = grads
+    assert "model.embed_tokens.weight" in default and default.keys() == reference.keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(default[name], grad, msg=name)
+
+
+def test_autocast_forward_runs_on_the_kernels():
+    """An autocast forward adds bf16 layer outputs to the fp32 residual stream: the kernels take the mixed dtypes
+    as the reference does; generate runs in the model's dtype whatever autocast encloses it."""
+    model = tiny_model(dtype=torch.float32).eval()
+    ids = random_prompts(2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        kernels = model.model(ids)
+        with use_backend("reference"):
+            reference = model.model(ids)
+    assert kernels.dtype == reference.dtype
+    torch.testing.assert_close(kernels, reference, atol=5e-2, rtol=5e-2)
+    greedy = model.generate(ids, max_new_tokens=8, strategy="speculative")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model.generate(ids, max_new_tokens=8, strategy="speculative"), greedy)
