@@ -4,8 +4,9 @@ At a large vocabulary the lm_head is most of a draft step's weights (1.7B shape:
 choose among a subset of the token ids (``draft_vocab``): an int N, the ids below N (BPE ids are in merge order,
 so these are roughly the frequent tokens; the rows are a view of the lm_head), or the token ids themselves, such
 as the N most frequent ones of the user's data (``mrp-train draft-vocab``; the rows are gathered into a buffer of
-the decode engine, refreshed from the lm_head at every call). Verification scores the whole vocabulary, so the
-output stays lossless; only the acceptance depends on the choice.
+the decode engine, refreshed from the lm_head at every call); a checkpoint may carry them in its generation config
+(``mrp-train draft-vocab --into-generation-config``), for its speculative calls only. Verification scores the whole
+vocabulary, so the output stays lossless; only the acceptance depends on the choice.
 """
 
 from __future__ import annotations

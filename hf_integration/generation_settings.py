@@ -151,6 +151,9 @@ class GenerationSettings:
             values.update({k: v for k, v in given.items() if k in names})
         values.update({k: v for k, v in kwargs.items() if v is not None})
         settings = cls(**values)
+        asked = set(kwargs) | (set(generation_config.to_diff_dict()) if generation_config is not None else set())
+        if settings.strategy != "speculative" and "draft_vocab" not in asked:
+            settings.draft_vocab = None  # a checkpoint's draft vocabulary is for its speculative calls
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         return settings

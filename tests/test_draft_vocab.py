@@ -159,3 +159,39 @@ def test_draft_vocab_command_feeds_mrp_generate(tmp_path, capsys):
     assert result["coverage"] == 1.0 > result["coverage_ids_below_size"]  # every token of this text is among them
     assert generate_cli.main(["def f(x):", "--max-new-tokens", "8", "--draft-vocab", str(out)]) == 0
     assert "[speculative]" in capsys.readouterr().err
+
+
+def test_a_checkpoint_carries_its_draft_vocabulary(tmp_path, monkeypatch):
+    """mrp-train draft-vocab --into-generation-config: the model's speculative calls draft among the ids by default,
+    its other strategies ignore them, and a call's own draft_vocab wins."""
+    import shutil
+
+    from hf_integration import SDARMRPForCausalLM
+    from hf_integration.cli import SHIPPED_MODEL
+    from training import cli as train_cli
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(SHIPPED_MODEL, model_dir)
+    corpus = tmp_path / "code.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    with pytest.raises(train_cli.ConfigError, match="say where the ids go"):
+        train_cli.run_draft_vocab(train_cli.build_parser().parse_args(
+            ["draft-vocab", "--model", str(model_dir), "--data", str(corpus), "--size", "64"]))
+    train_cli.run_draft_vocab(train_cli.build_parser().parse_args(
+        ["draft-vocab", "--model", str(model_dir), "--data", str(corpus), "--size", "64",
+         "--into-generation-config"]))
+    ids = json.loads((model_dir / "generation_config.json").read_text())["draft_vocab"]
+    assert len(ids) == 64
+    model = SDARMRPForCausalLM.from_pretrained(model_dir)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    static = model.generate(prompt, max_new_tokens=16)  # not refused: the checkpoint's draft_vocab is not asked for
+    drafts = spy_on_drafts(monkeypatch)
+    assert torch.equal(model.generate(prompt, max_new_tokens=16, strategy="speculative"), static)
+    drafted = torch.cat([d.flatten() for d in drafts])
+    assert (drafted >= 0).any() and torch.isin(drafted[drafted >= 0], torch.tensor(ids)).all()
+    del drafts[:]
+    model.generate(prompt, max_new_tokens=16, strategy="speculative", draft_vocab=model.config.vocab_size)
+    drafted = torch.cat([d.flatten() for d in drafts])
+    assert not torch.isin(drafted[drafted >= 0], torch.tensor(ids)).all()  # the whole vocabulary drafted
+    with pytest.raises(ValueError, match="draft_vocab applies"):
+        model.generate(prompt, max_new_tokens=4, draft_vocab=ids)  # asked for, with static decoding

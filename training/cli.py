@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="a model folder or Hub repo id (its tokenizer and config are used)")
     g.add_argument("--size", type=int, required=True, help="token ids to keep (a draft step reads that many lm_head "
                    "rows)")
-    g.add_argument("--out", required=True, help="JSON file to write: the sorted list of token ids")
+    g.add_argument("--out", default=None, help="JSON file to write: the sorted list of token ids")
+    g.add_argument("--into-generation-config", action="store_true", help="also write the ids as draft_vocab into "
+                   "the --model folder's generation_config.json: its speculative calls then draft among them")
     return ap
 
 
@@ -258,12 +260,17 @@ def run_eval(args) -> dict:
 
 def run_draft_vocab(args) -> dict:
     """``mrp-train draft-vocab``: the ``--size`` most frequent token ids of the data (without the mask token),
-    written to ``--out`` as a JSON list; reports how much of the counted text they cover, and the ids below
-    ``--size`` (what ``draft_vocab=SIZE`` takes) for comparison."""
+    written to ``--out`` as a JSON list and/or into the model's generation config; reports how much of the counted
+    text they cover, and the ids below ``--size`` (what ``draft_vocab=SIZE`` takes) for comparison."""
     from .draft_vocab import coverage, most_frequent_ids, token_counts
     from .tokenizer import load_tokenizer, special_token_ids
 
+    if not args.out and not args.into_generation_config:
+        raise ConfigError("say where the ids go: --out FILE and/or --into-generation-config")
     records = _model_records(args, "data to count", heldout=False)
+    if args.into_generation_config and not os.access(args.model, os.W_OK):
+        raise ConfigError(f"--into-generation-config: cannot write into {args.model!r} (a Hub cache snapshot is "
+                          "read-only: download the model into a folder of your own first)")
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
     with open(os.path.join(args.model, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
@@ -274,8 +281,18 @@ def run_draft_vocab(args) -> dict:
         ids = most_frequent_ids(counts, args.size, vocab_size, exclude=[special_token_ids(tokenizer)["mask_token_id"]])
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    with open(args.out, "w") as f:
-        json.dump(ids, f)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(ids, f)
+    if args.into_generation_config:
+        from transformers import GenerationConfig
+
+        try:
+            gen = GenerationConfig.from_pretrained(args.model)
+        except OSError:  # the folder has none yet
+            gen = GenerationConfig()
+        gen.draft_vocab = ids
+        gen.save_pretrained(args.model)
     return {"out": args.out, "size": len(ids), "tokens_counted": sum(counts.values()),
             "coverage": round(coverage(counts, ids), 4),
             "coverage_ids_below_size": round(coverage(counts, range(args.size)), 4)}
