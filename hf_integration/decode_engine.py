@@ -102,7 +102,7 @@ class DecodeEngine:
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
         self.loop_steps = torch.zeros((), dtype=torch.long, device=s.device)
         self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
-        self.draft_rows: dict = {}  # the lm_head rows of a listed draft vocabulary (draft_vocab.draft_head)
+        self.draft_rows: dict = {}  # the lm_head rows of each listed draft vocabulary (draft_vocab.draft_head)
         settings = torch.ones(len(ON_THE_DEVICE), dtype=torch.float64, device=s.device)
         self.on_device = dict(zip(ON_THE_DEVICE, settings.unbind()))  # 0-d views of one fixed buffer
         self.reset()

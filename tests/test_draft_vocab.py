@@ -81,7 +81,9 @@ def test_listed_rows_live_in_one_buffer_refreshed_from_the_weights_at_every_call
     assert second.weight.data_ptr() == first.weight.data_ptr()  # captured steps read one address
     assert torch.equal(second.weight, weight[[2, 5, 7]])
     third = draft_head(weight, (1, 3), 3, buffers)
-    assert list(buffers) == [(1, 3)] and third.mask_column == 1
+    assert third.mask_column == 1
+    again = draft_head(weight, (2, 5, 7), 0, buffers)  # steps captured for the first vocabulary still read this
+    assert again.weight.data_ptr() == first.weight.data_ptr() and list(buffers) == [(2, 5, 7), (1, 3)]
 
 
 @settings(max_examples=8, deadline=None)
@@ -115,13 +117,15 @@ def test_drafts_are_among_the_listed_ids(monkeypatch, do_sample):
 
 
 def test_graphed_calls_draft_from_the_current_weights(monkeypatch):
-    """With the replayed steps (cuda_graphs=True) the draft rows sit in the engine's buffer across calls;
-    after the lm_head changes in place a call drafts what a fresh engine drafts."""
+    """With the replayed steps (cuda_graphs=True) the draft rows sit in the engine's buffer across calls, one per
+    vocabulary (steps captured for a vocabulary read its buffer when it comes back after another); after the
+    lm_head changes in place a call drafts what a fresh engine drafts."""
     drafts = spy_on_drafts(monkeypatch)
     model = tiny_model(seed=4, block_size=8)
     prompts = random_prompts(1, 5, seed=2)
     kwargs = dict(max_new_tokens=16, strategy="speculative", draft_vocab=list(ODD_IDS), cuda_graphs=True)
     model.generate(prompts, **kwargs)
+    model.generate(prompts, **{**kwargs, "draft_vocab": list(EVEN_IDS)})
     with torch.no_grad():
         model.lm_head.weight[1::2].mul_(-1.0)  # flips which odd ids the drafts prefer
     del drafts[:]

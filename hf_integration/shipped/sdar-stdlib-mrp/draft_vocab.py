@@ -75,13 +75,12 @@ class DraftHead:
 def draft_head(lm_head_weight: torch.Tensor, draft_vocab: int | tuple[int, ...], mask_id: int,
                buffers: dict) -> DraftHead:
     """The :class:`DraftHead` of a normalized ``draft_vocab`` (:func:`normalize_draft_vocab`). For listed ids the
-    rows are gathered into ``buffers`` (the decode engine's: captured steps read them at a fixed address; one
-    vocabulary kept at a time) and refreshed from ``lm_head_weight`` [V, H] now, so weights changed in place
-    since an earlier call are seen."""
+    rows are gathered into ``buffers`` (the decode engine's, one buffer per vocabulary for the engine's life: its
+    captured steps, keyed by the vocabulary, read them at a fixed address) and refreshed from ``lm_head_weight``
+    [V, H] now, so weights changed in place since an earlier call are seen."""
     if isinstance(draft_vocab, int):
         return DraftHead(lm_head_weight[:draft_vocab], None, mask_id if mask_id < draft_vocab else None)
     if draft_vocab not in buffers:
-        buffers.clear()
         ids = torch.tensor(draft_vocab, dtype=torch.long, device=lm_head_weight.device)
         buffers[draft_vocab] = (ids, lm_head_weight.new_empty(len(draft_vocab), lm_head_weight.shape[1]))
     ids, rows = buffers[draft_vocab]
