@@ -178,6 +178,10 @@ def test_a_checkpoint_carries_its_draft_vocabulary(tmp_path, monkeypatch):
     shutil.copytree(SHIPPED_MODEL, model_dir)
     corpus = tmp_path / "code.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    with pytest.raises(train_cli.ConfigError, match="writes into a model folder"):
+        train_cli.run_draft_vocab(train_cli.build_parser().parse_args(
+            ["draft-vocab", "--model", "someone/sdar-mrp", "--data", str(corpus), "--size", "64",
+             "--into-generation-config"]))
     with pytest.raises(train_cli.ConfigError, match="say where the ids go"):
         train_cli.run_draft_vocab(train_cli.build_parser().parse_args(
             ["draft-vocab", "--model", str(model_dir), "--data", str(corpus), "--size", "64"]))

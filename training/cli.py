@@ -267,10 +267,11 @@ def run_draft_vocab(args) -> dict:
 
     if not args.out and not args.into_generation_config:
         raise ConfigError("say where the ids go: --out FILE and/or --into-generation-config")
+    if args.into_generation_config and not os.path.isdir(args.model):
+        raise ConfigError(f"--into-generation-config writes into a model folder, and {args.model!r} is not one (a Hub "
+                          "repo's cached snapshot is not to be edited): download it with `hf download REPO "
+                          "--local-dir DIR` and pass --model DIR")
     records = _model_records(args, "data to count", heldout=False)
-    if args.into_generation_config and not os.access(args.model, os.W_OK):
-        raise ConfigError(f"--into-generation-config: cannot write into {args.model!r} (a Hub cache snapshot is "
-                          "read-only: download the model into a folder of your own first)")
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
     with open(os.path.join(args.model, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
