@@ -168,6 +168,7 @@ def test_draft_vocab_command_feeds_mrp_generate(tmp_path, capsys):
 def test_a_checkpoint_carries_its_draft_vocabulary(tmp_path, monkeypatch):
     """mrp-train draft-vocab --into-generation-config: the model's speculative calls draft among the ids by default,
     its other strategies ignore them, and a call's own draft_vocab wins."""
+    import copy
     import shutil
 
     from hf_integration import SDARMRPForCausalLM
@@ -193,6 +194,8 @@ def test_a_checkpoint_carries_its_draft_vocabulary(tmp_path, monkeypatch):
     model = SDARMRPForCausalLM.from_pretrained(model_dir)
     prompt = torch.tensor([[5, 6, 7, 8]])
     static = model.generate(prompt, max_new_tokens=16)  # not refused: the checkpoint's draft_vocab is not asked for
+    pipeline_style = copy.deepcopy(model.generation_config)  # what transformers' pipeline hands generate
+    assert torch.equal(model.generate(prompt, generation_config=pipeline_style, max_new_tokens=16), static)
     drafts = spy_on_drafts(monkeypatch)
     assert torch.equal(model.generate(prompt, max_new_tokens=16, strategy="speculative"), static)
     drafted = torch.cat([d.flatten() for d in drafts])

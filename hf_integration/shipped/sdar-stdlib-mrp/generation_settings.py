@@ -151,9 +151,14 @@ class GenerationSettings:
             values.update({k: v for k, v in given.items() if k in names})
         values.update({k: v for k, v in kwargs.items() if v is not None})
         settings = cls(**values)
-        asked = set(kwargs) | (set(generation_config.to_diff_dict()) if generation_config is not None else set())
+        # A checkpoint's draft vocabulary is for its speculative calls: the call asked for one only if it passed it,
+        # or a generation_config whose value differs from the model's (a pipeline passes a copy of the model's).
+        model_config = getattr(model, "generation_config", None)
+        own = model_config.to_diff_dict() if model_config is not None else {}
+        passed = generation_config.to_diff_dict() if generation_config is not None else {}
+        asked = set(kwargs) | {k for k, v in passed.items() if k not in own or own[k] != v}
         if settings.strategy != "speculative" and "draft_vocab" not in asked:
-            settings.draft_vocab = None  # a checkpoint's draft vocabulary is for its speculative calls
+            settings.draft_vocab = None
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         return settings
