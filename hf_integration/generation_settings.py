@@ -76,7 +76,9 @@ class GenerationSettings:
     roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor, e.g. the most frequent tokens of
     your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the lm_head instead of all of them
     (the lm_head is most of a draft step's weights at large vocabularies); verification uses the whole vocabulary:
-    the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`)."""
+    the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`). A ``draft_vocab`` in the model's
+    own generation config applies to its speculative calls only; asked for by a call, it must come with
+    ``strategy="speculative"``."""
 
     max_new_tokens: int | None = None
     max_length: int | None = None
