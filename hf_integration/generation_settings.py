@@ -138,10 +138,12 @@ class GenerationSettings:
         if unknown:
             raise TypeError(f"generate() got unknown keyword argument(s) {unknown}; accepted: {sorted(names)}")
         values: dict = {}
-        for source in (getattr(model, "generation_config", None), generation_config):
+        sources = (getattr(model, "generation_config", None), generation_config)
+        own, passed = ({} if source is None else source.to_diff_dict() for source in sources)
+        for source, diff in zip(sources, (own, passed)):
             if source is None:
                 continue
-            given = {k: v for k, v in source.to_diff_dict().items() if v is not None and k not in NOT_DECODING_FIELDS}
+            given = {k: v for k, v in diff.items() if v is not None and k not in NOT_DECODING_FIELDS}
             unsupported = sorted(k for k in set(given) - names if given[k] not in (False, None)
                                  and given[k] not in (getattr(HF_DEFAULTS, k, None), FILLED_DEFAULTS.get(k)))
             if unsupported and source is generation_config:
@@ -153,12 +155,11 @@ class GenerationSettings:
             values.update({k: v for k, v in given.items() if k in names})
         values.update({k: v for k, v in kwargs.items() if v is not None})
         settings = cls(**values)
-        # A checkpoint's draft vocabulary is for its speculative calls: the call asked for one only if it passed it,
-        # or a generation_config whose value differs from the model's (a pipeline passes a copy of the model's).
-        model_config = getattr(model, "generation_config", None)
-        own = model_config.to_diff_dict() if model_config is not None else {}
-        passed = generation_config.to_diff_dict() if generation_config is not None else {}
-        asked = set(kwargs) | {k for k, v in passed.items() if k not in own or own[k] != v}
+        # A checkpoint's draft vocabulary is for its speculative calls: the call asked for one only if it passed it
+        # (None passes nothing), or a generation_config whose value differs from the model's (a pipeline passes a
+        # copy of the model's).
+        asked = {k for k, v in kwargs.items() if v is not None} | {k for k, v in passed.items()
+                                                                  if k not in own or own[k] != v}
         if settings.strategy != "speculative" and "draft_vocab" not in asked:
             settings.draft_vocab = None
         settings._fill_defaults(model.config, prompt_width)

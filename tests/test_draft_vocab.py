@@ -194,6 +194,7 @@ def test_a_checkpoint_carries_its_draft_vocabulary(tmp_path, monkeypatch):
     model = SDARMRPForCausalLM.from_pretrained(model_dir)
     prompt = torch.tensor([[5, 6, 7, 8]])
     static = model.generate(prompt, max_new_tokens=16)  # not refused: the checkpoint's draft_vocab is not asked for
+    assert torch.equal(model.generate(prompt, max_new_tokens=16, draft_vocab=None), static)  # as mrp-generate passes
     pipeline_style = copy.deepcopy(model.generation_config)  # what transformers' pipeline hands generate
     assert torch.equal(model.generate(prompt, generation_config=pipeline_style, max_new_tokens=16), static)
     drafts = spy_on_drafts(monkeypatch)
