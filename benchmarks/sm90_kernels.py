@@ -135,11 +135,12 @@ def _cached_attention() -> list[Variant]:
 
 
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
-                     "kept_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "N": "i32", "V": "i32",
+                     "kept_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32",
+                     "topv_ptr": "*fp32", "topi_ptr": "*i32", "N": "i32", "V": "i32",
                      "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
                      "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
 LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA", "FLATTEN",
-                      "BLOCK_N", "BLOCK_V", "BLOCK_K")
+                      "TOP_M", "BLOCK_N", "BLOCK_V", "BLOCK_K")
 
 
 def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,
@@ -151,7 +152,7 @@ def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | No
                **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
     consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "DOT_FP32": False,
               "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "W_TMA": tma,
-              "FLATTEN": bool(config.get("flatten")), "BLOCK_N": config["BLOCK_N"], "BLOCK_V": config["BLOCK_V"],
+              "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "BLOCK_N": config["BLOCK_N"], "BLOCK_V": config["BLOCK_V"],
               "BLOCK_K": config["BLOCK_K"]}
     return Variant(name, "lm_head_confidence", "_partials_kernel", sig, consts, config["num_warps"],
                    config.get("num_stages"),
@@ -171,6 +172,9 @@ def _lm_head() -> list[Variant]:
                                                              ("bf16", "bf16", False, True, False, (64, 128, 64, 4)),
                                                              ("fp32", "fp32", True, False, True, (64, 64, 32, 4)),
                                                              ("fp32", "fp32", True, False, False, (64, 64, 32, 4)))]
+    # a verify forward's call with the drafts' candidate lists (draft_candidates=16): the default tile of N <= 64
+    out.append(lm_head_variant("lm_head_confidence bf16 skip=True top_m=16 64x128x128", dict(
+        BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, top_m=16)))
     sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
     out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
                        {"BLOCK": 1024}, 4, divisible=_ptrs_divisible(sig)))

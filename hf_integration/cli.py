@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
-from .generation_settings import DRAFT_SCHEDULES, REMASK_RULES, STRATEGIES
+from .generation_settings import DRAFT_SCHEDULES, DRAFT_TOKENS, REMASK_RULES, STRATEGIES
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
 COMPARE = [
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=draft_vocab_arg, metavar="N|FILE",
                    help="speculative drafts choose among the token ids below N, or those listed in a JSON FILE "
                    "(mrp-train draft-vocab); the output stays lossless")
+    p.add_argument("--draft-candidates", type=int, metavar="M",
+                   help="speculative drafts choose among the M tokens the round's seed forward found most likely at "
+                   "each position (1-64); the output stays lossless")
     p.add_argument("--remask-rule", choices=REMASK_RULES, default="tau")
     p.add_argument("--residual-delta", type=float, default=1.0)
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -133,7 +136,8 @@ def compare_table(model, ids: torch.Tensor, base: dict) -> str:
     for strategy, extra in COMPARE:
         settings = {**base, "strategy": strategy, **extra}
         if strategy != "speculative":
-            settings.pop("draft_vocab", None)  # the drafts of speculative decoding only
+            for name in DRAFT_TOKENS:  # the drafts of speculative decoding only
+                settings.pop(name, None)
         if ids.is_cuda:
             run_one(model, ids, settings)
         new, stats, seconds = run_one(model, ids, settings)
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = encode(tokenizer, prompt, args).to(args.device)
     settings = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length,
                     denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
-                    draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab, remask_rule=args.remask_rule,
+                    draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
+                    draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
                     residual_delta=args.residual_delta, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256,
                     stop_strings=args.stop, tokenizer=tokenizer if args.stop else None)

@@ -27,8 +27,10 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils.logging import tqdm
 
 import mrp_triton
+from mrp_triton.reference.confidence import inverse_temperature
 
 from .decode_engine import DecodeStats, EngineShape, engine_for
+from .draft_candidates import candidate_pick, refresh_vocab_mean
 from .draft_vocab import DraftHead, draft_head
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs
@@ -100,6 +102,8 @@ class BlockDecoder:
         self.settings_key = settings.step_key()
         self.draft = None if settings.draft_vocab is None else draft_head(
             model.lm_head.weight, settings.draft_vocab, self.mask_id, self.engine.draft_rows)
+        if settings.draft_candidates:
+            self.engine.vocab_mean = refresh_vocab_mean(model.lm_head.weight, self.engine.vocab_mean)
         self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
         self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
         self.all_fresh = True  # every working row is at the start of a block (host)
@@ -188,16 +192,15 @@ class BlockDecoder:
                             done_rows, *inputs, mutated=tuple(i + 3 for i in mutated))
 
     def steps(self, name: str, fn, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
-              carry: int | None = None) -> None:
-        """``count`` steps ``fn(*inputs)`` that surely have work, each as :meth:`step` (with ``carry``, its output
-        replaces input ``carry`` in place: the next step's seed), then, with ``device_loop``, up to
+              carry: tuple[int, ...] = ()) -> None:
+        """``count`` steps ``fn(*inputs)`` that surely have work, each as :meth:`step` (with ``carry``, ``fn`` returns
+        one tensor per index in it, which replaces that input in place: the next step's seed), then, with
+        ``device_loop``, up to
         ``loop_slots`` steps that may have work in one graph, each run only while no working row has filled
         its block (with rows moving on together: while any has masks), tested on the device; so the host
         checks the rows once a block fills, not after every step. ``inputs[0]`` is the block [B, T]."""
         for _ in range(count):
-            output = self.step(name, fn, *inputs, mutated=mutated)
-            if carry is not None:
-                inputs[carry].copy_(output)
+            _carry_over(inputs, carry, self.step(name, fn, *inputs, mutated=mutated))
         if not self.loop_slots:
             return
         together, slots, loop_steps = self.together, self.loop_slots, self.engine.loop_steps
@@ -207,9 +210,7 @@ class BlockDecoder:
             return has_masks.any() if together else (has_masks | ~active).all()
 
         def body(go: torch.Tensor, active: torch.Tensor, *inputs: torch.Tensor) -> None:
-            output = fn(*inputs)
-            if carry is not None:
-                inputs[carry].copy_(output)
+            _carry_over(inputs, carry, fn(*inputs))
             loop_steps.add_(1)
             go.copy_(busy(inputs[0], active))
 
@@ -219,7 +220,7 @@ class BlockDecoder:
                 run_if(go, body, go, active, *inputs)
 
         active = torch.tensor([b > 0 for b in self.blocks_left], device=self.device)  # rows with blocks left
-        changed = tuple(i + 1 for i in (*mutated, *(() if carry is None else (carry,))))
+        changed = tuple(i + 1 for i in (*mutated, *carry))
         self.graphed(("loop", name, slots, together, self.settings_key), loop, active, *inputs, mutated=changed,
                      branches=True)
 
@@ -302,6 +303,14 @@ class BlockDecoder:
         """The mask token id when it is among the first ``vocab`` ids (the columns a pick reads), else None."""
         return self.mask_id if self.mask_id < vocab else None
 
+    def noise_keys(self, positions: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        """int64 [B, T, 3]: the sampling noise key (row, position, state) of each position; positions: [B, T],
+        counter: [B] or [B, T] (the state index). The seed sits in the first column (DecodeEngine.use_settings),
+        not in the ops' seed argument, which a captured step would bake in."""
+        B, T = positions.shape
+        return torch.stack([(self.rows + self.engine.seed_key)[:, None].expand(B, T), positions,
+                            counter.expand(B, T) if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
+
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, counter: torch.Tensor):
         """Per position the token to commit and its confidence (never the mask token).
 
@@ -310,10 +319,7 @@ class BlockDecoder:
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
-        # The seed sits in the first key column (DecodeEngine.use_settings), not in the op's seed argument, which a
-        # captured step would bake in; so do the temperature, top-k and top-p (read on the device).
-        keys = torch.stack([(self.rows + self.engine.seed_key)[:, None].expand(B, T), positions, counter.expand(B, T)
-                            if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
+        keys = self.noise_keys(positions, counter)  # the temperature, top-k and top-p are read on the device too
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), do_sample=s.do_sample, seed=0, noise_keys=keys.reshape(B * T, 3),
@@ -322,24 +328,43 @@ class BlockDecoder:
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor, draft: DraftHead | None = None):
+                    counter: torch.Tensor, draft: DraftHead | None = None, top_m: int = 0):
         """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``draft``, among its token ids only (its
         rows of the lm_head; confidences under the softmax over them). Greedy picks go through the fused LM-head
         confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that are not
-        candidates (committed ones: about half of a step's); sampling builds the logits."""
+        candidates (committed ones: about half of a step's); sampling builds the logits. With ``top_m`` (whole
+        vocabulary only) also each scored position's top_m logits / temperature (float32) and their token ids
+        (-1 elsewhere), [B, T, top_m] each: the draft candidates of the next round (:mod:`.draft_candidates`)."""
         weight = self.model.lm_head.weight if draft is None else draft.weight
+        B, T, H = hidden.shape
         if self.settings.do_sample:
             logits = F.linear(hidden, weight)
             if draft is not None:
                 logits = draft.full_logits(logits, self.model.lm_head.weight.shape[0])
-            return self.pick(logits, positions, candidates, counter)
-        B, T, H = hidden.shape
-        tok, conf, lse = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), weight,
-                                                       mask_token_id=self.mask_id if draft is None else
-                                                       draft.mask_column, skip_rows=~candidates.reshape(-1))
-        if draft is not None:
-            tok = draft.tokens(tok)
-        return tok.view(B, T), conf.view(B, T), lse.view(B, T)
+            picks = self.pick(logits, positions, candidates, counter)
+            if not top_m:
+                return picks
+            z = logits.float().masked_fill(~candidates[..., None], float("-inf"))
+            z[..., self.mask_id] = float("-inf")
+            top, ids = z.topk(top_m, dim=-1)  # the order among equal logits does not matter to a draft
+            return *picks, top * inverse_temperature(self.temperature), ids.masked_fill(top == float("-inf"), -1)
+        out = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), weight,
+                                            mask_token_id=self.mask_id if draft is None else draft.mask_column,
+                                            skip_rows=~candidates.reshape(-1), top_m=top_m)
+        tok = out[0] if draft is None else draft.tokens(out[0])
+        return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
+
+    def pick_listed(self, hidden: torch.Tensor, seed: tuple, positions: torch.Tensor, candidates: torch.Tensor,
+                    counter: torch.Tensor):
+        """A draft pick among each position's listed tokens (``draft_candidates``): hidden [B, T, H]; ``seed`` =
+        (h_seed [B, T, H], ids [B, T, M], rest [B, T]) of the round (:func:`.draft_candidates.candidate_pick`).
+        Returns tokens int64 [B, T] (-1 where not picked) and conf float32 [B, T]."""
+        s = self.settings
+        return candidate_pick(self.model.lm_head.weight, self.engine.vocab_mean, hidden, *seed, candidates,
+                              temperature=self.temperature,
+                              noise_keys=self.noise_keys(positions, counter) if s.do_sample else None,
+                              top_k=self.on_device("top_k") if s.do_sample else None,
+                              top_p=self.on_device("top_p") if s.do_sample else None)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      masked: torch.Tensor, n: torch.Tensor, threshold: float | None = None,
@@ -347,6 +372,12 @@ class BlockDecoder:
         """Pick on ``lm_head(hidden)`` [B, T, H] over the ``masked`` positions, commit into ``block`` in place
         (static top-n, or dynamic with ``threshold``) and count the forward. Returns committed bool [B, T]."""
         tok, conf, _ = self.pick_hidden(hidden, positions, masked, self.counter)
+        return self.commit_tokens(block, tok, conf, masked, n, threshold, mrp)
+
+    def commit_tokens(self, block: torch.Tensor, tok: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor,
+                      n: torch.Tensor, threshold: float | None = None, mrp: bool = False) -> torch.Tensor:
+        """Commit picks tok, conf [B, T] of the ``masked`` positions into ``block`` in place (static top-n, or
+        dynamic with ``threshold``) and count the forward. Returns committed bool [B, T]."""
         committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=self.mask_id, n=n, threshold=threshold)
         self.record(masked.any(-1), committed, mrp=mrp)
         return committed
@@ -535,6 +566,12 @@ class Strategy:
 
 
 GRAPHED_WIDTH_MULTIPLE = 256
+
+
+def _carry_over(inputs: tuple, carry: tuple[int, ...], outputs) -> None:
+    """A step's ``outputs`` (one tensor per index in ``carry``) replace those ``inputs`` in place."""
+    for i, output in zip(carry, outputs if carry else ()):
+        inputs[i].copy_(output)
 
 
 def _graphed_batch(rows: int) -> int:

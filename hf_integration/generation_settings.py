@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import logging
 
+from mrp_triton._checks import MAX_TOP_M
 from mrp_triton.confidence import check_temperature
 
 from .draft_vocab import normalize_draft_vocab
@@ -43,6 +44,8 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eo
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value.
 ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta", "denoising_steps")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
+# What the drafts of speculative decoding score; a checkpoint's generation config may set them for its speculative calls.
+DRAFT_TOKENS = ("draft_vocab", "draft_candidates")
 
 
 @dataclass
@@ -78,7 +81,11 @@ class GenerationSettings:
     (the lm_head is most of a draft step's weights at large vocabularies); verification uses the whole vocabulary:
     the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`). A ``draft_vocab`` in the model's
     own generation config applies to its speculative calls only; asked for by a call, it must come with
-    ``strategy="speculative"``."""
+    ``strategy="speculative"``. ``draft_candidates`` M (speculative, 1 to 64) lets each draft choose among the M
+    tokens the round's seed forward found most likely at that position (listed by the same pass over the lm_head
+    that picks the backbone's tokens), so a draft step reads M rows of the lm_head per position instead of all of
+    them (:mod:`.draft_candidates`); lossless like ``draft_vocab``, with which it does not combine; a checkpoint's
+    generation config may set it as it sets ``draft_vocab``."""
 
     max_new_tokens: int | None = None
     max_length: int | None = None
@@ -98,6 +105,7 @@ class GenerationSettings:
     mrp_steps: int = 3
     draft_schedule: str = "mrp"
     draft_vocab: int | Sequence[int] | torch.Tensor | None = None  # validated: an int or a sorted tuple of ids
+    draft_candidates: int | None = None
     remask_rule: str = "tau"
     residual_delta: float = 1.0
     mrp_mix: str = "logits_sum"
@@ -155,13 +163,14 @@ class GenerationSettings:
             values.update({k: v for k, v in given.items() if k in names})
         values.update({k: v for k, v in kwargs.items() if v is not None})
         settings = cls(**values)
-        # A checkpoint's draft vocabulary is for its speculative calls: the call asked for one only if it passed it
-        # (None passes nothing), or a generation_config whose value differs from the model's (a pipeline passes a
-        # copy of the model's).
+        # A checkpoint's draft vocabulary (or candidates) is for its speculative calls: the call asked for one only if
+        # it passed it (None passes nothing), or a generation_config whose value differs from the model's (a pipeline
+        # passes a copy of the model's).
         asked = {k for k, v in kwargs.items() if v is not None} | {k for k, v in passed.items()
                                                                   if k not in own or own[k] != v}
-        if settings.strategy != "speculative" and "draft_vocab" not in asked:
-            settings.draft_vocab = None
+        for name in DRAFT_TOKENS:
+            if settings.strategy != "speculative" and name not in asked:
+                setattr(settings, name, None)
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         return settings
@@ -237,11 +246,21 @@ class GenerationSettings:
                 raise ValueError(f"mrp_mix={self.mrp_mix!r} is unknown; use one of {MRP_MIX_MODES}")
             if not float(self.residual_delta) > 0.0:
                 raise ValueError(f"residual_delta={self.residual_delta} must be > 0")
+        for name in DRAFT_TOKENS:
+            if getattr(self, name) is not None and self.strategy != "speculative":
+                raise ValueError(f"{name} applies to the drafts of strategy='speculative', not {self.strategy!r}: "
+                                 "drop it")
         if self.draft_vocab is not None:
-            if self.strategy != "speculative":
-                raise ValueError(f"draft_vocab applies to the drafts of strategy='speculative', not "
-                                 f"{self.strategy!r}: drop it")
             self.draft_vocab = normalize_draft_vocab(self.draft_vocab, config.vocab_size)
+        if self.draft_candidates is not None:
+            _int_at_least("draft_candidates", self.draft_candidates, 1)
+            if self.draft_candidates > min(MAX_TOP_M, config.vocab_size - 1):
+                raise ValueError(f"draft_candidates={self.draft_candidates} must be at most "
+                                 f"{min(MAX_TOP_M, config.vocab_size - 1)} (64, and the vocabulary without the mask "
+                                 "token); None drafts from the whole vocabulary")
+            if self.draft_vocab is not None:
+                raise ValueError("draft_candidates and draft_vocab both choose the tokens a draft scores: give one "
+                                 "of them")
         if self.strategy == "speculative" and self.denoising_steps != self.block_length:
             raise ValueError("strategy='speculative' verifies one token per step: leave denoising_steps at "
                              f"block_length ({self.block_length})")

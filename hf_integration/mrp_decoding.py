@@ -15,6 +15,7 @@ import mrp_triton
 from mrp_triton.reference.confidence import inverse_temperature
 
 from .decoding import BlockDecoder, Strategy, denoising_step
+from .draft_candidates import rest_mass
 
 
 class MRPChain:
@@ -85,13 +86,14 @@ def decode_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
             carry = dec.step("direct_mrp", mrp_step, block, positions, h_a, carry, mutated=(0,))
 
 
-def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor,
-           fresh: torch.Tensor):
-    """K one-token drafts from the current state C(0) = block; rows at the start of a block (``fresh``,
-    bool [B]: no seed forward yet) draft nothing.
+def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed: tuple, fresh: torch.Tensor):
+    """K one-token drafts from the current state C(0) = block and the round's ``seed`` (h_seed [B, T, H], with
+    ``draft_candidates`` also its listed ids [B, T, M] and rest mass [B, T]); rows at the start of a block
+    (``fresh``, bool [B]: no seed forward yet) draft nothing.
 
     Returns draft_pos, draft_tok [B, K] (-1 = no draft) and the candidate states [B, K+1, T]."""
     K = dec.settings.mrp_steps
+    seed_h = seed[0]
     state = block.clone()
     states, draft_pos, draft_tok = [state.clone()], [], []
     chain = MRPChain(dec, seed_h, positions)
@@ -102,7 +104,10 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         else:
             hidden = chain.step(state, committing_rows_discard=True)  # committing rows are fresh
             dec.count("mrp_forwards", masked.any(-1))
-        tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k, dec.draft)
+        if len(seed) > 1:
+            tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.counter + k)
+        else:
+            tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k, dec.draft)
         committed = mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
         pos, t = _only_position(committed, tok)
         draft_pos.append(pos)
@@ -111,32 +116,59 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
     return torch.stack(draft_pos, 1), torch.stack(draft_tok, 1), torch.stack(states, 1)
 
 
-def speculation_round(dec: BlockDecoder):
-    """The verify round ``(block [B, T], positions [B, T], seed_h [B, T, H], fresh [B]) -> the next seed_h``:
-    K drafts from the block, one backbone forward over the K+1 candidate states, and per row the longest
-    draft prefix the backbone agrees with plus its bonus token committed into ``block`` in place. A row at
-    the start of its block (``fresh``, cleared in place) drafts nothing: its round is the opening forward,
-    which commits the backbone's own pick and seeds the next round."""
-    K = dec.settings.mrp_steps
+def _seed(h: torch.Tensor, picks: tuple) -> tuple:
+    """The seed of the next round from its forward's hidden states h [B, T, H] and picks (:meth:`pick_hidden`
+    with ``top_m``: tokens, conf, lse, top logits, ids): (h,), with draft candidates (h, ids, rest mass)."""
+    if len(picks) == 3:
+        return (h,)
+    _, _, lse, top, ids = picks
+    return h, ids, rest_mass(top, lse)
 
-    def round_(block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor,
-               fresh: torch.Tensor) -> torch.Tensor:
+
+def opening_step(dec: BlockDecoder):
+    """The step ``(block [B, T], positions [B, T], quota [B]) -> the seed`` (see :func:`_seed`) of rows opening their
+    blocks together: one backbone forward commits each row's quota of its own picks into ``block`` in place."""
+    top_m = dec.settings.draft_candidates or 0
+
+    def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> tuple:
+        masked = dec.masked(block)
+        hidden = dec.backbone(block, positions)
+        picks = dec.pick_hidden(hidden, positions, masked, dec.counter, top_m=top_m)
+        dec.commit_tokens(block, picks[0], picks[1], masked, quota)
+        return _seed(hidden, picks)
+
+    return step
+
+
+def speculation_round(dec: BlockDecoder):
+    """The verify round ``(block [B, T], positions [B, T], seed_h [B, T, H], fresh [B], *lists) -> the next seed``
+    (``lists``: with draft candidates the seed's ids and rest mass; see :func:`_seed`): K drafts from the block,
+    one backbone forward over the K+1 candidate states, and per row the longest draft prefix the backbone agrees
+    with plus its bonus token committed into ``block`` in place. A row at the start of its block (``fresh``,
+    cleared in place) drafts nothing: its round is the opening forward, which commits the backbone's own pick
+    and seeds the next round."""
+    K, top_m = dec.settings.mrp_steps, dec.settings.draft_candidates or 0
+
+    def round_(block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor, fresh: torch.Tensor,
+               *lists: torch.Tensor) -> tuple:
         B, T = block.shape
         live = dec.masked(block).any(-1)
-        draft_pos, draft_tok, states = _draft(dec, block, positions, seed_h, fresh)
+        draft_pos, draft_tok, states = _draft(dec, block, positions, (seed_h, *lists), fresh)
         copies = torch.arange(K + 1, device=block.device)
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copies.repeat_interleave(T))
         candidates = states == dec.mask_id
         counters = (dec.counter[:, None] + copies).repeat_interleave(T, dim=1)
-        tok, conf, _ = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters)
-        accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, tok.view(B, K + 1, T),
-                                                   conf.view(B, K + 1, T), mask_token_id=dec.mask_id)
+        picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters, top_m=top_m)
+        accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, picks[0].view(B, K + 1, T),
+                                                   picks[1].view(B, K + 1, T), mask_token_id=dec.mask_id)
         accepted = accepted.long()
         dec.record(live, (accepted + (bonus >= 0).long()) * live)
         dec.stats.accepted_lengths[dec.rows, accepted] += (live & ~fresh).long()
         fresh.zero_()
-        return h_all.view(B, K + 1, T, -1)[torch.arange(B, device=block.device), accepted]
+        # the accepted candidate's slice of the forward (and of its picks) seeds the next round
+        at = (torch.arange(B, device=block.device), accepted)
+        return _seed(h_all.view(B, K + 1, T, -1)[at], tuple(x.view(B, K + 1, T, *x.shape[2:])[at] for x in picks))
 
     return round_
 
@@ -152,13 +184,14 @@ def decode_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.
     shipped model one check per 1.6 rounds at K = 3, per 2.9 at K = 1), never a round without work; with
     ``device_loop`` the rounds that may have work follow in the same graph, so one check per block."""
     state = dec.row_state
+    names = ("seed_h", "seed_ids", "seed_rest") if dec.settings.draft_candidates else ("seed_h",)
     if dec.all_fresh:
-        state["seed_h"] = dec.step("denoise", denoising_step(dec), block, positions, _one_each(dec.masked(block)),
-                                   mutated=(0,))
+        seed = dec.step("open", opening_step(dec), block, positions, _one_each(dec.masked(block)), mutated=(0,))
+        state.update(zip(names, seed))
         state["fresh"].zero_()
         steps -= 1
-    dec.steps("speculate", speculation_round(dec), block, positions, state["seed_h"], state["fresh"], count=steps,
-              mutated=(0, 3), carry=2)
+    dec.steps("speculate", speculation_round(dec), block, positions, state["seed_h"], state["fresh"],
+              *(state[name] for name in names[1:]), count=steps, mutated=(0, 3), carry=(2, 4, 5)[: len(names)])
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,

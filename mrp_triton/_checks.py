@@ -72,6 +72,16 @@ def check_skip_rows(skip_rows, rows: int, device: torch.device, data: str) -> No
         raise ValueError(f"skip_rows is on {skip_rows.device} but {data} is on {device}")
 
 
+MAX_TOP_M = 64
+
+
+def check_top_m(top_m, vocab: int) -> None:
+    """``top_m`` (how many top logits per row an op also returns) must be an int in [0, min(64, vocab)]."""
+    if isinstance(top_m, bool) or not isinstance(top_m, numbers.Integral) or not 0 <= top_m <= min(MAX_TOP_M, vocab):
+        raise ValueError(f"top_m must be an int in [0, {min(MAX_TOP_M, vocab)}] (at most {MAX_TOP_M} and the "
+                         f"vocabulary, {vocab}), got {top_m!r}")
+
+
 def check_device_scalar(name: str, value, device: torch.device) -> bool:
     """Whether ``value`` (a setting such as a temperature, threshold or top-k) is given as a 0-d real tensor on
     ``device``: the op then reads it there, so one captured CUDA graph serves every value (which is not checked

@@ -1,4 +1,4 @@
-"""Greedy token + full-softmax confidence of ``lm_head(hidden) [+ base_logits]`` without logits.
+"""Greedy token + full-softmax confidence of ``lm_head(hidden) [+ base_logits]`` without logits (and its top m).
 
 For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` over the vocabulary
 V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
@@ -6,6 +6,9 @@ V, the argmax token (lowest index on ties), its probability ``exp(max z - logsum
 logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
 a one-program kernel lists the kept rows first (prefix sums on the device, no host synchronisation,
 so the op stays capturable in a CUDA graph) and row blocks past the kept count return at once.
+With ``top_m`` it also gives each row's ``top_m`` largest z and their token ids (largest first, ties to the
+lowest id): what speculative drafts score instead of the whole vocabulary (``draft_candidates``), from the
+same read of the weight.
 
 Cost model (b bytes per weight element, N <= 128 rows, one row block):
     reads  V*H*b (the lm_head weight, once) + N*H*b per V tile (L2-resident)
@@ -32,6 +35,9 @@ Two launches (three with ``skip_rows``: ``_kept_first_kernel`` first):
    (``benchmarks/sm90_kernels.py --lm-head-sweep``, Triton 3.6 for sm_90: a 128-row x 128-V tile on 8 warps takes 192
    registers a thread instead of 255); which layout is faster at N = 64-128 is for
    ``benchmarks/bench_mrp_head.py --sweep`` on the GPU to say.
+   With ``top_m`` every split is one tile, and after its softmax step the tile gives up its ``top_m`` largest z per
+   row (``top_m`` max-with-index reductions, each taking the winner out), written with their ids per (row, split):
+   ``top_m * 8`` bytes per row and split (V = 151936 in 128-wide tiles, top_m = 16: 152 KB a row).
    Two more config keys, also for the sweep to judge (neither is in the default table yet): ``tma`` has the copy
    engine fetch the weight tiles through a TMA descriptor (sm_90 or newer, weight rows a multiple of 16 bytes;
    it zero-fills past V and H, so the tile needs no mask and no per-thread address arithmetic), and ``flatten``
@@ -42,6 +48,9 @@ Two launches (three with ``skip_rows``: ``_kept_first_kernel`` first):
    first split reaching M (splits are in vocabulary order, so ties still go to the lowest
    index), lse = M + log d, prob = exp(M - lse), written to the slot's row (skipped slots write
    the skip values).
+3. With ``top_m``, :func:`_top_by_position` merges the splits' lists per row: one ``torch.topk`` over int64 keys
+   (the value's order-preserving bits, then the list position reversed) gives the largest values first and among
+   equal values the earliest list position, which is the lowest id (splits and each split's list are in id order).
 
 dtypes: the matmul runs in weight's dtype (hidden is cast to it, as ``F.linear`` would need);
 fp32 weights use IEEE fp32 products (no TF32). Under TRITON_INTERPRET=1, tl.dot on bf16 is
@@ -55,7 +64,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._checks import check_skip_rows
+from ._checks import check_skip_rows, check_top_m
 from .backend import interpreter_on, select_backend
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 
@@ -85,12 +94,12 @@ def _kept_first_kernel(skip_ptr, order_ptr, kept_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
-def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, idx_ptr,
+def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, idx_ptr, topv_ptr, topi_ptr,
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
                      HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr,
                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr, ROWS_MAJOR: tl.constexpr,
-                     W_TMA: tl.constexpr, FLATTEN: tl.constexpr,
+                     W_TMA: tl.constexpr, FLATTEN: tl.constexpr, TOP_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -154,6 +163,15 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr,
         p = tl.exp(z - tl.expand_dims(safe_m, V_AXIS))
         d = d * tl.exp(m - safe_m) + tl.sum(p, axis=V_AXIS)
         m = new_m
+        if TOP_M > 0:  # the split's only tile (the launcher's rule): its top_m per row, each winner taken out
+            in_tile = tl.expand_dims(tl.arange(0, BLOCK_V), 1 - V_AXIS)
+            top_at = (slots.to(tl.int64) * n_splits + pid_s) * TOP_M
+            for j in tl.static_range(TOP_M):
+                top, top_arg = tl.max(z, axis=V_AXIS, return_indices=True, return_indices_tie_break_left=True)
+                tl.store(topv_ptr + top_at + j, top, mask=row_mask)
+                tl.store(topi_ptr + top_at + j, tl.where(top == float("-inf"), -1, v0 + top_arg.to(tl.int32)),
+                         mask=row_mask)
+                z = tl.where(in_tile == tl.expand_dims(top_arg, V_AXIS), float("-inf"), z)
     out = slots.to(tl.int64) * n_splits + pid_s
     tl.store(m_ptr + out, m, mask=row_mask)
     tl.store(d_ptr + out, d, mask=row_mask)
@@ -234,9 +252,21 @@ def _weight_descriptor(w: torch.Tensor, block_v: int, block_k: int) -> TensorDes
     return TensorDescriptor.from_tensor(w, [block_v, block_k])
 
 
+def _top_by_position(values: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The m largest of ``values`` float32 [N, L] per row, largest first, equal values in increasing position:
+    (values [N, m], positions int64 [N, m]). One ``topk`` over distinct int64 keys: the value's bits mapped to
+    an order-preserving int32 (negative floats have their magnitude bits flipped; -0.0 is made +0.0 first) in
+    the high half, the position reversed in the low half."""
+    bits = (values + 0.0).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    position = torch.arange(values.shape[1], device=values.device)
+    _, at = ((ordered << 32) | (0xFFFFFFFF - position)).topk(m, dim=1)
+    return values.gather(1, at), at
+
+
 def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                               mask_token_id: int | None = None, temperature: float = 1.0,
-                              skip_rows: torch.Tensor | None = None, config: dict | None = None):
+                              skip_rows: torch.Tensor | None = None, top_m: int = 0, config: dict | None = None):
     """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
 
     ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
@@ -272,15 +302,21 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     check_skip_rows(skip_rows, hidden.shape[0], hidden.device, "hidden")
+    check_top_m(top_m, V)
 
     tokens = torch.empty(N, dtype=torch.int64, device=hidden.device)
     probs = torch.empty(N, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    if top_m:
+        top_logits = torch.empty((N, top_m), dtype=torch.float32, device=hidden.device)
+        top_ids = torch.empty((N, top_m), dtype=torch.int64, device=hidden.device)
     if N == 0:
-        return tokens, probs, lse
+        return (tokens, probs, lse, top_logits, top_ids) if top_m else (tokens, probs, lse)
     cfg = dict(_config(N, V, H, weight.dtype))
     if config:
         cfg.update(config)
+    if top_m:
+        cfg["tiles_per_split"] = 1  # each split lists its tile's top_m (see the module docstring)
     h = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     v_per_split = cfg["BLOCK_V"] * cfg["tiles_per_split"]
@@ -288,6 +324,9 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     m_part = torch.empty((N, n_splits), dtype=torch.float32, device=hidden.device)
     d_part = torch.empty_like(m_part)
     i_part = torch.empty((N, n_splits), dtype=torch.int32, device=hidden.device)
+    # per (row slot, split): the tile's top_m values and ids (dummy pointers without top_m)
+    topv_part = torch.empty((N, n_splits * top_m), dtype=torch.float32, device=hidden.device) if top_m else m_part
+    topi_part = torch.empty((N, n_splits * top_m), dtype=torch.int32, device=hidden.device) if top_m else i_part
     base = base_logits if base_logits is not None else m_part  # dummy pointer when HAS_BASE=False
     w_desc = _weight_descriptor(w, cfg["BLOCK_V"], cfg["BLOCK_K"]) if cfg.get("tma") else w
     order = kept = tokens  # dummy pointers when HAS_SKIP=False
@@ -298,34 +337,51 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
                                  BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
-        h, w, w_desc, base, order, kept, m_part, d_part, i_part,
+        h, w, w_desc, base, order, kept, m_part, d_part, i_part, topv_part, topi_part,
         N, V, H, h.stride(0), w.stride(0), base.stride(0), 1.0 / temperature,
         mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
         HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None, HAS_SKIP=skip_rows is not None,
         DOT_FP32=interpreter_on() and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
         ROWS_MAJOR=cfg.get("rows_major", False), W_TMA=bool(cfg.get("tma")), FLATTEN=bool(cfg.get("flatten")),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+        TOP_M=top_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block_s = cfg.get("BLOCK_S") or min(triton.next_power_of_2(n_splits), 1024)
     _merge_kernel[(N,)](m_part, d_part, i_part, order, kept, tokens, probs, lse, n_splits,
                         HAS_SKIP=skip_rows is not None, BLOCK_S=block_s, num_warps=4)
-    return tokens, probs, lse
+    if not top_m:
+        return tokens, probs, lse
+    # slot s holds row order[s] (with skip_rows); slots past the kept count were never written
+    top, at = _top_by_position(topv_part, top_m)
+    ids = topi_part.gather(1, at).long()
+    if skip_rows is not None:
+        top_logits.index_copy_(0, order, top)
+        top_ids.index_copy_(0, order, ids)
+        top_logits.masked_fill_(skip_rows[:, None], float("-inf"))
+        top_ids.masked_fill_(skip_rows[:, None], -1)
+    else:
+        top_logits.copy_(top)
+        top_ids.copy_(ids)
+    return tokens, probs, lse, top_logits, top_ids
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                        mask_token_id: int | None = None, temperature: float = 1.0,
-                       skip_rows: torch.Tensor | None = None):
+                       skip_rows: torch.Tensor | None = None, top_m: int = 0):
     """Greedy pick and its full-softmax confidence, never materialising the logits.
 
     hidden: [N, H], weight: [V, H] (the lm_head), base_logits: [N, V] or None,
     mask_token_id: a column excluded from the argmax and the softmax, temperature > 0,
     skip_rows: bool [N] or None (rows not to score: token -1, prob 0, lse -inf; on the GPU they cost nothing).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) for
-    ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index.
+    ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index. With ``top_m`` (0 to
+    64) also (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): each row's top_m largest z, largest first,
+    ties to the lowest id (-inf / -1 past the row's scored tokens and in skipped rows).
     """
-    kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, temperature=temperature, skip_rows=skip_rows)
+    kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, temperature=temperature, skip_rows=skip_rows,
+              top_m=top_m)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)
     check_skip_rows(skip_rows, hidden.shape[0], hidden.device, "hidden")
+    check_top_m(top_m, weight.shape[0])
     return lm_head_confidence_reference(hidden, weight, **kw)

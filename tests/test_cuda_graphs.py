@@ -19,11 +19,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
               dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4),
-              dict(strategy="speculative", mrp_steps=2, draft_vocab=list(range(1, 67, 2)))]  # rows in a buffer
+              dict(strategy="speculative", mrp_steps=2, draft_vocab=list(range(1, 67, 2))),  # rows in a buffer
+              dict(strategy="speculative", mrp_steps=2, draft_candidates=4)]  # the seed's lists carried over
 
 
 def _name(kwargs: dict) -> str:
-    return kwargs["strategy"] + (" draft_vocab" if "draft_vocab" in kwargs else "")
+    return " ".join([kwargs["strategy"], *(k for k in ("draft_vocab", "draft_candidates") if k in kwargs)])
 
 
 def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):

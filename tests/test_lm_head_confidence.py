@@ -34,7 +34,11 @@ def _ints(shape, lo, hi, dtype, g):
 
 
 def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
-    tok, prob, lse = out
+    assert len(out) == len(expect)
+    if len(out) == 5:  # with top_m: exact (integer logits)
+        assert out[3].dtype == torch.float32 and out[4].dtype == torch.int64
+        assert torch.equal(out[3], expect[3]) and torch.equal(out[4], expect[4]), (out[3:], expect[3:])
+    tok, prob, lse = out[:3]
     assert tok.dtype == torch.int64 and prob.dtype == torch.float32 and lse.dtype == torch.float32
     if exact_tokens:
         assert torch.equal(tok, expect[0]), (tok, expect[0])
@@ -45,8 +49,9 @@ def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
 @settings(max_examples=25)
 @given(N=st.integers(1, 20), H=st.integers(1, 40), V=st.integers(2, 300), dtype=st.sampled_from(DTYPES),
        base=st.sampled_from((None, torch.float32, torch.bfloat16)), use_mask=st.booleans(),
-       temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, seed=st.integers(0, 2**16))
-def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, seed):
+       temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, top_m=st.integers(0, 8), seed=st.integers(0, 2**16))
+def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, top_m, seed):
+    """Every tile layout, with and without the top_m list (which makes every split one tile)."""
     if cfg["tma"]:
         H = -(-H // 8) * 8  # TMA needs 16-byte aligned weight rows
     g = torch.Generator().manual_seed(seed)
@@ -54,7 +59,7 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
     weight = _ints((V, H), -2, 2, dtype, g)
     base_logits = _ints((N, V), -4, 4, base, g) if base is not None else None
     mask = int(torch.randint(0, V, (1,), generator=g)) if use_mask else None
-    kw = dict(base_logits=base_logits, mask_token_id=mask, temperature=temperature)
+    kw = dict(base_logits=base_logits, mask_token_id=mask, temperature=temperature, top_m=min(top_m, V))
     with poisoned_allocations():
         out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
     expect = lm_head_confidence_reference(hidden, weight, **kw)
@@ -66,8 +71,9 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
 @settings(max_examples=20)
 @given(N=st.integers(1, 40), H=st.integers(1, 24), V=st.integers(2, 120), dtype=st.sampled_from(DTYPES),
        skip=st.sampled_from(("none", "all", "first", "last", "random")), with_base=st.booleans(),
-       block_n=st.sampled_from((16, 32)), rows_major=st.booleans(), seed=st.integers(0, 2**16))
-def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, seed):
+       block_n=st.sampled_from((16, 32)), rows_major=st.booleans(), top_m=st.sampled_from((0, 1, 5)),
+       seed=st.integers(0, 2**16))
+def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, top_m, seed):
     """Skipped rows give (-1, 0, -inf); the kept rows, gathered to the front on the device, give what they
     give unskipped, whichever row blocks they end up in."""
     g = torch.Generator().manual_seed(seed)
@@ -77,13 +83,15 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
     skip_rows = {"none": torch.zeros(N, dtype=torch.bool), "all": torch.ones(N, dtype=torch.bool),
                  "first": torch.arange(N) < N // 2, "last": torch.arange(N) >= N // 2,
                  "random": torch.rand(N, generator=g) < 0.5}[skip].to(DEV)
-    kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows)
+    kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows, top_m=min(top_m, V))
     with poisoned_allocations():
         cfg = dict(BLOCK_N=block_n, BLOCK_V=32, BLOCK_K=16, rows_major=rows_major)
         out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
     expect = lm_head_confidence_reference(hidden, weight, **kw)
     _check(out, expect)
     assert (out[0][skip_rows] == -1).all() and (out[1][skip_rows] == 0).all() and (out[2][skip_rows] == -inf).all()
+    if top_m:
+        assert (out[3][skip_rows] == -inf).all() and (out[4][skip_rows] == -1).all()
     unskipped = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V - 1)
     assert torch.equal(out[0][~skip_rows], unskipped[0][~skip_rows])
 
@@ -134,11 +142,34 @@ def test_constructed_ties_across_tiles_and_splits(dtype, layout):
         tok, prob, _ = lm_head_confidence_triton(hidden, weight, mask_token_id=mask, config=cfg)
         assert tok.tolist() == [want] * 3, (mask, tok)
         _check((tok, prob, _), lm_head_confidence_reference(hidden, weight, mask_token_id=mask))
+    # the top-m list orders the tied copies by id across tiles and splits (each split one tile with top_m)
+    *_, top, ids = lm_head_confidence_triton(hidden, weight, mask_token_id=9, top_m=5, config=cfg)
+    assert ids.tolist() == [[5, 20, 70, 197, ids[0, 4].item()]] * 3 and (top[:, :4] == 2.0 * H).all()
+    _check(lm_head_confidence_triton(hidden, weight, top_m=6, config=cfg),
+           lm_head_confidence_reference(hidden, weight, top_m=6))
     # only the last copies survive once earlier ones are masked out via base logits
     base = torch.zeros(3, V, device=DEV)
     base[:, [5, 9, 20]] = -1.0
     tok, _, _ = lm_head_confidence_triton(hidden, weight, base_logits=base, config=cfg)
     assert tok.tolist() == [70] * 3
+
+
+@settings(max_examples=20)
+@given(N=st.integers(1, 6), V=st.integers(1, 60), top_m=st.integers(1, 64), spread=st.sampled_from((1, 3, 100)),
+       use_mask=st.booleans(), seed=st.integers(0, 2**16))
+def test_reference_top_m_is_the_sorted_prefix(N, V, top_m, spread, use_mask, seed):
+    """The reference's top_m list, from its definition: the logits sorted by (value descending, id ascending),
+    the mask token left out, -inf / -1 once a row runs out of tokens (few distinct values: many ties)."""
+    top_m = min(top_m, V)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.ones(N, 1)
+    weight = torch.randint(-spread, spread + 1, (V, 1), generator=g).float()
+    mask = int(torch.randint(0, V, (1,), generator=g)) if use_mask and V > 1 else None
+    *_, values, ids = lm_head_confidence_reference(hidden, weight, mask_token_id=mask, top_m=top_m)
+    ranked = sorted((-float(weight[v, 0]), v) for v in range(V) if v != mask)[:top_m]
+    want_ids = [v for _, v in ranked] + [-1] * (top_m - len(ranked))
+    want_values = [-x for x, _ in ranked] + [-inf] * (top_m - len(ranked))
+    assert ids.tolist() == [want_ids] * N and values.tolist() == [want_values] * N
 
 
 @settings(max_examples=10)
@@ -190,5 +221,11 @@ def test_errors():
                 op(h, w, skip_rows=bad)
     with pytest.raises(ValueError, match="tma=True needs 16-byte aligned weight rows, got rows of 20 bytes"):
         lm_head_confidence_triton(h[:, :5], w[:, :5].contiguous(), config=dict(tma=True))
+    for bad in (-1, 65, 11, 2.0, True):
+        for op in (lm_head_confidence_triton, lm_head_confidence):
+            with pytest.raises(ValueError, match="top_m must be an int in \\[0, 10\\]"):
+                op(h, w, top_m=bad)
     tok, prob, lse = lm_head_confidence_triton(h[:0], w)
     assert tok.shape == prob.shape == lse.shape == (0,)
+    *_, top, ids = lm_head_confidence_triton(h[:0], w, top_m=3)
+    assert top.shape == ids.shape == (0, 3)

@@ -81,9 +81,11 @@ def test_run_if_runs_its_body_only_while_the_flag_is_set():
 STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
               dict(strategy="direct", mrp_steps=2), dict(strategy="speculative", mrp_steps=3),
               dict(strategy="remask", threshold=0.4),
-              dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20)]
+              dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20),
+              dict(strategy="speculative", mrp_steps=2, draft_candidates=4, do_sample=True, top_p=0.9)]
 DEVICE_LOOPS = [dict(strategy="dynamic", threshold=0.3, device_loop=True),
                 dict(strategy="speculative", mrp_steps=3, device_loop=True),
+                dict(strategy="speculative", mrp_steps=3, draft_candidates=4, device_loop=True),
                 dict(strategy="remask", threshold=0.4, device_loop=True)]
 
 
@@ -136,7 +138,7 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     kinds = {"static": "denoise", "dynamic": "denoise", "direct": "direct_mrp", "speculative": "speculate",
              "remask": "remask"}
     assert kinds[kwargs["strategy"]] in traced, traced
-    first_step = "remask" if kwargs["strategy"] == "remask" else "denoise"
+    first_step = {"remask": "remask", "speculative": "open"}.get(kwargs["strategy"], "denoise")
     assert f"{first_step}+commit" in traced, traced  # a block's first step carries the previous block's commit
     if kwargs == dict(strategy="speculative", mrp_steps=3):  # here the rows fill their blocks at different
         assert "speculate+commit" in traced, traced  # rounds: a verify round carries the finished blocks

@@ -58,18 +58,28 @@ def row_hash(seed: int, noise_keys: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_uniform(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
-    """[N, V] float32 uniforms in (0, 1), never 0 or 1: ``((h >> 9) + 0.5) / 2**23``."""
+    """[N, V] float32 uniforms in (0, 1), never 0 or 1, of every token id below V: :func:`gumbel_uniform_at`."""
+    ids = torch.arange(V, device=noise_keys.device, dtype=torch.int64)
+    return gumbel_uniform_at(seed, noise_keys, ids.expand(noise_keys.shape[0], V))
+
+
+def gumbel_uniform_at(seed: int, noise_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1), never 0 or 1, of token ``ids`` int64 [N, M] (ids >= 0) under the keys
+    [N, 3]: ``((h >> 9) + 0.5) / 2**23`` with h the hash of the row's key and the id."""
     h = row_hash(seed, noise_keys)[:, None]
-    v = torch.arange(V, device=noise_keys.device, dtype=torch.int64)[None, :]
-    x = mix32(h ^ v)
+    x = mix32(h ^ ids)
     x = mix32((x + _GOLDEN) & MASK32)
     return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_noise(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
     """[N, V] float32 standard Gumbel noise ``-log(-log(u))``."""
-    u = gumbel_uniform(seed, noise_keys, V)
-    return -torch.log(-torch.log(u))
+    return gumbel_noise_at(seed, noise_keys, torch.arange(V, device=noise_keys.device).expand(noise_keys.shape[0], V))
+
+
+def gumbel_noise_at(seed: int, noise_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The noise :func:`gumbel_noise` gives token ``ids`` int64 [N, M] (ids >= 0) under the keys [N, 3]: [N, M]."""
+    return -torch.log(-torch.log(gumbel_uniform_at(seed, noise_keys, ids)))
 
 
 def inverse_temperature(temperature) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Reference greedy token, confidence and log-normaliser of ``lm_head(hidden) [+ base_logits]``."""
+"""Reference greedy token, confidence and log-normaliser of ``lm_head(hidden) [+ base_logits]`` (and its top m)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .confidence import mark_skipped
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                        mask_token_id: int | None = None, temperature: float = 1.0,
-                       skip_rows: torch.Tensor | None = None):
+                       skip_rows: torch.Tensor | None = None, top_m: int = 0):
     """Per row: the argmax of ``z = (hidden @ weight.T [+ base_logits]) / temperature`` and its
     probability under the full softmax of z, the ``mask_token_id`` column excluded from both.
     Rows in ``skip_rows`` (bool [N]) give token -1, prob 0, lse -inf (as in ``confidence``).
@@ -17,7 +17,9 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     hidden: [N, H] (cast to weight's dtype before the matmul, which runs with fp32 accumulation),
     weight: [V, H], base_logits: [N, V] or None (any float dtype, added in fp32; fp64 weights: all in fp64).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) with ``lse = logsumexp(z)``
-    and ``probs = exp(max z - lse)``. Ties: the lowest vocabulary index wins.
+    and ``probs = exp(max z - lse)``. Ties: the lowest vocabulary index wins. With ``top_m`` > 0 also
+    (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): the top_m largest z of each row, largest first,
+    ties to the lowest index (:func:`top_by_value`); the mask column and skipped rows give -inf / -1.
     Builds the [N, V] fp32 logits (this is the oracle and the CPU path, not the fast path).
     """
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -30,4 +32,17 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     lse = torch.logsumexp(z, dim=-1)
     tokens = torch.argmax(z, dim=-1)  # documented: first maximal index
     zmax = z.gather(1, tokens[:, None]).squeeze(1)
-    return mark_skipped(tokens, torch.exp(zmax - lse).float(), lse.float(), skip_rows)
+    picks = mark_skipped(tokens, torch.exp(zmax - lse).float(), lse.float(), skip_rows)
+    if not top_m:
+        return picks
+    if skip_rows is not None:
+        z = z.masked_fill(skip_rows[:, None], float("-inf"))
+    return (*picks, *top_by_value(z.float(), top_m))
+
+
+def top_by_value(values: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The m largest of ``values`` [N, L] per row, largest first, ties to the lowest column (m <= L):
+    (values [N, m], columns int64 [N, m]), column -1 where the value is -inf."""
+    top, columns = torch.sort(values, dim=-1, descending=True, stable=True)
+    top, columns = top[:, :m], columns[:, :m]
+    return top, columns.masked_fill(top == float("-inf"), -1)

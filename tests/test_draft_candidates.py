@@ -1,0 +1,201 @@
+"""Per-position draft candidates of speculative decoding (``draft_candidates``, hf_integration.draft_candidates)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mrp_triton
+from hf_integration.draft_candidates import candidate_pick, refresh_vocab_mean, rest_mass
+from tiny_models import VOCAB, random_prompts, spy_on_drafts, tiny_model
+
+MASK = 32  # a tiny vocabulary of 33, so that every token fits in a list of at most 64
+
+
+def small_vocab_model(seed: int):
+    return tiny_model(seed=seed, block_size=8, vocab_size=MASK + 1, mask_token_id=MASK)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 3), k=st.integers(1, 4), max_new=st.integers(1, 20),
+       m=st.sampled_from((1, 3, 16, 64)), do_sample=st.booleans(), filters=st.sampled_from(((None, None), (3, None),
+                                                                                           (None, 0.8), (5, 0.9))),
+       schedule=st.sampled_from(("mrp", "authors")), mix=st.sampled_from(("logits_sum", "none")))
+def test_speculative_with_draft_candidates_equals_static(seed, batch, k, max_new, m, do_sample, filters, schedule,
+                                                         mix):
+    """Lossless whatever the candidates: greedy and sampled (draft and target share the noise; top-k / top-p are
+    applied among the listed tokens by the drafts and exactly by the verification)."""
+    model = tiny_model(seed=seed % 5, block_size=8)
+    prompts = random_prompts(batch, 6, seed=seed)
+    top_k, top_p = filters
+    kwargs = dict(max_new_tokens=max_new, do_sample=do_sample, seed=seed, temperature=1.2, top_k=top_k, top_p=top_p)
+    static = model.generate(prompts, **kwargs)
+    spec = model.generate(prompts, strategy="speculative", mrp_steps=k, draft_candidates=m, draft_schedule=schedule,
+                          mrp_mix=mix, **kwargs)
+    assert torch.equal(spec, static)
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+@pytest.mark.parametrize("schedule", ["mrp", "authors"])
+def test_listing_every_token_drafts_what_the_whole_vocabulary_drafts(monkeypatch, cuda_graphs, schedule):
+    """With every token listed, nothing is left outside the list (rest mass -inf up to rounding), so the drafts and
+    their acceptance are those of drafting from the whole vocabulary (also through the replayed steps)."""
+    model = small_vocab_model(seed=2)
+    prompts = torch.randint(0, MASK, (3, 5), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=24, strategy="speculative", mrp_steps=3, draft_schedule=schedule,
+                  return_dict_in_generate=True, cuda_graphs=cuda_graphs)
+    drafts = spy_on_drafts(monkeypatch)
+    whole = model.generate(prompts, **kwargs)
+    whole_drafts, drafts[:] = list(drafts), []
+    listed = model.generate(prompts, draft_candidates=MASK, **kwargs)
+    assert torch.equal(listed.sequences, whole.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(drafts, whole_drafts)) and len(drafts) == len(whole_drafts)
+    assert torch.equal(listed.stats.accepted_lengths, whole.stats.accepted_lengths)
+    assert whole.stats.accepted_lengths[:, 1:].sum() > 0
+
+
+def test_each_round_drafts_among_its_seed_forwards_list(monkeypatch):
+    """With one candidate, a round's drafts choose among (list) exactly the tokens the forward that seeded it picked:
+    a block's opening forward, or the verify forward's slice of the accepted candidate state (greedy: its picks
+    are its top-1 tokens; -1 at the positions it did not score)."""
+    import hf_integration.decoding as decoding
+
+    K, T = 2, 8
+    model = tiny_model(seed=1, block_size=T)
+    prompts = random_prompts(1, 5, seed=3)
+    events = []
+    forward, verify, pick = mrp_triton.lm_head_confidence, mrp_triton.verify_drafts, decoding.candidate_pick
+
+    def spy_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if kwargs.get("top_m"):
+            events.append(("forward", out[0].clone().view(1, -1, T)))
+        return out
+
+    def spy_verify(*args, **kwargs):
+        accepted, bonus = verify(*args, **kwargs)
+        events.append(("verify", accepted.clone().long()))
+        return accepted, bonus
+
+    def spy_pick(weight, mean, hidden, seed_hidden, ids, *args, **kwargs):
+        events.append(("draft", ids[..., 0].clone()))  # the seed's lists are carried over in place: copy them
+        return pick(weight, mean, hidden, seed_hidden, ids, *args, **kwargs)
+
+    monkeypatch.setattr(mrp_triton, "lm_head_confidence", spy_forward)
+    monkeypatch.setattr(mrp_triton, "verify_drafts", spy_verify)
+    monkeypatch.setattr(decoding, "candidate_pick", spy_pick)
+    out = model.generate(prompts, max_new_tokens=24, strategy="speculative", mrp_steps=K, draft_candidates=1,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(prompts, max_new_tokens=24))
+    seed, drafts = None, 0
+    for i, (kind, value) in enumerate(events):
+        if kind == "draft":
+            assert torch.equal(value, seed)
+            drafts += 1
+        elif kind == "verify":
+            seed = events[i - 1][1][0, value]  # the accepted copy's picks [1, T]
+        elif i + 1 == len(events) or events[i + 1][0] != "verify":
+            seed = value[0]  # an opening forward: one copy
+    assert drafts >= 3 and out.stats.accepted_lengths[:, 1:].sum() > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(N=st.integers(1, 6), V=st.integers(2, 40), m=st.integers(1, 40), seed=st.integers(0, 999))
+def test_rest_mass_is_the_softmax_mass_outside_the_list(N, V, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, V, generator=g, dtype=torch.float64) * 3
+    m = min(m, V)
+    top, ids = z.topk(m, dim=-1)
+    outside = z.scatter(1, ids, float("-inf"))
+    want = torch.logsumexp(outside, -1)
+    got = rest_mass(top, torch.logsumexp(z, -1))
+    if m == V:
+        assert torch.isneginf(got).all()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * V)
+    unscored = rest_mass(torch.full((2, m), float("-inf")), torch.full((2,), float("-inf")))
+    assert torch.isneginf(unscored).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(V=st.integers(3, 50), H=st.integers(1, 8), do_sample=st.booleans(), temperature=st.sampled_from((1.0, 0.7)),
+       seed=st.integers(0, 999))
+def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, seed):
+    """candidate_pick with every token listed (nothing outside: rest -inf) equals the confidence op on the whole
+    logits: the same token (the same Gumbel noise per token id when sampling) and full-softmax probability."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 2, 3
+    weight = torch.randint(-3, 4, (V, H), generator=g).double()  # integer logits: exact ties
+    hidden = torch.randint(-2, 3, (B, T, H), generator=g).double()
+    scored = torch.rand(B, T, generator=g) < 0.7
+    mask = int(torch.randint(0, V, (1,), generator=g))
+    ids = torch.tensor([v for v in range(V) if v != mask]).expand(B, T, V - 1)
+    keys = torch.randint(0, 2**40, (B, T, 3), generator=g)
+    tok, conf = candidate_pick(weight, refresh_vocab_mean(weight, None), hidden, hidden, ids,
+                               torch.full((B, T), float("-inf")), scored, temperature=temperature,
+                               noise_keys=keys if do_sample else None)
+    want_tok, want_conf, _ = mrp_triton.reference.confidence(
+        (hidden @ weight.T).reshape(B * T, V), temperature=temperature, mask_token_id=mask, do_sample=do_sample,
+        noise_keys=keys.reshape(B * T, 3), skip_rows=~scored.reshape(-1))
+    assert torch.equal(tok.reshape(-1), want_tok)
+    torch.testing.assert_close(conf.reshape(-1).float(), want_conf, rtol=1e-6, atol=1e-7)
+
+
+def test_the_normaliser_ignores_a_constant_added_to_every_logit():
+    """A hidden-state change that adds the same amount to every logit (here along a column of the lm_head that is
+    constant) changes no softmax probability: the estimate of the mass outside the list moves with it."""
+    g = torch.Generator().manual_seed(0)
+    V, H = 30, 6
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    weight[:, 0] = 1.0
+    seed_h = torch.randn(1, 4, H, generator=g, dtype=torch.float64)
+    z = (seed_h @ weight.T)[0]
+    top, ids = z.topk(5, dim=-1)
+    rest = rest_mass(top, torch.logsumexp(z, -1))[None]
+    scored = torch.ones(1, 4, dtype=torch.bool)
+    mean = refresh_vocab_mean(weight, None)
+    shifted = seed_h.clone()
+    shifted[..., 0] += 7.0
+    same = candidate_pick(weight, mean, seed_h, seed_h, ids[None], rest, scored)
+    moved = candidate_pick(weight, mean, shifted, seed_h, ids[None], rest, scored)
+    assert torch.equal(same[0], moved[0])
+    torch.testing.assert_close(same[1], moved[1], rtol=1e-12, atol=1e-12)
+    # and it is the full-softmax probability of the token (the seed's logits: exact)
+    torch.testing.assert_close(same[1], torch.softmax(z, -1).gather(-1, same[0][0][:, None])[:, 0][None])
+
+
+def test_the_vocab_mean_buffer_is_refreshed_in_place():
+    weight = torch.randn(9, 4)
+    buffer = refresh_vocab_mean(weight, None)
+    weight[3] += 9.0
+    again = refresh_vocab_mean(weight, buffer)
+    assert again.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(again, weight.mean(0))
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(draft_candidates=0), ValueError, "draft_candidates=0 must be >= 1"),
+    (dict(draft_candidates=65), ValueError, "draft_candidates=65 must be at most 64"),
+    (dict(draft_candidates=True), TypeError, "draft_candidates must be an int"),
+    (dict(draft_candidates=2.0), TypeError, "draft_candidates must be an int"),
+    (dict(draft_candidates=4, draft_vocab=20), ValueError, "give one of them"),
+    (dict(draft_candidates=4, strategy="static"), ValueError, "applies to the drafts of strategy='speculative'"),
+])
+def test_bad_draft_candidates_are_refused_with_their_name(kwargs, error, message):
+    model = tiny_model(seed=0)
+    with pytest.raises(error, match=message):
+        model.generate(random_prompts(1, 4), **{"strategy": "speculative", **kwargs})
+    with pytest.raises(ValueError, match=f"must be at most {MASK}"):
+        small_vocab_model(seed=0).generate(torch.zeros(1, 4, dtype=torch.long), strategy="speculative",
+                                           draft_candidates=MASK + 1)
+
+
+def test_a_checkpoint_may_set_draft_candidates_for_its_speculative_calls():
+    model = tiny_model(seed=3, block_size=8)
+    model.generation_config.draft_candidates = 4
+    prompts = random_prompts(1, 5, seed=1)
+    static = model.generate(prompts, max_new_tokens=12)  # not refused: not asked for by this call
+    assert torch.equal(model.generate(prompts, max_new_tokens=12, strategy="speculative"), static)
+    assert VOCAB > 4
