@@ -50,6 +50,8 @@ MODES = (
        for n in (1024, 512)]
     + [(f"speculative K=3 mrp, draft_vocab={n} most frequent ids",
         {"strategy": "speculative", "mrp_steps": 3, "draft_vocab": MostFrequent(n)}) for n in (1024, 512)]
+    + [(f"speculative K=3 mrp, draft_candidates={m}",
+        {"strategy": "speculative", "mrp_steps": 3, "draft_candidates": m}) for m in (16, 4)]
     + [(f"remask {r} tau={t}", {"strategy": "remask", "threshold": t, "remask_rule": r})
        for r in ("tau", "delta") for t in (0.5, 0.6, 0.7, 0.8, 0.9)]
 )

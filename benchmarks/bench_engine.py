@@ -26,6 +26,10 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     draft step reads N rows of the lm_head instead of all; N = 32768 of 151936, N = 16 for the smoke model):
     ``ratio`` = over the round with whole-vocabulary drafts. What it does to acceptance is measured on the
     shipped model by ``bench_e2e.py``.
+``draft_candidates=16``
+    The graphed speculative round K=3 with each draft choosing among the 16 tokens the seed forward found most
+    likely at its position (``draft_candidates``: a draft step reads 16 lm_head rows per position; the verify
+    forward's LM-head pass also lists them): ``ratio`` = over the round with whole-vocabulary drafts.
 ``decode``
     Wall clock of ``model.generate(strategy="static")``: random 512-token prompts, 256 new tokens one
     token a step, batch 1, 8 and 32, with ``cuda_graphs=False`` (the eager reference loop) and ``True``.
@@ -50,7 +54,8 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     Speculative K=3 over static decoding from the graphed whole-step costs of this run and the counts that
     ``bench_e2e.py`` measured on the shipped model (``--e2e``, mode "speculative K=3 mrp"):
     ``tokens * t_static_step / (verify_rounds * t_round + openings * t_static_step)`` (a block's opening
-    forward is a static step; openings = backbone_forwards - verify_rounds). The counts are per row, so
+    forward is a static step; openings = backbone_forwards - verify_rounds); a second row with the
+    ``draft_candidates=16`` round and the counts of bench_e2e's mode of that name. The counts are per row, so
     the estimate is exact at batch 1; at batch > 1 a batch takes about as many steps as its slowest row
     (``batch_steps`` in bench_e2e), some of them carrying other rows' commits (``+ commit`` rows). An
     estimate, labelled so; the end-to-end figure on the shipped model comes from ``bench_e2e.py --device
@@ -82,6 +87,8 @@ FIELDS = ["kernel", "shape", "provider", "median_us", "p20_us", "p80_us", "ratio
           "tokens_per_s", "gpu", "torch", "triton", "commit", "note"]
 PROVIDERS = {"eager": False, "cuda_graph": True}
 SPEC_MODE = "speculative K=3 mrp"
+CANDIDATES = 16  # draft_candidates of the candidate rows (bench_e2e.py runs the same mode)
+CANDIDATES_MODE = f"{SPEC_MODE}, draft_candidates={CANDIDATES}"
 DRAFT_VOCAB, SMOKE_DRAFT_VOCAB = 32768, 16  # the draft_vocab rows' (the smoke model has 512 ids)
 
 
@@ -125,11 +132,11 @@ def main(argv=None) -> int:
     T, copies_list = args.block, steps.ints(args.copies)
     bench = _harness.make_bench(cuda, warmup=args.warmup, rep=args.rep)
     copy_bw = _harness.copy_bandwidth(bench)[1] if cuda else 1e10  # nominal on CPU: fills the column only
-    spec = _spec_counts(Path(args.e2e))
+    spec, candidates_spec = (_spec_counts(Path(args.e2e), mode) for mode in (SPEC_MODE, CANDIDATES_MODE))
     stem, rows = "engine_smoke" if args.smoke else "engine", []
     doc = {"meta": {**meta, "copy_bw_tbps": round(copy_bw / 1e12, 3), "dtype": str(dtype).removeprefix("torch."),
                     "models": models, "prefix": prefix, "new_tokens": new_tokens, "block": T,
-                    "speculative_counts": spec}, "rows": rows}
+                    "speculative_counts": spec, "candidates_counts": candidates_spec}, "rows": rows}
 
     def record(kernel, shape, provider, q, ratio=None, ratio_to="", floor_us=None, tokens_per_s="", note=""):
         """Print and save a row at once: a run cut by a time limit keeps the rows it measured."""
@@ -158,16 +165,15 @@ def main(argv=None) -> int:
                 for provider, graphs in PROVIDERS.items():
                     cost[provider] = _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor,
                                                 f"{mname} B={B}", provider, args.seed)
-                graphed[B] = cost["cuda_graph"]
-                if spec:
-                    c = cost["cuda_graph"]
-                    openings = spec["backbone_forwards"] - spec["verify_rounds"]
-                    spent = spec["verify_rounds"] * c["round"] + openings * c["static_step"]
-                    speedup = spec["tokens"] * c["static_step"] / spent
-                    record("speculative_estimate", f"{mname} B={B} K=3", "cuda_graph", [spent / spec["tokens"]] * 3,
-                           ratio=speedup, ratio_to="static (graphed whole step)",
-                           note=f"from {spec['source']} ({spec['tpf']:.2f} tokens/forward, {spec['verify_rounds']} "
-                                f"rounds + {openings} openings); per-row counts: exact at B=1; target >= 1.6x")
+                graphed[B] = c = cost["cuda_graph"]
+                c["candidates_round"] = _draft_round_row(
+                    record, bench, model, B, prefix, T, f"{mname} B={B}", args.seed, c["round"],
+                    draft_candidates=CANDIDATES)
+                for provider, counts, round_us in (("cuda_graph", spec, c["round"]),
+                                                   (f"draft_candidates={CANDIDATES}", candidates_spec,
+                                                    c["candidates_round"])):
+                    if counts:
+                        _estimate_row(record, f"{mname} B={B} K=3", provider, counts, round_us, c["static_step"])
             for B in decode_batches:
                 _attention_rows(record, bench, shape, B, prefix, prefix + new_tokens, T, device, dtype,
                                 f"{mname} B={B}", args.seed)
@@ -176,8 +182,8 @@ def main(argv=None) -> int:
                              floor["step"], args.seed)
             for B in step_batches:  # last: the issues' targets come first when a time limit cuts the run
                 _unpacked_rows(record, bench, model, B, prefix, T, floor, f"{mname} B={B}", args.seed, graphed[B])
-                _draft_vocab_rows(record, bench, model, B, prefix, T, f"{mname} B={B}", args.seed,
-                                  DRAFT_VOCAB if cuda else SMOKE_DRAFT_VOCAB, graphed[B]["round"])
+                _draft_round_row(record, bench, model, B, prefix, T, f"{mname} B={B}", args.seed, graphed[B]["round"],
+                                 draft_vocab=DRAFT_VOCAB if cuda else SMOKE_DRAFT_VOCAB)
             del model
             gc.collect()
             if cuda:
@@ -186,20 +192,31 @@ def main(argv=None) -> int:
     return 0
 
 
-def _spec_counts(path: Path) -> dict | None:
-    """Forward counts of speculative K=3 (mrp schedule) on the shipped model, from bench_e2e results."""
+def _estimate_row(record, shape: str, provider: str, spec: dict, round_us: float, static_us: float) -> None:
+    """The speculative_estimate row of a round costing ``round_us`` with the counts ``spec`` (:func:`_spec_counts`)."""
+    openings = spec["backbone_forwards"] - spec["verify_rounds"]
+    spent = spec["verify_rounds"] * round_us + openings * static_us
+    record("speculative_estimate", shape, provider, [spent / spec["tokens"]] * 3,
+           ratio=spec["tokens"] * static_us / spent, ratio_to="static (graphed whole step)",
+           note=f"from {spec['source']} {spec['mode']!r} ({spec['tpf']:.2f} tokens/forward, {spec['verify_rounds']} "
+                f"rounds + {openings} openings); per-row counts: exact at B=1; target >= 1.6x")
+
+
+def _spec_counts(path: Path, mode: str = SPEC_MODE) -> dict | None:
+    """Forward counts of speculative K=3 (mrp schedule; bench_e2e's ``mode``) on the shipped model, from bench_e2e
+    results."""
     if not path.is_file():
         print(f"# no {path}: the speculative estimate is skipped")
         return None
     doc = json.loads(path.read_text())
-    row = next((r for r in doc["rows"] if r["mode"] == SPEC_MODE), None)
+    row = next((r for r in doc["rows"] if r["mode"] == mode), None)
     if row is None:
         return None
     keys = ("tokens", "backbone_forwards", "verify_rounds", "mrp_forwards", "tpf")
     if "verify_rounds" not in row:
         print(f"# {path} predates verify_rounds (rerun bench_e2e.py): the speculative estimate is skipped")
         return None
-    return {k: row[k] for k in keys} | {"source": path.name}
+    return {k: row[k] for k in keys} | {"source": path.name, "mode": mode}
 
 
 def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, tag, provider, seed) -> dict:
@@ -244,13 +261,15 @@ def _whole_steps(dec, ids, pos, h_a) -> dict:
     import torch
 
     from hf_integration.decoding import denoising_step
-    from hf_integration.mrp_decoding import speculation_round
+    from hf_integration.mrp_decoding import seed_of, speculation_round
 
     block, B = ids.clone(), ids.shape[0]
     quota = torch.ones(B, dtype=torch.long, device=ids.device)
     opening = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    top_m = dec.settings.draft_candidates or 0  # the seed's candidate lists, as its forward's picks give them
+    seed = seed_of(h_a, dec.pick_hidden(h_a, pos, dec.masked(block), dec.counter, top_m=top_m))
     return {"denoise": (denoising_step(dec), (block, pos, quota)),
-            "speculate": (speculation_round(dec), (block, pos, h_a, opening))}
+            "speculate": (speculation_round(dec), (block, pos, seed[0], opening, *seed[1:]))}
 
 
 def _time_step(bench, dec, whole: dict, name: str, riding: tuple | None = None):
@@ -278,13 +297,15 @@ def _unpacked_rows(record, bench, model, B, prefix, T, floor, tag, seed, packed:
            ratio_to="packed (cuda_graph)", floor_us=floor["step"])
 
 
-def _draft_vocab_rows(record, bench, model, B, prefix, T, tag, seed, vocab: int, full_round: float) -> None:
-    """Time the graphed speculative round K=3 with drafts among the first ``vocab`` token ids."""
-    dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, draft_vocab=vocab)
+def _draft_round_row(record, bench, model, B, prefix, T, tag, seed, full_round: float, **drafts) -> float:
+    """Time the graphed speculative round K=3 with the drafts' tokens chosen by ``drafts`` (one keyword:
+    ``draft_vocab`` or ``draft_candidates``); returns its median (us)."""
+    dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=True, **drafts)
     ids, pos = steps.query(dec, T, seed)
     q = _time_step(bench, dec, _whole_steps(dec, ids, pos, dec.backbone(ids, pos)), "speculate")
-    record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", f"draft_vocab={vocab}", q,
-           ratio=q[0] / full_round, ratio_to="whole-vocabulary drafts (cuda_graph)")
+    (name, value), = drafts.items()
+    return record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", f"{name}={value}", q,
+                  ratio=q[0] / full_round, ratio_to="whole-vocabulary drafts (cuda_graph)")
 
 
 def _attention_rows(record, bench, shape, B, prefix, width, T, device, dtype, tag, seed) -> None:

@@ -152,8 +152,8 @@ def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | No
                **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
     consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "DOT_FP32": False,
               "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "W_TMA": tma,
-              "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "BLOCK_N": config["BLOCK_N"], "BLOCK_V": config["BLOCK_V"],
-              "BLOCK_K": config["BLOCK_K"]}
+              "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "BLOCK_N": config["BLOCK_N"],
+              "BLOCK_V": config["BLOCK_V"], "BLOCK_K": config["BLOCK_K"]}
     return Variant(name, "lm_head_confidence", "_partials_kernel", sig, consts, config["num_warps"],
                    config.get("num_stages"),
                    divisible=_ptrs_divisible(sig, "V", "H", "stride_h", "stride_w", "stride_base", "v_per_split"))

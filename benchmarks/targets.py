@@ -130,6 +130,9 @@ TARGETS = [
            _engine_row("step", "B=1 verify copies=4", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] <= 1.2))),
     Target(8, "speculative K = 3 >= 1.6x over static decoding (estimate from step costs)", "engine",
            _engine_row("speculative_estimate", "B=1 K=3", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] >= 1.6))),
+    Target(8, "speculative K = 3 >= 1.6x over static decoding (estimate; drafts among 16 candidates)", "engine",
+           _engine_row("speculative_estimate", "B=1 K=3", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] >= 1.6),
+                       provider="draft_candidates=16")),
     Target(8, "speculative K = 3 >= 1.6x over static decoding (end to end)", "e2e_gpu", _speculative_e2e),
     # exact on the CPU (tested); in bf16 the verify forward's wider matmuls may round differently from the static
     # step's and flip a near-tie: a miss here is a finding to look into, numerics or a defect

@@ -18,14 +18,15 @@ def test_bench_engine_smoke(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     e2e = tmp_path / "e2e.json"
-    e2e.write_text(json.dumps({"rows": [{"mode": "speculative K=3 mrp", "tokens": 100, "backbone_forwards": 50,
-                                         "verify_rounds": 42, "mrp_forwards": 120, "tpf": 2.0}]}))
+    counts = {"tokens": 100, "backbone_forwards": 50, "verify_rounds": 42, "mrp_forwards": 120, "tpf": 2.0}
+    e2e.write_text(json.dumps({"rows": [{"mode": mode, **counts} for mode in (mod.SPEC_MODE, mod.CANDIDATES_MODE)]}))
     assert mod.main(["--smoke", "--out", str(tmp_path), "--e2e", str(e2e), "--decode-reps", "1"]) == 0
 
     rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
     kinds = {(r["kernel"], r["provider"]) for r in rows}
     assert kinds == {("step", "eager"), ("step", "cuda_graph"), ("whole_step", "eager"), ("whole_step", "cuda_graph"),
                      ("step", "unpacked"), ("whole_step", "unpacked"), ("whole_step", "draft_vocab=16"),
+                     ("whole_step", "draft_candidates=16"), ("speculative_estimate", "draft_candidates=16"),
                      ("decode", "eager"), ("decode", "cuda_graph"), ("decode", "cuda_graph, first call"),
                      ("speculative_estimate", "cuda_graph"),
                      ("host_checks", "cuda_graph"), ("host_checks", "cuda_graph, device_loop"),

@@ -51,6 +51,7 @@ def results(tmp_path):
         dict(kernel="step", shape="8B B=1 mrp D=3", provider="cuda_graph", median_us=900.0, ratio=0.3),
         dict(kernel="decode", shape="1.7B B=1 static 512+256", provider="cuda_graph", ratio=9.5, tokens_per_s=480.0),
         dict(kernel="decode", shape="1.7B B=32 static 512+256", provider="cuda_graph", ratio=4.0, tokens_per_s=9e3),
+        dict(kernel="speculative_estimate", shape="1.7B B=1 K=3", provider="draft_candidates=16", ratio=1.7),
     ])
     return tmp_path
 
@@ -78,6 +79,8 @@ def test_each_target_is_judged_on_its_rows(results):
     assert verdicts["verify step with 4 copies <= 1.2x a plain step at batch 1"] == [
         ("1.7B B=1 verify copies=4 (cuda_graph)", False)]
     assert verdicts["speculative K = 3 >= 1.6x over static decoding (estimate from step costs)"] == []
+    assert verdicts["speculative K = 3 >= 1.6x over static decoding (estimate; drafts among 16 candidates)"] == [
+        ("1.7B B=1 K=3 (draft_candidates=16)", True)]
 
 
 def test_end_to_end_speed_and_losslessness_are_judged_apart(results):
@@ -101,7 +104,7 @@ def test_the_table_names_unmeasured_targets_and_is_written(results):
     assert "| 8 | speculative K = 3 >= 1.6x over static decoding (end to end) | - | - | not measured " \
            "(no rows in e2e_gpu.json) |" in text
     assert "| 8 | static step at batch 1 <= 2.0 ms | 1.7B B=1 plain q=16 (cuda_graph) | 1.90 ms | met |" in text
-    assert len(text.splitlines()) == 2 + 15  # header, one line per finding or unmeasured target
+    assert len(text.splitlines()) == 2 + 16  # header, one line per finding or unmeasured target
 
 
 def test_reads_what_smoke_runs_write(tmp_path):

@@ -44,7 +44,8 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eo
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value.
 ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta", "denoising_steps")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
-# What the drafts of speculative decoding score; a checkpoint's generation config may set them for its speculative calls.
+# What the drafts of speculative decoding score; a checkpoint's generation config may set them for its speculative
+# calls.
 DRAFT_TOKENS = ("draft_vocab", "draft_candidates")
 
 

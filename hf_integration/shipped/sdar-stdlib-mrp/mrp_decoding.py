@@ -116,7 +116,7 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
     return torch.stack(draft_pos, 1), torch.stack(draft_tok, 1), torch.stack(states, 1)
 
 
-def _seed(h: torch.Tensor, picks: tuple) -> tuple:
+def seed_of(h: torch.Tensor, picks: tuple) -> tuple:
     """The seed of the next round from its forward's hidden states h [B, T, H] and picks (:meth:`pick_hidden`
     with ``top_m``: tokens, conf, lse, top logits, ids): (h,), with draft candidates (h, ids, rest mass)."""
     if len(picks) == 3:
@@ -126,7 +126,7 @@ def _seed(h: torch.Tensor, picks: tuple) -> tuple:
 
 
 def opening_step(dec: BlockDecoder):
-    """The step ``(block [B, T], positions [B, T], quota [B]) -> the seed`` (see :func:`_seed`) of rows opening their
+    """The step ``(block [B, T], positions [B, T], quota [B]) -> the seed`` (see :func:`seed_of`) of rows opening their
     blocks together: one backbone forward commits each row's quota of its own picks into ``block`` in place."""
     top_m = dec.settings.draft_candidates or 0
 
@@ -135,14 +135,14 @@ def opening_step(dec: BlockDecoder):
         hidden = dec.backbone(block, positions)
         picks = dec.pick_hidden(hidden, positions, masked, dec.counter, top_m=top_m)
         dec.commit_tokens(block, picks[0], picks[1], masked, quota)
-        return _seed(hidden, picks)
+        return seed_of(hidden, picks)
 
     return step
 
 
 def speculation_round(dec: BlockDecoder):
     """The verify round ``(block [B, T], positions [B, T], seed_h [B, T, H], fresh [B], *lists) -> the next seed``
-    (``lists``: with draft candidates the seed's ids and rest mass; see :func:`_seed`): K drafts from the block,
+    (``lists``: with draft candidates the seed's ids and rest mass; see :func:`seed_of`): K drafts from the block,
     one backbone forward over the K+1 candidate states, and per row the longest draft prefix the backbone agrees
     with plus its bonus token committed into ``block`` in place. A row at the start of its block (``fresh``,
     cleared in place) drafts nothing: its round is the opening forward, which commits the backbone's own pick
@@ -168,7 +168,7 @@ def speculation_round(dec: BlockDecoder):
         fresh.zero_()
         # the accepted candidate's slice of the forward (and of its picks) seeds the next round
         at = (torch.arange(B, device=block.device), accepted)
-        return _seed(h_all.view(B, K + 1, T, -1)[at], tuple(x.view(B, K + 1, T, *x.shape[2:])[at] for x in picks))
+        return seed_of(h_all.view(B, K + 1, T, -1)[at], tuple(x.view(B, K + 1, T, *x.shape[2:])[at] for x in picks))
 
     return round_
 
