@@ -5,7 +5,8 @@
     bandwidth measured in the same run (V=151936, H in {2048, 4096}, N in {1,4,16,64,128}, bf16).
     ``x_weight_read`` = median / that floor (the goal is <= 1.3 for N <= 128). ``triton_fused_skip_half``:
     the same with every other row in ``skip_rows`` (what a decoding step asks: only masked positions are
-    scored), against ``triton_fused`` at N/2 rows.
+    scored), against ``triton_fused`` at N/2 rows; ``triton_fused_skip_half_top16``: that call also listing each
+    scored row's 16 largest logits (``top_m=16``: what a verify forward asks with ``draft_candidates=16``).
 (b) rms_norm (plain and with residual), qk_norm_rope, swiglu and mrp_input at decode shapes of
     SDAR-1.7B (H 2048, 16 q / 8 kv heads, head_dim 128, ffn 6144) and SDAR-8B
     (4096 / 32 / 8 / 128 / 12288), tokens x batch in {16, 64, 128} x {1, 8}: Triton vs eager (the
@@ -169,6 +170,10 @@ def main(argv=None) -> int:
                 print(failures[-1])
             check(f"{name} probs", out[1], exp[1], 1e-5, 1e-4)
             check(f"{name} lse", out[2], exp[2], 1e-4, 1e-5)
+            out, exp = (op(h, W, top_m=16, **kw)[3:] for op in (mt.lm_head_confidence_triton, ref.lm_head_confidence))
+            if not (torch.equal(out[1], exp[1]) and torch.equal(out[0], exp[0])):  # integer logits: exact
+                failures.append(f"MISMATCH {name} top_m=16: {out[1].tolist()} vs {exp[1].tolist()}")
+                print(failures[-1])
         tol = dict(atol=1e-5, rtol=1e-5) if wdt == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         x = torch.randn(3, 7, 333, device=dev, dtype=wdt)
         r = torch.randn_like(x)
@@ -221,6 +226,10 @@ def main(argv=None) -> int:
                     skip = torch.arange(N, device=dev) % 2 == 1
                     record("lm_head_confidence", shape, "triton_fused_skip_half",
                            bench(lambda: mt.lm_head_confidence_triton(h, W, skip_rows=skip)), nbytes, floor_us, eager)
+                    # what listing each scored row's top 16 (draft_candidates=16) adds to a verify forward's pass
+                    record("lm_head_confidence", shape, "triton_fused_skip_half_top16",
+                           bench(lambda: mt.lm_head_confidence_triton(h, W, skip_rows=skip, top_m=16)), nbytes,
+                           floor_us, eager)
                 if args.sweep and N in sweep_rows:
                     best = None
                     for i, cfg in enumerate(SWEEP):

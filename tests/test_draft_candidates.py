@@ -111,8 +111,8 @@ def test_rest_mass_is_the_softmax_mass_outside_the_list(N, V, m, seed):
     outside = z.scatter(1, ids, float("-inf"))
     want = torch.logsumexp(outside, -1)
     got = rest_mass(top, torch.logsumexp(z, -1))
-    if m == V:
-        assert torch.isneginf(got).all()
+    if m == V:  # nothing outside: -inf, or a remainder at the rounding level of the normaliser
+        assert (got - torch.logsumexp(z, -1) < -30).all()
     else:
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * V)
     unscored = rest_mass(torch.full((2, m), float("-inf")), torch.full((2,), float("-inf")))
