@@ -48,9 +48,9 @@ Two launches (three with ``skip_rows``: ``_kept_first_kernel`` first):
    first split reaching M (splits are in vocabulary order, so ties still go to the lowest
    index), lse = M + log d, prob = exp(M - lse), written to the slot's row (skipped slots write
    the skip values).
-3. With ``top_m``, :func:`_top_by_position` merges the splits' lists per row: one ``torch.topk`` over int64 keys
-   (the value's order-preserving bits, then the list position reversed) gives the largest values first and among
-   equal values the earliest list position, which is the lowest id (splits and each split's list are in id order).
+3. With ``top_m``, ``reference.lm_head_confidence.top_by_value`` merges the splits' lists per row (one ``topk``
+   over int64 keys): the largest values first and among equal values the earliest list position, which is the lowest id
+   (splits and each split's list are in id order).
 
 dtypes: the matmul runs in weight's dtype (hidden is cast to it, as ``F.linear`` would need);
 fp32 weights use IEEE fp32 products (no TF32). Under TRITON_INTERPRET=1, tl.dot on bf16 is
@@ -67,6 +67,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._checks import check_skip_rows, check_top_m
 from .backend import interpreter_on, select_backend
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
+from .reference.lm_head_confidence import top_by_value
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -252,18 +253,6 @@ def _weight_descriptor(w: torch.Tensor, block_v: int, block_k: int) -> TensorDes
     return TensorDescriptor.from_tensor(w, [block_v, block_k])
 
 
-def _top_by_position(values: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The m largest of ``values`` float32 [N, L] per row, largest first, equal values in increasing position:
-    (values [N, m], positions int64 [N, m]). One ``topk`` over distinct int64 keys: the value's bits mapped to
-    an order-preserving int32 (negative floats have their magnitude bits flipped; -0.0 is made +0.0 first) in
-    the high half, the position reversed in the low half."""
-    bits = (values + 0.0).view(torch.int32).long()
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    position = torch.arange(values.shape[1], device=values.device)
-    _, at = ((ordered << 32) | (0xFFFFFFFF - position)).topk(m, dim=1)
-    return values.gather(1, at), at
-
-
 def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                               mask_token_id: int | None = None, temperature: float = 1.0,
                               skip_rows: torch.Tensor | None = None, top_m: int = 0, config: dict | None = None):
@@ -351,7 +340,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     if not top_m:
         return tokens, probs, lse
     # slot s holds row order[s] (with skip_rows); slots past the kept count were never written
-    top, at = _top_by_position(topv_part, top_m)
+    top, at = top_by_value(topv_part, top_m)
     ids = topi_part.gather(1, at).long()
     if skip_rows is not None:
         top_logits.index_copy_(0, order, top)

@@ -37,12 +37,17 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
         return picks
     if skip_rows is not None:
         z = z.masked_fill(skip_rows[:, None], float("-inf"))
-    return (*picks, *top_by_value(z.float(), top_m))
+    top, ids = top_by_value(z.float(), top_m)
+    return (*picks, top, ids.masked_fill(top == float("-inf"), -1))
 
 
 def top_by_value(values: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The m largest of ``values`` [N, L] per row, largest first, ties to the lowest column (m <= L):
-    (values [N, m], columns int64 [N, m]), column -1 where the value is -inf."""
-    top, columns = torch.sort(values, dim=-1, descending=True, stable=True)
-    top, columns = top[:, :m], columns[:, :m]
-    return top, columns.masked_fill(top == float("-inf"), -1)
+    """The m largest of ``values`` float32 [N, L] per row (m <= L), largest first, equal values in increasing column:
+    (values [N, m], columns int64 [N, m]). One ``topk`` over distinct int64 keys (no full sort): the value's bits
+    mapped to an order-preserving int32 (negative floats have their magnitude bits flipped; -0.0 is made +0.0
+    first) in the high half, the column reversed in the low half."""
+    bits = (values + 0.0).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    column = torch.arange(values.shape[1], device=values.device)
+    _, at = ((ordered << 32) | (0xFFFFFFFF - column)).topk(m, dim=1)
+    return values.gather(1, at), at
