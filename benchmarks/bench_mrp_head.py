@@ -13,6 +13,10 @@
     reference ops) vs ``torch.compile(reference, dynamic=True)``; eager and Triton also replayed from a CUDA
     graph (``*_graph``: the GPU time alone, what the ops cost inside the decode engine's captured steps; called
     from Python, an op of a few microseconds measures its host launch path).
+(0) ``candidate_confidence`` (first: ``candidates``): a draft step's pick among 16 listed tokens per position
+    (``draft_candidates=16``: 16 gathered lm_head rows a row) at N = 16 and 128 rows (batch 1 and 8, one block
+    each) of each model's H: Triton (called and graph-replayed) vs its reference, to set against (a)'s
+    lm_head_confidence over the whole vocabulary at the same rows.
 
 On CUDA: ``python benchmarks/bench_mrp_head.py --out benchmarks/results`` (about 2 minutes on an
 H200, most of it torch.compile; ``--no-compile`` skips that provider, ``--sweep`` also times the
@@ -74,6 +78,15 @@ SWEEP = [
 ]
 
 
+CANDIDATES = 16  # listed tokens a position of the candidate_confidence rows (draft_candidates=16)
+
+
+def _listed(op):
+    """``op`` (candidate_confidence, Triton or reference) with the positional arguments of the case table:
+    (hidden, weight, ids, rest, seed_hidden, vocab_mean)."""
+    return lambda h, w, ids, rest, seed_h, mean: op(h, w, ids, rest, seed_hidden=seed_h, vocab_mean=mean)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results", help="directory for mrp_head.csv / .json")
@@ -84,7 +97,7 @@ def parse_args(argv):
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configs of lm_head_confidence")
     ap.add_argument("--sweep-rows", default=None, help="comma-separated N to sweep at (default: every N of --rows)")
-    ap.add_argument("--only", default="lm_head,ops", help="parts to run: lm_head, ops")
+    ap.add_argument("--only", default="candidates,lm_head,ops", help="parts to run: candidates, lm_head, ops")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     return ap.parse_args(argv)
 
@@ -197,6 +210,28 @@ def main(argv=None) -> int:
         check(f"mrp_input {wdt}", mt.mrp_input_triton(ids, W, hh, w[:Hv], w[:Hv], 1e-6),
               ref.mrp_input(ids, W, hh, w[:Hv], w[:Hv], 1e-6), **tol)
     print(f"# device check: {'all kernels match their references' if not failures else f'{len(failures)} MISMATCHES'}")
+
+    # ------------------------------------------------------------ (0) candidate_confidence
+    if "candidates" in parts:
+        for mname, (H, *_) in models.items():
+            W = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt)
+            mean = W.float().mean(0)
+            for B in (1, 8):
+                N = B * 16  # a draft step: one block of 16 positions a row
+                h, seed_h = (torch.randn(N, H, device=dev, generator=g).to(dt) for _ in range(2))
+                ids = torch.randint(0, V, (N, CANDIDATES), device=dev, generator=g)
+                rest = torch.randn(N, device=dev, generator=g)
+                shape = f"{mname} N={N} H={H} M={CANDIDATES}"
+                a = (h, W, ids, rest, seed_h, mean)
+                tri, eag = _listed(mt.candidate_confidence_triton), _listed(ref.candidate_confidence)
+                got, want = tri(*a), eag(*a)
+                check(f"candidate_confidence prob {shape}", got[1], want[1], 1e-5, 1e-4)
+                nbytes = (N * CANDIDATES + 2 * N) * H * 2
+                _harness.time_against_eager(
+                    {"": bench, "_graph": graph_bench}, lambda: eag(*a), lambda: tri(*a),
+                    lambda provider, q, eager_us: record("candidate_confidence", shape, provider, q, nbytes,
+                                                         eager_us=eager_us), f"candidate_confidence {shape}")
+            del W
 
     # ------------------------------------------------------------ (a) lm_head_confidence
     if "lm_head" in parts:

@@ -40,12 +40,13 @@ step decode_kernels 100 python3 benchmarks/bench_decode_kernels.py --sweep --out
 # the draft_vocab modes (at the shipped model's 2048 ids the lm_head rows they save are no measurable time).
 step e2e 60 python3 benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --out "$RES" \
   --modes "speculative K=1 mrp" "speculative K=3" "dynamic tau=0.9" "direct K=2" "remask tau tau=0.7" --skip draft_vocab
-# lm_head_confidence: the tile sweep at the N its target misses (64-128 rows; the rows_major configs never ran
+# First a draft step's pick among 16 listed tokens (candidate_confidence, seconds); then lm_head_confidence: the
+# tile sweep at the N its target misses (64-128 rows; the rows_major configs never ran
 # on a GPU), and half the rows skipped (what a decoding step asks) vs all rows, up to a verify round's N.
-step lm_head 70 python3 benchmarks/bench_mrp_head.py --only lm_head --rows 64,128,512 --hidden 2048,4096 \
-  --sweep --sweep-rows 64,128 --no-compile --out "$RES"
+step lm_head 80 python3 benchmarks/bench_mrp_head.py --only candidates,lm_head --rows 64,128,512 \
+  --hidden 2048,4096 --sweep --sweep-rows 64,128 --no-compile --out "$RES"
 step model_op_tests 50 python3 -m pytest -v -p no:cacheprovider tests/test_lm_head_confidence.py \
-  tests/test_norm_ops.py tests/test_cached_attention.py
+  tests/test_candidate_confidence.py tests/test_norm_ops.py tests/test_cached_attention.py
 # The issues' targets against what was measured (CPU only, seconds): also in results/targets.md.
 python3 benchmarks/targets.py "$RES"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results

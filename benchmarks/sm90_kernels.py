@@ -215,6 +215,16 @@ def _model_ops() -> list[Variant]:
                "stride_o": "i64", "BLOCK": "constexpr"}
         out.append(Variant(f"mrp_input {dt}", "mrp_input", "_mrp_input_kernel", sig, {"BLOCK": 2048}, 8,
                            divisible=_ptrs_divisible(sig, "V", "H", "stride_e", "stride_h", "stride_o")))
+    # a draft step among 16 listed tokens a position (draft_candidates=16), greedy and sampled
+    sig = {"h_ptr": "*bf16", "hs_ptr": "*bf16", "w_ptr": "*bf16", "mean_ptr": "*fp32", "ids_ptr": "*i64",
+           "rest_ptr": "*fp32", "skip_ptr": "*u8", "inv_t": "fp32", "t_ptr": "*fp64", "z_ptr": "*fp32",
+           "lse_ptr": "*fp32", "tok_ptr": "*i64", "prob_ptr": "*fp32", "M": "i32", "H": "i32", "stride_h": "i64",
+           "stride_hs": "i64", "stride_w": "i64", "stride_ids": "i64", "HAS_SKIP": "constexpr", "GREEDY": "constexpr",
+           "T_TENSOR": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    out += [Variant(f"candidate_confidence bf16 greedy={greedy}", "candidate_confidence", "_listed_kernel", sig,
+                    {"HAS_SKIP": True, "GREEDY": greedy, "T_TENSOR": not greedy, "BLOCK_M": 16, "BLOCK_H": 256}, 4,
+                    divisible=_ptrs_divisible(sig, "H", "stride_h", "stride_hs", "stride_w", "stride_ids"))
+            for greedy in (True, False)]
     return out
 
 

@@ -6,8 +6,8 @@ round (the verify forward over the K+1 candidate states, or a block's opening fo
 position over the whole vocabulary already, and the MRP residual mostly reorders the seed's own likely tokens. So
 with ``draft_candidates=M`` that forward's fused LM-head confidence also lists each position's M most likely tokens
 (``top_m``: same read of the weight), and the round's drafts score only those, ``W[ids] . h`` (M rows of the lm_head
-per position instead of V). Verification still scores the whole vocabulary: the output stays lossless; only the
-acceptance may drop.
+per position instead of V: ``mrp_triton.candidate_confidence``). Verification still scores the whole vocabulary:
+the output stays lossless; only the acceptance may drop.
 
 A draft's confidence, which decides the position it takes, needs the softmax normaliser over the whole vocabulary.
 It is estimated as the candidates' mass plus the seed's mass outside them (``rest``: log of the seed's softmax
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from mrp_triton.reference.confidence import filter_top_k_top_p, gumbel_noise_at, inverse_temperature
-
 
 def rest_mass(top_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """log of the softmax mass outside a position's listed tokens: top_logits [..., M] (-inf past the list) and the
@@ -38,46 +36,10 @@ def rest_mass(top_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def refresh_vocab_mean(lm_head_weight: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-    """The mean lm_head row float32 [H] (of ``lm_head_weight`` [V, H]) written into ``buffer`` (the decode engine's,
-    at a fixed address for its captured steps; allocated on first use) and returned; recomputed at every call, so
-    weights changed in place are seen."""
-    if buffer is None:
-        buffer = torch.empty(lm_head_weight.shape[1], dtype=torch.float32, device=lm_head_weight.device)
-    return torch.mean(lm_head_weight, dim=0, dtype=torch.float32, out=buffer)
-
-
-def candidate_pick(lm_head_weight: torch.Tensor, vocab_mean: torch.Tensor, hidden: torch.Tensor,
-                   seed_hidden: torch.Tensor, ids: torch.Tensor, rest: torch.Tensor, scored: torch.Tensor, *,
-                   temperature=1.0, noise_keys: torch.Tensor | None = None, top_k=None, top_p=None):
-    """A draft pick per position among its listed tokens.
-
-    lm_head_weight [V, H]; vocab_mean float32 [H] (:func:`refresh_vocab_mean`); hidden, seed_hidden [B, T, H] (the
-    draft's hidden state and the seed's); ids int64 [B, T, M] (-1 past a position's list) and rest float32 [B, T]
-    (:func:`rest_mass`), both in units of logits / temperature; scored: bool [B, T] (the positions to pick at);
-    temperature: float or 0-d tensor. Sampling (``noise_keys`` int64 [B, T, 3]) adds the Gumbel noise the
-    backbone's pick draws for the same token and key (``mrp_triton.confidence``), after top-k / top-p applied
-    among the listed tokens. Returns tokens int64 [B, T] (-1 where not scored or nothing listed) and confidences
-    float32 [B, T] (0 there): ``exp(z_token - lse)`` with z the listed tokens' logits / temperature and lse their
-    log-sum-exp together with ``rest + vocab_mean . (hidden - seed_hidden) / temperature``.
-    """
-    B, T, M = ids.shape
-    listed = ids >= 0
-    acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 models (exact tests)
-    rows = lm_head_weight[ids.clamp(min=0)].to(acc)  # [B, T, M, H]
-    inv_t = inverse_temperature(temperature).to(hidden.device)
-    z = torch.einsum("bth,btmh->btm", hidden.to(acc), rows) * inv_t
-    z = z.masked_fill(~listed, float("-inf"))
-    shift = (hidden.to(acc) - seed_hidden.to(acc)) @ vocab_mean.to(acc) * inv_t
-    lse = torch.logaddexp(torch.logsumexp(z, dim=-1), rest + shift)
-    score = z
-    if noise_keys is not None:
-        flat = z.reshape(B * T, M)
-        if top_k is not None or top_p is not None:
-            flat = filter_top_k_top_p(flat, top_k, top_p)
-        score = (flat + gumbel_noise_at(0, noise_keys.reshape(B * T, 3), ids.clamp(min=0).reshape(B * T, M))).view(
-            B, T, M)
-    best, at = score.max(dim=-1)  # the first maximal column
-    take = scored & (best > float("-inf"))
-    tokens = torch.where(take, ids.gather(-1, at[..., None])[..., 0], -1)
-    conf = torch.where(take, torch.exp(z.gather(-1, at[..., None])[..., 0] - lse), 0.0)
-    return tokens, conf
+    """The mean lm_head row [H] (of ``lm_head_weight`` [V, H]; float32, float64 for a float64 weight) written into
+    ``buffer`` (the decode engine's, at a fixed address for its captured steps; allocated on first use) and
+    returned; recomputed at every call, so weights changed in place are seen."""
+    dtype = torch.promote_types(lm_head_weight.dtype, torch.float32)
+    if buffer is None or buffer.dtype != dtype:
+        buffer = torch.empty(lm_head_weight.shape[1], dtype=dtype, device=lm_head_weight.device)
+    return torch.mean(lm_head_weight, dim=0, dtype=dtype, out=buffer)

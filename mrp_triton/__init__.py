@@ -6,6 +6,7 @@ kernel, CPU tensors run :mod:`mrp_triton.reference` unless ``TRITON_INTERPRET=1`
 
 from .backend import select_backend, use_backend
 from .cached_attention import cached_attention, cached_attention_triton
+from .candidate_confidence import candidate_confidence, candidate_confidence_triton
 from .confidence import confidence, confidence_triton
 from .lm_head_confidence import lm_head_confidence, lm_head_confidence_triton
 from .mrp_input import mrp_input, mrp_input_triton
@@ -21,4 +22,5 @@ __all__ = [
     "verify_drafts", "verify_drafts_triton",
     "lm_head_confidence", "lm_head_confidence_triton", "mrp_input", "mrp_input_triton",
     "qk_norm_rope", "qk_norm_rope_triton", "rms_norm", "rms_norm_triton", "swiglu", "swiglu_triton",
-    "cached_attention", "cached_attention_triton", "select_backend", "use_backend"]
+    "cached_attention", "cached_attention_triton", "candidate_confidence", "candidate_confidence_triton",
+    "select_backend", "use_backend"]

@@ -261,25 +261,32 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
             raise ValueError(f"residual is on {residual.device} but logits on {logits.device}; move them together")
         if residual.dim() == 3 and residual.shape[0] == 0:
             raise ValueError("residual has R == 0 slices; pass residual=None instead")
-    if not check_device_scalar("temperature", temperature, logits.device):
-        check_temperature(temperature)
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
     check_skip_rows(skip_rows, N, logits.device, "logits")
     if mask_token_id is not None and (isinstance(mask_token_id, bool) or
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
+    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p)
+
+
+def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
+                   top_p) -> None:
+    """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number or
+    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1 and top_p in (0, 1] (or None)."""
+    if not check_device_scalar("temperature", temperature, device):
+        check_temperature(temperature)
     if do_sample:
         if not isinstance(noise_keys, torch.Tensor) or noise_keys.dtype != torch.int64 or \
-                tuple(noise_keys.shape) != (N, 3):
-            raise ValueError(f"do_sample=True needs noise_keys: int64 [{N}, 3] = (sequence id, absolute position, "
+                tuple(noise_keys.shape) != (rows, 3):
+            raise ValueError(f"do_sample=True needs noise_keys: int64 [{rows}, 3] = (sequence id, absolute position, "
                              "step) per row")
-        if noise_keys.device != logits.device:
-            raise ValueError(f"noise_keys is on {noise_keys.device} but logits on {logits.device}")
-    if top_k is not None and not check_device_scalar("top_k", top_k, logits.device) and \
+        if noise_keys.device != device:
+            raise ValueError(f"noise_keys is on {noise_keys.device} but {data} on {device}")
+    if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not check_device_scalar("top_p", top_p, logits.device) and \
+    if top_p is not None and not check_device_scalar("top_p", top_p, device) and \
             not (0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 

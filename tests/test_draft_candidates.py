@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mrp_triton
-from hf_integration.draft_candidates import candidate_pick, refresh_vocab_mean, rest_mass
+from hf_integration.draft_candidates import refresh_vocab_mean, rest_mass
 from tiny_models import VOCAB, random_prompts, spy_on_drafts, tiny_model
 
 MASK = 32  # a tiny vocabulary of 33, so that every token fits in a list of at most 64
@@ -60,13 +60,11 @@ def test_each_round_drafts_among_its_seed_forwards_list(monkeypatch):
     """With one candidate, a round's drafts choose among (list) exactly the tokens the forward that seeded it picked:
     a block's opening forward, or the verify forward's slice of the accepted candidate state (greedy: its picks
     are its top-1 tokens; -1 at the positions it did not score)."""
-    import hf_integration.decoding as decoding
-
     K, T = 2, 8
     model = tiny_model(seed=1, block_size=T)
     prompts = random_prompts(1, 5, seed=3)
     events = []
-    forward, verify, pick = mrp_triton.lm_head_confidence, mrp_triton.verify_drafts, decoding.candidate_pick
+    forward, verify, pick = mrp_triton.lm_head_confidence, mrp_triton.verify_drafts, mrp_triton.candidate_confidence
 
     def spy_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
@@ -79,13 +77,13 @@ def test_each_round_drafts_among_its_seed_forwards_list(monkeypatch):
         events.append(("verify", accepted.clone().long()))
         return accepted, bonus
 
-    def spy_pick(weight, mean, hidden, seed_hidden, ids, *args, **kwargs):
-        events.append(("draft", ids[..., 0].clone()))  # the seed's lists are carried over in place: copy them
-        return pick(weight, mean, hidden, seed_hidden, ids, *args, **kwargs)
+    def spy_pick(hidden, weight, ids, *args, **kwargs):
+        events.append(("draft", ids[:, 0].clone().view(1, T)))  # the seed's lists are carried over in place: copy
+        return pick(hidden, weight, ids, *args, **kwargs)
 
     monkeypatch.setattr(mrp_triton, "lm_head_confidence", spy_forward)
     monkeypatch.setattr(mrp_triton, "verify_drafts", spy_verify)
-    monkeypatch.setattr(decoding, "candidate_pick", spy_pick)
+    monkeypatch.setattr(mrp_triton, "candidate_confidence", spy_pick)
     out = model.generate(prompts, max_new_tokens=24, strategy="speculative", mrp_steps=K, draft_candidates=1,
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, model.generate(prompts, max_new_tokens=24))
@@ -119,56 +117,10 @@ def test_rest_mass_is_the_softmax_mass_outside_the_list(N, V, m, seed):
     assert torch.isneginf(unscored).all()
 
 
-@settings(max_examples=30, deadline=None)
-@given(V=st.integers(3, 50), H=st.integers(1, 8), do_sample=st.booleans(), temperature=st.sampled_from((1.0, 0.7)),
-       seed=st.integers(0, 999))
-def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, seed):
-    """candidate_pick with every token listed (nothing outside: rest -inf) equals the confidence op on the whole
-    logits: the same token (the same Gumbel noise per token id when sampling) and full-softmax probability."""
-    g = torch.Generator().manual_seed(seed)
-    B, T = 2, 3
-    weight = torch.randint(-3, 4, (V, H), generator=g).double()  # integer logits: exact ties
-    hidden = torch.randint(-2, 3, (B, T, H), generator=g).double()
-    scored = torch.rand(B, T, generator=g) < 0.7
-    mask = int(torch.randint(0, V, (1,), generator=g))
-    ids = torch.tensor([v for v in range(V) if v != mask]).expand(B, T, V - 1)
-    keys = torch.randint(0, 2**40, (B, T, 3), generator=g)
-    tok, conf = candidate_pick(weight, refresh_vocab_mean(weight, None), hidden, hidden, ids,
-                               torch.full((B, T), float("-inf")), scored, temperature=temperature,
-                               noise_keys=keys if do_sample else None)
-    want_tok, want_conf, _ = mrp_triton.reference.confidence(
-        (hidden @ weight.T).reshape(B * T, V), temperature=temperature, mask_token_id=mask, do_sample=do_sample,
-        noise_keys=keys.reshape(B * T, 3), skip_rows=~scored.reshape(-1))
-    assert torch.equal(tok.reshape(-1), want_tok)
-    torch.testing.assert_close(conf.reshape(-1).float(), want_conf, rtol=1e-6, atol=1e-7)
-
-
-def test_the_normaliser_ignores_a_constant_added_to_every_logit():
-    """A hidden-state change that adds the same amount to every logit (here along a column of the lm_head that is
-    constant) changes no softmax probability: the estimate of the mass outside the list moves with it."""
-    g = torch.Generator().manual_seed(0)
-    V, H = 30, 6
-    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
-    weight[:, 0] = 1.0
-    seed_h = torch.randn(1, 4, H, generator=g, dtype=torch.float64)
-    z = (seed_h @ weight.T)[0]
-    top, ids = z.topk(5, dim=-1)
-    rest = rest_mass(top, torch.logsumexp(z, -1))[None]
-    scored = torch.ones(1, 4, dtype=torch.bool)
-    mean = refresh_vocab_mean(weight, None)
-    shifted = seed_h.clone()
-    shifted[..., 0] += 7.0
-    same = candidate_pick(weight, mean, seed_h, seed_h, ids[None], rest, scored)
-    moved = candidate_pick(weight, mean, shifted, seed_h, ids[None], rest, scored)
-    assert torch.equal(same[0], moved[0])
-    torch.testing.assert_close(same[1], moved[1], rtol=1e-12, atol=1e-12)
-    # and it is the full-softmax probability of the token (the seed's logits: exact)
-    torch.testing.assert_close(same[1], torch.softmax(z, -1).gather(-1, same[0][0][:, None])[:, 0][None])
-
-
 def test_the_vocab_mean_buffer_is_refreshed_in_place():
     weight = torch.randn(9, 4)
     buffer = refresh_vocab_mean(weight, None)
+    assert buffer.dtype == torch.float32 and refresh_vocab_mean(weight.double(), None).dtype == torch.float64
     weight[3] += 9.0
     again = refresh_vocab_mean(weight, buffer)
     assert again.data_ptr() == buffer.data_ptr()

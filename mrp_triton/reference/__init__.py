@@ -1,6 +1,7 @@
 """Plain-PyTorch twins of every op in :mod:`mrp_triton`: the test oracle and the CPU path."""
 
 from .cached_attention import cached_attention
+from .candidate_confidence import candidate_confidence
 from .confidence import confidence
 from .lm_head_confidence import lm_head_confidence
 from .mrp_input import mrp_input
@@ -11,5 +12,5 @@ from .select import select_commit
 from .swiglu import swiglu
 from .verify import verify_drafts
 
-__all__ = ["cached_attention", "confidence", "remask", "select_commit", "verify_drafts",
+__all__ = ["cached_attention", "candidate_confidence", "confidence", "remask", "select_commit", "verify_drafts",
            "lm_head_confidence", "mrp_input", "qk_norm_rope", "rms_norm", "swiglu"]

@@ -30,7 +30,7 @@ import mrp_triton
 from mrp_triton.reference.confidence import inverse_temperature
 
 from .decode_engine import DecodeStats, EngineShape, engine_for
-from .draft_candidates import candidate_pick, refresh_vocab_mean
+from .draft_candidates import refresh_vocab_mean
 from .draft_vocab import DraftHead, draft_head
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
 from .kv_cache import AttentionInputs
@@ -357,14 +357,20 @@ class BlockDecoder:
     def pick_listed(self, hidden: torch.Tensor, seed: tuple, positions: torch.Tensor, candidates: torch.Tensor,
                     counter: torch.Tensor):
         """A draft pick among each position's listed tokens (``draft_candidates``): hidden [B, T, H]; ``seed`` =
-        (h_seed [B, T, H], ids [B, T, M], rest [B, T]) of the round (:func:`.draft_candidates.candidate_pick`).
-        Returns tokens int64 [B, T] (-1 where not picked) and conf float32 [B, T]."""
+        (h_seed [B, T, H], ids [B, T, M], rest [B, T]) of the round (:mod:`.draft_candidates`), candidates: bool
+        [B, T] (the positions to pick at). Returns tokens int64 [B, T] (-1 where not picked) and conf float32 [B, T]
+        (``mrp_triton.candidate_confidence``)."""
         s = self.settings
-        return candidate_pick(self.model.lm_head.weight, self.engine.vocab_mean, hidden, *seed, candidates,
-                              temperature=self.temperature,
-                              noise_keys=self.noise_keys(positions, counter) if s.do_sample else None,
-                              top_k=self.on_device("top_k") if s.do_sample else None,
-                              top_p=self.on_device("top_p") if s.do_sample else None)
+        seed_h, ids, rest = seed
+        B, T, H = hidden.shape
+        tok, conf = mrp_triton.candidate_confidence(
+            hidden.reshape(B * T, H), self.model.lm_head.weight, ids.reshape(B * T, -1), rest.reshape(-1),
+            seed_hidden=seed_h.reshape(B * T, H), vocab_mean=self.engine.vocab_mean, temperature=self.temperature,
+            skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
+            noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
+            top_k=self.on_device("top_k") if s.do_sample else None,
+            top_p=self.on_device("top_p") if s.do_sample else None)
+        return tok.view(B, T), conf.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      masked: torch.Tensor, n: torch.Tensor, threshold: float | None = None,

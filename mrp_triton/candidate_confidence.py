@@ -1,0 +1,157 @@
+"""A draft's pick among its position's listed tokens, with the full-softmax probability estimated (one kernel).
+
+Per row n: the logits of its M listed token ids ``z_j = hidden_n . weight[ids_nj] / temperature``, the normaliser
+estimate ``lse = logaddexp(logsumexp z, rest_n + (hidden_n - seed_hidden_n) . vocab_mean / temperature)`` and the
+greedy pick (first largest z) with ``prob = exp(z_max - lse)``. Semantics (and sampling): :mod:`.reference
+.candidate_confidence`. This is what a speculative draft step with ``draft_candidates`` runs instead of the fused
+LM-head confidence over the whole vocabulary: M rows of the lm_head per position instead of V.
+
+Cost model (N rows, M listed ids, H hidden, b bytes per element): reads N*M*H*b of gathered weight rows (rows
+of one position are contiguous H-vectors: one 2*H-byte line each in bf16), 2*N*H*b of hidden states and 4*H of
+the mean row; writes 4*N*M (the listed logits) + 20*N. At a draft step of the 1.7B shape (N = 16 positions, M =
+16, H = 2048, bf16) that is 1.1 MB, where the fused LM-head confidence reads the 622 MB lm_head. One program per
+row: the M gathered rows are read in BLOCK_H chunks, multiplied with the hidden chunk and summed over H in fp32
+(the reduction the reference does with one einsum; the order differs, so results agree to rounding).
+
+Sampling: the kernel writes the listed logits and the normaliser; the Gumbel-max pick (with top-k / top-p among
+the listed tokens) runs as torch ops on those [N, M] logits (:func:`.reference.candidate_confidence.pick_listed`),
+as small as the kernel's own output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import MAX_TOP_M, check_skip_rows
+from .backend import select_backend
+from .confidence import check_sampling
+from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
+from .reference.candidate_confidence import pick_listed
+from .reference.confidence import inverse_temperature
+
+
+@triton.jit(do_not_specialize=["M", "H"])
+def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, inv_t, t_ptr,
+                   z_ptr, lse_ptr, tok_ptr, prob_ptr,
+                   M, H, stride_h, stride_hs, stride_w, stride_ids,
+                   HAS_SKIP: tl.constexpr, GREEDY: tl.constexpr, T_TENSOR: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_M)
+    ids = tl.load(ids_ptr + row * stride_ids + cols, mask=cols < M, other=-1)
+    listed = ids >= 0
+    w_rows = tl.where(listed, ids, 0)
+    dots = tl.zeros([BLOCK_M], tl.float32)
+    moved = tl.zeros([BLOCK_H], tl.float32)  # (hidden - seed_hidden) * vocab_mean, summed over H chunks
+    for k0 in range(0, H, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_in = ks < H
+        h = tl.load(h_ptr + row * stride_h + ks, mask=k_in, other=0.0).to(tl.float32)
+        hs = tl.load(hs_ptr + row * stride_hs + ks, mask=k_in, other=0.0).to(tl.float32)
+        mu = tl.load(mean_ptr + ks, mask=k_in, other=0.0)
+        w = tl.load(w_ptr + w_rows[:, None] * stride_w + ks[None, :], mask=listed[:, None] & k_in[None, :],
+                    other=0.0).to(tl.float32)
+        dots += tl.sum(w * h[None, :], axis=1)
+        moved += (h - hs) * mu
+    if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
+        inv_t = (1.0 / tl.load(t_ptr).to(tl.float64)).to(tl.float32)
+    z = tl.where(listed, dots * inv_t, float("-inf"))
+    tl.store(z_ptr + row * M + cols, z, mask=cols < M)
+    z_max, at = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    # log-sum-exps: each sum is >= 1 unless every term is -inf, where the result is -inf (the clamp keeps log(0)
+    # out of the arithmetic)
+    safe_max = tl.where(z_max == float("-inf"), 0.0, z_max)
+    inside = tl.where(z_max == float("-inf"), float("-inf"),
+                      safe_max + tl.log(tl.maximum(tl.sum(tl.exp(z - safe_max), axis=0), 1e-30)))
+    outside = tl.load(rest_ptr + row) + tl.sum(moved, axis=0) * inv_t
+    top = tl.maximum(inside, outside)
+    safe_top = tl.where(top == float("-inf"), 0.0, top)
+    lse = tl.where(top == float("-inf"), float("-inf"),
+                   safe_top + tl.log(tl.maximum(tl.exp(inside - safe_top) + tl.exp(outside - safe_top), 1e-30)))
+    tl.store(lse_ptr + row, lse)
+    if GREEDY:
+        take = z_max > float("-inf")
+        if HAS_SKIP:
+            take = take & (tl.load(skip_ptr + row) == 0)
+        token = tl.sum(tl.where(cols == at, ids, 0), axis=0)
+        tl.store(tok_ptr + row, tl.where(take, token, -1))
+        tl.store(prob_ptr + row, tl.where(take, tl.exp(z_max - lse), 0.0))
+
+
+def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.dtype.is_floating_point:
+        raise ValueError("hidden must be a floating-point tensor [N, H]")
+    N, H = hidden.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != H or \
+            not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must be a floating-point tensor [V, H={H}] (the lm_head), got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 2 or ids.shape[0] != N or \
+            not 1 <= ids.shape[1] <= MAX_TOP_M:
+        raise ValueError(f"ids must be an int64 tensor [N={N}, M] with 1 <= M <= {MAX_TOP_M} (-1: nothing listed)")
+    for name, t, shape in (("rest", rest, (N,)), ("seed_hidden", seed_hidden, (N, H)),
+                           ("vocab_mean", vocab_mean, (H,))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor {list(shape)}")
+    for name, t in (("weight", weight), ("ids", ids), ("rest", rest), ("seed_hidden", seed_hidden),
+                    ("vocab_mean", vocab_mean)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_skip_rows(skip_rows, N, hidden.device, "hidden")
+
+
+def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0,
+                                skip_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+                                block_h: int | None = None):
+    """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
+    chunk, for tests). Ids must lie in [-1, V): the kernel gathers their rows unchecked (a host check would
+    synchronise)."""
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows)
+    check_sampling(hidden.shape[0], hidden.device, "hidden", temperature, do_sample, noise_keys, top_k, top_p)
+    N, H = hidden.shape
+    M = ids.shape[1]
+    dev = hidden.device
+    z = torch.empty((N, M), dtype=torch.float32, device=dev)
+    lse = torch.empty(N, dtype=torch.float32, device=dev)
+    tok = torch.empty(N, dtype=torch.int64, device=dev)
+    prob = torch.empty(N, dtype=torch.float32, device=dev)
+    if N == 0:
+        return tok, prob
+    contiguous = [t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, seed_hidden, weight, ids)]
+    h, hs, w, i = contiguous
+    t_tensor = isinstance(temperature, torch.Tensor)
+    inv_t = 1.0 if t_tensor else inverse_temperature(temperature).item()  # fp32-rounded, as the reference
+    mean = vocab_mean.float().contiguous()
+    _listed_kernel[(N,)](
+        h, hs, w, mean, i, rest.float().contiguous(), skip_rows.view(torch.uint8) if skip_rows is not None else tok,
+        inv_t, temperature if t_tensor else tok, z, lse, tok, prob, M, H, h.stride(0), hs.stride(0), w.stride(0),
+        i.stride(0), HAS_SKIP=skip_rows is not None, GREEDY=not do_sample, T_TENSOR=t_tensor,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
+    if do_sample:
+        tok, prob = pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=True, seed=seed, noise_keys=noise_keys,
+                                top_k=top_k, top_p=top_p)
+    return tok, prob
+
+
+def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
+                         do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+    """A pick per row among its listed token ids, with its full-softmax probability estimated.
+
+    hidden, seed_hidden: [N, H] (the draft's hidden state and its round's seed's); weight: [V, H] (the lm_head);
+    ids: int64 [N, M] (1 <= M <= 64; -1 past a row's list); rest: [N] (log of the seed's softmax mass outside the
+    list, in units of logits / temperature); vocab_mean: [H] (the mean lm_head row); temperature: float or 0-d
+    tensor; skip_rows: bool [N] or None; sampling: ``noise_keys`` int64 [N, 3] and optional top_k / top_p (applied
+    among the listed tokens). Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows and rows
+    with nothing listed. Semantics: :mod:`mrp_triton.reference.candidate_confidence`.
+    """
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=vocab_mean, temperature=temperature, skip_rows=skip_rows,
+              do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+    # float64 (exact-comparison tests) is computed by the reference on any device.
+    if weight.dtype != torch.float64 and hidden.dtype != torch.float64 and \
+            select_backend(hidden.device, hidden, weight, seed_hidden) == "triton":
+        return candidate_confidence_triton(hidden, weight, ids, rest, **kw)
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows)
+    check_sampling(hidden.shape[0], hidden.device, "hidden", temperature, do_sample, noise_keys, top_k, top_p)
+    return candidate_confidence_reference(hidden, weight, ids, rest, **kw)

@@ -1,0 +1,61 @@
+"""Reference pick among listed tokens (the oracle and the CPU path of :mod:`mrp_triton.candidate_confidence`).
+
+Defined behaviour (shared with the Triton kernel), per row n of N:
+
+* listed logits ``z_j = (hidden_n . weight[ids_nj]) * (1 / temperature)`` for the listed ids (``ids_nj >= 0``),
+  -inf past the list (id -1), computed in fp32 (fp64 for fp64 operands); ``1 / temperature`` rounded to fp32 as
+  in :func:`.confidence.inverse_temperature`;
+* the softmax normaliser is estimated as ``lse = logaddexp(logsumexp_j z_j, rest_n + shift_n)``: ``rest`` is the
+  log of the mass outside the list (in units of logits / temperature), ``shift_n = ((hidden_n - seed_hidden_n) .
+  vocab_mean) / temperature`` moves it with the hidden state;
+* greedy: the first listed token with the largest z; sampling: Gumbel-max ``argmax_j (z_j + g(ids_nj))`` with the
+  noise :func:`.confidence.gumbel_noise_at` gives that token id under ``(seed, noise_keys[n])`` (the noise the
+  full-vocabulary pick draws for it), after top-k / top-p applied among the listed tokens
+  (:func:`.confidence.filter_top_k_top_p`);
+* ``prob = exp(z_token - lse)``; skipped rows and rows with nothing listed: token -1, prob 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .confidence import filter_top_k_top_p, gumbel_noise_at, inverse_temperature
+
+
+def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0):
+    """hidden, seed_hidden [N, H]; weight [V, H]; ids int64 [N, M]; rest [N]; vocab_mean [H] ->
+    (z [N, M], lse [N]), float32 (float64 for float64 operands)."""
+    acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+    inv_t = inverse_temperature(temperature).to(hidden.device, acc)
+    listed = ids >= 0
+    rows = weight[ids.clamp(min=0)].to(acc)  # [N, M, H]
+    z = torch.einsum("nh,nmh->nm", hidden.to(acc), rows) * inv_t
+    z = z.masked_fill(~listed, float("-inf"))
+    shift = (hidden.to(acc) - seed_hidden.to(acc)) @ vocab_mean.to(acc) * inv_t
+    return z, torch.logaddexp(torch.logsumexp(z, dim=-1), rest.to(acc) + shift)
+
+
+def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+    """The pick of :func:`candidate_confidence` from its listed logits z [N, M] and normaliser lse [N]:
+    (tokens int64 [N], probs float32 [N])."""
+    score = z
+    if do_sample:
+        if top_k is not None or top_p is not None:
+            score = filter_top_k_top_p(score, top_k, top_p)
+        score = score + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype)
+    best, at = score.max(dim=-1)  # the first maximal column
+    take = best > float("-inf")
+    if skip_rows is not None:
+        take = take & ~skip_rows
+    tokens = torch.where(take, ids.gather(1, at[:, None])[:, 0], -1)
+    probs = torch.where(take, torch.exp(z.gather(1, at[:, None])[:, 0] - lse), 0.0)
+    return tokens, probs.float()
+
+
+def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
+                         do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+    """Per row the pick among its listed token ids and its estimated full-softmax probability (module docstring).
+    Argument checking lives in :func:`mrp_triton.candidate_confidence.candidate_confidence`."""
+    z, lse = listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature)
+    return pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
+                       top_k=top_k, top_p=top_p)

@@ -1,0 +1,144 @@
+"""A draft's pick among listed tokens (``mrp_triton.candidate_confidence``): the kernel (interpreter on CPU, real
+kernel on CUDA) vs the reference, and the reference vs its definition.
+
+Exactness: hidden states and weights are small integers, so every listed logit is an exact integer whatever the
+summation order, ties are frequent and the token must match exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_utils import DEV, DTYPES, poisoned_allocations
+from mrp_triton import candidate_confidence
+from mrp_triton.candidate_confidence import candidate_confidence_triton
+from mrp_triton.reference import candidate_confidence as candidate_confidence_reference
+from mrp_triton.reference.confidence import confidence as confidence_reference
+
+
+def _ints(shape, lo, hi, dtype, g):
+    return torch.randint(lo, hi + 1, shape, generator=g).to(DEV, dtype)
+
+
+def _inputs(N, H, V, M, dtype, g, listed=0.8):
+    hidden, seed_hidden = _ints((N, H), -2, 2, dtype, g), _ints((N, H), -2, 2, dtype, g)
+    weight = _ints((V, H), -2, 2, dtype, g)
+    ids = torch.randint(0, V, (N, M), generator=g)
+    ids = ids.masked_fill(torch.rand(N, M, generator=g) > listed, -1).to(DEV)  # some positions list fewer tokens
+    rest = (torch.randn(N, generator=g) * 3).to(DEV)
+    rest[torch.rand(N, generator=g) < 0.2] = float("-inf")  # nothing outside the list
+    return hidden, weight, ids, rest, seed_hidden, weight.float().mean(0)
+
+
+@settings(max_examples=25)
+@given(N=st.integers(1, 12), H=st.integers(1, 70), V=st.integers(1, 90), M=st.integers(1, 64),
+       dtype=st.sampled_from(DTYPES), temperature=st.sampled_from((1.0, 0.5, 2.0, "tensor")),
+       skip=st.booleans(), block_h=st.sampled_from((None, 16)), seed=st.integers(0, 2**16))
+def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, block_h, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, dtype, g)
+    if temperature == "tensor":  # read on the device, as captured decoding steps pass it
+        temperature = torch.tensor(0.8, dtype=torch.float64, device=DEV)
+    skip_rows = (torch.rand(N, generator=g) < 0.3).to(DEV) if skip else None
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, skip_rows=skip_rows)
+    with poisoned_allocations():
+        tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, block_h=block_h, **kw)
+    want_tok, want_prob = candidate_confidence_reference(hidden, weight, ids, rest, **kw)
+    assert torch.equal(tok, want_tok), (tok, want_tok)
+    # the shift's dot product over H is summed in another order: the normaliser agrees to fp32 rounding
+    torch.testing.assert_close(prob, want_prob, rtol=2e-5, atol=1e-6)
+    if skip_rows is not None:
+        assert (tok[skip_rows] == -1).all() and (prob[skip_rows] == 0).all()
+    nothing = (ids < 0).all(-1)
+    assert (tok[nothing] == -1).all() and (prob[nothing] == 0).all()
+
+
+@settings(max_examples=15)
+@given(N=st.integers(1, 8), H=st.integers(1, 40), V=st.integers(2, 60), M=st.integers(1, 20),
+       filters=st.sampled_from(((None, None), (2, None), (None, 0.7), (3, 0.9))), seed=st.integers(0, 2**16))
+def test_sampled_kernel_matches_reference(N, H, V, M, filters, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, torch.float32, g)
+    keys = torch.randint(0, 2**40, (N, 3), generator=g).to(DEV)
+    top_k, top_p = filters
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=0.7, do_sample=True, seed=seed, noise_keys=keys,
+              top_k=top_k, top_p=top_p)
+    with poisoned_allocations():
+        tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, **kw)
+    want_tok, want_prob = candidate_confidence_reference(hidden, weight, ids, rest, **kw)
+    assert torch.equal(tok, want_tok)
+    torch.testing.assert_close(prob, want_prob, rtol=2e-5, atol=1e-6)
+
+
+@settings(max_examples=30)
+@given(V=st.integers(3, 50), H=st.integers(1, 8), do_sample=st.booleans(), temperature=st.sampled_from((1.0, 0.7)),
+       seed=st.integers(0, 999))
+def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, seed):
+    """With every token listed and nothing outside (rest -inf), the pick is the confidence op's on the whole logits:
+    the same token (the same Gumbel noise per token id when sampling) and full-softmax probability."""
+    g = torch.Generator().manual_seed(seed)
+    N = 6
+    weight = torch.randint(-3, 4, (V, H), generator=g).double()  # integer logits: exact ties
+    hidden = torch.randint(-2, 3, (N, H), generator=g).double()
+    skip = torch.rand(N, generator=g) < 0.3
+    mask = int(torch.randint(0, V, (1,), generator=g))
+    ids = torch.tensor([v for v in range(V) if v != mask]).expand(N, V - 1)
+    keys = torch.randint(0, 2**40, (N, 3), generator=g)
+    tok, prob = candidate_confidence(hidden, weight, ids, torch.full((N,), float("-inf")), seed_hidden=hidden,
+                                     vocab_mean=weight.mean(0), temperature=temperature, skip_rows=skip,
+                                     do_sample=do_sample, seed=seed, noise_keys=keys if do_sample else None)
+    want_tok, want_prob, _ = confidence_reference(hidden @ weight.T, temperature=temperature, mask_token_id=mask,
+                                                  do_sample=do_sample, seed=seed, noise_keys=keys, skip_rows=skip)
+    assert torch.equal(tok, want_tok)
+    torch.testing.assert_close(prob, want_prob, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("op", [candidate_confidence, candidate_confidence_triton])
+def test_the_normaliser_ignores_a_constant_added_to_every_logit(op):
+    """A hidden-state change that adds the same amount to every logit (along a column of the lm_head that is
+    constant) changes no softmax probability: the estimate of the mass outside the list moves with it. And at the
+    seed's own hidden state the estimate is exact: the full-softmax probability of the token."""
+    g = torch.Generator().manual_seed(0)
+    V, H, N = 30, 6, 4
+    weight = torch.randn(V, H, generator=g).to(DEV)
+    weight[:, 0] = 1.0
+    seed_hidden = torch.randn(N, H, generator=g).to(DEV)
+    z = seed_hidden @ weight.T
+    top, ids = z.topk(5, dim=-1)
+    inside = torch.logsumexp(top, -1)
+    lse = torch.logsumexp(z, -1)
+    rest = lse + torch.log(-torch.expm1(inside - lse))
+    moved = seed_hidden.clone()
+    moved[:, 0] += 7.0
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=weight.mean(0))
+    same, shifted = op(seed_hidden, weight, ids, rest, **kw), op(moved, weight, ids, rest, **kw)
+    assert torch.equal(same[0], shifted[0]) and torch.equal(same[0], ids[:, 0])
+    torch.testing.assert_close(same[1], shifted[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(same[1], torch.softmax(z, -1).max(-1).values, rtol=1e-5, atol=1e-6)
+
+
+def test_errors():
+    h, w, ids, rest = torch.randn(2, 8), torch.randn(10, 8), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2)
+    kw = dict(seed_hidden=h, vocab_mean=w.mean(0))
+    for op in (candidate_confidence, candidate_confidence_triton):
+        with pytest.raises(ValueError, match="weight must be a floating-point tensor \\[V, H=8\\]"):
+            op(h, w[:, :7], ids, rest, **kw)
+        with pytest.raises(ValueError, match="ids must be an int64 tensor \\[N=2, M\\] with 1 <= M <= 64"):
+            op(h, w, ids.int(), rest, **kw)
+        with pytest.raises(ValueError, match="ids must be"):
+            op(h, w, torch.zeros(2, 65, dtype=torch.long), rest, **kw)
+        with pytest.raises(ValueError, match="rest must be a floating-point tensor \\[2\\]"):
+            op(h, w, ids, rest[:1], **kw)
+        with pytest.raises(ValueError, match="vocab_mean must be"):
+            op(h, w, ids, rest, seed_hidden=h, vocab_mean=torch.zeros(7))
+        with pytest.raises(ValueError, match="do_sample=True needs noise_keys"):
+            op(h, w, ids, rest, do_sample=True, **kw)
+        with pytest.raises(ValueError, match="temperature"):
+            op(h, w, ids, rest, temperature=0.0, **kw)
+        with pytest.raises(ValueError, match="skip_rows must be a bool tensor of shape \\[2\\]"):
+            op(h, w, ids, rest, skip_rows=torch.zeros(3, dtype=torch.bool), **kw)
+    tok, prob = candidate_confidence_triton(h[:0], w, ids[:0], rest[:0], seed_hidden=h[:0], vocab_mean=w.mean(0))
+    assert tok.shape == prob.shape == (0,)
