@@ -77,7 +77,8 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
             take = take & (tl.load(skip_ptr + row) == 0)
         token = tl.sum(tl.where(cols == at, ids, 0), axis=0)
         tl.store(tok_ptr + row, tl.where(take, token, -1))
-        tl.store(prob_ptr + row, tl.where(take, tl.exp(z_max - lse), 0.0))
+        # both -inf where nothing is listed: keep their difference (NaN) out of the arithmetic
+        tl.store(prob_ptr + row, tl.where(take, tl.exp(tl.where(take, z_max, 0.0) - tl.where(take, lse, 0.0)), 0.0))
 
 
 def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows) -> None:

@@ -571,11 +571,13 @@ def test_graphed_calls_reuse_one_engine(model):
 
 
 @pytest.mark.triton
-def test_decoding_on_the_triton_kernels_equals_the_reference():
+@pytest.mark.parametrize("candidates", [None, 4])
+def test_decoding_on_the_triton_kernels_equals_the_reference(candidates):
     """Every op of a speculative decoding run on its Triton kernel (the interpreter on CPU): norms,
-    q/k-norm + RoPE, SwiGLU, cached attention, MRP input, LM-head confidence, select, verify. Same tokens
-    and counts as on the reference ops."""
-    kwargs = dict(strategy="speculative", mrp_steps=2)
+    q/k-norm + RoPE, SwiGLU, cached attention, MRP input, LM-head confidence (with draft candidates: listing
+    each position's top 4, and the drafts' pick among them), select, verify. Same tokens and counts as on the
+    reference ops."""
+    kwargs = dict(strategy="speculative", mrp_steps=2, draft_candidates=candidates)
     model = tiny_model(seed=1, dtype=torch.float32)
     ids = random_prompts(2, 6, seed=50)
     mask = torch.ones_like(ids)
@@ -587,6 +589,7 @@ def test_decoding_on_the_triton_kernels_equals_the_reference():
         out = model.generate(ids, **args)
     assert torch.equal(out.sequences, expected.sequences)
     assert torch.equal(out.stats.backbone_forwards, expected.stats.backbone_forwards)
+    assert torch.equal(out.stats.accepted_lengths, expected.stats.accepted_lengths)
 
 
 def test_generate_calls_on_one_model_run_one_at_a_time(model):
