@@ -35,17 +35,20 @@ def install_oracle_mrp(model, monkeypatch):
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000), batch=st.integers(1, 4), k=st.integers(1, 4), block=st.sampled_from([4, 8, 16]),
        schedule=st.sampled_from(["mrp", "authors"]), max_new=st.integers(1, 20),
-       draft_vocab=st.sampled_from([None, 2, 20, MASK_ID + 1]))
-def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, block, schedule, max_new, draft_vocab):
+       drafts=st.sampled_from([{}, dict(draft_vocab=2), dict(draft_vocab=20), dict(draft_vocab=MASK_ID + 1),
+                               dict(draft_candidates=1), dict(draft_candidates=5)]))
+def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, block, schedule, max_new, drafts):
     """Lossless whatever the drafts: also when they may choose among the first ``draft_vocab`` token ids only
-    (2: the drafts are nearly always wrong; MASK_ID + 1: the whole vocabulary, the mask token among it)."""
+    (2: the drafts are nearly always wrong; MASK_ID + 1: the whole vocabulary, the mask token among it), or among
+    each position's few most likely tokens in the round's seed forward (``draft_candidates``); prompts of
+    different lengths, so rows sit in different blocks."""
     model = tiny_model(seed=seed % 7, block_size=block)
     lens = torch.randint(1, 12, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
     ids = random_prompts(batch, max(lens), seed=seed)
     mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).long()
     static = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, return_dict_in_generate=True)
     spec = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, strategy="speculative", mrp_steps=k,
-                          draft_schedule=schedule, draft_vocab=draft_vocab, return_dict_in_generate=True)
+                          draft_schedule=schedule, return_dict_in_generate=True, **drafts)
     assert torch.equal(spec.sequences, static.sequences)
     assert (spec.stats.tokens_per_forward >= 1.0).all()
     assert torch.equal(spec.stats.tokens_committed, static.stats.tokens_committed)
@@ -134,8 +137,9 @@ def test_remask_with_infinite_delta_equals_dynamic():
         assert (remask.stats.tokens_remasked == 0).all()
 
 
-@pytest.mark.parametrize("schedule,draft_vocab", [("mrp", None), ("authors", None), ("mrp", 30)])
-def test_speculative_sampling_commits_exact_backbone_samples(schedule, draft_vocab):
+@pytest.mark.parametrize("schedule,drafts", [("mrp", {}), ("authors", {}), ("mrp", dict(draft_vocab=30)),
+                                             ("mrp", dict(draft_candidates=3)), ("authors", dict(draft_candidates=3))])
+def test_speculative_sampling_commits_exact_backbone_samples(schedule, drafts):
     """Draft and target share Gumbel noise per (row, position, state): with the same seed, speculative
     sampling commits exactly the tokens that static one-token-a-step sampling commits."""
     model = tiny_model(seed=7, block_size=8)
@@ -143,8 +147,7 @@ def test_speculative_sampling_commits_exact_backbone_samples(schedule, draft_voc
     for seed in (0, 1):
         kwargs = dict(max_new_tokens=14, do_sample=True, temperature=1.3, seed=seed)
         static = model.generate(ids, **kwargs)
-        spec = model.generate(ids, strategy="speculative", mrp_steps=3, draft_schedule=schedule,
-                              draft_vocab=draft_vocab, **kwargs)
+        spec = model.generate(ids, strategy="speculative", mrp_steps=3, draft_schedule=schedule, **drafts, **kwargs)
         assert torch.equal(spec, static)
     assert not torch.equal(model.generate(ids, max_new_tokens=14, do_sample=True, seed=0),
                            model.generate(ids, max_new_tokens=14, do_sample=True, seed=1))
