@@ -195,10 +195,9 @@ class BlockDecoder:
               carry: tuple[int, ...] = ()) -> None:
         """``count`` steps ``fn(*inputs)`` that surely have work, each as :meth:`step` (with ``carry``, ``fn`` returns
         one tensor per index in it, which replaces that input in place: the next step's seed), then, with
-        ``device_loop``, up to
-        ``loop_slots`` steps that may have work in one graph, each run only while no working row has filled
-        its block (with rows moving on together: while any has masks), tested on the device; so the host
-        checks the rows once a block fills, not after every step. ``inputs[0]`` is the block [B, T]."""
+        ``device_loop``, up to ``loop_slots`` steps that may have work in one graph, each run only while no working
+        row has filled its block (with rows moving on together: while any has masks), tested on the device; so the
+        host checks the rows once a block fills, not after every step. ``inputs[0]`` is the block [B, T]."""
         for _ in range(count):
             _carry_over(inputs, carry, self.step(name, fn, *inputs, mutated=mutated))
         if not self.loop_slots:
