@@ -32,7 +32,7 @@ from .reference.candidate_confidence import pick_listed
 from .reference.confidence import inverse_temperature
 
 
-@triton.jit(do_not_specialize=["M", "H"])
+@triton.jit(do_not_specialize=["M"])  # H: one value a model (a loop bound)
 def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, inv_t, t_ptr,
                    z_ptr, lse_ptr, tok_ptr, prob_ptr,
                    M, H, stride_h, stride_hs, stride_w, stride_ids,
