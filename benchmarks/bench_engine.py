@@ -55,7 +55,9 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     ``bench_e2e.py`` measured on the shipped model (``--e2e``, mode "speculative K=3 mrp"):
     ``tokens * t_static_step / (verify_rounds * t_round + openings * t_static_step)`` (a block's opening
     forward is a static step; openings = backbone_forwards - verify_rounds); a second row with the
-    ``draft_candidates=16`` round and the counts of bench_e2e's mode of that name. The counts are per row, so
+    ``draft_candidates=16`` round and the counts of bench_e2e's mode of that name (by default from
+    ``e2e_cpu.json`` and ``e2e_cpu_draft_candidates.json``: each mode from the first file that has it; the
+    TPF is a property of the model, not of the device). The counts are per row, so
     the estimate is exact at batch 1; at batch > 1 a batch takes about as many steps as its slowest row
     (``batch_steps`` in bench_e2e), some of them carrying other rows' commits (``+ commit`` rows). An
     estimate, labelled so; the end-to-end figure on the shipped model comes from ``bench_e2e.py --device
@@ -103,8 +105,10 @@ def parse_args(argv):
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--copies", default="2,3,4,5", help="K+1 candidate copies of the verify rows")
     ap.add_argument("--decode-reps", type=int, default=2, help="timed generate calls per setting (after one warm-up)")
-    ap.add_argument("--e2e", default="benchmarks/results/e2e_cpu.json",
-                    help="bench_e2e.py results with the shipped model's forward counts")
+    ap.add_argument("--e2e", nargs="+", default=["benchmarks/results/e2e_cpu.json",
+                                                 "benchmarks/results/e2e_cpu_draft_candidates.json"],
+                    help="bench_e2e.py results with the shipped model's forward counts (a mode is read from the "
+                    "first file that has it)")
     _harness.add_model_bench_args(ap)
     return ap.parse_args(argv)
 
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
     T, copies_list = args.block, steps.ints(args.copies)
     bench = _harness.make_bench(cuda, warmup=args.warmup, rep=args.rep)
     copy_bw = _harness.copy_bandwidth(bench)[1] if cuda else 1e10  # nominal on CPU: fills the column only
-    spec, candidates_spec = (_spec_counts(Path(args.e2e), mode) for mode in (SPEC_MODE, CANDIDATES_MODE))
+    spec, candidates_spec = (_spec_counts([Path(f) for f in args.e2e], mode) for mode in (SPEC_MODE, CANDIDATES_MODE))
     stem, rows = "engine_smoke" if args.smoke else "engine", []
     doc = {"meta": {**meta, "copy_bw_tbps": round(copy_bw / 1e12, 3), "dtype": str(dtype).removeprefix("torch."),
                     "models": models, "prefix": prefix, "new_tokens": new_tokens, "block": T,
@@ -202,16 +206,15 @@ def _estimate_row(record, shape: str, provider: str, spec: dict, round_us: float
                 f"rounds + {openings} openings); per-row counts: exact at B=1; target >= 1.6x")
 
 
-def _spec_counts(path: Path, mode: str = SPEC_MODE) -> dict | None:
-    """Forward counts of speculative K=3 (mrp schedule; bench_e2e's ``mode``) on the shipped model, from bench_e2e
-    results."""
-    if not path.is_file():
-        print(f"# no {path}: the speculative estimate is skipped")
+def _spec_counts(paths: list[Path], mode: str = SPEC_MODE) -> dict | None:
+    """Forward counts of speculative K=3 (mrp schedule; bench_e2e's ``mode``) on the shipped model, from the first of
+    the bench_e2e results ``paths`` that has the mode."""
+    found = [(path, row) for path in paths if path.is_file()
+             for row in json.loads(path.read_text())["rows"] if row["mode"] == mode]
+    if not found:
+        print(f"# {mode!r} is in none of {[str(p) for p in paths]}: its speculative estimate is skipped")
         return None
-    doc = json.loads(path.read_text())
-    row = next((r for r in doc["rows"] if r["mode"] == mode), None)
-    if row is None:
-        return None
+    path, row = found[0]
     keys = ("tokens", "backbone_forwards", "verify_rounds", "mrp_forwards", "tpf")
     if "verify_rounds" not in row:
         print(f"# {path} predates verify_rounds (rerun bench_e2e.py): the speculative estimate is skipped")

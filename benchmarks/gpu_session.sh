@@ -37,9 +37,11 @@ step engine 145 python3 benchmarks/bench_engine.py --out "$RES"
 # costs of bench_model_steps are in the engine step's eager rows already: not run here.
 step decode_kernels 100 python3 benchmarks/bench_decode_kernels.py --sweep --out "$RES"
 # The modes the issues' targets name (static is always run first); the full table stays a CPU figure, and so do
-# the draft_vocab modes (at the shipped model's 2048 ids the lm_head rows they save are no measurable time).
+# the draft_vocab modes (at the shipped model's 2048 ids the lm_head rows they save are no measurable time) and
+# draft_candidates=4 (draft_candidates=16 runs: the counts of bench_engine's estimate of it).
 step e2e 60 python3 benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --out "$RES" \
-  --modes "speculative K=1 mrp" "speculative K=3" "dynamic tau=0.9" "direct K=2" "remask tau tau=0.7" --skip draft_vocab
+  --modes "speculative K=1 mrp" "speculative K=3" "dynamic tau=0.9" "direct K=2" "remask tau tau=0.7" \
+  --skip draft_vocab draft_candidates=4
 # First a draft step's pick among 16 listed tokens (candidate_confidence, seconds); then lm_head_confidence: the
 # tile sweep at the N its target misses (64-128 rows; the rows_major configs never ran
 # on a GPU), and half the rows skipped (what a decoding step asks) vs all rows, up to a verify round's N.

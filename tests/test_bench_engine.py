@@ -17,10 +17,11 @@ def test_bench_engine_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    e2e = tmp_path / "e2e.json"
     counts = {"tokens": 100, "backbone_forwards": 50, "verify_rounds": 42, "mrp_forwards": 120, "tpf": 2.0}
-    e2e.write_text(json.dumps({"rows": [{"mode": mode, **counts} for mode in (mod.SPEC_MODE, mod.CANDIDATES_MODE)]}))
-    assert mod.main(["--smoke", "--out", str(tmp_path), "--e2e", str(e2e), "--decode-reps", "1"]) == 0
+    files = [tmp_path / "e2e.json", tmp_path / "e2e_candidates.json"]  # each mode read from the file that has it
+    for path, mode in zip(files, (mod.SPEC_MODE, mod.CANDIDATES_MODE)):
+        path.write_text(json.dumps({"rows": [{"mode": mode, **counts}]}))
+    assert mod.main(["--smoke", "--out", str(tmp_path), "--e2e", *map(str, files), "--decode-reps", "1"]) == 0
 
     rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
     kinds = {(r["kernel"], r["provider"]) for r in rows}
