@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import mrp_triton
 from hf_integration.draft_candidates import refresh_vocab_mean, rest_mass
-from tiny_models import VOCAB, random_prompts, spy_on_drafts, tiny_model
+from tiny_models import random_prompts, spy_on_drafts, tiny_model
 
 MASK = 32  # a tiny vocabulary of 33, so that every token fits in a list of at most 64
 
@@ -144,10 +144,17 @@ def test_bad_draft_candidates_are_refused_with_their_name(kwargs, error, message
                                            draft_candidates=MASK + 1)
 
 
-def test_a_checkpoint_may_set_draft_candidates_for_its_speculative_calls():
+def test_a_checkpoint_may_set_draft_candidates_for_its_speculative_calls(monkeypatch):
+    """A generation config carrying draft_candidates: its speculative calls draft among the candidates (the op
+    runs), its static calls are not refused and never list them; a call's own None does not ask for anything."""
     model = tiny_model(seed=3, block_size=8)
     model.generation_config.draft_candidates = 4
     prompts = random_prompts(1, 5, seed=1)
-    static = model.generate(prompts, max_new_tokens=12)  # not refused: not asked for by this call
+    calls = []
+    pick = mrp_triton.candidate_confidence
+    monkeypatch.setattr(mrp_triton, "candidate_confidence",
+                        lambda *a, **k: (calls.append(a[2].shape), pick(*a, **k))[1])  # a[2]: the ids [N, M]
+    static = model.generate(prompts, max_new_tokens=12, draft_candidates=None)
+    assert not calls
     assert torch.equal(model.generate(prompts, max_new_tokens=12, strategy="speculative"), static)
-    assert VOCAB > 4
+    assert calls and all(shape[1] == 4 for shape in calls)
