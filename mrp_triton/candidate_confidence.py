@@ -81,7 +81,8 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
         tl.store(prob_ptr + row, tl.where(take, tl.exp(tl.where(take, z_max, 0.0) - tl.where(take, lse, 0.0)), 0.0))
 
 
-def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows) -> None:
+def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
+                top_k, top_p) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.dtype.is_floating_point:
         raise ValueError("hidden must be a floating-point tensor [N, H]")
     N, H = hidden.shape
@@ -101,6 +102,7 @@ def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows) -
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
+    check_sampling(N, hidden.device, "hidden", temperature, do_sample, noise_keys, top_k, top_p)
 
 
 def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0,
@@ -109,8 +111,8 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
     chunk, for tests). Ids must lie in [-1, V): the kernel gathers their rows unchecked (a host check would
     synchronise)."""
-    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows)
-    check_sampling(hidden.shape[0], hidden.device, "hidden", temperature, do_sample, noise_keys, top_k, top_p)
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
+                top_k, top_p)
     N, H = hidden.shape
     M = ids.shape[1]
     dev = hidden.device
@@ -153,6 +155,6 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     if weight.dtype != torch.float64 and hidden.dtype != torch.float64 and \
             select_backend(hidden.device, hidden, weight, seed_hidden) == "triton":
         return candidate_confidence_triton(hidden, weight, ids, rest, **kw)
-    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows)
-    check_sampling(hidden.shape[0], hidden.device, "hidden", temperature, do_sample, noise_keys, top_k, top_p)
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
+                top_k, top_p)
     return candidate_confidence_reference(hidden, weight, ids, rest, **kw)

@@ -373,19 +373,15 @@ class BlockDecoder:
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      masked: torch.Tensor, n: torch.Tensor, threshold: float | None = None,
-                     mrp: bool = False) -> torch.Tensor:
+                     mrp: bool = False, top_m: int = 0) -> tuple:
         """Pick on ``lm_head(hidden)`` [B, T, H] over the ``masked`` positions, commit into ``block`` in place
-        (static top-n, or dynamic with ``threshold``) and count the forward. Returns committed bool [B, T]."""
-        tok, conf, _ = self.pick_hidden(hidden, positions, masked, self.counter)
-        return self.commit_tokens(block, tok, conf, masked, n, threshold, mrp)
-
-    def commit_tokens(self, block: torch.Tensor, tok: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor,
-                      n: torch.Tensor, threshold: float | None = None, mrp: bool = False) -> torch.Tensor:
-        """Commit picks tok, conf [B, T] of the ``masked`` positions into ``block`` in place (static top-n, or
-        dynamic with ``threshold``) and count the forward. Returns committed bool [B, T]."""
-        committed = mrp_triton.select_commit(block, tok, conf, mask_token_id=self.mask_id, n=n, threshold=threshold)
+        (static top-n, or dynamic with ``threshold``) and count the forward. Returns the picks of
+        :meth:`pick_hidden` (with ``top_m``, the positions' top_m lists too)."""
+        picks = self.pick_hidden(hidden, positions, masked, self.counter, top_m=top_m)
+        committed = mrp_triton.select_commit(block, picks[0], picks[1], mask_token_id=self.mask_id, n=n,
+                                             threshold=threshold)
         self.record(masked.any(-1), committed, mrp=mrp)
-        return committed
+        return picks
 
     def scheduled_quota(self, masked_at_start: torch.Tensor, steps_taken: torch.Tensor) -> torch.Tensor:
         """This step's quota by SDAR's schedule (n = m // S per step, the first m % S steps one more), and the

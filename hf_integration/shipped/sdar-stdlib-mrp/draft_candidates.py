@@ -38,8 +38,9 @@ def rest_mass(top_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def refresh_vocab_mean(lm_head_weight: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
     """The mean lm_head row [H] (of ``lm_head_weight`` [V, H]; float32, float64 for a float64 weight) written into
     ``buffer`` (the decode engine's, at a fixed address for its captured steps; allocated on first use) and
-    returned; recomputed at every call, so weights changed in place are seen."""
+    returned; recomputed at every call, so weights changed in place are seen. (A decode engine is kept for one
+    weight dtype and device, so its buffer always fits.)"""
     dtype = torch.promote_types(lm_head_weight.dtype, torch.float32)
-    if buffer is None or buffer.dtype != dtype:
+    if buffer is None:
         buffer = torch.empty(lm_head_weight.shape[1], dtype=dtype, device=lm_head_weight.device)
     return torch.mean(lm_head_weight, dim=0, dtype=dtype, out=buffer)

@@ -133,9 +133,7 @@ def opening_step(dec: BlockDecoder):
     def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> tuple:
         masked = dec.masked(block)
         hidden = dec.backbone(block, positions)
-        picks = dec.pick_hidden(hidden, positions, masked, dec.counter, top_m=top_m)
-        dec.commit_tokens(block, picks[0], picks[1], masked, quota)
-        return seed_of(hidden, picks)
+        return seed_of(hidden, dec.commit_picks(block, hidden, positions, masked, quota, top_m=top_m))
 
     return step
 
