@@ -88,7 +88,7 @@ def test_exact_residual_agrees_everywhere_and_a_zero_head_does_not(setup):
 def test_block_picks_and_agreement_by_hand():
     """Two blocks of 4, five scored positions. The mask token (id 0) is never picked, so positions 0 and 2 tie
     in block 0 (the lower wins); position 6 wins block 1."""
-    V, M = 5, 0
+    M = 0  # the mask token id
     sel = torch.tensor([[True, False, True, True, False, True, True, False]])
     teacher = torch.tensor([[0, 3, 1, 0, 0],   # position 0: token 1
                             [9, 3, 1, 0, 0],   # position 2: as position 0 once the mask column is out
@@ -106,9 +106,10 @@ def test_block_picks_and_agreement_by_hand():
 
 
 def test_kd_matches_hand_computation(setup):
-    """K = 1 with a zero head: sum over still-masked positions of KL(P_B || P_A) / p."""
+    """K = 1 with a zero head: sum over still-masked positions of KL(P_B || P_A) / p. In float64: in float32 the
+    attention kernel a torch release picks moves this small KL by up to 4e-4 relative (torch 2.11)."""
     tok, train = setup
-    model = tiny_backbone(tok).eval()
+    model = tiny_backbone(tok).double().eval()
     ids, isp, seeds = _batch(train)
     am = block_diffusion_mask(T, BS)
     gens = make_generators(seeds)
@@ -128,7 +129,7 @@ def test_kd_matches_hand_computation(setup):
                 if masked[b, i] and not reveal[b, i]:
                     teacher, student = lb[b, i].double().softmax(-1), la[b, i].double().softmax(-1)
                     want += float((teacher * (teacher / student).log()).sum()) / float(p[b])
-    assert float(got) == pytest.approx(want, rel=1e-4)
+    assert float(got) == pytest.approx(want, rel=1e-6)
 
 
 def test_backbone_loss_is_weighted_masked_ce(setup):
@@ -154,7 +155,8 @@ def test_clean_half_never_sees_noisy(setup):
     ids = train.input_ids[:2]
     am = block_diffusion_mask(T, BS)
     with torch.no_grad():
-        a = model.model(*pack_noisy_clean(ids.masked_fill(torch.ones_like(ids, dtype=torch.bool), 1), ids), attention_mask=am)
+        all_masked = ids.masked_fill(torch.ones_like(ids, dtype=torch.bool), 1)
+        a = model.model(*pack_noisy_clean(all_masked, ids), attention_mask=am)
         b = model.model(*pack_noisy_clean(ids, ids), attention_mask=am)
     assert torch.allclose(a[:, T:], b[:, T:], atol=1e-6)
     assert not torch.allclose(a[:, :T], b[:, :T])
