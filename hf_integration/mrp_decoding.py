@@ -19,29 +19,35 @@ from .draft_candidates import rest_mass
 
 
 class MRPChain:
-    """K chained MRP steps from one backbone forward. h_A: [B, T, H] (post-norm). ``carry`` [B, T, H] is
-    the chain's state: the residual sum so far (``logits_sum``; zeros at the start) or the last h_p
-    (``none``; h_A at the start)."""
+    """K chained MRP steps from one backbone forward. h_A: [B, T, H] (post-norm). ``carry`` [B, T, H] is the chain's
+    state: the residual sum so far (``logits_sum``; zeros at the start) or the last h_p (``none``; h_A at the start).
+    Each step feeds the head ``h_A + s * carry`` (``logits_sum``) or ``carry``, the hidden state the step before
+    returned (computed once: a launch per step fewer on a GPU)."""
 
     def __init__(self, dec: BlockDecoder, h_a: torch.Tensor, positions: torch.Tensor,
                  carry: torch.Tensor | None = None):
         self.dec, self.h_a, self.positions = dec, h_a, positions
         self.scale = dec.settings.mrp_scale
         self.summed = dec.settings.mrp_mix == "logits_sum"
-        if carry is None:
-            carry = torch.zeros_like(h_a) if self.summed else h_a
-        self.carry = carry
+        self._carry = carry  # None: the start of a chain
+        self._fed = h_a if carry is None else self._corrected()
+
+    @property
+    def carry(self) -> torch.Tensor:
+        if self._carry is None:
+            return torch.zeros_like(self.h_a) if self.summed else self.h_a
+        return self._carry
+
+    def _corrected(self) -> torch.Tensor:
+        return torch.add(self.h_a, self._carry, alpha=self.scale) if self.summed else self._carry
 
     def step(self, ids: torch.Tensor, committing_rows_discard: bool = False) -> torch.Tensor:
         """ids: [B, T] (state after the newest commit) -> the hidden state whose lm_head gives the
         corrected logits, [B, T, H] (``committing_rows_discard``: see :meth:`BlockDecoder.mrp`)."""
-        if self.summed:
-            h_p = self.dec.mrp(ids, self.h_a + self.scale * self.carry, self.positions,
-                               committing_rows_discard=committing_rows_discard)
-            self.carry = self.carry + h_p
-            return self.h_a + self.scale * self.carry
-        self.carry = self.dec.mrp(ids, self.carry, self.positions, committing_rows_discard=committing_rows_discard)
-        return self.carry
+        h_p = self.dec.mrp(ids, self._fed, self.positions, committing_rows_discard=committing_rows_discard)
+        self._carry = self._carry + h_p if self.summed and self._carry is not None else h_p
+        self._fed = self._corrected()
+        return self._fed
 
 
 def _one_each(masked: torch.Tensor) -> torch.Tensor:
@@ -49,12 +55,16 @@ def _one_each(masked: torch.Tensor) -> torch.Tensor:
     return masked.any(-1).long()
 
 
-def _only_position(committed: torch.Tensor, tokens: torch.Tensor):
-    """The single committed (position, token) per row, or (-1, -1). committed: bool [B, T]."""
-    has = committed.any(-1)
-    pos = committed.long().argmax(-1)
-    tok = tokens.gather(1, pos[:, None])[:, 0]
-    return torch.where(has, pos, -1), torch.where(has, tok, -1)
+def _drafted(states: torch.Tensor):
+    """The position each draft step committed and its token, from the candidate states C(0..K) [B, K+1, T] (a draft
+    step commits one token, which changes its state at that position): draft_pos, draft_tok [B, K], -1 where a step
+    committed nothing."""
+    T = states.shape[-1]
+    after = states[:, 1:]
+    pos = torch.where(after != states[:, :-1], torch.arange(T, device=states.device), T).amin(-1)
+    none = pos == T
+    tok = after.gather(2, pos.clamp(max=T - 1)[..., None])[..., 0]
+    return pos.masked_fill(none, -1), tok.masked_fill(none, -1)
 
 
 def direct_mrp_step(dec: BlockDecoder):
@@ -92,28 +102,25 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
     (``fresh``, bool [B]: no seed forward yet) draft nothing.
 
     Returns draft_pos, draft_tok [B, K] (-1 = no draft) and the candidate states [B, K+1, T]."""
-    K = dec.settings.mrp_steps
+    K, authors = dec.settings.mrp_steps, dec.settings.draft_schedule == "authors"
     seed_h = seed[0]
-    state = block.clone()
-    states, draft_pos, draft_tok = [state.clone()], [], []
+    drafting = ~fresh[:, None]
+    state, states = block.clone(), [block]
     chain = MRPChain(dec, seed_h, positions)
     for k in range(K):
-        masked = dec.masked(state) & ~fresh[:, None]
-        if k == 0 and dec.settings.draft_schedule == "authors":
-            hidden = seed_h  # the backbone's own (stale) pick from the seed forward
-        else:
-            hidden = chain.step(state, committing_rows_discard=True)  # committing rows are fresh
-            dec.count("mrp_forwards", masked.any(-1))
+        masked = dec.masked(state) & drafting
+        # the authors' first draft is the backbone's own (stale) pick from the seed forward
+        hidden = seed_h if k == 0 and authors else chain.step(state, committing_rows_discard=True)
         if len(seed) > 1:
             tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.counter + k)
         else:
             tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k, dec.draft)
-        committed = mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
-        pos, t = _only_position(committed, tok)
-        draft_pos.append(pos)
-        draft_tok.append(t)
-        states.append(state.clone())
-    return torch.stack(draft_pos, 1), torch.stack(draft_tok, 1), torch.stack(states, 1)
+        mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
+        states.append(state.clone() if k < K - 1 else state)
+    states = torch.stack(states, 1)
+    # an MRP forward for every row that had a mask to draft at (committing rows are fresh)
+    dec.count("mrp_forwards", ((states[:, int(authors):K] == dec.mask_id).any(-1) & drafting).sum(-1))
+    return (*_drafted(states), states)
 
 
 def seed_of(h: torch.Tensor, picks: tuple) -> tuple:
