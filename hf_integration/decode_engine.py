@@ -93,7 +93,7 @@ class DecodeEngine:
         # RoPE tables of every position a forward may use (the layout's, and a block past it: where rows that do not
         # commit put their part of a commit forward), read by position: no table kernels in each forward.
         positions = torch.arange(s.max_len + s.block, device=s.device)[None]
-        self.rope = tuple(t[0] for t in rotary_cos_sin(config, positions))
+        self.rope = torch.stack([t[0] for t in rotary_cos_sin(config, positions)], 1)  # [P, 2, head_dim]: cos, sin
         self.cache = StaticKVCache(s.slots, s.batch, s.max_len, s.kv_heads, s.head_dim, s.dtype, s.device,
                                    full_width=graphed)
         self.graphs = StepGraphs(capture=s.device.type == "cuda") if graphed else None

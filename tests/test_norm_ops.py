@@ -139,10 +139,12 @@ def test_swiglu_public_dispatch_and_errors():
 @given(B=st.integers(1, 3), T=st.integers(1, 5), Hkv=st.integers(1, 3), groups=st.integers(1, 3),
        half=st.integers(1, 40), dtype=dtypes, table_dtype=st.sampled_from((torch.float32, None)),
        broadcast_batch=st.booleans(), layout=st.sampled_from(("contiguous", "fused", "heads_apart")),
-       seed=st.integers(0, 2**16))
-def test_qk_norm_rope_matches_reference(B, T, Hkv, groups, half, dtype, table_dtype, broadcast_batch, layout, seed):
+       side_by_side=st.booleans(), seed=st.integers(0, 2**16))
+def test_qk_norm_rope_matches_reference(B, T, Hkv, groups, half, dtype, table_dtype, broadcast_batch, layout,
+                                        side_by_side, seed):
     """``layout``: q and k contiguous; column slices of one fused q/k/v projection output [B, T, (Hq + 2 Hkv) D]
-    (read in place); or [B, heads, T, D] tensors transposed, whose heads do not lie next to each other (copied)."""
+    (read in place); or [B, heads, T, D] tensors transposed, whose heads do not lie next to each other (copied).
+    ``side_by_side``: cos and sin are the halves of one [B, T, 2, D] table (as a decode engine's gathered rows)."""
     D = 2 * half
     Hq = Hkv * groups
     if layout == "fused":
@@ -158,6 +160,8 @@ def test_qk_norm_rope_matches_reference(B, T, Hkv, groups, half, dtype, table_dt
     kw = _randn((D,), dtype, seed + 3)
     angle = _randn((1 if broadcast_batch else B, T, D), torch.float32, seed + 4, 3.0)
     cos, sin = angle.cos().to(table_dtype or dtype), angle.sin().to(table_dtype or dtype)
+    if side_by_side:
+        cos, sin = torch.stack([cos, sin], -2).unbind(-2)
     with poisoned_allocations():
         oq, ok = qk_norm_rope_triton(q, k, qw, kw, cos, sin, EPS)
     eq, ek = ref.qk_norm_rope(q, k, qw, kw, cos, sin, EPS)

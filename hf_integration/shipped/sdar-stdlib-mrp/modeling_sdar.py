@@ -208,7 +208,7 @@ def run_decoder_layers(layers: nn.ModuleList, norm: SDARRMSNorm, x: torch.Tensor
         if attention_mask is None:
             attention_mask = block_causal_mask(position_ids, position_ids, config.block_size)
         attn = AttentionInputs(mask=attention_mask)
-    cos, sin = rotary_cos_sin(config, position_ids) if attn.rope is None else (t[position_ids] for t in attn.rope)
+    cos, sin = rotary_cos_sin(config, position_ids) if attn.rope is None else attn.rope[position_ids].unbind(-2)
     residual = None
     for layer in layers:
         x, residual = layer(x, residual, cos, sin, attn)
