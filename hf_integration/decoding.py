@@ -383,13 +383,13 @@ class BlockDecoder:
         self.record(masked.any(-1), committed, mrp=mrp)
         return picks
 
-    def scheduled_quota(self, masked_at_start: torch.Tensor, steps_taken: torch.Tensor) -> torch.Tensor:
-        """This step's quota by SDAR's schedule (n = m // S per step, the first m % S steps one more), and the
-        step counted: ``steps_taken`` is incremented in place. masked_at_start, steps_taken: [B] (each row's
-        masks when its block started, and the steps it has taken in it). S is read on the device (float64: exact
-        for these small integers), so one captured step serves every number of denoising steps."""
-        S, m = self.on_device("denoising_steps"), masked_at_start.double()
-        quota = torch.div(m, S, rounding_mode="floor").long() + (steps_taken < torch.remainder(m, S)).long()
+    def scheduled_quota(self, quota_base: torch.Tensor, quota_extra: torch.Tensor,
+                        steps_taken: torch.Tensor) -> torch.Tensor:
+        """This step's quota by SDAR's schedule (n = m // S per step, the first m % S steps one more; m: the row's
+        masks when its block started, S: the denoising steps), and the step counted: ``steps_taken`` is incremented
+        in place. quota_base, quota_extra, steps_taken: [B] (m // S and m % S, set when the row's block starts; the
+        steps it has taken in it), so one captured step serves every number of denoising steps."""
+        quota = quota_base + (steps_taken < quota_extra)
         steps_taken.add_(1)
         return quota
 
@@ -420,7 +420,9 @@ class BlockDecoder:
         # finished row kept as padding of a graphed batch, see retire).
         self.masks_left = [T - n % T if b else 0 for n, b in zip(self.prompts.lens, self.blocks_to_decode)]
         self.blocks_left = list(self.blocks_to_decode)
-        self.row_state["masks_at_start"] = torch.tensor(self.masks_left, device=self.device)
+        S = self.settings.denoising_steps
+        self.row_state["quota_base"] = torch.tensor([m // S for m in self.masks_left], device=self.device)
+        self.row_state["quota_extra"] = torch.tensor([m % S for m in self.masks_left], device=self.device)
         self.row_state["steps_taken"] = torch.zeros_like(self.rows)
         self.row_state["fresh"] = torch.ones_like(self.rows, dtype=torch.bool)
         eos = torch.tensor(self.settings.eos_ids, dtype=torch.long, device=self.device)
@@ -520,7 +522,8 @@ class BlockDecoder:
                              device=self.device)
         positions[index] += T
         block[index] = self.x[self.rows[index, None], positions[index]]
-        self.row_state["masks_at_start"][index] = T
+        self.row_state["quota_base"][index] = T // self.settings.denoising_steps
+        self.row_state["quota_extra"][index] = T % self.settings.denoising_steps
         self.row_state["steps_taken"][index] = 0
         self.row_state["fresh"][index] = True
         self.masks_left = [T if switch else m for switch, m in zip(switching, self.masks_left)]
@@ -551,8 +554,8 @@ class Strategy:
     """How a decoding strategy advances the working rows.
 
     ``decode(dec, block [B', T], positions [B', T], steps)`` runs ``steps`` steps, committing into
-    ``block`` in place (per-row state in ``dec.row_state``: ``masks_at_start``, ``steps_taken``, ``fresh``
-    for rows at the start of a block, and what the strategy keeps there itself). ``most_per_step(dec)``
+    ``block`` in place (per-row state in ``dec.row_state``: ``quota_base``, ``quota_extra``, ``steps_taken``,
+    ``fresh`` for rows at the start of a block, and what the strategy keeps there itself). ``most_per_step(dec)``
     bounds the tokens one step commits per row, so with m masks left a row surely has work for the next
     ceil(m / most) steps: the decoder runs that many for the row with the fewest, then checks (with
     ``device_loop``, after the steps that may have work, run on the device until a block fills). A
@@ -603,14 +606,14 @@ def denoising_step(dec: BlockDecoder, threshold: float | None = None):
 
 
 def scheduled_step(dec: BlockDecoder, threshold: float | None = None):
-    """The step ``(block [B, T], positions [B, T], masks_at_start [B], steps_taken [B]) -> h_A`` of static /
-    dynamic decoding: :func:`denoising_step` with each row's quota from SDAR's schedule (``steps_taken``
-    is incremented in place)."""
+    """The step ``(block [B, T], positions [B, T], quota_base [B], quota_extra [B], steps_taken [B]) -> h_A`` of
+    static / dynamic decoding: :func:`denoising_step` with each row's quota from SDAR's schedule (see
+    :meth:`BlockDecoder.scheduled_quota`; ``steps_taken`` is incremented in place)."""
     denoise = denoising_step(dec, threshold)
 
-    def step(block: torch.Tensor, positions: torch.Tensor, masks_at_start: torch.Tensor,
+    def step(block: torch.Tensor, positions: torch.Tensor, quota_base: torch.Tensor, quota_extra: torch.Tensor,
              steps_taken: torch.Tensor) -> torch.Tensor:
-        return denoise(block, positions, dec.scheduled_quota(masks_at_start, steps_taken))
+        return denoise(block, positions, dec.scheduled_quota(quota_base, quota_extra, steps_taken))
 
     return step
 
@@ -620,8 +623,8 @@ def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Te
     s = dec.settings
     step = scheduled_step(dec, dec.on_device("threshold") if s.strategy == "dynamic" else None)
     state = dec.row_state
-    dec.steps("denoise", step, block, positions, state["masks_at_start"], state["steps_taken"], count=steps,
-              mutated=(0, 3))
+    dec.steps("denoise", step, block, positions, state["quota_base"], state["quota_extra"], state["steps_taken"],
+              count=steps, mutated=(0, 4))
 
 
 # Static: a step commits at most ceil(T / S) tokens per row (SDAR's schedule), and every full block takes

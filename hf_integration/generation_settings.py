@@ -36,13 +36,14 @@ HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None)
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
 FILLED_DEFAULTS = getattr(GenerationConfig, "_get_default_generation_params", dict)()
 # Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
-# computes, or (the seed) reach it through a buffer.
+# computes, or reach it through a buffer (the seed; denoising_steps, through each row's quota set when its block
+# starts).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
-                     "device_loop", "stop_strings", "tokenizer", "use_cache", "seed")
+                     "device_loop", "stop_strings", "tokenizer", "use_cache", "seed", "denoising_steps")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value.
-ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta", "denoising_steps")
+ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
 # What the drafts of speculative decoding score; a checkpoint's generation config may set them for its speculative
 # calls.

@@ -213,21 +213,21 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
 
 
 def remask_step(dec: BlockDecoder):
-    """The step ``(block [B, T], positions [B, T], masks_at_start [B], steps_taken [B]) -> None``: reveal as
-    dynamic decoding does (at least one per row; ``steps_taken`` is incremented in place), then one MRP
-    pass vetoes reveals by the remask rule, all in ``block`` in place."""
+    """The step ``(block [B, T], positions [B, T], quota_base [B], quota_extra [B], steps_taken [B]) -> None``: reveal
+    as dynamic decoding does (at least one per row; ``steps_taken`` is incremented in place), then one MRP pass
+    vetoes reveals by the remask rule, all in ``block`` in place."""
     rule, head = dec.settings.remask_rule, dec.model.lm_head
     threshold = dec.on_device("threshold")
     limit = threshold if rule == "tau" else dec.on_device("residual_delta")
 
-    def step(block: torch.Tensor, positions: torch.Tensor, masks_at_start: torch.Tensor,
+    def step(block: torch.Tensor, positions: torch.Tensor, quota_base: torch.Tensor, quota_extra: torch.Tensor,
              steps_taken: torch.Tensor) -> None:
         masked = dec.masked(block)
         live = masked.any(-1)
         h_a = dec.backbone(block, positions)
         tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
         before = block.clone()
-        quota = torch.maximum(dec.scheduled_quota(masks_at_start, steps_taken), _one_each(masked)) * live
+        quota = torch.maximum(dec.scheduled_quota(quota_base, quota_extra, steps_taken), _one_each(masked)) * live
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
@@ -245,8 +245,8 @@ def decode_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
     (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
     ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
     state = dec.row_state
-    dec.steps("remask", remask_step(dec), block, positions, state["masks_at_start"], state["steps_taken"],
-              count=steps, mutated=(0, 3))
+    dec.steps("remask", remask_step(dec), block, positions, state["quota_base"], state["quota_extra"],
+              state["steps_taken"], count=steps, mutated=(0, 4))
 
 
 MRP_DECODING = {

@@ -91,9 +91,9 @@ def test_device_loop_equals_eager(kwargs, monkeypatch):
     ("static", dict(denoising_steps=8), dict(denoising_steps=3)),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_other_setting_values_replay_the_captured_graphs(strategy, first, second):
-    """The captured steps read the seed, temperature, top-k, top-p, thresholds and denoising steps on the device:
-    a call with other values replays the first call's graphs (captures nothing) and decodes as eager decoding
-    does."""
+    """The captured steps read the seed, temperature, top-k, top-p, thresholds and quotas (of the denoising steps)
+    on the device: a call with other values replays the first call's graphs (captures nothing) and decodes as
+    eager decoding does."""
     model = tiny_model(seed=5, dtype=torch.float32, block_size=8).cuda()
     ids = random_prompts(1, 6, seed=3).cuda()
     kw = dict(max_new_tokens=15, strategy=strategy, eos_token_id=[], return_dict_in_generate=True)

@@ -528,10 +528,10 @@ def test_greedy_calls_ignore_sampling_settings_in_the_graph_key(model):
                                                   ("remask", "residual_delta", (2.0, 0.05)),
                                                   ("static", "denoising_steps", (8, 2, 3))])
 def test_graphed_steps_read_thresholds_from_buffers(strategy, name, values):
-    """Dynamic and remask thresholds and the number of denoising steps reach the captured steps through the
-    engine's buffers: every value decodes (tokens, stats, steps) as without graphs, the values decode
-    differently, and another value captures nothing new (one row over several blocks: the same kinds of step
-    whatever the value)."""
+    """Dynamic and remask thresholds reach the captured steps through the engine's buffers, the number of denoising
+    steps through each row's quota (set when its block starts): every value decodes (tokens, stats, steps) as
+    without graphs, the values decode differently, and another value captures nothing new (one row over several
+    blocks: the same kinds of step whatever the value)."""
     model = tiny_model(seed=5, block_size=8)
     ids = random_prompts(1, 6, seed=3)
     kw = dict(max_new_tokens=15, strategy=strategy, eos_token_id=[], return_dict_in_generate=True,
