@@ -65,10 +65,13 @@ def test_a_verify_round_pays_its_glue_once_per_round(launch_counts):
 
 def test_the_commit_rides_in_the_next_steps_forward(launch_counts):
     """The step after a block filled runs the same forward (the same ops and GEMMs) with the finished block in front
-    of it; only the cache writes are added. Without fuse_commit the commit is a forward of its own."""
+    of it; only the cache writes are added: per layer one write of its keys and one of its values (their slots are
+    computed once a forward). Without fuse_commit the commit is a forward of its own."""
     steps = _steps(launch_counts)
     plain, riding = (launch_counts.grouped(steps[name]) for name in ("denoise", "denoise+commit"))
     assert (riding["ops"], riding["gemms"]) == (plain["ops"], plain["gemms"])
+    deeper = _steps(launch_counts, layers=3)["denoise+commit"]
+    assert _difference(deeper, steps["denoise+commit"]) == LAYER + Counter({"scatter_": 2})
     assert "denoise+commit" not in _steps(launch_counts, fuse_commit=False)
 
 

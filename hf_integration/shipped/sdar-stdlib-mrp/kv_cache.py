@@ -8,7 +8,7 @@ finished block. Buffers never move or grow, so decode steps can be captured in C
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,13 +54,17 @@ class StaticKVCache:
         """Keys and values of one layer as forwards read them: ``[batch, kv_heads, width, head_dim]`` each."""
         return self.keys[slot, :, :, : self.width], self.values[slot, :, :, : self.width]
 
-    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` after each row's committed
-        prefix in one layer. ``advance`` makes them visible once every layer has written."""
-        n = keys.shape[2]
+    def write_offsets(self, n: int) -> torch.Tensor:
+        """[batch, n]: the slots of ``n`` positions appended after each row's committed prefix (the same in every
+        layer until ``advance``)."""
         if not self.full_width and self.length + n > self.max_len:
             raise RuntimeError(f"KV cache overflow: {self.length} + {n} > max_len {self.max_len}")
-        offsets = self.lengths[:, None] + torch.arange(n, device=self.lengths.device)
+        return self.lengths[:, None] + torch.arange(n, device=self.lengths.device)
+
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Put ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` of one layer in the slots ``offsets`` [batch, n]
+        (:meth:`write_offsets`, computed once for all the layers of a forward). ``advance`` makes them visible once
+        every layer has written."""
         index = offsets[:, None, :, None].expand_as(keys)
         self.keys[slot].scatter_(2, index, keys)
         self.values[slot].scatter_(2, index, values)
@@ -113,3 +117,11 @@ class AttentionInputs:
     rope: torch.Tensor | None = None
     kv_out: dict | None = None
     kv_in: dict | None = None
+    _write_offsets: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def write_offsets(self) -> torch.Tensor:
+        """The cache slots of this forward's ``write_len`` leading positions, [B, write_len]: computed by its first
+        layer, read by the others."""
+        if self._write_offsets is None:
+            self._write_offsets = self.cache.write_offsets(self.write_len)
+        return self._write_offsets

@@ -151,7 +151,8 @@ class SDARAttention(nn.Module):
         else:
             past_k, past_v = attn.cache.prefix(self.layer_idx)
             if attn.write_len:  # visible from the next forward on (after cache.advance)
-                attn.cache.write(self.layer_idx, k[:, :, : attn.write_len], v[:, :, : attn.write_len])
+                attn.cache.write(self.layer_idx, k[:, :, : attn.write_len], v[:, :, : attn.write_len],
+                                 attn.write_offsets())
             out = mrp_triton.cached_attention(q, k, v, past_k, past_v, attn.cache.lengths, attn.positions,
                                               attn.block_size, attn.segments)
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
