@@ -1,7 +1,7 @@
 """Kernels each decoding step would launch on a GPU, counted on the CPU.
 
 A CUDA graph replays a step's kernels back to back, so what a step costs beyond its bytes is how many it has: a
-small kernel costs a few microseconds however little it does. This script runs ``generate`` on the reference
+small kernel costs its launch and ramp-up however little it does. This script runs ``generate`` on the reference
 backend and counts, per step the decoder graphs (``BlockDecoder.graphed``: a denoising step, an opening
 forward, a verify round, ...), the ATen operations dispatched outside our ops, less the ones that launch
 nothing (views), plus one launch per ``mrp_triton`` op call (a Triton kernel on a GPU; its PyTorch reference
