@@ -101,7 +101,8 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
     ``draft_candidates`` also its listed ids [B, T, M] and rest mass [B, T]); rows at the start of a block
     (``fresh``, bool [B]: no seed forward yet) draft nothing.
 
-    Returns draft_pos, draft_tok [B, K] (-1 = no draft) and the candidate states [B, K+1, T]."""
+    Returns draft_pos, draft_tok [B, K] (-1 = no draft), the candidate states [B, K+1, T] and their masked
+    positions (bool [B, K+1, T])."""
     K, authors = dec.settings.mrp_steps, dec.settings.draft_schedule == "authors"
     seed_h = seed[0]
     drafting = ~fresh[:, None]
@@ -118,9 +119,10 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
         states.append(state.clone() if k < K - 1 else state)
     states = torch.stack(states, 1)
+    candidates = states == dec.mask_id
     # an MRP forward for every row that had a mask to draft at (committing rows are fresh)
-    dec.count("mrp_forwards", ((states[:, int(authors):K] == dec.mask_id).any(-1) & drafting).sum(-1))
-    return (*_drafted(states), states)
+    dec.count("mrp_forwards", (candidates[:, int(authors):K].any(-1) & drafting).sum(-1))
+    return (*_drafted(states), states, candidates)
 
 
 def seed_of(h: torch.Tensor, picks: tuple) -> tuple:
@@ -158,11 +160,10 @@ def speculation_round(dec: BlockDecoder):
                *lists: torch.Tensor) -> tuple:
         B, T = block.shape
         live = dec.masked(block).any(-1)
-        draft_pos, draft_tok, states = _draft(dec, block, positions, (seed_h, *lists), fresh)
+        draft_pos, draft_tok, states, candidates = _draft(dec, block, positions, (seed_h, *lists), fresh)
         copies = torch.arange(K + 1, device=block.device)
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copies.repeat_interleave(T))
-        candidates = states == dec.mask_id
         counters = (dec.counter[:, None] + copies).repeat_interleave(T, dim=1)
         picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters, top_m=top_m)
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, picks[0].view(B, K + 1, T),
