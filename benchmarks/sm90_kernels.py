@@ -215,6 +215,7 @@ def _model_ops() -> list[Variant]:
                "stride_o": "i64", "BLOCK": "constexpr"}
         out.append(Variant(f"mrp_input {dt}", "mrp_input", "_mrp_input_kernel", sig, {"BLOCK": 2048}, 8,
                            divisible=_ptrs_divisible(sig, "V", "H", "stride_e", "stride_h", "stride_o")))
+        out += _backward_kernels(dt)
     # a draft step among 16 listed tokens a position (draft_candidates=16), greedy and sampled
     sig = {"h_ptr": "*bf16", "hs_ptr": "*bf16", "w_ptr": "*bf16", "mean_ptr": "*fp32", "ids_ptr": "*i64",
            "rest_ptr": "*fp32", "skip_ptr": "*u8", "inv_t": "fp32", "t_ptr": "*fp64", "z_ptr": "*fp32",
@@ -225,6 +226,33 @@ def _model_ops() -> list[Variant]:
                     {"HAS_SKIP": True, "GREEDY": greedy, "T_TENSOR": not greedy, "BLOCK_M": 16, "BLOCK_H": 256}, 4,
                     divisible=_ptrs_divisible(sig, "H", "stride_h", "stride_hs", "stride_w", "stride_ids"))
             for greedy in (True, False)]
+    return out
+
+
+def _backward_kernels(dt: str) -> list[Variant]:
+    """The backward kernels training runs (weight-gradient partials in fp32), at the 1.7B shape's sizes."""
+    sig = {"s_ptr": f"*{dt}", "w_ptr": f"*{dt}", "dy_ptr": f"*{dt}", "ds_ptr": f"*{dt}", "dx_ptr": f"*{dt}",
+           "dw_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "eps": "fp32", "stride_s": "i64", "stride_dy": "i64",
+           "stride_ds": "i64", "rows_per_program": "i32", "HAS_DS": "constexpr", "BLOCK": "constexpr"}
+    out = [Variant(f"rms_norm_backward {dt} residual={ds}", "rms_norm", "_rms_norm_backward_kernel", sig,
+                   {"HAS_DS": ds, "BLOCK": 2048}, 8,
+                   divisible=_ptrs_divisible(sig, "n_cols", "stride_s", "stride_dy", "stride_ds"))
+           for ds in (False, True)]
+    sig = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "do_ptr": f"*{dt}", "dg_ptr": f"*{dt}", "du_ptr": f"*{dt}",
+           "F": "i32", "stride_g": "i32", "stride_u": "i32", "stride_do": "i32", "BLOCK": "constexpr"}
+    swiglu = importlib.import_module("mrp_triton.swiglu")
+    out.append(Variant(f"swiglu_backward {dt}", "swiglu", "_swiglu_backward_kernel", sig, {"BLOCK": swiglu._BLOCK},
+                       swiglu._NUM_WARPS, divisible=_ptrs_divisible(sig, "F", "stride_g", "stride_u", "stride_do")))
+    sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "qw_ptr": f"*{dt}", "kw_ptr": f"*{dt}", "cos_ptr": "*fp32",
+           "sin_ptr": "*fp32", "dqo_ptr": f"*{dt}", "dko_ptr": f"*{dt}", "dq_ptr": f"*{dt}", "dk_ptr": f"*{dt}",
+           "dqw_ptr": "*fp32", "dkw_ptr": "*fp32", "n_tok": "i32", "T": "i32", "Hq": "i32", "Hkv": "i32", "D": "i32",
+           "eps": "fp32", "stride_qb": "i64", "stride_qt": "i64", "stride_kb": "i64", "stride_kt": "i64",
+           "stride_cb": "i64", "stride_ct": "i64", "stride_sb": "i64", "stride_st": "i64", "tokens_per_program": "i32",
+           "BLOCK_HQ": "constexpr", "BLOCK_HK": "constexpr", "BLOCK_HALF": "constexpr"}
+    strides = [name for name in sig if name.startswith("stride_")]
+    out.append(Variant(f"qk_norm_rope_backward {dt}", "qk_norm_rope", "_qk_norm_rope_backward_kernel", sig,
+                       {"BLOCK_HQ": 16, "BLOCK_HK": 8, "BLOCK_HALF": 64}, 4,
+                       divisible=_ptrs_divisible(sig, "Hq", "D", *strides)))
     return out
 
 

@@ -3,9 +3,9 @@
 Rule (in order):
 1. ``use_backend("reference" | "triton")`` context manager, if active.
 2. ``MRP_TRITON_BACKEND=reference|triton`` in the environment.
-3. An op autograd must differentiate (grad mode on and an input that requires grad) -> reference: the
-   Triton kernels have no backward, and their outputs would silently cut the graph (a forced "triton"
-   raises instead).
+3. An op autograd must differentiate (grad mode on and an input that requires grad) and whose kernel has no
+   backward -> reference: its output would silently cut the graph (a forced "triton" raises instead). The ops
+   that training runs (rms_norm, swiglu, qk_norm_rope, mrp_input) have backward kernels and go on to rule 4.
 4. CUDA tensors -> Triton; CPU tensors -> reference, unless ``TRITON_INTERPRET=1`` is set,
    in which case CPU tensors run the Triton kernel in Triton's interpreter.
 """
@@ -51,22 +51,28 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def select_backend(device: torch.device, *operands: torch.Tensor | None) -> str:
+def differentiated(*operands: torch.Tensor | None) -> bool:
+    """Whether autograd must differentiate an op of these inputs (None allowed): grad mode on and one requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
+
+
+def select_backend(device: torch.device, *operands: torch.Tensor | None, backward: bool = False) -> str:
     """Return "triton" or "reference" for an op whose tensors live on ``device``; ``operands``: its floating inputs
-    (None allowed), which decide whether autograd must differentiate it."""
-    differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
+    (None allowed), which decide whether autograd must differentiate it; ``backward``: whether the op's Triton
+    path has a backward kernel."""
+    cuts_graph = differentiated(*operands) and not backward  # a kernel output autograd could not reach
     if _override:
         name = _override[-1]
     elif os.environ.get("MRP_TRITON_BACKEND"):
         name = _check(os.environ["MRP_TRITON_BACKEND"], "MRP_TRITON_BACKEND")
-    elif differentiated:
+    elif cuts_graph:
         name = "reference"
     elif device.type == "cuda" or interpreter_on():
         name = "triton"
     else:
         name = "reference"
-    if name == "triton" and differentiated:
-        raise RuntimeError("an input of this op requires grad, but the Triton kernels have no backward (their output "
+    if name == "triton" and cuts_graph:
+        raise RuntimeError("an input of this op requires grad, but its Triton kernel has no backward (its output "
                            "would not reach it); run it under torch.no_grad(), or on the reference backend "
                            "(use_backend('reference') or MRP_TRITON_BACKEND=reference, which the default dispatch "
                            "picks for such ops)")

@@ -8,6 +8,8 @@ norms (each reading its input twice) and a cat that re-copies both halves: ~3x t
 One program per row; the embedding half comes first (DeepSeek-V3 MTP layout). The embedding row
 is rounded to hidden's dtype first (the reference's ``embed_weight[ids].to(hidden.dtype)``),
 then both halves follow :mod:`mrp_triton.rms_norm`'s rounding points.
+Backward: the norm's backward kernel (:func:`mrp_triton.rms_norm.rms_norm_backward`) on each half; a gradient
+for the embedding (rarely wanted: it is frozen in MRP training) is scattered back by id.
 Token ids are not range-checked on CUDA (that would need a host sync): an out-of-range id reads
 as a zero embedding row instead of out-of-bounds memory. With CPU tensors they are checked.
 """
@@ -18,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import select_backend
+from .backend import differentiated, select_backend
 from .reference.mrp_input import mrp_input as mrp_input_reference
-from .rms_norm import row_settings
+from .rms_norm import rms_norm_backward, row_settings
 
 
 @triton.jit
@@ -82,12 +84,41 @@ def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torc
     return out
 
 
+
+class _MRPInput(torch.autograd.Function):
+    """:func:`mrp_input_triton`; backward: :func:`mrp_triton.rms_norm.rms_norm_backward` on each half (the embedding
+    rows gathered again) and, when the embedding needs a gradient, its rows scattered back by id."""
+
+    @staticmethod
+    def forward(ctx, ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(ids, embed_weight, hidden, enorm_weight, hnorm_weight)
+        return mrp_input_triton(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        ids, embed_weight, hidden, enorm_weight, hnorm_weight = ctx.saved_tensors
+        H = hidden.shape[1]
+        _, needs_embed, needs_hidden, needs_enorm, needs_hnorm, _ = ctx.needs_input_grad
+        d_embed = d_hidden = d_enorm = d_hnorm = None
+        if needs_embed or needs_enorm:
+            e = embed_weight[ids].to(hidden.dtype)
+            d_e, d_enorm = rms_norm_backward(e, enorm_weight, ctx.eps, d_out[:, :H])
+            if needs_embed:
+                d_embed = torch.zeros_like(embed_weight).index_add_(0, ids, d_e.to(embed_weight.dtype))
+        if needs_hidden or needs_hnorm:
+            d_hidden, d_hnorm = rms_norm_backward(hidden, hnorm_weight, ctx.eps, d_out[:, H:])
+        return None, d_embed, d_hidden, d_enorm, d_hnorm, None
+
 def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
               enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """ids: [N] int64, embed_weight: [V, H], hidden: [N, H], norms: [H] -> [N, 2H] (hidden's dtype).
 
     ``[enorm(embed_weight[ids]) | hnorm(hidden)]``, the embedding half first.
     """
-    if select_backend(hidden.device, embed_weight, hidden, enorm_weight, hnorm_weight) == "triton":
+    floats = (embed_weight, hidden, enorm_weight, hnorm_weight)
+    if select_backend(hidden.device, *floats, backward=True) == "triton":
+        if differentiated(*floats):
+            return _MRPInput.apply(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
         return mrp_input_triton(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
     return mrp_input_reference(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)

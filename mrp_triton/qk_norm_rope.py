@@ -13,6 +13,11 @@ element d of one half with element d of the other, so the halves combine element
 every load contiguous. cos/sin may be broadcast over the batch (stride 0). Computed in fp32; the
 normalised heads are rounded to the output dtype before RoPE, and cos/sin are rounded to it, as the
 reference does.
+
+Backward (when autograd differentiates q, k or the weights): RoPE's transpose (the rotation by -angle) and the
+norm's gradient in one kernel; per token read q, k, their output gradients and cos/sin, write dq and dk. A few
+programs per SM each loop over a run of tokens and keep their share of the two weights' gradients in fp32
+registers. The RoPE tables get no gradient (tables that require one run the reference).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import select_backend
+from .backend import differentiated, select_backend
+from .rms_norm import backward_grid
 from .reference.qk_norm_rope import qk_norm_rope as qk_norm_rope_reference
 
 
@@ -95,6 +101,15 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+def _tile_settings(Hq: int, Hkv: int, D: int) -> dict:
+    """Block sizes and warps of a kernel holding one token's q heads and k heads, each as two half-head tiles."""
+    BLOCK_HALF = triton.next_power_of_2(D // 2)
+    BLOCK_HQ = triton.next_power_of_2(max(Hq, 1))
+    BLOCK_HK = triton.next_power_of_2(max(Hkv, 1))
+    tile = max(BLOCK_HQ, BLOCK_HK) * 2 * BLOCK_HALF
+    return dict(BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_HALF=BLOCK_HALF, num_warps=8 if tile >= 4096 else 4)
+
+
 def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, eps: float):
     """Triton launcher of :func:`qk_norm_rope` (same arguments and results)."""
@@ -119,19 +134,120 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
     qc, kc = _heads_packed(q), _heads_packed(k)
     q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, q_weight.dtype), device=q.device)
     k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, k_weight.dtype), device=k.device)
-    BLOCK_HALF = triton.next_power_of_2(D // 2)
-    BLOCK_HQ = triton.next_power_of_2(max(Hq, 1))
-    BLOCK_HK = triton.next_power_of_2(max(Hkv, 1))
-    tile = max(BLOCK_HQ, BLOCK_HK) * 2 * BLOCK_HALF
-    num_warps = 8 if tile >= 4096 else 4
     if B * T > 0 and (Hq > 0 or Hkv > 0):
         _qk_norm_rope_kernel[(B * T,)](
             qc, kc, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out,
             T, Hq, Hkv, D, float(eps), qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
-            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-            BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_HALF=BLOCK_HALF, num_warps=num_warps)
+            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), **_tile_settings(Hq, Hkv, D))
     return q_out, k_out
 
+
+
+@triton.jit
+def _norm_rope_heads_backward(x_ptr, do_ptr, dx_ptr, w1, w2, cos1, sin1, cos2, sin2, cols, col_mask, n_heads, D,
+                              eps, BLOCK_H: tl.constexpr):
+    """Gradient of one token's [n_heads, D] rows (heads D apart at x_ptr; do_ptr, dx_ptr contiguous) through
+    norm + weight + RoPE; stores dx, returns this token's contributions to the weight's gradient (both halves)."""
+    half = D // 2
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < n_heads) & col_mask[None, :]
+    first = heads[:, None] * D + cols[None, :]
+    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + first + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    x1 = x1 * rstd[:, None]
+    x2 = x2 * rstd[:, None]
+    do1 = tl.load(do_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    do2 = tl.load(do_ptr + first + half, mask=mask, other=0.0).to(tl.float32)
+    # RoPE's transpose: (o1, o2) = (a1 cos1 - a2 sin1, a2 cos2 + a1 sin2) -> da1, da2 of the normalised a = w * x_hat
+    da1 = do1 * cos1[None, :] + do2 * sin2[None, :]
+    da2 = do2 * cos2[None, :] - do1 * sin1[None, :]
+    g1 = da1 * w1[None, :]
+    g2 = da2 * w2[None, :]
+    c = (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) / D
+    dt = dx_ptr.dtype.element_ty
+    tl.store(dx_ptr + first, (rstd[:, None] * (g1 - x1 * c[:, None])).to(dt), mask=mask)
+    tl.store(dx_ptr + first + half, (rstd[:, None] * (g2 - x2 * c[:, None])).to(dt), mask=mask)
+    return tl.sum(da1 * x1, axis=0), tl.sum(da2 * x2, axis=0)
+
+
+@triton.jit
+def _qk_norm_rope_backward_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, dqo_ptr, dko_ptr, dq_ptr, dk_ptr,
+                                  dqw_ptr, dkw_ptr, n_tok, T, Hq, Hkv, D, eps, stride_qb, stride_qt, stride_kb,
+                                  stride_kt, stride_cb, stride_ct, stride_sb, stride_st, tokens_per_program,
+                                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Tokens [pid * tokens_per_program, ...): dq and dk, and this program's partials of the two weights' gradients
+    (fp32 [2 * half] rows of dqw_ptr / dkw_ptr)."""
+    pid = tl.program_id(0)
+    half = D // 2
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < half
+    dt = dqo_ptr.dtype.element_ty  # the forward rounded cos / sin to its output dtype
+    qw1 = tl.load(qw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    qw2 = tl.load(qw_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
+    kw1 = tl.load(kw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    kw2 = tl.load(kw_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dqw1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dqw2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dkw1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dkw2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    first = pid.to(tl.int64) * tokens_per_program
+    for tok in range(first, tl.minimum(first + tokens_per_program, n_tok)):
+        b = tok // T
+        t = tok % T
+        cos_row = cos_ptr + b * stride_cb + t * stride_ct
+        sin_row = sin_ptr + b * stride_sb + t * stride_st
+        cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+        sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+        cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+        sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+        a1, a2 = _norm_rope_heads_backward(q_ptr + b * stride_qb + t * stride_qt, dqo_ptr + tok * Hq * D,
+                                           dq_ptr + tok * Hq * D, qw1, qw2, cos1, sin1, cos2, sin2, cols, col_mask,
+                                           Hq, D, eps, BLOCK_HQ)
+        dqw1 += a1
+        dqw2 += a2
+        a1, a2 = _norm_rope_heads_backward(k_ptr + b * stride_kb + t * stride_kt, dko_ptr + tok * Hkv * D,
+                                           dk_ptr + tok * Hkv * D, kw1, kw2, cos1, sin1, cos2, sin2, cols, col_mask,
+                                           Hkv, D, eps, BLOCK_HK)
+        dkw1 += a1
+        dkw2 += a2
+    tl.store(dqw_ptr + pid * D + cols, dqw1, mask=col_mask)
+    tl.store(dqw_ptr + pid * D + half + cols, dqw2, mask=col_mask)
+    tl.store(dkw_ptr + pid * D + cols, dkw1, mask=col_mask)
+    tl.store(dkw_ptr + pid * D + half + cols, dkw2, mask=col_mask)
+
+
+class _QKNormRope(torch.autograd.Function):
+    """:func:`qk_norm_rope_triton` with its backward kernel (gradients for q, k and the two weights; the RoPE tables
+    get none: :func:`qk_norm_rope` sends tables that require grad to the reference)."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        B, T, Hq, D = q.shape
+        Hkv = k.shape[2]
+        cos = _rope_table("cos", cos, B, T, D, q.device)
+        sin = _rope_table("sin", sin, B, T, D, q.device)
+        qc, kc = _heads_packed(q), _heads_packed(k)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        programs, per_program = backward_grid(B * T, q.device)
+        dqw = torch.empty((programs, D), dtype=torch.float32, device=q.device)
+        dkw = torch.empty((programs, D), dtype=torch.float32, device=q.device)
+        if programs > 0:
+            _qk_norm_rope_backward_kernel[(programs,)](
+                qc, kc, q_weight.contiguous(), k_weight.contiguous(), cos, sin, dq_out.contiguous(),
+                dk_out.contiguous(), dq, dk, dqw, dkw, B * T, T, Hq, Hkv, D, float(ctx.eps),
+                qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1),
+                cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), per_program,
+                **_tile_settings(Hq, Hkv, D))
+        return dq, dk, dqw.sum(0).to(q_weight.dtype), dkw.sum(0).to(k_weight.dtype), None, None, None
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float):
@@ -140,6 +256,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     q: [B, T, Hq, D], k: [B, T, Hkv, D], q_weight, k_weight: [D], cos, sin: [B, T, D].
     Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) with the input shapes and dtypes.
     """
-    if select_backend(q.device, q, k, q_weight, k_weight, cos, sin) == "triton":
+    tables_differentiated = differentiated(cos, sin)
+    if select_backend(q.device, q, k, q_weight, k_weight, cos, sin, backward=not tables_differentiated) == "triton":
+        if differentiated(q, k, q_weight, k_weight):
+            return _QKNormRope.apply(q, k, q_weight, k_weight, cos, sin, eps)
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)

@@ -14,6 +14,11 @@ rounded to their promoted dtype (x's, when they match) before it is normalised, 
 is rounded to that dtype before the weight multiply (``weight * norm(s).to(s.dtype)``, as Qwen3 /
 Hugging Face do). Mixed dtypes are what an autocast forward gives (a bf16 layer output added to an
 fp32 residual stream).
+
+Backward (:func:`rms_norm_backward`, when autograd differentiates the op): per row read s (the normalised input,
+saved by the forward), dy and, with a residual, the gradient of s itself; write ds (3-4*H*b). The row's rstd is
+recomputed rather than saved. A few programs per SM each loop over a run of rows and keep their share of the
+weight gradient in fp32 registers ([programs, H] partials, summed after), so no atomics and no [N, H] temporary.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import as_rows, check_float
-from .backend import select_backend
+from .backend import differentiated, num_sms, select_backend
 from .reference.rms_norm import rms_norm as rms_norm_reference
 
 MAX_FUSED_BLOCK = 65536
@@ -105,6 +110,81 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return y if residual is None else (y, s)
 
 
+def backward_grid(rows: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows per program) of a backward kernel that loops over ``rows`` rows and keeps a weight-gradient
+    partial per program: a few programs per SM, so the partials stay small ([programs, H] fp32, summed after; no
+    programs for no rows, whose sum is zero)."""
+    if rows == 0:
+        return 0, 0
+    per_program = triton.cdiv(rows, min(rows, 4 * num_sms(device)))
+    return triton.cdiv(rows, per_program), per_program
+
+
+@triton.jit
+def _rms_norm_backward_kernel(s_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, n_rows, n_cols, eps,
+                              stride_s, stride_dy, stride_ds, rows_per_program,
+                              HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [pid * rows_per_program, ...) of dx = d rms_norm(s) / ds (plus the incoming gradient of s itself) and
+    this program's partial of dw = sum_rows dy * s_hat (rounding points: straight through, as autograd's)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
+        s = tl.load(s_ptr + row * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / n_cols + eps)
+        s_hat = s * rstd
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw += dy * s_hat
+        g = dy * w
+        dx = rstd * (g - s_hat * (tl.sum(g * s_hat, axis=0) / n_cols))
+        if HAS_DS:
+            dx += tl.load(ds_ptr + row * stride_ds + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(dw_ptr + pid * n_cols + cols, dw, mask=col_mask)
+
+
+def rms_norm_backward(s: torch.Tensor, weight: torch.Tensor, eps: float, dy: torch.Tensor,
+                      ds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``y = rms_norm(s)`` (no residual) given dy [..., H]: (ds_total [..., H] in s's dtype: dy through
+    the norm plus ``ds``, the gradient s receives elsewhere (the residual stream's), or None; dw [H] in weight's
+    dtype). One kernel over the rows; the weight gradient is summed from one fp32 partial per program."""
+    H = s.shape[-1]
+    s2, dy2 = as_rows(s), as_rows(dy)
+    ds2 = as_rows(ds) if ds is not None else dy2  # unused pointer (HAS_DS=False)
+    M = s2.shape[0]
+    dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    BLOCK, num_warps = row_settings(H)
+    programs, per_program = backward_grid(M, s.device)
+    dw = torch.empty((programs, H), dtype=torch.float32, device=s.device)
+    if programs > 0:
+        _rms_norm_backward_kernel[(programs,)](s2, weight.contiguous(), dy2, ds2, dx, dw, M, H, float(eps),
+                                               s2.stride(0), dy2.stride(0), ds2.stride(0), per_program,
+                                               HAS_DS=ds is not None, BLOCK=BLOCK, num_warps=num_warps)
+    return dx, dw.sum(0).to(weight.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """:func:`rms_norm_triton` with :func:`rms_norm_backward`; saves the normalised input (x, or s = x + residual)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual):
+        out = rms_norm_triton(x, weight, eps, residual)
+        ctx.eps, ctx.has_residual = eps, residual is not None
+        ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
+        ctx.save_for_backward(out[1] if residual is not None else x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        s, weight = ctx.saved_tensors
+        d, dw = rms_norm_backward(s, weight, ctx.eps, dy, ds)
+        x_dtype, r_dtype = ctx.dtypes
+        return d.to(x_dtype), dw, None, (d.to(r_dtype) if ctx.has_residual else None)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim, optionally after adding ``residual``.
 
@@ -113,6 +193,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     ``s = x + residual`` [..., H] (dtype promote(x, residual), the new residual stream) and ``y = rms_norm(s)``
     (dtype promote(s, weight)).
     """
-    if select_backend(x.device, x, weight, residual) == "triton":
+    if select_backend(x.device, x, weight, residual, backward=True) == "triton":
+        if differentiated(x, weight, residual):
+            return _RMSNorm.apply(x, weight, eps, residual)
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)

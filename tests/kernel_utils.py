@@ -45,6 +45,23 @@ def poisoned_allocations():
         yield
 
 
+def backward_nodes(t: torch.Tensor) -> set[str]:
+    """Class names of every node in the autograd graph that ends in ``t`` (e.g. ``_RMSNormBackward`` for an op run
+    through its backward kernel)."""
+    seen, names, stack = set(), set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+KERNEL_BACKWARDS = {"_RMSNormBackward", "_SwiGLUBackward", "_QKNormRopeBackward"}  # the ops every decoder layer runs
+
+
 def draw_rows(draw, max_rows: int = 8, max_len: int = 40):
     """Inside an ``@st.composite``: draw B in [1, max_rows], L in [1, max_len] and a seeded
     ``torch.Generator`` (hypothesis picks the seed, torch makes the tensors)."""

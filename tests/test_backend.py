@@ -1,4 +1,5 @@
-"""Backend dispatch (mrp_triton.backend): ops autograd must differentiate run the reference; autocast forwards."""
+"""Backend dispatch (mrp_triton.backend): ops autograd must differentiate run their backward kernels, or the reference
+where they have none; autocast forwards."""
 
 from __future__ import annotations
 
@@ -6,14 +7,16 @@ import pytest
 import torch
 
 from mrp_triton import select_backend, use_backend
+from kernel_utils import KERNEL_BACKWARDS, backward_nodes
 from tiny_models import random_prompts, tiny_model
 
 pytestmark = pytest.mark.triton  # the default dispatch (the interpreter is on), not the suite's reference override
 
 
-def test_ops_that_autograd_differentiates_run_the_reference():
+def test_ops_that_autograd_differentiates_run_the_reference_unless_they_have_a_backward_kernel():
     x = torch.randn(3, 8, requires_grad=True)
     assert select_backend(x.device, x, None) == "reference"
+    assert select_backend(x.device, x, None, backward=True) == "triton"
     assert select_backend(x.device, x.detach(), None) == "triton"
     with torch.no_grad():
         assert select_backend(x.device, x) == "triton"
@@ -24,15 +27,18 @@ def test_ops_that_autograd_differentiates_run_the_reference():
 
 
 def test_a_forward_with_grad_gets_every_gradient():
-    """Kernel outputs would cut the autograd graph (the embeddings and layers would get no gradient at all): with
-    grad on, the default dispatch runs the reference, so the gradients are the reference's."""
+    """With grad on, the default dispatch runs each layer's norms, q/k-norm + RoPE and SwiGLU through their backward
+    kernels (a kernel without one would cut the graph: the embeddings and layers would get no gradient at all): the
+    gradients equal autograd's through the reference."""
     model = tiny_model(dtype=torch.float32).train()
     ids = random_prompts(2, 8)
     grads = []
-    for context in (use_backend("reference"), torch.enable_grad()):
+    for kernels, context in ((False, use_backend("reference")), (True, torch.enable_grad())):
         model.zero_grad()
         with context:
-            model.lm_head(model.model(ids)).logsumexp(-1).sum().backward()
+            loss = model.lm_head(model.model(ids)).logsumexp(-1).sum()
+            assert (KERNEL_BACKWARDS <= backward_nodes(loss)) == kernels
+            loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     reference, default = grads
     assert "model.embed_tokens.weight" in default and default.keys() == reference.keys()

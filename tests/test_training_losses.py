@@ -239,6 +239,39 @@ def test_loss_and_head_gradients_equal_whole_forwards(setup, loss_type, K):
         torch.testing.assert_close(got_grads[name], want, rtol=1e-6, atol=1e-6 * float(want.abs().max()), msg=name)
 
 
+@pytest.mark.triton
+def test_head_gradients_through_the_backward_kernels_equal_the_reference(setup):
+    """Default dispatch (the interpreter here, CUDA on a GPU): an MRP training step runs the head's input, norms,
+    q/k-norm + RoPE and SwiGLU through their backward kernels, with the same loss and head gradients as autograd
+    through the reference ops."""
+    from kernel_utils import KERNEL_BACKWARDS, backward_nodes
+
+    from mrp_triton import use_backend
+    from training.models import freeze_all_but_mrp
+
+    tok, train = setup
+    model = tiny_backbone(tok)
+    model.add_mrp_head(2)
+    freeze_all_but_mrp(model)
+    ids, isp, seeds = _batch(train, n=2)
+    am = block_diffusion_mask(T, BS)
+    results = []
+    for kernels in (False, True):
+        gens = make_generators(seeds)
+        masked, p = sample_mask(isp, gens)
+        model.zero_grad()
+        with use_backend("reference") if not kernels else torch.enable_grad():
+            loss = mrp_loss_sum(model, ids, masked, p, am, tok.mask_token_id, BS, gens, 2)[0]
+            assert (KERNEL_BACKWARDS | {"_MRPInputBackward"} <= backward_nodes(loss)) == kernels
+            loss.backward()
+        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.requires_grad}))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys() and all(g.abs().sum() > 0 for g in want_grads.values())
+    for name, want in want_grads.items():
+        torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
+
+
 @pytest.mark.parametrize("loss_type,K", [("kd_diff_sum", 2), ("direct", 1)])
 def test_only_mrp_gets_gradients(setup, tmp_path, loss_type, K):
     from training.models import freeze_all_but_mrp

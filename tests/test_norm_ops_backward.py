@@ -1,0 +1,132 @@
+"""Backward kernels of the ops training runs (rms_norm, swiglu, qk_norm_rope, mrp_input) vs autograd through the
+PyTorch reference: same gradients for every input that requires one, on drawn shapes, dtypes, layouts and subsets of
+inputs that require grad; the Triton side runs with poisoned allocations, so an unwritten gradient element or
+weight-gradient partial fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_utils import DEV, DTYPES, poisoned_allocations
+from mrp_triton import mrp_input, qk_norm_rope, rms_norm, swiglu, use_backend
+
+dtypes = st.sampled_from(DTYPES)
+EPS = 1e-6
+# autograd through the reference rounds every intermediate to its dtype, the kernels keep fp32 until the store: the
+# tolerance is the coarsest input dtype's
+REL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+
+def _randn(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(DEV, dtype)
+
+
+def _grads(backend: str, op, inputs: list, needs: list[bool], seed: int) -> list[torch.Tensor]:
+    """Gradients of sum(out * r) (r a fixed random cotangent per output) w.r.t. the inputs marked in ``needs``,
+    with ``op`` dispatched to ``backend`` (forward and backward)."""
+    leaves = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+              for t, n in zip(inputs, needs)]
+    with use_backend(backend), (poisoned_allocations() if backend == "triton" else torch.enable_grad()):
+        outs = op(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator().manual_seed(seed)
+        loss = sum((o.float() * torch.randn(o.shape, generator=g).to(DEV)).sum() for o in outs)
+        return list(torch.autograd.grad(loss, [t for t, n in zip(leaves, needs) if n]))
+
+
+def _check(op, inputs: list, needs: list[bool], seed: int) -> None:
+    got = _grads("triton", op, inputs, needs, seed)
+    expect = _grads("reference", op, inputs, needs, seed)
+    rel = max(REL[t.dtype] for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point())
+    for out, exp in zip(got, expect):
+        assert out.shape == exp.shape and out.dtype == exp.dtype
+        torch.testing.assert_close(out.float(), exp.float(), rtol=rel, atol=rel * max(1.0, exp.abs().max().item()))
+
+
+def _needs(draw_bools: list[bool]) -> list[bool]:
+    """At least one input requires grad (else autograd has nothing to differentiate)."""
+    return draw_bools if any(draw_bools) else [True] + draw_bools[1:]
+
+
+@settings(max_examples=20)
+@given(rows=st.integers(1, 40), H=st.integers(1, 300), dtype=dtypes, residual_dtype=st.sampled_from((None, *DTYPES)),
+       needs=st.lists(st.booleans(), min_size=3, max_size=3), pad=st.sampled_from((0, 0, 3)),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_backward_matches_reference(rows, H, dtype, residual_dtype, needs, pad, seed):
+    """Rows beyond 16 share a program (the backward loops over rows); x and the residual may be column slices;
+    mixed x / residual dtypes are what autocast gives; with a residual the new stream s is an output too."""
+    x = _randn((rows, H + pad), dtype, seed, 3.0)[:, :H]
+    w = _randn((H,), dtype, seed + 1)
+    r = None if residual_dtype is None else _randn((rows, H + pad), residual_dtype, seed + 2)[:, :H]
+    _check(lambda x, w, r: rms_norm(x, w, EPS, r), [x, w, r], _needs([*needs[:2], needs[2] and r is not None]), seed)
+
+
+def test_rms_norm_backward_of_no_rows_is_zero():
+    x = torch.zeros(0, 8, device=DEV, requires_grad=True)
+    w = torch.ones(8, device=DEV, requires_grad=True)
+    with use_backend("triton"), poisoned_allocations():
+        dx, dw = torch.autograd.grad(rms_norm(x, w, EPS).sum(), [x, w])
+    assert dx.shape == (0, 8) and torch.equal(dw, torch.zeros(8, device=DEV))
+
+
+@settings(max_examples=15)
+@given(lead=st.lists(st.integers(1, 5), min_size=1, max_size=2), F=st.integers(1, 3000), dtype=dtypes,
+       fused=st.booleans(), needs=st.lists(st.booleans(), min_size=2, max_size=2), seed=st.integers(0, 2**16))
+def test_swiglu_backward_matches_reference(lead, F, dtype, fused, needs, seed):
+    """``fused``: gate and up are the halves of one [..., 2F] tensor (read in place)."""
+    if fused:
+        gate_up = _randn((*lead, 2 * F), dtype, seed, 3.0)
+        g, u = gate_up[..., :F], gate_up[..., F:]
+    else:
+        g, u = _randn((*lead, F), dtype, seed, 4.0), _randn((*lead, F), dtype, seed + 1, 2.0)
+    _check(swiglu, [g, u], _needs(needs), seed)
+
+
+@settings(max_examples=15)
+@given(B=st.integers(1, 3), T=st.integers(1, 9), Hkv=st.integers(1, 3), groups=st.integers(1, 3),
+       half=st.integers(1, 40), dtype=dtypes, fused=st.booleans(), broadcast_batch=st.booleans(),
+       needs=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 2**16))
+def test_qk_norm_rope_backward_matches_reference(B, T, Hkv, groups, half, dtype, fused, broadcast_batch, needs,
+                                                 seed):
+    """``fused``: q and k are column slices of one q/k/v projection output (read in place); tokens beyond 16 share
+    a program; the fp32 RoPE tables get no gradient."""
+    D, Hq = 2 * half, Hkv * groups
+    if fused:
+        qkv = _randn((B, T, (Hq + 2 * Hkv) * D), dtype, seed, 2.0)
+        q, k = qkv[..., : Hq * D].unflatten(-1, (Hq, D)), qkv[..., Hq * D: (Hq + Hkv) * D].unflatten(-1, (Hkv, D))
+    else:
+        q, k = _randn((B, T, Hq, D), dtype, seed, 2.0), _randn((B, T, Hkv, D), dtype, seed + 1, 2.0)
+    qw, kw = _randn((D,), dtype, seed + 2), _randn((D,), dtype, seed + 3)
+    angle = _randn((1 if broadcast_batch else B, T, D), torch.float32, seed + 4, 3.0)
+    cos, sin = angle.cos(), angle.sin()
+    _check(lambda q, k, qw, kw, c, s: qk_norm_rope(q, k, qw, kw, c, s, EPS), [q, k, qw, kw, cos, sin],
+           _needs(needs) + [False, False], seed)
+
+
+@pytest.mark.triton
+def test_qk_norm_rope_tables_that_require_grad_run_the_reference():
+    """The backward kernel gives no gradient to cos / sin: tables that require one take the reference path."""
+    q, k, w = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 8), torch.ones(8)
+    cos = torch.randn(1, 2, 8, requires_grad=True)
+    oq, ok = qk_norm_rope(q, k, w, w, cos, torch.randn(1, 2, 8), EPS)
+    assert oq.grad_fn is not None and "QKNormRope" not in type(oq.grad_fn).__name__
+    (dcos,) = torch.autograd.grad(oq.sum() + ok.sum(), [cos])
+    assert dcos.abs().sum() > 0
+
+
+@settings(max_examples=15)
+@given(N=st.integers(1, 40), H=st.integers(1, 200), V=st.integers(1, 30), dtype=dtypes,
+       embed_dtype=st.sampled_from((None, torch.float32)), needs=st.lists(st.booleans(), min_size=4, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_mrp_input_backward_matches_reference(N, H, V, dtype, embed_dtype, needs, seed):
+    """Repeated ids (V small) add their rows' gradients into one embedding row."""
+    ids = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(seed)).to(DEV)
+    E = _randn((V, H), embed_dtype or dtype, seed + 1)
+    h = _randn((N, H), dtype, seed + 2, 5.0)
+    ew, hw = _randn((H,), dtype, seed + 3), _randn((H,), dtype, seed + 4)
+    _check(lambda i, E, h, ew, hw: mrp_input(i, E, h, ew, hw, EPS), [ids, E, h, ew, hw], [False] + _needs(needs),
+           seed)
