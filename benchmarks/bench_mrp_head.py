@@ -13,6 +13,13 @@
     reference ops) vs ``torch.compile(reference, dynamic=True)``; eager and Triton also replayed from a CUDA
     graph (``*_graph``: the GPU time alone, what the ops cost inside the decode engine's captured steps; called
     from Python, an op of a few microseconds measures its host launch path).
+(c) ``training``: forward + backward (autograd, fixed cotangents) of rms_norm (+ residual), qk_norm_rope, swiglu
+    and mrp_input at a training micro-batch of each model (8 sequences x 512 tokens, every input and weight
+    requiring grad but mrp_input's embedding, frozen in MRP training): the backward kernels vs autograd through
+    the reference ops vs ``torch.compile`` of the reference (AOTAutograd's fused backward). GB/s counts the
+    forward's bytes plus the backward's (inputs and output gradients read, the gradients autograd asks for
+    written; mrp_input's backward also writes the embedding half's input gradient, which a frozen embedding
+    does not need: not counted).
 (0) ``candidate_confidence`` (first: ``candidates``): a draft step's pick among 16 listed tokens per position
     (``draft_candidates=16``: 16 gathered lm_head rows a row) at N = 16 and 128 rows (batch 1 and 8, one block
     each) of each model's H: Triton (called and graph-replayed) vs its reference, to set against (a)'s
@@ -97,7 +104,8 @@ def parse_args(argv):
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configs of lm_head_confidence")
     ap.add_argument("--sweep-rows", default=None, help="comma-separated N to sweep at (default: every N of --rows)")
-    ap.add_argument("--only", default="candidates,lm_head,ops", help="parts to run: candidates, lm_head, ops")
+    ap.add_argument("--only", default="candidates,lm_head,ops,training",
+                    help="parts to run: candidates, lm_head, ops, training")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run through the Triton interpreter")
     return ap.parse_args(argv)
 
@@ -120,10 +128,12 @@ def main(argv=None) -> int:
         rows, hiddens, V = [1, 5], [64], 1000
         models = {"tiny": (64, 4, 2, 16, 96)}
         seq = [(1, 4), (2, 3)]
+        train_seq = (2, 5)
     else:
         rows, hiddens, V = [int(r) for r in args.rows.split(",")], [int(h) for h in args.hidden.split(",")], args.vocab
         models = {m: MODELS[m] for m in args.models.split(",")}
         seq = [(b, t) for b in (1, 8) for t in (16, 64, 128)]
+        train_seq = (8, 512)
     sweep_rows = set(rows if args.sweep_rows is None else (int(r) for r in args.sweep_rows.split(",")))
     meta = _harness.run_meta(cuda)
     print(f"# {meta}")
@@ -331,6 +341,60 @@ def main(argv=None) -> int:
                         except Exception as e:
                             print(f"  torch.compile failed for {kernel}: {type(e).__name__}: {str(e)[:200]}")
                             compiled.pop(cname)
+            del E
+
+    # ------------------------------------------------------------ (c) training: forward + backward
+    if "training" in parts:
+        for mname, (H, Hq, Hkv, D, F) in models.items():
+            B, T = train_seq
+            M = B * T
+
+            def leaf(*shape, scale=1.0):
+                return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt).requires_grad_()
+
+            E = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt)
+            ang = torch.randn(B, T, D, device=dev, generator=g)
+            cases = [  # kernel, shape, inputs, op, bytes of the forward and backward together
+                ("rms_norm+residual", f"{mname} B={B} T={T} H={H}", (leaf(M, H), leaf(H), 1e-6, leaf(M, H)),
+                 mt.rms_norm, (4 + 4) * M * H * 2),
+                ("qk_norm_rope", f"{mname} B={B} T={T} {Hq}q/{Hkv}kv D={D}",
+                 (leaf(B, T, Hq, D), leaf(B, T, Hkv, D), leaf(D), leaf(D), ang.cos(), ang.sin(), 1e-6),
+                 mt.qk_norm_rope, (2 + 3) * M * (Hq + Hkv) * D * 2 + 2 * 2 * 4 * M * D),
+                ("swiglu", f"{mname} B={B} T={T} F={F}", (leaf(M, F), leaf(M, F)), mt.swiglu, (3 + 5) * M * F * 2),
+                ("mrp_input", f"{mname} B={B} T={T} H={H}",
+                 (torch.randint(0, V, (M,), device=dev, generator=g), E, leaf(M, H), leaf(H), leaf(H), 1e-6),
+                 mt.mrp_input, (4 + 5) * M * H * 2),
+            ]
+            for kernel, shape, a, op, nbytes in cases:
+                grads_of = [t for t in a if isinstance(t, torch.Tensor) and t.requires_grad]
+                outs = op(*a)
+                cotangents = [torch.randn_like(o) for o in (outs if isinstance(outs, tuple) else (outs,))]
+
+                def fwd_bwd(fn, op=op, a=a, grads_of=grads_of, cotangents=cotangents):
+                    def run():
+                        out = fn(*a)
+                        return torch.autograd.grad(out if isinstance(out, tuple) else (out,), grads_of, cotangents)
+                    return run
+
+                def on(backend, op=op):
+                    def call(*a):
+                        with mt.use_backend(backend):
+                            return op(*a)
+                    return call
+
+                got, want = fwd_bwd(on("triton"))(), fwd_bwd(on("reference"))()
+                for i, (gg_, ww_) in enumerate(zip(got, want)):
+                    scale = float(ww_.float().abs().max())
+                    check(f"{kernel} backward {shape} grad {i}", gg_.float(), ww_.float(), 5e-2 * max(scale, 1.0), 5e-2)
+                tkernel = f"{kernel} fwd+bwd"
+                eager = record(tkernel, shape, "torch_eager", bench(fwd_bwd(on("reference"))), nbytes)
+                record(tkernel, shape, "triton", bench(fwd_bwd(on("triton"))), nbytes, eager_us=eager)
+                if not args.no_compile and cuda:
+                    try:
+                        compiled_op = torch.compile(on("reference"), dynamic=False)
+                        record(tkernel, shape, "torch_compile", bench(fwd_bwd(compiled_op)), nbytes, eager_us=eager)
+                    except Exception as e:
+                        print(f"  torch.compile failed for {tkernel}: {type(e).__name__}: {str(e)[:200]}")
             del E
 
     out = _harness.write_results(args.out, stem, FIELDS, results, doc)

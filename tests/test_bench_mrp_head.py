@@ -18,4 +18,7 @@ def test_bench_mrp_head_smoke(tmp_path):
     swept = {(r["shape"], r["provider"]) for r in data["rows"] if r["provider"].startswith("sweep_")}
     assert swept == {("N=5 H=64 V=1000", f"sweep_{i}") for i in range(len(mod.SWEEP))}  # each checked, then timed
     assert {"candidate_confidence", "lm_head_confidence", "rms_norm", "qk_norm_rope", "swiglu", "mrp_input"} <= kernels
+    trained = {(r["kernel"], r["provider"]) for r in data["rows"] if r["kernel"].endswith("fwd+bwd")}
+    assert trained == {(f"{op} fwd+bwd", p) for op in ("rms_norm+residual", "qk_norm_rope", "swiglu", "mrp_input")
+                       for p in ("torch_eager", "triton")}
     assert (tmp_path / "mrp_head_smoke.csv").read_text().startswith("kernel,shape,provider,median_us")

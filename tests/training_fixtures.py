@@ -79,5 +79,7 @@ def one_thread():
 
 
 def subprocess_env(repo: str) -> dict:
+    """The environment of a training subprocess: on the reference ops, as the suite's model-level tests in this
+    process are (conftest), so runs split across processes compare with runs here."""
     return dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MRP_TRITON_BACKEND="reference")
