@@ -32,6 +32,20 @@ from .reference.qk_norm_rope import qk_norm_rope as qk_norm_rope_reference
 
 
 @triton.jit
+def _heads_and_rstd(x_ptr, cols, col_mask, n_heads, D, eps, BLOCK_H: tl.constexpr):
+    """One token's [n_heads, D] rows at x_ptr (heads D apart) as their two halves in fp32, with each head's rstd;
+    also the offsets and mask of the first halves, for the stores."""
+    half = D // 2
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < n_heads) & col_mask[None, :]
+    first = heads[:, None] * D + cols[None, :]
+    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + first + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    return x1, x2, rstd, first, mask
+
+
+@triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, cols, col_mask, n_heads, D, eps, BLOCK_H: tl.constexpr):
     """Normalise and rotate the [n_heads, D] rows starting at x_ptr (heads D apart) with the token's cos and sin
     rows; store at o_ptr. Each row is read as its two halves, so every load is contiguous."""
@@ -42,12 +56,7 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, cols, col_mask, n_he
     sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
     cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
     sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    heads = tl.arange(0, BLOCK_H)
-    mask = (heads[:, None] < n_heads) & col_mask[None, :]
-    first = heads[:, None] * D + cols[None, :]
-    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + first + half, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    x1, x2, rstd, first, mask = _heads_and_rstd(x_ptr, cols, col_mask, n_heads, D, eps, BLOCK_H)
     w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
     # rms_norm rounding points: norm -> x dtype, * weight -> output dtype
@@ -149,12 +158,7 @@ def _norm_rope_heads_backward(x_ptr, do_ptr, dx_ptr, w1, w2, cos1, sin1, cos2, s
     """Gradient of one token's [n_heads, D] rows (heads D apart at x_ptr; do_ptr, dx_ptr contiguous) through
     norm + weight + RoPE; stores dx, returns this token's contributions to the weight's gradient (both halves)."""
     half = D // 2
-    heads = tl.arange(0, BLOCK_H)
-    mask = (heads[:, None] < n_heads) & col_mask[None, :]
-    first = heads[:, None] * D + cols[None, :]
-    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + first + half, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    x1, x2, rstd, first, mask = _heads_and_rstd(x_ptr, cols, col_mask, n_heads, D, eps, BLOCK_H)
     x1 = x1 * rstd[:, None]
     x2 = x2 * rstd[:, None]
     do1 = tl.load(do_ptr + first, mask=mask, other=0.0).to(tl.float32)
