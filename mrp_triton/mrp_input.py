@@ -96,6 +96,7 @@ class _MRPInput(torch.autograd.Function):
         return mrp_input_triton(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels have no backward of their own
     def backward(ctx, d_out):
         ids, embed_weight, hidden, enorm_weight, hnorm_weight = ctx.saved_tensors
         H = hidden.shape[1]

@@ -232,6 +232,7 @@ class _QKNormRope(torch.autograd.Function):
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels have no backward of their own
     def backward(ctx, dq_out, dk_out):
         q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
         B, T, Hq, D = q.shape

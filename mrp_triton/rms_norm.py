@@ -178,6 +178,7 @@ class _RMSNorm(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels have no backward of their own
     def backward(ctx, dy, ds=None):
         s, weight = ctx.saved_tensors
         d, dw = rms_norm_backward(s, weight, ctx.eps, dy, ds)

@@ -79,6 +79,7 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_triton(gate, up)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels have no backward of their own
     def backward(ctx, d_out):
         gate, up = ctx.saved_tensors
         g, u, do = as_rows(gate), as_rows(up), as_rows(d_out)

@@ -130,3 +130,16 @@ def test_mrp_input_backward_matches_reference(N, H, V, dtype, embed_dtype, needs
     ew, hw = _randn((H,), dtype, seed + 3), _randn((H,), dtype, seed + 4)
     _check(lambda i, E, h, ew, hw: mrp_input(i, E, h, ew, hw, EPS), [ids, E, h, ew, hw], [False] + _needs(needs),
            seed)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "swiglu"])
+def test_second_order_gradients_are_refused(op):
+    """The backward kernels have no backward of their own: differentiating a gradient raises instead of giving a
+    wrong second derivative."""
+    x = torch.randn(3, 8, device=DEV, requires_grad=True)
+    w = torch.rand(8, device=DEV, requires_grad=True)
+    with use_backend("triton"):
+        out = rms_norm(x, w, EPS) if op == "rms_norm" else swiglu(x, w.expand(3, 8))
+        (dx,) = torch.autograd.grad(out.pow(2).sum(), [x], create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            dx.sum().backward()
