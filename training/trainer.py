@@ -15,8 +15,8 @@
   ``os.replace``d; they hold the trainable weights (for MRP: the MRP head only, the frozen
   backbone is re-read from ``--model``), optimizer, scheduler, RNG states of every rank
   (python, torch, cuda) and the data position. ``resume`` loads the newest readable one.
-- Model ops run on the reference (PyTorch) backend of :mod:`mrp_triton` during training: the
-  Triton kernels have no backward.
+- Model ops dispatch as everywhere (:mod:`mrp_triton.backend`): on CUDA the norms, q/k-norm + RoPE, SwiGLU and
+  the MRP input run their forward and backward Triton kernels; on CPU the reference.
 """
 
 from __future__ import annotations
@@ -277,14 +277,6 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _reference_backend():
-    try:
-        from mrp_triton import use_backend
-    except ImportError:  # pragma: no cover
-        return contextlib.nullcontext()
-    return use_backend("reference")
-
-
 @torch.no_grad()
 def evaluate(loss_mod: LossModule, ds: PackedDataset, cfg: TrainConfig, device: torch.device) -> dict:
     """Held-out metrics over the first ``eval_batches * micro * world`` sequences, fixed noise: ``eval_loss``
@@ -302,14 +294,13 @@ def evaluate(loss_mod: LossModule, ds: PackedDataset, cfg: TrainConfig, device: 
     # [loss sum, answer tokens, then per unroll step the agreement counts]
     totals = torch.zeros(2 + (len(AGREEMENT_COUNTS) * cfg.unroll_k if mrp else 0), dtype=torch.float64)
     mine = list(range(rank, n, world))
-    with _reference_backend():
-        for i in range(0, len(mine), cfg.micro_batch_size):
-            idx = torch.tensor(mine[i:i + cfg.micro_batch_size])
-            ids, isp = ds.input_ids[idx].to(device), ds.is_prompt[idx]
-            with _autocast(cfg, device):
-                s, stats = loss_mod(ids, isp, [sample_seed(cfg.seed, "eval", int(j)) for j in idx], with_stats=True)
-            counts = [float(a[c]) for a in stats["agreement"] for c in AGREEMENT_COUNTS] if mrp else []
-            totals += torch.tensor([float(s), float((~isp).sum()), *counts], dtype=torch.float64)
+    for i in range(0, len(mine), cfg.micro_batch_size):
+        idx = torch.tensor(mine[i:i + cfg.micro_batch_size])
+        ids, isp = ds.input_ids[idx].to(device), ds.is_prompt[idx]
+        with _autocast(cfg, device):
+            s, stats = loss_mod(ids, isp, [sample_seed(cfg.seed, "eval", int(j)) for j in idx], with_stats=True)
+        counts = [float(a[c]) for a in stats["agreement"] for c in AGREEMENT_COUNTS] if mrp else []
+        totals += torch.tensor([float(s), float((~isp).sum()), *counts], dtype=torch.float64)
     if world > 1:
         t = totals.to(device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t)
@@ -441,59 +432,58 @@ def train(
     loss_mod.train()
     t_start = time.perf_counter()
     step = start_step
-    with _reference_backend():
-        while step < total:
-            t0 = time.perf_counter()
-            idx = sampler.step_indices(step)
-            denom = max(1, int((~train_ds.is_prompt[idx]).sum()))
-            scale = world / denom
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for j in range(cfg.grad_accum):
-                lo = (j * world + rank) * cfg.micro_batch_size
-                sub = idx[lo:lo + cfg.micro_batch_size]
-                ids = train_ds.input_ids[sub].to(device, non_blocking=True)
-                isp = train_ds.is_prompt[sub]
-                seeds = [sample_seed(cfg.seed, "train", step, int(i)) for i in sub]
-                sync = ddp.no_sync() if (ddp is not None and j < cfg.grad_accum - 1) else contextlib.nullcontext()
-                with sync:
-                    with _autocast(cfg, device):
-                        num = fwd(ids, isp, seeds)
-                    (num.float() * scale).backward()
-                loss_sum += float(num.detach())
-            if cfg.mode == "mrp" and not checked:
-                check_only_trainable_grads(model, trainable)
-                checked = True
-            grad_norm = None
-            params = [p for p in model.parameters() if p.requires_grad]
-            if cfg.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            lr = optim.param_groups[0]["lr"]
-            optim.step()
-            sched.step()
-            optim.zero_grad(set_to_none=True)
-            step += 1
-            tokens_seen += G * cfg.seq_len
-            if world > 1:
-                t = loss_sum.to(device if device.type == "cuda" else "cpu")
-                dist.all_reduce(t)
-                loss_sum = t.cpu()
-            last_loss = float(loss_sum) / denom
-            dt = time.perf_counter() - t0
-            rec = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
-                   "tokens_per_s": G * cfg.seq_len / max(dt, 1e-9), "elapsed_s": time.perf_counter() - t_start}
-            history.append(rec)
-            if step % cfg.log_every == 0 or step == total:
-                log(rec)
-            if bar is not None:
-                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                bar.update(1)
-            if eval_ds is not None and len(eval_ds) and cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                evaluation = evaluate(loss_mod, eval_ds, cfg, device)
-                log({"step": step, **evaluation})
-            if cfg.save_every and step % cfg.save_every == 0:
-                save(step)
-            for cb in callbacks:
-                cb(step, rec)
+    while step < total:
+        t0 = time.perf_counter()
+        idx = sampler.step_indices(step)
+        denom = max(1, int((~train_ds.is_prompt[idx]).sum()))
+        scale = world / denom
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for j in range(cfg.grad_accum):
+            lo = (j * world + rank) * cfg.micro_batch_size
+            sub = idx[lo:lo + cfg.micro_batch_size]
+            ids = train_ds.input_ids[sub].to(device, non_blocking=True)
+            isp = train_ds.is_prompt[sub]
+            seeds = [sample_seed(cfg.seed, "train", step, int(i)) for i in sub]
+            sync = ddp.no_sync() if (ddp is not None and j < cfg.grad_accum - 1) else contextlib.nullcontext()
+            with sync:
+                with _autocast(cfg, device):
+                    num = fwd(ids, isp, seeds)
+                (num.float() * scale).backward()
+            loss_sum += float(num.detach())
+        if cfg.mode == "mrp" and not checked:
+            check_only_trainable_grads(model, trainable)
+            checked = True
+        grad_norm = None
+        params = [p for p in model.parameters() if p.requires_grad]
+        if cfg.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        lr = optim.param_groups[0]["lr"]
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += G * cfg.seq_len
+        if world > 1:
+            t = loss_sum.to(device if device.type == "cuda" else "cpu")
+            dist.all_reduce(t)
+            loss_sum = t.cpu()
+        last_loss = float(loss_sum) / denom
+        dt = time.perf_counter() - t0
+        rec = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+               "tokens_per_s": G * cfg.seq_len / max(dt, 1e-9), "elapsed_s": time.perf_counter() - t_start}
+        history.append(rec)
+        if step % cfg.log_every == 0 or step == total:
+            log(rec)
+        if bar is not None:
+            bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            bar.update(1)
+        if eval_ds is not None and len(eval_ds) and cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+            evaluation = evaluate(loss_mod, eval_ds, cfg, device)
+            log({"step": step, **evaluation})
+        if cfg.save_every and step % cfg.save_every == 0:
+            save(step)
+        for cb in callbacks:
+            cb(step, rec)
     if bar is not None:
         bar.close()
     if eval_ds is not None and len(eval_ds) and cfg.eval_batches:
