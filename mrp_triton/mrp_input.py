@@ -84,7 +84,6 @@ def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torc
     return out
 
 
-
 class _MRPInput(torch.autograd.Function):
     """:func:`mrp_input_triton`; backward: :func:`mrp_triton.rms_norm.rms_norm_backward` on each half (the embedding
     rows gathered again) and, when the embedding needs a gradient, its rows scattered back by id."""
@@ -110,6 +109,7 @@ class _MRPInput(torch.autograd.Function):
         if needs_hidden or needs_hnorm:
             d_hidden, d_hnorm = rms_norm_backward(hidden, hnorm_weight, ctx.eps, d_out[:, H:])
         return None, d_embed, d_hidden, d_enorm, d_hnorm, None
+
 
 def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
               enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
