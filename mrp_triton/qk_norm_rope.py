@@ -151,7 +151,6 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
     return q_out, k_out
 
 
-
 @triton.jit
 def _norm_rope_heads_backward(x_ptr, do_ptr, dx_ptr, w1, w2, cos1, sin1, cos2, sin2, cols, col_mask, n_heads, D,
                               eps, BLOCK_H: tl.constexpr):
@@ -253,6 +252,7 @@ class _QKNormRope(torch.autograd.Function):
                 cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), per_program,
                 **_tile_settings(Hq, Hkv, D))
         return dq, dk, dqw.sum(0).to(q_weight.dtype), dkw.sum(0).to(k_weight.dtype), None, None, None
+
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float):
