@@ -283,3 +283,25 @@ def test_fresh_run_refuses_out_with_checkpoints(env, tmp_path):
     train(_cfg(tmp_path, max_steps=2, save_every=1), _model(env, "backbone"), env["train"])
     with pytest.raises(ConfigError, match="--resume"):
         train(_cfg(tmp_path, max_steps=2, save_every=1), _model(env, "backbone"), env["train"])
+
+
+@pytest.mark.triton
+def test_training_steps_run_the_backward_kernels_under_the_default_dispatch(env, tmp_path):
+    """Nothing in the loop forces an op backend: with the kernels available (the interpreter here, CUDA on a GPU)
+    the layers' norms are differentiated by their backward kernel, and the step's loss is the reference's."""
+    import importlib
+    from unittest import mock
+
+    from mrp_triton import use_backend
+
+    rms_norm_module = importlib.import_module("mrp_triton.rms_norm")  # the package's rms_norm is the function
+
+    losses = []
+    for kernels in (False, True):
+        spy = mock.patch.object(rms_norm_module, "rms_norm_backward", wraps=rms_norm_module.rms_norm_backward)
+        with spy as backward, (torch.enable_grad() if kernels else use_backend("reference")):
+            train(_cfg(tmp_path / str(kernels), max_steps=1, micro_batch_size=2, eval_every=0),
+                  _model(env, "backbone"), env["train"], env["train"])
+        assert backward.called == kernels
+        losses.append(json.loads(open(tmp_path / str(kernels) / "metrics.jsonl").readline())["loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
