@@ -104,6 +104,7 @@ class DecodeEngine:
         self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
         self.draft_rows: dict = {}  # the lm_head rows of each listed draft vocabulary (draft_vocab.draft_head)
         self.vocab_mean: torch.Tensor | None = None  # the mean lm_head row (draft_candidates.refresh_vocab_mean)
+        self._copy_index: dict[tuple[int, int], torch.Tensor] = {}
         settings = torch.ones(len(ON_THE_DEVICE), dtype=torch.float64, device=s.device)
         self.on_device = dict(zip(ON_THE_DEVICE, settings.unbind()))  # 0-d views of one fixed buffer
         self.reset()
@@ -125,6 +126,14 @@ class DecodeEngine:
         self.stats.zero_()
         self.loop_steps.zero_()
         self._use_rows(self.shape.batch)
+
+    def copy_index(self, copies: int, T: int) -> torch.Tensor:
+        """int64 [copies * T]: which copy of a block each position of a forward over ``copies`` copies of it belongs
+        to (0 for the first T, ...; a verify forward's candidate states). Made once per shape, outside any graph
+        (the first call of a step runs it eagerly), so the graphed steps read a constant instead of building it."""
+        if (copies, T) not in self._copy_index:
+            self._copy_index[copies, T] = torch.arange(copies, device=self.shape.device).repeat_interleave(T)
+        return self._copy_index[copies, T]
 
     def _use_rows(self, n: int) -> None:
         self.rows, self.counter = self._rows[:n], self._counter[:n]

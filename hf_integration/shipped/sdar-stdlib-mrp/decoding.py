@@ -310,24 +310,33 @@ class BlockDecoder:
         return torch.stack([(self.rows + self.engine.seed_key)[:, None].expand(B, T), positions,
                             counter.expand(B, T) if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
 
-    def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, counter: torch.Tensor):
+    def noise_counter(self, offset: int | torch.Tensor = 0) -> torch.Tensor | None:
+        """The state index of the sampling noise key: ``counter + offset`` ([B], or [B, n] for an offset [n]); None
+        when not sampling (greedy picks read no noise, and a step computes no keys for them)."""
+        if not self.settings.do_sample:
+            return None
+        return self.counter + offset if isinstance(offset, int) else self.counter[:, None] + offset
+
+    def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
+             counter: torch.Tensor | None):
         """Per position the token to commit and its confidence (never the mask token).
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
-        counter: [B] or [B, T] (the state index in the noise key).
+        counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling).
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
-        keys = self.noise_keys(positions, counter)  # the temperature, top-k and top-p are read on the device too
+        # the temperature, top-k and top-p are read on the device too
+        keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
-            mask_token_id=self.mask_among(V), do_sample=s.do_sample, seed=0, noise_keys=keys.reshape(B * T, 3),
+            mask_token_id=self.mask_among(V), do_sample=s.do_sample, seed=0, noise_keys=keys,
             top_k=self.on_device("top_k") if s.do_sample else None,
             top_p=self.on_device("top_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor, draft: DraftHead | None = None, top_m: int = 0):
+                    counter: torch.Tensor | None, draft: DraftHead | None = None, top_m: int = 0):
         """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``draft``, among its token ids only (its
         rows of the lm_head; confidences under the softmax over them). Greedy picks go through the fused LM-head
         confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that are not
@@ -354,7 +363,7 @@ class BlockDecoder:
         return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
 
     def pick_listed(self, hidden: torch.Tensor, seed: tuple, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor):
+                    counter: torch.Tensor | None):
         """A draft pick among each position's listed tokens (``draft_candidates``): hidden [B, T, H]; ``seed`` =
         (h_seed [B, T, H], ids [B, T, M], rest [B, T]) of the round (:mod:`.draft_candidates`), candidates: bool
         [B, T] (the positions to pick at). Returns tokens int64 [B, T] (-1 where not picked) and conf float32 [B, T]
@@ -372,12 +381,12 @@ class BlockDecoder:
         return tok.view(B, T), conf.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                     masked: torch.Tensor, n: torch.Tensor, threshold: float | None = None,
+                     masked: torch.Tensor, n: int | torch.Tensor, threshold: float | None = None,
                      mrp: bool = False, top_m: int = 0) -> tuple:
         """Pick on ``lm_head(hidden)`` [B, T, H] over the ``masked`` positions, commit into ``block`` in place
-        (static top-n, or dynamic with ``threshold``) and count the forward. Returns the picks of
-        :meth:`pick_hidden` (with ``top_m``, the positions' top_m lists too)."""
-        picks = self.pick_hidden(hidden, positions, masked, self.counter, top_m=top_m)
+        (static top-n, or dynamic with ``threshold``; n: an int or one per row [B]) and count the forward. Returns
+        the picks of :meth:`pick_hidden` (with ``top_m``, the positions' top_m lists too)."""
+        picks = self.pick_hidden(hidden, positions, masked, self.noise_counter(), top_m=top_m)
         committed = mrp_triton.select_commit(block, picks[0], picks[1], mask_token_id=self.mask_id, n=n,
                                              threshold=threshold)
         self.record(masked.any(-1), committed, mrp=mrp)

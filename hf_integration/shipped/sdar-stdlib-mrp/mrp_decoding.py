@@ -73,8 +73,8 @@ def direct_mrp_step(dec: BlockDecoder):
 
     def step(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor):
         chain = MRPChain(dec, h_a, positions, carry)
-        masked = dec.masked(block)
-        dec.commit_picks(block, chain.step(block), positions, masked, _one_each(masked), mrp=True)
+        # one token a row: a row without masks has no picks (token -1), so it commits nothing
+        dec.commit_picks(block, chain.step(block), positions, dec.masked(block), 1, mrp=True)
         return chain.carry
 
     return step
@@ -113,10 +113,11 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         # the authors' first draft is the backbone's own (stale) pick from the seed forward
         hidden = seed_h if k == 0 and authors else chain.step(state, committing_rows_discard=True)
         if len(seed) > 1:
-            tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.counter + k)
+            tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.noise_counter(k))
         else:
-            tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.counter + k, dec.draft)
-        mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=_one_each(masked))
+            tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.noise_counter(k), dec.draft)
+        # one token a row: rows with nothing masked (or not drafting) have no picks (token -1) and commit nothing
+        mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=1)
         states.append(state.clone() if k < K - 1 else state)
     states = torch.stack(states, 1)
     candidates = states == dec.mask_id
@@ -159,18 +160,17 @@ def speculation_round(dec: BlockDecoder):
     def round_(block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor, fresh: torch.Tensor,
                *lists: torch.Tensor) -> tuple:
         B, T = block.shape
-        live = dec.masked(block).any(-1)
         draft_pos, draft_tok, states, candidates = _draft(dec, block, positions, (seed_h, *lists), fresh)
-        copies = torch.arange(K + 1, device=block.device)
+        live = candidates[:, 0].any(-1)  # C(0) is the block
+        copy = dec.engine.copy_index(K + 1, T)
         flat_positions = positions.repeat(1, K + 1)
-        h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copies.repeat_interleave(T))
-        counters = (dec.counter[:, None] + copies).repeat_interleave(T, dim=1)
-        picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), counters, top_m=top_m)
+        h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copy)
+        picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), dec.noise_counter(copy), top_m=top_m)
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, picks[0].view(B, K + 1, T),
                                                    picks[1].view(B, K + 1, T), mask_token_id=dec.mask_id)
         accepted = accepted.long()
-        dec.record(live, (accepted + (bonus >= 0).long()) * live)
-        dec.stats.accepted_lengths[dec.rows, accepted] += (live & ~fresh).long()
+        dec.record(live, accepted + (bonus >= 0))  # a row without masks accepts nothing and has no bonus
+        dec.stats.accepted_lengths.index_put_((dec.rows, accepted), (live > fresh).long(), accumulate=True)
         fresh.zero_()
         # the accepted candidate's slice of the forward (and of its picks) seeds the next round
         at = (torch.arange(B, device=block.device), accepted)
@@ -208,7 +208,7 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
     if dec.settings.remask_rule == "delta":
         logits = dec.model.lm_head(h_a)
         return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
-    _, _, lse = dec.pick(corrected, positions, revealed, dec.counter)
+    _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter())
     z = corrected.float().gather(-1, t)[..., 0] * inverse_temperature(dec.temperature)  # as confidence scales
     return torch.exp(z - lse)
 
@@ -226,7 +226,7 @@ def remask_step(dec: BlockDecoder):
         masked = dec.masked(block)
         live = masked.any(-1)
         h_a = dec.backbone(block, positions)
-        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.counter)
+        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.noise_counter())
         before = block.clone()
         quota = torch.maximum(dec.scheduled_quota(quota_base, quota_extra, steps_taken), _one_each(masked)) * live
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
