@@ -129,8 +129,8 @@ class DecodeEngine:
 
     def copy_index(self, copies: int, T: int) -> torch.Tensor:
         """int64 [copies * T]: which copy of a block each position of a forward over ``copies`` copies of it belongs
-        to (0 for the first T, ...; a verify forward's candidate states). Made once per shape, outside any graph
-        (the first call of a step runs it eagerly), so the graphed steps read a constant instead of building it."""
+        to (0 for the first T, ...; a verify forward's candidate states). Made once per shape and kept with the
+        graphs: the steps close over it as a constant instead of building it."""
         if (copies, T) not in self._copy_index:
             self._copy_index[copies, T] = torch.arange(copies, device=self.shape.device).repeat_interleave(T)
         return self._copy_index[copies, T]

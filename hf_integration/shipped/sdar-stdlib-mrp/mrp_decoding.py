@@ -156,13 +156,13 @@ def speculation_round(dec: BlockDecoder):
     cleared in place) drafts nothing: its round is the opening forward, which commits the backbone's own pick
     and seeds the next round."""
     K, top_m = dec.settings.mrp_steps, dec.settings.draft_candidates or 0
+    copy = dec.engine.copy_index(K + 1, dec.block)  # [(K+1) T]: the copy of each position of the verify forward
 
     def round_(block: torch.Tensor, positions: torch.Tensor, seed_h: torch.Tensor, fresh: torch.Tensor,
                *lists: torch.Tensor) -> tuple:
         B, T = block.shape
         draft_pos, draft_tok, states, candidates = _draft(dec, block, positions, (seed_h, *lists), fresh)
         live = candidates[:, 0].any(-1)  # C(0) is the block
-        copy = dec.engine.copy_index(K + 1, T)
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copy)
         picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), dec.noise_counter(copy), top_m=top_m)
