@@ -105,6 +105,7 @@ class DecodeEngine:
         self.draft_rows: dict = {}  # the lm_head rows of each listed draft vocabulary (draft_vocab.draft_head)
         self.vocab_mean: torch.Tensor | None = None  # the mean lm_head row (draft_candidates.refresh_vocab_mean)
         self._copy_index: dict[tuple[int, int], torch.Tensor] = {}
+        self.iota = torch.arange(max(s.batch, s.block), device=s.device)  # sliced where a step needs an arange
         settings = torch.ones(len(ON_THE_DEVICE), dtype=torch.float64, device=s.device)
         self.on_device = dict(zip(ON_THE_DEVICE, settings.unbind()))  # 0-d views of one fixed buffer
         self.reset()

@@ -55,13 +55,13 @@ def _one_each(masked: torch.Tensor) -> torch.Tensor:
     return masked.any(-1).long()
 
 
-def _drafted(states: torch.Tensor):
+def _drafted(states: torch.Tensor, iota: torch.Tensor):
     """The position each draft step committed and its token, from the candidate states C(0..K) [B, K+1, T] (a draft
     step commits one token, which changes its state at that position): draft_pos, draft_tok [B, K], -1 where a step
-    committed nothing."""
+    committed nothing. iota: int64 0, 1, 2, ... (at least T of them; the engine's)."""
     T = states.shape[-1]
     after = states[:, 1:]
-    pos = torch.where(after != states[:, :-1], torch.arange(T, device=states.device), T).amin(-1)
+    pos = torch.where(after != states[:, :-1], iota[:T], T).amin(-1)
     none = pos == T
     tok = after.gather(2, pos.clamp(max=T - 1)[..., None])[..., 0]
     return pos.masked_fill(none, -1), tok.masked_fill(none, -1)
@@ -123,16 +123,17 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
     candidates = states == dec.mask_id
     # an MRP forward for every row that had a mask to draft at (committing rows are fresh)
     dec.count("mrp_forwards", (candidates[:, int(authors):K].any(-1) & drafting).sum(-1))
-    return (*_drafted(states), states, candidates)
+    return (*_drafted(states, dec.engine.iota), states, candidates)
 
 
-def seed_of(h: torch.Tensor, picks: tuple) -> tuple:
+def seed_of(h: torch.Tensor, picks: tuple, at=lambda x: x) -> tuple:
     """The seed of the next round from its forward's hidden states h [B, T, H] and picks (:meth:`pick_hidden`
-    with ``top_m``: tokens, conf, lse, top logits, ids): (h,), with draft candidates (h, ids, rest mass)."""
+    with ``top_m``: tokens, conf, lse, top logits, ids): (h,), with draft candidates (h, ids, rest mass); ``at``
+    selects each tensor's part that seeds (a verify forward's accepted copy), only of the tensors used."""
     if len(picks) == 3:
-        return (h,)
+        return (at(h),)
     _, _, lse, top, ids = picks
-    return h, ids, rest_mass(top, lse)
+    return at(h), at(ids), rest_mass(at(top), at(lse))
 
 
 def opening_step(dec: BlockDecoder):
@@ -173,8 +174,8 @@ def speculation_round(dec: BlockDecoder):
         dec.stats.accepted_lengths.index_put_((dec.rows, accepted), (live > fresh).long(), accumulate=True)
         fresh.zero_()
         # the accepted candidate's slice of the forward (and of its picks) seeds the next round
-        at = (torch.arange(B, device=block.device), accepted)
-        return seed_of(h_all.view(B, K + 1, T, -1)[at], tuple(x.view(B, K + 1, T, *x.shape[2:])[at] for x in picks))
+        rows = dec.engine.iota[:B]
+        return seed_of(h_all, picks, lambda x: x.view(B, K + 1, T, *x.shape[2:])[rows, accepted])
 
     return round_
 
