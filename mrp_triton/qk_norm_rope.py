@@ -46,16 +46,23 @@ def _heads_and_rstd(x_ptr, cols, col_mask, n_heads, D, eps, BLOCK_H: tl.constexp
 
 
 @triton.jit
+def _rope_halves(cos_row, sin_row, cols, col_mask, half, dt):
+    """The token's cos and sin rows, each as its two halves, rounded to ``dt`` (the reference casts the tables to
+    each output's dtype before the products), in fp32: (cos1, sin1, cos2, sin2)."""
+    cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    return cos1, sin1, cos2, sin2
+
+
+@triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, cols, col_mask, n_heads, D, eps, BLOCK_H: tl.constexpr):
     """Normalise and rotate the [n_heads, D] rows starting at x_ptr (heads D apart) with the token's cos and sin
     rows; store at o_ptr. Each row is read as its two halves, so every load is contiguous."""
     half = D // 2
     dt = o_ptr.dtype.element_ty
-    # the reference casts cos/sin to each output's dtype before the products
-    cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-    sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
+    cos1, sin1, cos2, sin2 = _rope_halves(cos_row, sin_row, cols, col_mask, half, dt)
     x1, x2, rstd, first, mask = _heads_and_rstd(x_ptr, cols, col_mask, n_heads, D, eps, BLOCK_H)
     w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -152,11 +159,13 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
 
 
 @triton.jit
-def _norm_rope_heads_backward(x_ptr, do_ptr, dx_ptr, w1, w2, cos1, sin1, cos2, sin2, cols, col_mask, n_heads, D,
-                              eps, BLOCK_H: tl.constexpr):
+def _norm_rope_heads_backward(x_ptr, do_ptr, dx_ptr, w1, w2, cos_row, sin_row, cols, col_mask, n_heads, D, eps,
+                              BLOCK_H: tl.constexpr):
     """Gradient of one token's [n_heads, D] rows (heads D apart at x_ptr; do_ptr, dx_ptr contiguous) through
     norm + weight + RoPE; stores dx, returns this token's contributions to the weight's gradient (both halves)."""
     half = D // 2
+    # the forward rounded cos / sin to this output's dtype, which its gradient has
+    cos1, sin1, cos2, sin2 = _rope_halves(cos_row, sin_row, cols, col_mask, half, do_ptr.dtype.element_ty)
     x1, x2, rstd, first, mask = _heads_and_rstd(x_ptr, cols, col_mask, n_heads, D, eps, BLOCK_H)
     x1 = x1 * rstd[:, None]
     x2 = x2 * rstd[:, None]
@@ -185,7 +194,6 @@ def _qk_norm_rope_backward_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
     half = D // 2
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < half
-    dt = dqo_ptr.dtype.element_ty  # the forward rounded cos / sin to its output dtype
     qw1 = tl.load(qw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     qw2 = tl.load(qw_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
     kw1 = tl.load(kw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -200,17 +208,13 @@ def _qk_norm_rope_backward_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
         t = tok % T
         cos_row = cos_ptr + b * stride_cb + t * stride_ct
         sin_row = sin_ptr + b * stride_sb + t * stride_st
-        cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-        sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-        cos2 = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
-        sin2 = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(dt).to(tl.float32)
         a1, a2 = _norm_rope_heads_backward(q_ptr + b * stride_qb + t * stride_qt, dqo_ptr + tok * Hq * D,
-                                           dq_ptr + tok * Hq * D, qw1, qw2, cos1, sin1, cos2, sin2, cols, col_mask,
+                                           dq_ptr + tok * Hq * D, qw1, qw2, cos_row, sin_row, cols, col_mask,
                                            Hq, D, eps, BLOCK_HQ)
         dqw1 += a1
         dqw2 += a2
         a1, a2 = _norm_rope_heads_backward(k_ptr + b * stride_kb + t * stride_kt, dko_ptr + tok * Hkv * D,
-                                           dk_ptr + tok * Hkv * D, kw1, kw2, cos1, sin1, cos2, sin2, cols, col_mask,
+                                           dk_ptr + tok * Hkv * D, kw1, kw2, cos_row, sin_row, cols, col_mask,
                                            Hkv, D, eps, BLOCK_HK)
         dkw1 += a1
         dkw2 += a2

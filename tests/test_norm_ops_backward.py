@@ -88,19 +88,21 @@ def test_swiglu_backward_matches_reference(lead, F, dtype, fused, needs, seed):
 
 @settings(max_examples=15)
 @given(B=st.integers(1, 3), T=st.integers(1, 9), Hkv=st.integers(1, 3), groups=st.integers(1, 3),
-       half=st.integers(1, 40), dtype=dtypes, fused=st.booleans(), broadcast_batch=st.booleans(),
-       needs=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 2**16))
-def test_qk_norm_rope_backward_matches_reference(B, T, Hkv, groups, half, dtype, fused, broadcast_batch, needs,
-                                                 seed):
+       half=st.integers(1, 40), dtype=dtypes, k_weight_dtype=st.sampled_from((None, torch.float32)),
+       fused=st.booleans(), broadcast_batch=st.booleans(), needs=st.lists(st.booleans(), min_size=4, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_qk_norm_rope_backward_matches_reference(B, T, Hkv, groups, half, dtype, k_weight_dtype, fused,
+                                                 broadcast_batch, needs, seed):
     """``fused``: q and k are column slices of one q/k/v projection output (read in place); tokens beyond 16 share
-    a program; the fp32 RoPE tables get no gradient."""
+    a program; the fp32 RoPE tables get no gradient; an fp32 k weight makes k's output (and the dtype its RoPE
+    tables are rounded to) fp32 where q's stays in ``dtype``."""
     D, Hq = 2 * half, Hkv * groups
     if fused:
         qkv = _randn((B, T, (Hq + 2 * Hkv) * D), dtype, seed, 2.0)
         q, k = qkv[..., : Hq * D].unflatten(-1, (Hq, D)), qkv[..., Hq * D: (Hq + Hkv) * D].unflatten(-1, (Hkv, D))
     else:
         q, k = _randn((B, T, Hq, D), dtype, seed, 2.0), _randn((B, T, Hkv, D), dtype, seed + 1, 2.0)
-    qw, kw = _randn((D,), dtype, seed + 2), _randn((D,), dtype, seed + 3)
+    qw, kw = _randn((D,), dtype, seed + 2), _randn((D,), k_weight_dtype or dtype, seed + 3)
     angle = _randn((1 if broadcast_batch else B, T, D), torch.float32, seed + 4, 3.0)
     cos, sin = angle.cos(), angle.sin()
     _check(lambda q, k, qw, kw, c, s: qk_norm_rope(q, k, qw, kw, c, s, EPS), [q, k, qw, kw, cos, sin],
