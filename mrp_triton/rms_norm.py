@@ -172,8 +172,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, residual):
         out = rms_norm_triton(x, weight, eps, residual)
-        ctx.eps, ctx.has_residual = eps, residual is not None
-        ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
+        ctx.eps, ctx.x_dtype, ctx.residual_dtype = eps, x.dtype, None if residual is None else residual.dtype
         ctx.save_for_backward(out[1] if residual is not None else x, weight)
         return out
 
@@ -182,8 +181,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy, ds=None):
         s, weight = ctx.saved_tensors
         d, dw = rms_norm_backward(s, weight, ctx.eps, dy, ds)
-        x_dtype, r_dtype = ctx.dtypes
-        return d.to(x_dtype), dw, None, (d.to(r_dtype) if ctx.has_residual else None)
+        return d.to(ctx.x_dtype), dw, None, None if ctx.residual_dtype is None else d.to(ctx.residual_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
