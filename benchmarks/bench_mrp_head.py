@@ -19,7 +19,10 @@
     the reference ops vs ``torch.compile`` of the reference (AOTAutograd's fused backward). GB/s counts the
     forward's bytes plus the backward's (inputs and output gradients read, the gradients autograd asks for
     written; mrp_input's backward also writes the embedding half's input gradient, which a frozen embedding
-    does not need: not counted).
+    does not need: not counted). Then training's attention over ``[noisy | clean]`` (2T queries and keys, block
+    16, 8 x 512 and 1 x 4096 tokens): SDPA with the dense mask and the key/value heads repeated (its
+    memory-efficient kernel) vs compiled FlexAttention with the block masks (``training.noising.BlockDiffusionMasks``),
+    both through ``hf_integration.modeling_sdar.masked_attention`` as training calls it.
 (0) ``candidate_confidence`` (first: ``candidates``): a draft step's pick among 16 listed tokens per position
     (``draft_candidates=16``: 16 gathered lm_head rows a row) at N = 16 and 128 rows (batch 1 and 8, one block
     each) of each model's H: Triton (called and graph-replayed) vs its reference, to set against (a)'s
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,7 +123,9 @@ def main(argv=None) -> int:
     import torch
 
     import mrp_triton as mt
+    from hf_integration.modeling_sdar import masked_attention
     from mrp_triton import reference as ref
+    from training.noising import BlockDiffusionMasks
 
     dev = torch.device("cuda" if cuda else "cpu")
     dt = torch.bfloat16
@@ -129,11 +135,13 @@ def main(argv=None) -> int:
         models = {"tiny": (64, 4, 2, 16, 96)}
         seq = [(1, 4), (2, 3)]
         train_seq = (2, 5)
+        train_attention, attention_block = [(2, 12)], 4
     else:
         rows, hiddens, V = [int(r) for r in args.rows.split(",")], [int(h) for h in args.hidden.split(",")], args.vocab
         models = {m: MODELS[m] for m in args.models.split(",")}
         seq = [(b, t) for b in (1, 8) for t in (16, 64, 128)]
         train_seq = (8, 512)
+        train_attention, attention_block = [(8, 512), (1, 4096)], 16
     sweep_rows = set(rows if args.sweep_rows is None else (int(r) for r in args.sweep_rows.split(",")))
     meta = _harness.run_meta(cuda)
     print(f"# {meta}")
@@ -396,6 +404,29 @@ def main(argv=None) -> int:
                     except Exception as e:
                         print(f"  torch.compile failed for {tkernel}: {type(e).__name__}: {str(e)[:200]}")
             del E
+            for B, T in train_attention:
+                shape = f"{mname} B={B} 2T={2 * T} {Hq}q/{Hkv}kv D={D} block={attention_block}"
+                q, k, v = (leaf(B, h, 2 * T, D).requires_grad_(cuda) for h in (Hq, Hkv, Hkv))
+                cotangent = torch.randn_like(q)
+                masks = {flex: BlockDiffusionMasks.build(T, attention_block, dev, flex).full for flex in (False, True)}
+
+                def attend(flex, q=q, k=k, v=v, cotangent=cotangent, masks=masks):
+                    def run():
+                        if not cuda:  # FlexAttention has no CPU backward: the smoke run times the forward
+                            with warnings.catch_warnings():
+                                warnings.simplefilter("ignore")  # "called without torch.compile"
+                                return (masked_attention(q, k, v, masks[flex], expand_kv=True),)
+                        return torch.autograd.grad(masked_attention(q, k, v, masks[flex], expand_kv=True), (q, k, v),
+                                                   cotangent)
+                    return run
+
+                for i, (got, want) in enumerate(zip(attend(True)(), attend(False)())):
+                    check(f"attention {shape} {'grad ' + 'qkv'[i] if cuda else 'output'}", got.float(), want.float(),
+                          2e-2, 2e-2)
+                kernel = "attention fwd+bwd" if cuda else "attention fwd"
+                eager = record(kernel, shape, "sdpa_dense_mask", bench(attend(False)))
+                record(kernel, shape, "flex_block_mask", bench(attend(True)), eager_us=eager,
+                       note="compiled flex_attention; the mask lets a query see about a quarter of the keys")
 
     out = _harness.write_results(args.out, stem, FIELDS, results, doc)
     print(f"# wrote {out / stem}.csv and .json ({len(results)} rows, {len(failures)} mismatches)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 
 class StaticKVCache:
@@ -93,21 +94,21 @@ class StaticKVCache:
 class AttentionInputs:
     """What every attention layer of one forward needs besides its hidden states.
 
-    Without a cache: ``mask``, bool ``[B or 1, 1, T, T]`` (True = may attend). With a ``cache``: the new positions
-    ``[B, T]``, their segments ``[T]`` (candidate copies verified in one forward; None for one copy) and the block
-    size, from which ``mrp_triton.cached_attention`` derives who sees what; and ``write_len``, how many leading new
-    positions each layer appends to the cache (0 for a denoising forward). ``packed``: the layers' q/k/v and gate/up
-    projections are packed (``modeling_sdar.pack_linears``; the decoder packs them), so each group runs as one GEMM
-    (inference only). ``rope``: the cos and sin tables of positions 0..P-1 side by side, ``[P, 2, head_dim]``
-    (``modeling_sdar.rotary_cos_sin``'s values), read by position (one gather a forward) instead of computed in
-    every forward. Without a cache: ``kv_out``, a dict each layer puts its keys and values in under its layer index
-    (``[B, kv_heads, T, head_dim]``, after the k-norm and RoPE); ``kv_in``, by layer index the keys and values of
-    positions outside the forward, attended after the forward's own (the columns of ``mask`` are the forward's T
-    positions, then these). Training runs the clean half of ``[noisy | clean]`` once and the later forwards over the
-    noisy half only this way (``training.losses.mrp_loss_sum``).
+    Without a cache: ``mask``, bool ``[B or 1, 1, T, T]`` (True = may attend) or a FlexAttention ``BlockMask``. With
+    a ``cache``: the new positions ``[B, T]``, their segments ``[T]`` (candidate copies verified in one forward;
+    None for one copy) and the block size, from which ``mrp_triton.cached_attention`` derives who sees what; and
+    ``write_len``, how many leading new positions each layer appends to the cache (0 for a denoising forward).
+    ``packed``: the layers' q/k/v and gate/up projections are packed (``modeling_sdar.pack_linears``; the decoder
+    packs them), so each group runs as one GEMM (inference only). ``rope``: the cos and sin tables of positions
+    0..P-1 side by side, ``[P, 2, head_dim]`` (``modeling_sdar.rotary_cos_sin``'s values), read by position (one
+    gather a forward) instead of computed in every forward. Without a cache: ``kv_out``, a dict each layer puts its
+    keys and values in under its layer index (``[B, kv_heads, T, head_dim]``, after the k-norm and RoPE); ``kv_in``,
+    by layer index the keys and values of positions outside the forward, attended after the forward's own (the
+    columns of ``mask`` are the forward's T positions, then these). Training runs the clean half of ``[noisy |
+    clean]`` once and the later forwards over the noisy half only this way (``training.losses.mrp_loss_sum``).
     """
 
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor | BlockMask | None = None
     cache: StaticKVCache | None = None
     write_len: int = 0
     positions: torch.Tensor | None = None

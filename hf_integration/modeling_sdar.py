@@ -11,12 +11,14 @@ names, shapes and identity, only their storage is laid out one after another.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import mrp_triton
 
@@ -98,17 +100,34 @@ def rotary_cos_sin(config: SDARMRPConfig, position_ids: torch.Tensor, dtype: tor
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
                      expand_kv: bool) -> torch.Tensor:
-    """Grouped-query attention with ``mask`` (bool, True = may attend). q: [B, Hq, T, D], k and v: [B, Hkv, S, D]
-    -> [B, Hq, T, D]. ``expand_kv`` repeats each key/value head for its query heads first: on CUDA, SDPA's
-    flash kernel takes no mask and its memory-efficient kernel no grouped heads, so a masked ``enable_gqa``
-    call falls back to the math kernel, which writes the [T, S] scores of every head (training's
-    [noisy | clean] forwards); with the heads expanded the memory-efficient kernel takes it."""
-    if expand_kv and mask is not None and k.shape[1] != q.shape[1]:
+    """Grouped-query attention with ``mask``: bool (True = may attend) or a FlexAttention ``BlockMask`` (training's
+    ``[noisy | clean]`` masks on CUDA: ``training.noising.BlockDiffusionMasks``). q: [B, Hq, T, D], k and v:
+    [B, Hkv, S, D] -> [B, Hq, T, D]. A ``BlockMask`` runs ``flex_attention`` (compiled on CUDA, which fuses it into
+    one kernel that skips the masked tiles; in the autocast dtype under autocast, as SDPA runs). With a bool mask,
+    ``expand_kv`` repeats each key/value head for its query heads first: on CUDA, SDPA's flash kernel takes no
+    mask and its memory-efficient kernel no grouped heads, so a masked ``enable_gqa`` call falls back to the math
+    kernel, which writes the [T, S] scores of every head; with the heads expanded the memory-efficient kernel takes
+    it."""
+    grouped = k.shape[1] != q.shape[1]
+    if isinstance(mask, BlockMask):
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+        return attend(q, k, v, block_mask=mask, enable_gqa=grouped)
+    if expand_kv and mask is not None and grouped:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """``flex_attention`` compiled once per process (each new shape of its inputs compiles a kernel on first use)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class SDARAttention(nn.Module):

@@ -21,4 +21,6 @@ def test_bench_mrp_head_smoke(tmp_path):
     trained = {(r["kernel"], r["provider"]) for r in data["rows"] if r["kernel"].endswith("fwd+bwd")}
     assert trained == {(f"{op} fwd+bwd", p) for op in ("rms_norm+residual", "qk_norm_rope", "swiglu", "mrp_input")
                        for p in ("torch_eager", "triton")}
+    attention = {(r["kernel"], r["provider"]) for r in data["rows"] if r["kernel"].startswith("attention")}
+    assert attention == {("attention fwd", "sdpa_dense_mask"), ("attention fwd", "flex_block_mask")}
     assert (tmp_path / "mrp_head_smoke.csv").read_text().startswith("kernel,shape,provider,median_us")

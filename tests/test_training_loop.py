@@ -263,6 +263,10 @@ def test_bad_configs_rejected(env, tmp_path):
         run(["mrp", "--model", str(tmp_path / "nope"), "--data", env["paths"]["text"], "--out", str(tmp_path / "f")])
     with pytest.raises(ConfigError, match="--micro-batch-size"):  # fewer sequences than one global batch
         run(_cli_args(env, tmp_path / "g", "--micro-batch-size", "100000"))
+    with pytest.raises(ConfigError, match="--attention flex needs a CUDA device .* use --attention sdpa or auto"):
+        run(_cli_args(env, tmp_path / "i", "--attention", "flex", "--device", "cpu"))
+    with pytest.raises(ConfigError, match="--attention must be 'auto', 'flex' or 'sdpa', got 'math'"):
+        TrainConfig(attention="math").validate()
     with pytest.raises(SystemExit) as e:
         main(_cli_args(env, tmp_path / "h", "--seq-len", "18"))
     assert e.value.code == 2

@@ -12,7 +12,8 @@ from training.config import TrainConfig
 from training.data import build_datasets
 from training.kd_loss import top_choice
 from training.losses import backbone_loss_sum, block_picks, draft_agreement, mrp_loss_sum
-from training.noising import block_diffusion_mask, make_generators, pack_noisy_clean, reveal_one_per_block, sample_mask
+from training.noising import (BlockDiffusionMasks, block_diffusion_mask, make_generators, pack_noisy_clean,
+                              reveal_one_per_block, sample_mask)
 
 T, BS = 16, 4
 
@@ -55,12 +56,12 @@ def test_exact_residual_gives_zero_kd(setup, K):
     ids, isp, seeds = _batch(train)
     gens = make_generators(seeds)
     masked, p = sample_mask(isp, gens)
-    am = block_diffusion_mask(T, BS)
+    masks = BlockDiffusionMasks.build(T, BS)
     with torch.no_grad():
-        exact, st = mrp_loss_sum(ExactResidualMRP(model), ids, masked, p, am, tok.mask_token_id, BS, gens, K)
+        exact, st = mrp_loss_sum(ExactResidualMRP(model), ids, masked, p, masks, tok.mask_token_id, BS, gens, K)
         gens = make_generators(seeds)
         masked, p = sample_mask(isp, gens)
-        zero, _ = mrp_loss_sum(ZeroMRP(model), ids, masked, p, am, tok.mask_token_id, BS, gens, K)
+        zero, _ = mrp_loss_sum(ZeroMRP(model), ids, masked, p, masks, tok.mask_token_id, BS, gens, K)
     assert st["scored"] > 0
     assert abs(float(exact)) < 1e-5 * max(1.0, float(zero))
     assert float(zero) > 1e-4  # the backbone's own step-to-step change is not zero
@@ -70,13 +71,13 @@ def test_exact_residual_agrees_everywhere_and_a_zero_head_does_not(setup):
     tok, train = setup
     model = tiny_backbone(tok).eval()
     ids, isp, seeds = _batch(train)
-    am = block_diffusion_mask(T, BS)
+    masks = BlockDiffusionMasks.build(T, BS)
     results = {}
     for name, head in (("exact", ExactResidualMRP(model)), ("zero", ZeroMRP(model))):
         gens = make_generators(seeds)
         masked, p = sample_mask(isp, gens)
         with torch.no_grad():
-            _, st = mrp_loss_sum(head, ids, masked, p, am, tok.mask_token_id, BS, gens, 2, agreement=True)
+            _, st = mrp_loss_sum(head, ids, masked, p, masks, tok.mask_token_id, BS, gens, 2, agreement=True)
         results[name] = st["agreement"]
     for k in results["exact"]:
         assert k["tokens"] > 0 and k["tokens_agree"] == k["tokens"] and k["picks_agree"] == k["blocks"] > 0
@@ -111,11 +112,12 @@ def test_kd_matches_hand_computation(setup):
     tok, train = setup
     model = tiny_backbone(tok).double().eval()
     ids, isp, seeds = _batch(train)
-    am = block_diffusion_mask(T, BS)
+    masks = BlockDiffusionMasks.build(T, BS)
+    am = masks.full
     gens = make_generators(seeds)
     masked, p = sample_mask(isp, gens)
     with torch.no_grad():
-        got, _ = mrp_loss_sum(ZeroMRP(model), ids, masked, p, am, tok.mask_token_id, BS, gens, 1)
+        got, _ = mrp_loss_sum(ZeroMRP(model), ids, masked, p, masks, tok.mask_token_id, BS, gens, 1)
         gens = make_generators(seeds)
         masked, p = sample_mask(isp, gens)
         reveal = reveal_one_per_block(masked, BS, gens)
@@ -137,9 +139,10 @@ def test_backbone_loss_is_weighted_masked_ce(setup):
     model = tiny_backbone(tok).eval()
     ids, isp, seeds = _batch(train, 3)
     masked, p = sample_mask(isp, make_generators(seeds))
-    am = block_diffusion_mask(T, BS)
+    masks = BlockDiffusionMasks.build(T, BS)
+    am = masks.full
     with torch.no_grad():
-        got, n = backbone_loss_sum(model, ids, masked, p, am, tok.mask_token_id)
+        got, n = backbone_loss_sum(model, ids, masked, p, masks, tok.mask_token_id)
         logits = model.lm_head(model.model(*pack_noisy_clean(ids.masked_fill(masked, tok.mask_token_id), ids),
                                            attention_mask=am))[:, :T]  # no shift: position i predicts token i
         lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
@@ -220,14 +223,14 @@ def test_loss_and_head_gradients_equal_whole_forwards(setup, loss_type, K):
     model.double()
     freeze_all_but_mrp(model)
     ids, isp, seeds = _batch(train)
-    am = block_diffusion_mask(T, BS)
+    masks = BlockDiffusionMasks.build(T, BS)
     results = []
     for fn in (mrp_loss_sum, _full_forward_loss):
         gens = make_generators(seeds)
         masked, p = sample_mask(isp, gens)
         model.zero_grad()
-        loss = fn(model, ids, masked, p, am, tok.mask_token_id, BS, gens, K, loss_type) if fn is mrp_loss_sum \
-            else fn(model, ids, masked, p, am, tok.mask_token_id, gens, K, loss_type)
+        loss = fn(model, ids, masked, p, masks, tok.mask_token_id, BS, gens, K, loss_type) if fn is mrp_loss_sum \
+            else fn(model, ids, masked, p, masks.full, tok.mask_token_id, gens, K, loss_type)
         loss = loss[0] if isinstance(loss, tuple) else loss
         loss.backward()
         results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.requires_grad}))
@@ -254,20 +257,56 @@ def test_head_gradients_through_the_backward_kernels_equal_the_reference(setup):
     model.add_mrp_head(2)
     freeze_all_but_mrp(model)
     ids, isp, seeds = _batch(train, n=2)
-    am = block_diffusion_mask(T, BS)
+    masks = BlockDiffusionMasks.build(T, BS)
     results = []
     for kernels in (False, True):
         gens = make_generators(seeds)
         masked, p = sample_mask(isp, gens)
         model.zero_grad()
         with use_backend("reference") if not kernels else torch.enable_grad():
-            loss = mrp_loss_sum(model, ids, masked, p, am, tok.mask_token_id, BS, gens, 2)[0]
+            loss = mrp_loss_sum(model, ids, masked, p, masks, tok.mask_token_id, BS, gens, 2)[0]
             assert (KERNEL_BACKWARDS | {"_MRPInputBackward"} <= backward_nodes(loss)) == kernels
             loss.backward()
         results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.requires_grad}))
     (want, want_grads), (got, got_grads) = results
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got_grads.keys() == want_grads.keys() and all(g.abs().sum() > 0 for g in want_grads.values())
+    for name, want in want_grads.items():
+        torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("mode", ["backbone", "mrp"])
+def test_flex_attention_gives_the_sdpa_loss(setup, mode):
+    """Training's attention on CUDA (``attention="auto"`` there): FlexAttention with block masks gives the loss of
+    SDPA with dense masks, and on CUDA the same gradients of the trained parameters (on CPU, where FlexAttention has
+    no backward, the loss alone, under no_grad)."""
+    import warnings
+
+    from training.models import freeze_all_but_mrp
+    from training.trainer import LossModule
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok, train = setup
+    model = tiny_backbone(tok)
+    if mode == "mrp":
+        model.add_mrp_head(2)
+        freeze_all_but_mrp(model)
+    model.to(device)
+    ids, isp, seeds = _batch(train)
+    results = []
+    for attention in ("sdpa", "flex"):
+        lm = LossModule(model, TrainConfig(mode=mode, seq_len=T, block_size=BS, unroll_k=2, attention=attention),
+                        tok.mask_token_id)
+        model.zero_grad()
+        with torch.no_grad() if device == "cpu" else torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex_attention "called without torch.compile": the CPU path
+            loss = lm(ids.to(device), isp, seeds)
+            if loss.requires_grad:
+                loss.backward()
+        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys() and (device == "cpu") == (not want_grads)
     for name, want in want_grads.items():
         torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
 

@@ -1,10 +1,13 @@
+import warnings
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training.noising import (block_diffusion_mask, make_generators, pack_noisy_clean, reveal_one_per_block,
-                              sample_mask, sample_seed)
+from hf_integration.modeling_sdar import masked_attention
+from training.noising import (BlockDiffusionMasks, block_diffusion_mask, make_generators, pack_noisy_clean,
+                              reveal_one_per_block, sample_mask, sample_seed)
 
 
 @given(st.integers(1, 4), st.sampled_from([1, 2, 4]), st.integers(1, 6), st.integers(0, 2**31), st.floats(0, 1))
@@ -63,6 +66,34 @@ def test_block_diffusion_mask_rules():
             assert bool(m[i, j]) == want, (i, j)
     with pytest.raises(ValueError):
         block_diffusion_mask(7, 2)
+
+
+def test_dense_masks_are_the_rows_of_the_full_mask():
+    T, bs = 12, 4
+    masks = BlockDiffusionMasks.build(T, bs)
+    assert torch.equal(masks.full, block_diffusion_mask(T, bs))
+    assert torch.equal(masks.noisy, masks.full[..., :T, :])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([1, 2, 4, 16]), st.integers(1, 160), st.sampled_from([(2, 1), (4, 2), (2, 2)]),
+       st.integers(1, 2), st.integers(0, 2**31))
+def test_flex_block_masks_attend_as_the_dense_masks(bs, T, heads, B, seed):
+    """FlexAttention with the block masks (training's attention on CUDA) equals SDPA with the dense masks, for all
+    2T queries and for the noisy half's T, grouped heads included, at lengths that cut FlexAttention's 128-wide
+    tiles anywhere (forward only: FlexAttention has no backward on CPU)."""
+    T = -(-T // bs) * bs
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(B, hkv, 2 * T, 8, generator=g) for _ in range(2))
+    dense, flex = BlockDiffusionMasks.build(T, bs), BlockDiffusionMasks.build(T, bs, flex=True)
+    for rows, want_mask, got_mask in ((2 * T, dense.full, flex.full), (T, dense.noisy, flex.noisy)):
+        q = torch.randn(B, hq, rows, 8, generator=g)
+        want = masked_attention(q, k, v, want_mask, expand_kv=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "called without torch.compile": the unfused path is the CPU one
+            got = masked_attention(q, k, v, got_mask, expand_kv=False)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_pack_noisy_clean():

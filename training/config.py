@@ -33,6 +33,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # <= 0 disables clipping
     bf16: bool = True  # bf16 autocast (CUDA only; CPU runs fp32)
+    attention: str = "auto"  # "auto" (flex on CUDA, sdpa elsewhere) | "flex" (CUDA only) | "sdpa"
     seed: int = 0
     noise_eps: float = 1e-3  # p = (1 - eps) t + eps
     # bookkeeping
@@ -70,6 +71,8 @@ class TrainConfig:
         need(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(0.0 <= self.warmup_ratio < 1.0, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         need(self.warmup_steps is None or self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        need(self.attention in ("auto", "flex", "sdpa"),
+             f"--attention must be 'auto', 'flex' or 'sdpa', got {self.attention!r}")
         need(0.0 < self.noise_eps < 1.0, f"--noise-eps must be in (0, 1), got {self.noise_eps}")
         need(self.log_every >= 1, f"--log-every must be >= 1, got {self.log_every}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")

@@ -20,23 +20,23 @@ import torch.nn.functional as F
 from hf_integration.kv_cache import AttentionInputs
 
 from .kd_loss import kd_loss_sum, top_choices
-from .noising import pack_noisy_clean, reveal_one_per_block
+from .noising import BlockDiffusionMasks, pack_noisy_clean, reveal_one_per_block
 
 
 def _weights(p: torch.Tensor, T: int) -> torch.Tensor:
     return (1.0 / p.float())[:, None].expand(-1, T)
 
 
-def backbone_loss_sum(model, ids, masked, p, attn_mask, mask_token_id: int):
+def backbone_loss_sum(model, ids, masked, p, masks: BlockDiffusionMasks, mask_token_id: int):
     """Masked-token cross entropy on the noisy half, each masked token weighted by 1/p.
 
-    ids: [B, T] clean tokens; masked: [B, T] bool; p: [B]; attn_mask: [1, 1, 2T, 2T].
+    ids: [B, T] clean tokens; masked: [B, T] bool; p: [B]; masks: the attention masks of length T.
     Returns ``(sum_b sum_{i masked} CE_i / p_b, n_masked)``.
     """
     B, T = ids.shape
     noisy = ids.masked_fill(masked, mask_token_id)
     inp, pos = pack_noisy_clean(noisy, ids)
-    h = model.model(inp, pos, attention_mask=attn_mask)[:, :T]
+    h = model.model(inp, pos, attention_mask=masks.full)[:, :T]
     logits = model.lm_head(h[masked]).float()
     ce = F.cross_entropy(logits, ids[masked], reduction="none")
     w = _weights(p, T)[masked]
@@ -86,7 +86,7 @@ def mrp_loss_sum(
     ids: torch.Tensor,
     masked: torch.Tensor,
     p: torch.Tensor,
-    attn_mask: torch.Tensor,
+    masks: BlockDiffusionMasks,
     mask_token_id: int,
     block_size: int,
     generators: Sequence[torch.Generator],
@@ -124,12 +124,12 @@ def mrp_loss_sum(
     inp, pos = pack_noisy_clean(noisy, ids)
     kv: dict = {}
     with torch.no_grad():
-        h = model.model(inp, pos, attn=AttentionInputs(mask=attn_mask, kv_out=kv))
+        h = model.model(inp, pos, attn=AttentionInputs(mask=masks.full, kv_out=kv))
     h_a, h_a_clean = h[:, :T].detach(), h[:, T:].detach()
     # The clean half sees only clean positions, so its keys and values are the same in every forward over
     # [state | clean]: the teacher forwards (and the MRP's after its first) run over the state's half alone,
     # attending to the clean half's keys and values after their own (the mask's rows of the state's half).
-    teacher = AttentionInputs(mask=attn_mask[..., :T, :], kv_in=_clean_half(kv, T))
+    teacher = AttentionInputs(mask=masks.noisy, kv_in=_clean_half(kv, T))
     del kv
     mrp_half = None
 
@@ -149,8 +149,8 @@ def mrp_loss_sum(
         if mrp_half is None:  # the first step runs the whole input and keeps the clean half's keys and values
             kv = {}
             h_p = model.mrp_forward(pack_noisy_clean(state, ids)[0], torch.cat([h_in, h_a_clean], dim=1), pos,
-                                    attn=AttentionInputs(mask=attn_mask, kv_out=kv))[:, :T]
-            mrp_half = AttentionInputs(mask=attn_mask[..., :T, :], kv_in=_clean_half(kv, T))
+                                    attn=AttentionInputs(mask=masks.full, kv_out=kv))[:, :T]
+            mrp_half = AttentionInputs(mask=masks.noisy, kv_in=_clean_half(kv, T))
         else:  # gradients reach the head through the kept keys and values too
             h_p = model.mrp_forward(state, h_in, pos[:, :T], attn=mrp_half)
         if loss_type == "kd_diff_sum":

@@ -7,15 +7,17 @@ same global batch), nor on what ran before (a resumed run repeats the uninterrup
 bit). All draws happen on CPU; the results are moved to the compute device.
 
 Layout: the model sees ``x = [noisy | clean]`` of length 2T with position ids ``0..T-1`` twice
-and the mask of :func:`block_diffusion_mask`.
+and the masks of :class:`BlockDiffusionMasks`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
 def sample_seed(*parts) -> int:
@@ -77,8 +79,10 @@ def reveal_one_per_block(masked: torch.Tensor, block_size: int, generators: Sequ
     return reveal
 
 
-def block_diffusion_mask(T: int, block_size: int, device=None) -> torch.Tensor:
-    """Attention mask of ``[noisy | clean]`` (length 2T), shape [1, 1, 2T, 2T], True = may attend.
+def block_diffusion_rule(T: int, block_size: int):
+    """The ``[noisy | clean]`` attention rule of T tokens as a FlexAttention ``mask_mod``: ``rule(b, h, q, k)`` ->
+    bool, True = query index ``q`` (of 2T) may attend key index ``k`` (broadcasting integer tensors; ``b`` and
+    ``h`` are unused).
 
     Query in the noisy half, block b: the noisy tokens of block b (bidirectional) and the clean
     tokens of blocks < b. Query in the clean half, block b: the clean tokens of blocks <= b.
@@ -86,15 +90,40 @@ def block_diffusion_mask(T: int, block_size: int, device=None) -> torch.Tensor:
     """
     if T % block_size:
         raise ValueError(f"sequence length {T} is not a multiple of the block size {block_size}")
-    blk = torch.arange(T, device=device) // block_size
-    qi, kj = blk[:, None], blk[None, :]
-    noisy_noisy = qi == kj
-    noisy_clean = kj < qi
-    clean_clean = kj <= qi
-    clean_noisy = torch.zeros(T, T, dtype=torch.bool, device=device)
-    top = torch.cat([noisy_noisy, noisy_clean], dim=1)
-    bottom = torch.cat([clean_noisy, clean_clean], dim=1)
-    return torch.cat([top, bottom], dim=0)[None, None]
+
+    def rule(b, h, q, k):
+        q_block, k_block, k_clean = (q % T) // block_size, (k % T) // block_size, k >= T
+        return torch.where(q >= T, k_clean & (k_block <= q_block),
+                           torch.where(k_clean, k_block < q_block, k_block == q_block))
+
+    return rule
+
+
+def block_diffusion_mask(T: int, block_size: int, device=None, rows: int | None = None) -> torch.Tensor:
+    """:func:`block_diffusion_rule` as a dense bool mask ``[1, 1, rows, 2T]`` (True = may attend): the first
+    ``rows`` queries (default all 2T) over all 2T keys."""
+    rule = block_diffusion_rule(T, block_size)
+    q = torch.arange(2 * T if rows is None else rows, device=device)[:, None]
+    return rule(None, None, q, torch.arange(2 * T, device=device)[None, :])[None, None]
+
+
+@dataclass(frozen=True)
+class BlockDiffusionMasks:
+    """The two query sets training attends with over the 2T keys of ``[noisy | clean]``: ``full``, all 2T queries
+    (pass A, the MRP's first forward); ``noisy``, the noisy half's T (the forwards that keep the clean half's keys
+    and values: ``training.losses.mrp_loss_sum``). Each a dense bool mask (SDPA) or a FlexAttention ``BlockMask``
+    (``flex``: only the tiles a query block may see are computed, about a quarter of the dense scores; the key and
+    value heads are not repeated; CUDA only for training, since FlexAttention has no backward on CPU)."""
+
+    full: torch.Tensor | BlockMask
+    noisy: torch.Tensor | BlockMask
+
+    @classmethod
+    def build(cls, T: int, block_size: int, device="cpu", flex: bool = False) -> "BlockDiffusionMasks":
+        if not flex:
+            return cls(block_diffusion_mask(T, block_size, device), block_diffusion_mask(T, block_size, device, T))
+        rule = block_diffusion_rule(T, block_size)
+        return cls(*(create_block_mask(rule, None, None, rows, 2 * T, device=device) for rows in (2 * T, T)))
 
 
 def pack_noisy_clean(noisy: torch.Tensor, clean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

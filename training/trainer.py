@@ -16,7 +16,9 @@
   backbone is re-read from ``--model``), optimizer, scheduler, RNG states of every rank
   (python, torch, cuda) and the data position. ``resume`` loads the newest readable one.
 - Model ops dispatch as everywhere (:mod:`mrp_triton.backend`): on CUDA the norms, q/k-norm + RoPE, SwiGLU and
-  the MRP input run their forward and backward Triton kernels; on CPU the reference.
+  the MRP input run their forward and backward Triton kernels; on CPU the reference. Attention over
+  ``[noisy | clean]`` runs compiled FlexAttention on CUDA (``cfg.attention``; block masks that skip the tiles no
+  query of a block may see) and SDPA with a dense mask elsewhere.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from torch import nn
 from .config import ConfigError, TrainConfig
 from .data import PackedDataset
 from .losses import AGREEMENT_COUNTS, backbone_loss_sum, mrp_loss_sum
-from .noising import block_diffusion_mask, make_generators, sample_mask, sample_seed
+from .noising import BlockDiffusionMasks, make_generators, sample_mask, sample_seed
 
 CKPT_DIR = "checkpoints"
 CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
@@ -126,10 +128,13 @@ class LossModule(nn.Module):
         self.mask_token_id = mask_token_id
         self._mask_cache: dict = {}
 
-    def attn_mask(self, T: int, device) -> torch.Tensor:
+    def attn_masks(self, T: int, device: torch.device) -> BlockDiffusionMasks:
+        """The ``[noisy | clean]`` masks of length T (built once per length and device): FlexAttention block masks
+        when ``cfg.attention`` resolves to flex (``auto``: on CUDA), else dense ones for SDPA."""
         key = (T, str(device))
         if key not in self._mask_cache:
-            self._mask_cache[key] = block_diffusion_mask(T, self.cfg.block_size, device)
+            flex = self.cfg.attention == "flex" or (self.cfg.attention == "auto" and device.type == "cuda")
+            self._mask_cache[key] = BlockDiffusionMasks.build(T, self.cfg.block_size, device, flex)
         return self._mask_cache[key]
 
     def forward(self, ids: torch.Tensor, is_prompt: torch.Tensor, seeds: Sequence[int], with_stats: bool = False):
@@ -138,7 +143,7 @@ class LossModule(nn.Module):
         gens = make_generators(seeds)
         masked, p = sample_mask(is_prompt, gens, self.cfg.noise_eps)
         masked, p = masked.to(ids.device), p.to(ids.device)
-        am = self.attn_mask(ids.shape[1], ids.device)
+        am = self.attn_masks(ids.shape[1], ids.device)
         if self.cfg.mode == "backbone":
             num, stats = backbone_loss_sum(self.model, ids, masked, p, am, self.mask_token_id)
         else:
@@ -337,6 +342,9 @@ def train(
     rank, world = _world()
     if device is None:
         device = next(model.parameters()).device
+    if cfg.attention == "flex" and device.type != "cuda":
+        raise ConfigError(f"--attention flex needs a CUDA device (FlexAttention has no backward on {device.type}); "
+                          "use --attention sdpa or auto")
     if train_ds.seq_len != cfg.seq_len:
         raise ConfigError(f"--seq-len is {cfg.seq_len} but the packed data has length {train_ds.seq_len}")
     if len(train_ds) == 0 or train_ds.num_answer_tokens() == 0:
