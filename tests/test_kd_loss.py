@@ -136,3 +136,87 @@ def test_top_choices_in_chunks_equal_top_choice_of_the_whole_logits(data):
     z = (hidden @ weight.T).index_fill(-1, torch.tensor([mask]), float("-inf"))
     first_max = (z == z.max(-1, keepdim=True).values).int().argmax(-1)  # ties go to the lowest token id
     assert torch.equal(token, first_max)
+
+
+def _bf16(t):
+    return t.to(torch.bfloat16).double()
+
+
+def bf16_oracle(student, teacher, weight, row_weights):
+    """What ``precision="bf16"`` computes, in fp64: the loss of the GEMM inputs rounded to bf16, and its student
+    gradient with the softmax difference rounded to bf16 too (the input of the backward GEMM)."""
+    w = _bf16(weight)
+    log_p = F.linear(_bf16(teacher), w).log_softmax(-1)
+    log_q = F.linear(_bf16(student), w).log_softmax(-1)
+    rw = row_weights.double()
+    loss = ((log_p.exp() * (log_p - log_q)).sum(-1) * rw).sum()
+    return loss, _bf16((log_q.exp() - log_p.exp()) * rw[:, None]) @ w
+
+
+@SETTINGS
+@given(data=st.data())
+def test_bf16_precision_rounds_the_gemm_inputs_and_keeps_the_logits_fp32(data):
+    student, teacher, weight, row_weights = draw_case(data, torch.float32)
+    chunk = data.draw(st.integers(1, student.shape[0] + 3), label="chunk_rows")
+    s = student.clone().requires_grad_()
+    got = kd_loss_sum(s, teacher, weight, row_weights, chunk_rows=chunk, precision="bf16")
+    got.backward()
+    want, want_grad = bf16_oracle(student, teacher, weight, row_weights)
+    assert got.dtype == torch.float32 and s.grad.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    scale = float(want_grad.abs().max()) if want_grad.numel() else 1.0
+    fp32_softmax = 1e-6 * float(row_weights.max()) * float(weight.abs().max()) if student.shape[0] else 0.0
+    torch.testing.assert_close(s.grad.double(), want_grad, rtol=1e-2, atol=1e-2 * scale + fp32_softmax)
+
+
+def test_each_precision_on_a_fixed_case():
+    """bf16 inputs move the loss measurably (so the bf16 test above tells the two apart), tf32 is fp32 off CUDA
+    (and leaves the process's matmul precision as it was), fp64 inputs stay fp64 whatever the precision."""
+    g = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(40, 64, generator=g), torch.randn(40, 64, generator=g)
+    weight, rw = 0.3 * torch.randn(500, 64, generator=g), torch.rand(40, generator=g) + 0.5
+    fp32 = kd_loss_sum(student, teacher, weight, rw)
+    bf16 = kd_loss_sum(student, teacher, weight, rw, precision="bf16")
+    before = torch.get_float32_matmul_precision()
+    assert torch.equal(kd_loss_sum(student, teacher, weight, rw, precision="tf32"), fp32)
+    assert torch.get_float32_matmul_precision() == before
+    assert abs(float(bf16 / fp32) - 1) > 1e-5
+    torch.testing.assert_close(bf16.double(), bf16_oracle(student, teacher, weight, rw)[0], rtol=1e-6, atol=0)
+    exact = kd_loss_sum(student.double(), teacher.double(), weight.double(), rw.double())
+    assert torch.equal(kd_loss_sum(student.double(), teacher.double(), weight.double(), rw.double(), precision="bf16"),
+                       exact)
+    conf, token = top_choices(student, weight, 3, precision="bf16")
+    want_conf, want_token = top_choice(_bf16(student) @ _bf16(weight).T, 3)
+    assert torch.equal(token, want_token)
+    torch.testing.assert_close(conf.double(), want_conf, rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_precision_is_refused():
+    args = torch.randn(3, 4), torch.randn(3, 4), torch.randn(9, 4), torch.ones(3)
+    with pytest.raises(ValueError, match=r"precision \(--kd-precision\) must be one of .* got 'fp16'"):
+        kd_loss_sum(*args, precision="fp16")
+    with pytest.raises(ValueError, match="--kd-precision"):
+        top_choices(args[0], args[2], 0, precision="half")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: TF32 tensor cores and the fp32-output bf16 GEMM")
+@pytest.mark.parametrize("precision,rtol", [("tf32", 1e-3), ("bf16", 1e-5)])
+def test_cuda_precisions(precision, rtol):
+    """On CUDA, tf32 stays within TF32's rounding of fp64, and bf16 (one GEMM of bf16 operands with an fp32 output)
+    computes what the CPU's emulation does (the bf16 oracle)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    student, teacher = (torch.randn(300, 256, device="cuda", generator=g) for _ in range(2))
+    weight = 0.1 * torch.randn(5000, 256, device="cuda", generator=g)
+    rw = torch.rand(300, device="cuda", generator=g) + 0.5
+    s = student.clone().requires_grad_()
+    got = kd_loss_sum(s, teacher, weight, rw, chunk_rows=64, precision=precision)
+    got.backward()
+    if precision == "bf16":
+        want, want_grad = bf16_oracle(student, teacher, weight, rw)
+    else:
+        sd = student.double().requires_grad_()
+        want = dense_kd_sum(sd, teacher.double(), weight.double(), rw.double())
+        want.backward()
+        want_grad = sd.grad
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=0)
+    torch.testing.assert_close(s.grad.double(), want_grad, rtol=2e-2, atol=2e-2 * float(want_grad.abs().max()))

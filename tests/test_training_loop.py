@@ -267,6 +267,8 @@ def test_bad_configs_rejected(env, tmp_path):
         run(_cli_args(env, tmp_path / "i", "--attention", "flex", "--device", "cpu"))
     with pytest.raises(ConfigError, match="--attention must be 'auto', 'flex' or 'sdpa', got 'math'"):
         TrainConfig(attention="math").validate()
+    with pytest.raises(ConfigError, match="--kd-precision must be 'fp32', 'tf32' or 'bf16', got 'fp16'"):
+        TrainConfig(kd_precision="fp16").validate()
     with pytest.raises(SystemExit) as e:
         main(_cli_args(env, tmp_path / "h", "--seq-len", "18"))
     assert e.value.code == 2
@@ -280,7 +282,7 @@ def test_cli_help(capsys):
             main(argv)
         assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "--unroll-k" in out and "--block-size" in out and "--resume" in out
+    assert "--unroll-k" in out and "--block-size" in out and "--resume" in out and "--kd-precision" in out
 
 
 def test_fresh_run_refuses_out_with_checkpoints(env, tmp_path):

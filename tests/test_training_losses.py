@@ -311,6 +311,33 @@ def test_flex_attention_gives_the_sdpa_loss(setup, mode):
         torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
 
 
+@pytest.mark.parametrize("kd_precision", ["fp32", "bf16"])
+def test_the_kd_precision_reaches_every_lm_head_gemm(setup, kd_precision):
+    """``TrainConfig.kd_precision`` is what the loss and the agreement statistics compute their logits with."""
+    from unittest import mock
+
+    import training.losses as losses
+    from training.trainer import LossModule
+
+    tok, train = setup
+    model = tiny_backbone(tok)
+    model.add_mrp_head(1)
+    seen = []
+
+    def spy(fn):
+        def call(*a, precision, **kw):
+            seen.append((fn.__name__, precision))
+            return fn(*a, precision=precision, **kw)
+        return call
+
+    cfg = TrainConfig(mode="mrp", seq_len=T, block_size=BS, unroll_k=2, kd_precision=kd_precision)
+    with mock.patch.object(losses, "kd_loss_sum", spy(losses.kd_loss_sum)), \
+            mock.patch.object(losses, "top_choices", spy(losses.top_choices)), torch.no_grad():
+        LossModule(model, cfg, tok.mask_token_id)(*_batch(train), with_stats=True)
+    assert {name for name, _ in seen} == {"kd_loss_sum", "top_choices"}
+    assert {precision for _, precision in seen} == {kd_precision}
+
+
 @pytest.mark.parametrize("loss_type,K", [("kd_diff_sum", 2), ("direct", 1)])
 def test_only_mrp_gets_gradients(setup, tmp_path, loss_type, K):
     from training.models import freeze_all_but_mrp

@@ -73,6 +73,12 @@ def _stdlib_args(p: argparse.ArgumentParser, default_manifest: str) -> argparse.
     return g
 
 
+def _kd_precision_arg(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--kd-precision", choices=("fp32", "tf32", "bf16"), default=TrainConfig().kd_precision,
+                   help="the KD loss's lm_head GEMMs: exact fp32, TF32 tensor cores (CUDA; fp32 elsewhere), or bf16 "
+                   "inputs with fp32 accumulation; the logits and softmax are fp32 in every case")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mrp-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mrp-layers", type=int, default=3, help="D decoder layers of a new head")
     g.add_argument("--unroll-k", type=int, default=1, help="K successive reveals per sample")
     g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default="kd_diff_sum")
+    _kd_precision_arg(g)
     g.add_argument("--mrp-init", choices=("default", "normal"), default="default",
                    help="'normal': N(0, --mrp-init-std) for the head's matrices (authors' recipe: 0.2)")
     g.add_argument("--mrp-init-std", type=float, default=0.2)
@@ -125,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--unroll-k", type=int, default=3, help="K successive reveals: agreement of drafts 1..K")
     g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default="kd_diff_sum",
                    help="how the head chains (as it was trained)")
+    _kd_precision_arg(g)
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--eval-batches", type=int, default=16, help="micro-batches to evaluate")
     g.add_argument("--seed", type=int, default=0, help="noise seed")
@@ -159,6 +167,7 @@ def _config(args, block_size: int) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, progress=not args.no_progress,
         device=args.device,
         unroll_k=getattr(args, "unroll_k", 1), mrp_loss=getattr(args, "mrp_loss", "kd_diff_sum"),
+        kd_precision=getattr(args, "kd_precision", TrainConfig().kd_precision),
         num_mrp_layers=getattr(args, "mrp_layers", 3), mrp_init=getattr(args, "mrp_init", "default"),
         mrp_init_std=getattr(args, "mrp_init_std", 0.2),
         extra={"argv": sys.argv[1:]},
@@ -247,7 +256,8 @@ def run_eval(args) -> dict:
     records = _model_records(args, "held-out data", heldout=True)
     cfg = TrainConfig(mode="mrp", seq_len=args.seq_len, block_size=_model_block_size(args),
                       micro_batch_size=args.micro_batch_size, eval_batches=args.eval_batches, seed=args.seed,
-                      unroll_k=args.unroll_k, mrp_loss=args.mrp_loss, progress=False).validate()
+                      unroll_k=args.unroll_k, mrp_loss=args.mrp_loss, kd_precision=args.kd_precision,
+                      progress=False).validate()
     if cfg.eval_batches < 1:
         raise ConfigError(f"--eval-batches must be >= 1, got {cfg.eval_batches}")
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")

@@ -48,6 +48,7 @@ class TrainConfig:
     # MRP
     unroll_k: int = 1
     mrp_loss: str = "kd_diff_sum"  # "kd_diff_sum" | "direct"
+    kd_precision: str = "tf32"  # the KD loss's lm_head GEMMs: "fp32" | "tf32" (CUDA; fp32 elsewhere) | "bf16"
     num_mrp_layers: int = 3
     mrp_init: str = "default"  # "default" (the model's own init) | "normal" (N(0, mrp_init_std))
     mrp_init_std: float = 0.2
@@ -82,6 +83,8 @@ class TrainConfig:
         need(self.unroll_k >= 1, f"--unroll-k (K) must be >= 1, got {self.unroll_k}")
         need(self.mrp_loss in ("kd_diff_sum", "direct"),
              f"--mrp-loss must be 'kd_diff_sum' or 'direct', got {self.mrp_loss!r}")
+        need(self.kd_precision in ("fp32", "tf32", "bf16"),
+             f"--kd-precision must be 'fp32', 'tf32' or 'bf16', got {self.kd_precision!r}")
         need(self.num_mrp_layers >= 1, f"--mrp-layers must be >= 1, got {self.num_mrp_layers}")
         need(self.mrp_init in ("default", "normal"), f"--mrp-init must be 'default' or 'normal', got {self.mrp_init!r}")
         need(self.mrp_init_std > 0, f"--mrp-init-std must be > 0, got {self.mrp_init_std}")

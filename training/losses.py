@@ -93,6 +93,7 @@ def mrp_loss_sum(
     unroll_k: int = 1,
     loss_type: str = "kd_diff_sum",
     agreement: bool = False,
+    kd_precision: str = "fp32",
 ):
     """MRP distillation (method.md section 4), averaged over a K-step unroll.
 
@@ -109,7 +110,7 @@ def mrp_loss_sum(
     Loss_k = sum over positions still masked in state_k of KL(teacher || student) / p.
     Gradients flow through the whole unroll (acc / h_p chain) into the MRP only. Teacher and
     student logits are computed in fp32 (also under bf16 autocast), chunk by chunk
-    (:func:`training.kd_loss.kd_loss_sum`: no [n, V] tensor is kept for backward).
+    (:func:`training.kd_loss.kd_loss_sum`: no [n, V] tensor is kept for backward), their GEMMs at ``kd_precision``.
 
     Returns ``(sum_k Loss_k / K, stats)``; with ``agreement`` the stats also hold, per unroll step k, the
     counts of :func:`draft_agreement` (``"agreement"``: a list of K dicts).
@@ -162,9 +163,10 @@ def mrp_loss_sum(
         sel = state_mask
         if bool(sel.any()):
             head = model.lm_head.weight
-            total = total + kd_loss_sum(student[sel], h_b[sel], head, w[sel])
+            total = total + kd_loss_sum(student[sel], h_b[sel], head, w[sel], precision=kd_precision)
             if agreement:
-                tops = [top_choices(h[sel], head, mask_token_id) for h in (h_b, student.detach())]
+                tops = [top_choices(h[sel], head, mask_token_id, precision=kd_precision)
+                        for h in (h_b, student.detach())]
                 agreements.append(draft_agreement(*tops, sel, block_size))
         else:
             total = total + student.sum() * 0.0  # keep the graph connected (DDP needs every grad)

@@ -148,7 +148,8 @@ class LossModule(nn.Module):
             num, stats = backbone_loss_sum(self.model, ids, masked, p, am, self.mask_token_id)
         else:
             num, stats = mrp_loss_sum(self.model, ids, masked, p, am, self.mask_token_id, self.cfg.block_size,
-                                      gens, self.cfg.unroll_k, self.cfg.mrp_loss, agreement=with_stats)
+                                      gens, self.cfg.unroll_k, self.cfg.mrp_loss, agreement=with_stats,
+                                      kd_precision=self.cfg.kd_precision)
         return (num, stats) if with_stats else num
 
 
