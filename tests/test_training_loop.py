@@ -74,6 +74,29 @@ def test_loss_falls(env, tmp_path, mode, kw):
     assert any("eval_loss" in x for x in lines)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast is the trainer's on CUDA")
+def test_cuda_mrp_training_keeps_bf16_valued_projections_in_bf16_and_exports_them_as_loaded(env, tmp_path):
+    model = _model(env, "mrp")
+    with torch.no_grad():
+        for prm in model.parameters():
+            if not prm.requires_grad:
+                prm.copy_(prm.to(torch.bfloat16))  # what a bf16 checkpoint loaded in fp32 holds
+    model.cuda()
+    frozen = {n: q.detach().clone() for n, q in model.named_parameters() if not q.requires_grad}
+    seen = []
+
+    def exported(m):
+        seen.append({n: q.dtype for n, q in m.named_parameters()})
+
+    def during(step, rec):
+        seen.append(model.model.layers[0].self_attn.q_proj.weight.dtype)
+
+    train(_cfg(tmp_path, "mrp", max_steps=2), model, env["train"], export=exported, callbacks=[during],
+          device=torch.device("cuda"))
+    assert seen[:2] == [torch.bfloat16] * 2 and set(seen[2].values()) == {torch.float32}
+    assert all(torch.equal(q, frozen[n]) for n, q in model.named_parameters() if n in frozen)
+
+
 class Crash(RuntimeError):
     pass
 

@@ -338,6 +338,56 @@ def test_the_kd_precision_reaches_every_lm_head_gemm(setup, kd_precision):
     assert {precision for _, precision in seen} == {kd_precision}
 
 
+def test_frozen_projections_in_bf16_change_nothing_under_bf16_autocast(setup):
+    """A backbone holding bf16 values (a bf16 checkpoint loaded in fp32): with its frozen projections stored in
+    bf16, an MRP training step under bf16 autocast gives the same loss and head gradients as with them in fp32;
+    only the backbone's decoder-layer projections convert, and restoring gives back the very weights."""
+    from torch import nn
+
+    from training.models import freeze_all_but_mrp, frozen_projections_in_bf16, restore_dtypes
+    from training.trainer import LossModule
+
+    tok, train = setup
+    model = tiny_backbone(tok)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.copy_(prm.to(torch.bfloat16))
+    model.add_mrp_head(1)
+    freeze_all_but_mrp(model)
+    before = {n: q.detach().clone() for n, q in model.named_parameters()}
+    lm = LossModule(model, TrainConfig(mode="mrp", seq_len=T, block_size=BS, unroll_k=2), tok.mask_token_id)
+    ids, isp, seeds = _batch(train, n=2)
+    results = []
+    for lowered in (False, True):
+        converted = frozen_projections_in_bf16(model) if lowered else []
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm(ids, isp, seeds)
+        loss.backward()
+        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}))
+    backbone_linears = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
+    assert [m for m, _ in converted] == backbone_linears and len(backbone_linears) == 7 * len(model.model.layers)
+    assert {n for n, q in model.named_parameters() if q.dtype == torch.bfloat16} == \
+        {n for n in before if n.startswith("model.layers.") and n.endswith("proj.weight")}
+    (want, want_grads), (got, got_grads) = results
+    assert torch.equal(got, want) and got_grads.keys() == want_grads.keys() and want_grads
+    for name in want_grads:
+        assert torch.equal(got_grads[name], want_grads[name]), name
+    restore_dtypes(converted)
+    assert all(q.dtype == torch.float32 and torch.equal(q, before[n]) for n, q in model.named_parameters())
+
+
+def test_projections_bf16_cannot_hold_stay_fp32(setup):
+    from training.models import freeze_all_but_mrp, frozen_projections_in_bf16
+
+    tok, _ = setup
+    model = tiny_backbone(tok)  # fp32 values
+    model.add_mrp_head(1)
+    freeze_all_but_mrp(model)
+    assert frozen_projections_in_bf16(model) == []
+    assert all(q.dtype == torch.float32 for q in model.parameters())
+
+
 @pytest.mark.parametrize("loss_type,K", [("kd_diff_sum", 2), ("direct", 1)])
 def test_only_mrp_gets_gradients(setup, tmp_path, loss_type, K):
     from training.models import freeze_all_but_mrp

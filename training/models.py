@@ -3,6 +3,8 @@
 - :func:`build_backbone`: a fresh SDAR backbone (no MRP head) from size flags and a tokenizer.
 - :func:`prepare_mrp_model`: load a backbone (or a model with an MRP head, to continue), attach
   a D-layer MRP head if needed, freeze everything else (embeddings and lm_head included).
+- :func:`frozen_projections_in_bf16`: under bf16 autocast, keep the frozen backbone's projection weights in bf16
+  when they are bf16 numbers already (same forward, half their memory, no cast at every use).
 
 MRP initialisation (``--mrp-init``): ``default`` is the model's own init (transformers' normal
 with ``initializer_range`` for linear weights, ones for norms); ``normal`` re-draws every 2-D
@@ -95,3 +97,30 @@ def prepare_mrp_model(model_dir: str, num_layers: int, init: str = "default", in
         model.to(device)
     freeze_all_but_mrp(model)
     return model
+
+
+def frozen_projections_in_bf16(model: nn.Module) -> list[tuple[nn.Linear, torch.dtype]]:
+    """Store in bf16 the frozen backbone's decoder-layer projections (q/k/v/o, gate/up/down) whose weights hold bf16
+    numbers already (a bf16 checkpoint loaded in fp32, as the released ones are). bf16 autocast casts each such weight
+    to bf16 at every use, to these very values (frozen weights are not in its cast cache), so a forward under it
+    computes the same while the weights take half the memory and no forward re-reads them in fp32 to cast them.
+    Embeddings, norms, the lm_head (the KD loss reads it at ``--kd-precision``) and the MRP head keep their dtype; a
+    projection with a value bf16 cannot hold is left as it is. Returns the converted modules with their dtype before,
+    for :func:`restore_dtypes` (before saving the model)."""
+    converted = []
+    for module in model.model.layers.modules():
+        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
+            continue
+        tensors = [t for t in (module.weight, module.bias) if t is not None]
+        if module.weight.dtype == torch.bfloat16 or not all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype))
+                                                             for t in tensors):
+            continue
+        converted.append((module, module.weight.dtype))
+        module.to(torch.bfloat16)
+    return converted
+
+
+def restore_dtypes(converted: list[tuple[nn.Linear, torch.dtype]]) -> None:
+    """Undo :func:`frozen_projections_in_bf16` (exactly: the values were bf16 numbers)."""
+    for module, dtype in converted:
+        module.to(dtype)

@@ -9,7 +9,8 @@
   and N processes with the same global batch compute the same gradient.
 - Noise is drawn per sample from ``(seed, step, dataset index)`` (see :mod:`training.noising`).
 - AdamW; linear warmup then cosine decay to ``min_lr_ratio * lr``; grad-norm clipping;
-  bf16 autocast on CUDA; tqdm bar (loss, lr, tokens/s) and ``metrics.jsonl`` on rank 0;
+  bf16 autocast on CUDA (MRP training keeps the frozen backbone's projections in bf16 when they hold bf16
+  values: :func:`training.models.frozen_projections_in_bf16`); tqdm bar (loss, lr, tokens/s) and ``metrics.jsonl`` on rank 0;
   held-out loss every ``eval_every`` steps (fixed noise, so values are comparable).
 - Checkpoints ``checkpoints/step_XXXXXXXX.pt`` are written to a temp file, fsynced and
   ``os.replace``d; they hold the trainable weights (for MRP: the MRP head only, the frozen
@@ -42,6 +43,7 @@ from torch import nn
 from .config import ConfigError, TrainConfig
 from .data import PackedDataset
 from .losses import AGREEMENT_COUNTS, backbone_loss_sum, mrp_loss_sum
+from .models import frozen_projections_in_bf16, restore_dtypes
 from .noising import BlockDiffusionMasks, make_generators, sample_mask, sample_seed
 
 CKPT_DIR = "checkpoints"
@@ -277,8 +279,13 @@ def check_only_trainable_grads(model: nn.Module, allowed: set[str]) -> None:
             raise AssertionError(f"parameter {n} is outside the MRP head but has a gradient / requires grad")
 
 
+def _autocasts(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether forwards run under bf16 autocast (CUDA with ``cfg.bf16``)."""
+    return device.type == "cuda" and cfg.bf16
+
+
 def _autocast(cfg: TrainConfig, device: torch.device):
-    if device.type == "cuda" and cfg.bf16:
+    if _autocasts(cfg, device):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -361,6 +368,7 @@ def train(
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total)
 
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    in_bf16 = frozen_projections_in_bf16(model) if cfg.mode == "mrp" and _autocasts(cfg, device) else []
     loss_mod = LossModule(model, cfg, mask_token_id).to(device)
     optim = build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda_factory(total, warmup, cfg.min_lr_ratio))
@@ -500,6 +508,7 @@ def train(
         log({"step": step, **evaluation})
     if cfg.save_every and step % cfg.save_every != 0 and step > start_step:
         save(step)
+    restore_dtypes(in_bf16)
     if rank == 0 and export is not None:
         export(model)
     barrier()
