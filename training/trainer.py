@@ -10,8 +10,8 @@
 - Noise is drawn per sample from ``(seed, step, dataset index)`` (see :mod:`training.noising`).
 - AdamW; linear warmup then cosine decay to ``min_lr_ratio * lr``; grad-norm clipping;
   bf16 autocast on CUDA (MRP training keeps the frozen backbone's projections in bf16 when they hold bf16
-  values: :func:`training.models.frozen_projections_in_bf16`); tqdm bar (loss, lr, tokens/s) and ``metrics.jsonl`` on rank 0;
-  held-out loss every ``eval_every`` steps (fixed noise, so values are comparable).
+  values: :func:`training.models.frozen_projections_in_bf16`); tqdm bar (loss, lr, tokens/s) and
+  ``metrics.jsonl`` on rank 0; held-out loss every ``eval_every`` steps (fixed noise, so values are comparable).
 - Checkpoints ``checkpoints/step_XXXXXXXX.pt`` are written to a temp file, fsynced and
   ``os.replace``d; they hold the trainable weights (for MRP: the MRP head only, the frozen
   backbone is re-read from ``--model``), optimizer, scheduler, RNG states of every rank
