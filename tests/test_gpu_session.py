@@ -35,8 +35,9 @@ def test_every_step_exists_and_parses_within_the_device_call():
     for _, name, _, *command in steps:
         assert command[0] == "python3", name
         if command[1:3] == ["-m", "pytest"]:
-            files = [a for a in command[3:] if a.startswith("tests/")]
-            assert files and all((ROOT / f).is_file() for f in files), name
+            files = [a.partition("::") for a in command[3:] if a.startswith("tests/")]
+            assert files and all((ROOT / f).is_file() for f, _, _ in files), name
+            assert all(f"def {test}(" in (ROOT / f).read_text() for f, _, test in files if test), name
         else:
             args = _benchmark(ROOT / command[1]).parse_args(command[2:])
             assert str(args.out) == "OUT", name
