@@ -71,22 +71,25 @@ def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, sk_t, sv_t, sp_t, t, row_mask
                 BLOCK_N: tl.constexpr):
     """The online-softmax updates of queries q (positions ``t``) with the T new keys/values of their row and
     key/value head (k_ptr, v_ptr, pos_ptr at them): block-causal, within a segment or from a shared (negative)
-    one."""
+    one. A tile of keys whose blocks all lie after every query's is skipped (half the tiles of a long prefill):
+    its keys would add exp(-inf) = 0 to every sum, so the result is the same bit for bit."""
     q_block = tl.load(pos_ptr + t * sp_t, mask=row_mask, other=0) // block_size
+    last_block = tl.max(tl.where(row_mask, q_block, -1), axis=0)
     if HAS_SEG:
         q_seg = tl.load(seg_ptr + t, mask=row_mask, other=-1)
     for start in range(0, T, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_mask = cols < T
         k_block = tl.load(pos_ptr + cols * sp_t, mask=col_mask, other=0) // block_size
-        valid = col_mask[None, :] & (k_block[None, :] <= q_block[:, None])
-        if HAS_SEG:
-            k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=0)
-            valid = valid & ((k_seg[None, :] == q_seg[:, None]) | (k_seg[None, :] < 0))
-        tile_mask = col_mask[:, None] & dim_mask[None, :]
-        kt = tl.load(k_ptr + cols[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
-        vt = tl.load(v_ptr + cols[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
-        m_i, l_i, acc = _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32, IEEE)
+        if tl.min(tl.where(col_mask, k_block, last_block + 1), axis=0) <= last_block:
+            valid = col_mask[None, :] & (k_block[None, :] <= q_block[:, None])
+            if HAS_SEG:
+                k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=0)
+                valid = valid & ((k_seg[None, :] == q_seg[:, None]) | (k_seg[None, :] < 0))
+            tile_mask = col_mask[:, None] & dim_mask[None, :]
+            kt = tl.load(k_ptr + cols[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
+            vt = tl.load(v_ptr + cols[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
+            m_i, l_i, acc = _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32, IEEE)
     return m_i, l_i, acc
 
 

@@ -26,14 +26,15 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 def problems(draw):
     """A decoding forward: B rows with their own committed lengths in a cache of width W (a slice of a
     wider buffer, as the KV cache hands it out), T new positions past each row's prefix, as one block,
-    a finished block plus the next (fused commit), K+1 candidate copies of a block (segments), or a finished
-    block (shared segment -1) plus K+1 copies of the next."""
+    a finished block plus the next (fused commit), K+1 candidate copies of a block (segments), a finished
+    block (shared segment -1) plus K+1 copies of the next, or a prefill of several blocks (more keys than one
+    tile: the query tiles of early blocks skip the key tiles of later ones)."""
     B, Hkv, group = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     D = draw(st.sampled_from([8, 13, 16, 32]))
     block = draw(st.sampled_from([1, 4, 8, 16]))
-    kind = draw(st.sampled_from(["block", "commit", "copies", "commit+copies"]))
+    kind = draw(st.sampled_from(["block", "commit", "copies", "commit+copies", "prefill"]))
     copies = draw(st.integers(2, 4)) if kind.endswith("copies") else 1
-    n_blocks = 2 if kind == "commit" else 1
+    n_blocks = {"commit": 2, "prefill": -(-draw(st.integers(65, 160)) // block)}.get(kind, 1)
     lengths = torch.tensor([draw(st.integers(0, 5)) * block for _ in range(B)])
     W = int(lengths.max()) + draw(st.integers(0, 20))
     starts = lengths[:, None] + torch.arange(n_blocks * block)
