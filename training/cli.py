@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import KD_PRECISIONS, ConfigError, TrainConfig
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def _stdlib_args(p: argparse.ArgumentParser, default_manifest: str) -> argparse.
 
 
 def _kd_precision_arg(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--kd-precision", choices=("fp32", "tf32", "bf16"), default=TrainConfig().kd_precision,
+    g.add_argument("--kd-precision", choices=KD_PRECISIONS, default=TrainConfig().kd_precision,
                    help="the KD loss's lm_head GEMMs: exact fp32, TF32 tensor cores (CUDA; fp32 elsewhere), or bf16 "
                    "inputs with fp32 accumulation; the logits and softmax are fp32 in every case")
 

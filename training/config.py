@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .kd_loss import PRECISIONS as KD_PRECISIONS
+
 
 class ConfigError(ValueError):
     """A bad training configuration; the message names the flag to fix."""
@@ -83,7 +85,7 @@ class TrainConfig:
         need(self.unroll_k >= 1, f"--unroll-k (K) must be >= 1, got {self.unroll_k}")
         need(self.mrp_loss in ("kd_diff_sum", "direct"),
              f"--mrp-loss must be 'kd_diff_sum' or 'direct', got {self.mrp_loss!r}")
-        need(self.kd_precision in ("fp32", "tf32", "bf16"),
+        need(self.kd_precision in KD_PRECISIONS,
              f"--kd-precision must be 'fp32', 'tf32' or 'bf16', got {self.kd_precision!r}")
         need(self.num_mrp_layers >= 1, f"--mrp-layers must be >= 1, got {self.num_mrp_layers}")
         need(self.mrp_init in ("default", "normal"), f"--mrp-init must be 'default' or 'normal', got {self.mrp_init!r}")
