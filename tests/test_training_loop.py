@@ -69,13 +69,17 @@ def test_loss_falls(env, tmp_path, mode, kw):
             assert len(res[name]) == 2 and all(0 <= a <= 1 for a in res[name] + before[name])
             assert sum(res[name]) > sum(before[name]), (name, before[name], res[name])
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert lines[0] == {"step": 0, "setup": {
+        "device": "cpu", "world_size": 1, "ops": "reference", "attention": "sdpa", "bf16_autocast": False,
+        "projections_in_bf16": 0, "kd_precision": "tf32" if mode == "mrp" else None, "global_batch": 8,
+        "total_steps": 40, "torch": torch.__version__}}
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, 41))
     assert all({"lr", "tokens_per_s", "grad_norm"} <= set(x) for x in lines if "loss" in x)
     assert any("eval_loss" in x for x in lines)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast is the trainer's on CUDA")
-def test_cuda_mrp_training_keeps_bf16_valued_projections_in_bf16_and_exports_them_as_loaded(env, tmp_path):
+def test_cuda_mrp_training_keeps_bf16_valued_projections_in_bf16_then_restores_them(env, tmp_path):
     model = _model(env, "mrp")
     with torch.no_grad():
         for prm in model.parameters():
@@ -332,5 +336,7 @@ def test_training_steps_run_the_backward_kernels_under_the_default_dispatch(env,
             train(_cfg(tmp_path / str(kernels), max_steps=1, micro_batch_size=2, eval_every=0),
                   _model(env, "backbone"), env["train"], env["train"])
         assert backward.called == kernels
-        losses.append(json.loads(open(tmp_path / str(kernels) / "metrics.jsonl").readline())["loss"])
+        setup, first = (json.loads(x) for x in open(tmp_path / str(kernels) / "metrics.jsonl").readlines()[:2])
+        assert setup["setup"]["ops"] == ("triton" if kernels else "reference")
+        losses.append(first["loss"])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mrp_triton.backend import select_backend
+
 from .config import ConfigError, TrainConfig
 from .data import PackedDataset
 from .losses import AGREEMENT_COUNTS, backbone_loss_sum, mrp_loss_sum
@@ -130,12 +132,18 @@ class LossModule(nn.Module):
         self.mask_token_id = mask_token_id
         self._mask_cache: dict = {}
 
+    def attention(self, device: torch.device) -> str:
+        """``cfg.attention`` resolved on ``device``: "flex" or "sdpa" (``auto``: flex on CUDA)."""
+        if self.cfg.attention == "auto":
+            return "flex" if device.type == "cuda" else "sdpa"
+        return self.cfg.attention
+
     def attn_masks(self, T: int, device: torch.device) -> BlockDiffusionMasks:
         """The ``[noisy | clean]`` masks of length T (built once per length and device): FlexAttention block masks
-        when ``cfg.attention`` resolves to flex (``auto``: on CUDA), else dense ones for SDPA."""
+        or dense ones for SDPA, as :meth:`attention` says."""
         key = (T, str(device))
         if key not in self._mask_cache:
-            flex = self.cfg.attention == "flex" or (self.cfg.attention == "auto" and device.type == "cuda")
+            flex = self.attention(device) == "flex"
             self._mask_cache[key] = BlockDiffusionMasks.build(T, self.cfg.block_size, device, flex)
         return self._mask_cache[key]
 
@@ -411,6 +419,12 @@ def train(
         if rank == 0 and os.path.exists(metrics_path):
             os.remove(metrics_path)
 
+    setup = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+             "world_size": world, "ops": select_backend(device, backward=True), "attention": loss_mod.attention(device),
+             "bf16_autocast": _autocasts(cfg, device), "projections_in_bf16": len(in_bf16),
+             "kd_precision": cfg.kd_precision if cfg.mode == "mrp" else None, "global_batch": G, "total_steps": total,
+             "torch": torch.__version__}
+
     ddp = None
     if world > 1:
         ddp = nn.parallel.DistributedDataParallel(
@@ -435,6 +449,10 @@ def train(
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+
+    log({"step": start_step, "setup": setup})  # what this run (or its resumption) runs on
+    if rank == 0 and cfg.progress:
+        print(f"mrp-train {cfg.mode}: {json.dumps(setup)}", file=sys.stderr)
 
     try:
         from tqdm.auto import tqdm
