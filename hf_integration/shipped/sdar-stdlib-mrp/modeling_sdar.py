@@ -126,8 +126,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 @functools.cache
 def _compiled_flex_attention():
-    """``flex_attention`` compiled once per process (each new shape of its inputs compiles a kernel on first use)."""
-    return torch.compile(flex_attention, dynamic=False)
+    """``flex_attention`` compiled once per process. Training calls it with a few shapes (2T or T queries, with and
+    without grad, a smaller last held-out batch): after the first recompile torch.compile treats the sizes that
+    changed as dynamic, which keeps these within its recompile limit (past it, dynamo would run the eager
+    fallback, which writes every head's scores)."""
+    return torch.compile(flex_attention)
 
 
 class SDARAttention(nn.Module):
