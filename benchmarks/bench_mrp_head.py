@@ -406,6 +406,7 @@ def main(argv=None) -> int:
             del E
             for B, T in train_attention:
                 shape = f"{mname} B={B} 2T={2 * T} {Hq}q/{Hkv}kv D={D} block={attention_block}"
+                torch._dynamo.reset()  # each shape compiled as a training run's first (static) one
                 q, k, v = (leaf(B, h, 2 * T, D).requires_grad_(cuda) for h in (Hq, Hkv, Hkv))
                 cotangent = torch.randn_like(q)
                 masks = {flex: BlockDiffusionMasks.build(T, attention_block, dev, flex).full for flex in (False, True)}
