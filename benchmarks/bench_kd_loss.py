@@ -150,21 +150,8 @@ def measure(provider: str, n: int, H: int, V: int, reps: int, rows_file: str | N
             "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        provider, n = args.child.split(",")
-        print(json.dumps(measure(provider, int(n), args.hidden, args.vocab, args.reps, args.rows_file)))
-        return 0
-    sizes, source = [int(r) for r in args.rows.split(",")], []
-    if args.model:
-        import torch
-
-        rows_file = str(Path(tempfile.mkdtemp()) / "rows.pt")
-        record_model_rows(args.model, args.batches, rows_file)
-        student, _, weight, _ = torch.load(rows_file)
-        sizes, (args.vocab, args.hidden) = [student.shape[0]], weight.shape
-        source = ["--rows-file", rows_file]
+def measure_providers(args, sizes: list[int], source: list[str]) -> list[dict]:
+    """Each provider at each number of rows, in a process of its own (``source``: the child's row arguments)."""
     rows = []
     for n in sizes:
         for provider in PROVIDERS:
@@ -180,6 +167,26 @@ def main(argv=None) -> int:
             print(f"rows={n:5d} H={args.hidden} V={args.vocab} {provider:12s} {row['median_ms']:9.1f} ms "
                   f"peak +{row['peak_mb']:8.0f} MB  err loss {row['loss_rel_err']:.1e} grad {row['grad_rel_err']:.1e}"
                   f"  ({row['device']})")
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        provider, n = args.child.split(",")
+        print(json.dumps(measure(provider, int(n), args.hidden, args.vocab, args.reps, args.rows_file)))
+        return 0
+    if args.model:
+        import torch
+
+        with tempfile.TemporaryDirectory() as tmp:
+            rows_file = str(Path(tmp) / "rows.pt")
+            record_model_rows(args.model, args.batches, rows_file)
+            student, _, weight, _ = torch.load(rows_file)
+            args.vocab, args.hidden = weight.shape
+            rows = measure_providers(args, [student.shape[0]], ["--rows-file", rows_file])
+    else:
+        rows = measure_providers(args, [int(r) for r in args.rows.split(",")], [])
     if not rows:
         return 1
     stem = "kd_loss_" + ("cuda" if rows[0]["device"] != "cpu" else "cpu") + (f"_{args.tag}" if args.tag else "")

@@ -49,6 +49,18 @@ def _batch(train, n=6, seed=0):
     return ids, isp, seeds
 
 
+def _grads(model, trained_only: bool = True) -> dict:
+    """Copies of the parameters' gradients by name: of every trained parameter, or of those that got one."""
+    return {n: q.grad.clone() for n, q in model.named_parameters()
+            if (q.requires_grad if trained_only else q.grad is not None)}
+
+
+def _assert_grads_close(got: dict, want: dict, rtol: float, atol_scale: float) -> None:
+    """Each gradient within rtol and ``atol_scale`` x its largest magnitude in ``want``."""
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=rtol, atol=atol_scale * float(w.abs().max()), msg=name)
+
+
 @pytest.mark.parametrize("K", [1, 2, 3])
 def test_exact_residual_gives_zero_kd(setup, K):
     tok, train = setup
@@ -233,13 +245,12 @@ def test_loss_and_head_gradients_equal_whole_forwards(setup, loss_type, K):
             else fn(model, ids, masked, p, masks.full, tok.mask_token_id, gens, K, loss_type)
         loss = loss[0] if isinstance(loss, tuple) else loss
         loss.backward()
-        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.requires_grad}))
+        results.append((loss.detach(), _grads(model)))
     (got, got_grads), (want, want_grads) = results
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert got_grads.keys() == want_grads.keys() and any(g.abs().sum() > 0 for g in want_grads.values())
-    for name in want_grads:
-        want = want_grads[name]  # the norms compute in fp32 (Qwen3's), so the sums of shared paths round there
-        torch.testing.assert_close(got_grads[name], want, rtol=1e-6, atol=1e-6 * float(want.abs().max()), msg=name)
+    # the norms compute in fp32 (Qwen3's), so the sums of shared paths round there
+    _assert_grads_close(got_grads, want_grads, rtol=1e-6, atol_scale=1e-6)
 
 
 @pytest.mark.triton
@@ -267,12 +278,11 @@ def test_head_gradients_through_the_backward_kernels_equal_the_reference(setup):
             loss = mrp_loss_sum(model, ids, masked, p, masks, tok.mask_token_id, BS, gens, 2)[0]
             assert (KERNEL_BACKWARDS | {"_MRPInputBackward"} <= backward_nodes(loss)) == kernels
             loss.backward()
-        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.requires_grad}))
+        results.append((loss.detach(), _grads(model)))
     (want, want_grads), (got, got_grads) = results
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got_grads.keys() == want_grads.keys() and all(g.abs().sum() > 0 for g in want_grads.values())
-    for name, want in want_grads.items():
-        torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
+    _assert_grads_close(got_grads, want_grads, rtol=1e-4, atol_scale=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["backbone", "mrp"])
@@ -303,12 +313,11 @@ def test_flex_attention_gives_the_sdpa_loss(setup, mode):
             loss = lm(ids.to(device), isp, seeds)
             if loss.requires_grad:
                 loss.backward()
-        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}))
+        results.append((loss.detach(), _grads(model, trained_only=False)))
     (want, want_grads), (got, got_grads) = results
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got_grads.keys() == want_grads.keys() and (device == "cpu") == (not want_grads)
-    for name, want in want_grads.items():
-        torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
+    _assert_grads_close(got_grads, want_grads, rtol=1e-4, atol_scale=1e-5)
 
 
 @pytest.mark.parametrize("kd_precision", ["fp32", "bf16"])
@@ -364,7 +373,7 @@ def test_frozen_projections_in_bf16_change_nothing_under_bf16_autocast(setup):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = lm(ids, isp, seeds)
         loss.backward()
-        results.append((loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}))
+        results.append((loss.detach(), _grads(model, trained_only=False)))
     backbone_linears = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
     assert [m for m, _ in converted] == backbone_linears and len(backbone_linears) == 7 * len(model.model.layers)
     assert {n for n, q in model.named_parameters() if q.dtype == torch.bfloat16} == \

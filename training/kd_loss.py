@@ -77,11 +77,12 @@ def _tf32_on(device: torch.device, on: bool):
 
 class _LMHead:
     """The frozen lm_head W [V, H] as one call's GEMMs read it: ``logits(x [n, H]) -> [n, V]`` and
-    ``back(c [n, V]) -> [n, H]`` (= c @ W), both in ``dtype`` (the compute dtype); with ``bf16`` their inputs
-    rounded to bf16 first (see the module's ``precision``)."""
+    ``back(c [n, V]) -> [n, H]`` (= c @ W), both in ``dtype`` (the compute dtype); at ``precision`` bf16 (fp32
+    compute only) their inputs rounded to bf16 first (see the module's ``precision``)."""
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, bf16: bool):
-        self.dtype, self.bf16 = dtype, bf16
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, precision: str):
+        self.dtype = dtype
+        self.bf16 = bf16 = precision == "bf16" and dtype == torch.float32
         self.fused = bf16 and weight.is_cuda  # one GEMM of bf16 operands with an fp32 output
         w = weight.to(torch.bfloat16) if bf16 else weight.to(dtype)
         self.w = w if self.fused or not bf16 else w.float()  # the rounded values, multiplied in fp32
@@ -99,10 +100,6 @@ class _LMHead:
     def back(self, c: torch.Tensor) -> torch.Tensor:
         c = self._operand(c)
         return torch.mm(c, self.w, out_dtype=torch.float32) if self.fused else c @ self.w
-
-
-def _lm_head(weight: torch.Tensor, dtype: torch.dtype, precision: str) -> _LMHead:
-    return _LMHead(weight, dtype, bf16=precision == "bf16" and dtype == torch.float32)
 
 
 def _check(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, row_weights: torch.Tensor,
@@ -124,7 +121,7 @@ class _ChunkedKD(torch.autograd.Function):
         dt = _compute_dtype(student.dtype)
         ctx.student_dtype = student.dtype
         with _no_autocast(student.device), _tf32_on(student.device, precision == "tf32"):
-            head = _lm_head(weight, dt, precision)
+            head = _LMHead(weight, dt, precision)
             grad = torch.empty(student.shape, dtype=dt, device=student.device) if want_grad else None
             total = torch.zeros((), dtype=dt, device=student.device)
             for rows in _chunks(student.shape[0], chunk_rows):
@@ -180,7 +177,7 @@ def top_choices(hidden: torch.Tensor, weight: torch.Tensor, mask_token_id: int,
     rows_per_chunk = default_chunk_rows(weight.shape[0]) if chunk_rows is None else chunk_rows
     dt = _compute_dtype(hidden.dtype)
     with _no_autocast(hidden.device), _tf32_on(hidden.device, precision == "tf32"):
-        head = _lm_head(weight, dt, precision)
+        head = _LMHead(weight, dt, precision)
         parts = [top_choice(head.logits(hidden[rows]), mask_token_id)
                  for rows in _chunks(hidden.shape[0], rows_per_chunk)]
     if not parts:
