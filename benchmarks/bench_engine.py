@@ -14,9 +14,11 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     Whole decoding steps as ``generate`` runs them (``BlockDecoder.step``, one graph each with graphs on):
     ``static step`` = the plain forward + LM-head pick + commit + stats; ``speculative round K=3`` = three
     MRP draft steps with their LM-head picks, the verify forward over 4 copies, its picks, verification and
-    acceptance. ``ratio`` = over the static step. ``+ commit``: the same step carrying another block's commit
-    (the finished block in front of the step's forward, as when rows of a batch move on to their next
-    block at different steps, ``per_row_blocks``); ``ratio`` = over the step alone.
+    acceptance. ``ratio`` = over the static step. ``+ commit``: the same step carrying every row's finished
+    block in front of its forward (as when the rows of a batch move on to their next block at the same step);
+    ``+ commit of one row`` (batch > 1): only one row's (as when they move on at different steps,
+    ``per_row_blocks``: a ragged forward, the other rows' finished positions not computed); ``ratio`` = over the
+    step alone.
 ``unpacked``
     The plain forward and the static whole step again, graphed, with each q/k/v and gate/up projection as a GEMM
     of its own (``packed_projections=False``; decoding packs each group into one GEMM): ``ratio`` = over the
@@ -227,6 +229,8 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     returns their medians (us)."""
     import torch
 
+    from hf_integration.decoding import PendingCommit
+
     dec = steps.make_decoder(model, B, prefix, T, seed, cuda_graphs=graphs)
     ids, pos = steps.query(dec, T, seed)
     h_a = dec.backbone(ids, pos)
@@ -248,12 +252,19 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     q = _time_step(bench, dec, whole, "speculate")
     spec_round_us = record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", provider, q,
                            ratio=q[0] / static, ratio_to="static step")
-    # A finished block riding in front (committed for no row, so the cache stays as it is: the same work).
-    riding = (ids.clone(), pos + T, False, torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device))
+    # A finished block riding in front, for every row and (a ragged forward) for one row of the batch; committed
+    # for no row, so the cache stays as it is: the same work at every repetition.
+    B = ids.shape[0]
+    ridings = {"": torch.arange(B, device=ids.device)}
+    if B > 1:
+        ridings[" of one row"] = torch.zeros(1, dtype=torch.long, device=ids.device)
     for name, label, alone in (("denoise", "static step", static),
                                ("speculate", f"speculative round K={dec.settings.mrp_steps}", spec_round_us)):
-        q = _time_step(bench, dec, whole, name, riding)
-        record("whole_step", f"{tag} {label} + commit", provider, q, ratio=q[0] / alone, ratio_to=label)
+        for which, riders in ridings.items():
+            riding = PendingCommit(ids.clone(), pos + T, False, torch.zeros(B, dtype=torch.bool, device=ids.device),
+                                   riders)
+            q = _time_step(bench, dec, whole, name, riding)
+            record("whole_step", f"{tag} {label} + commit{which}", provider, q, ratio=q[0] / alone, ratio_to=label)
     return {"plain": plain, "verify": verify, "mrp": mrp, "static_step": static, "round": spec_round_us}
 
 

@@ -6,11 +6,12 @@ it denoises its current block with the chosen strategy and moves on to its next 
 full, while the other rows of the batch go on with theirs (rows of one forward sit at different positions over
 caches of different lengths; the attention masks derive from the per-row lengths). A finished block's
 keys/values (and the MRP head's) are written by the row's next forward (``fuse_commit``: the finished block
-rides in front of the next block, or of its K+1 candidate copies) or by a forward of their own; rows that commit
-nothing in that forward write past their length and do not advance. The host checks which rows are full (one
-synchronisation) only after as many steps as surely leave every row with work (:class:`Strategy`; with
-``device_loop``, and the steps that may have work after them in one graph, each run while no row has filled its
-block, tested on the device); a row finishes once it has produced an EOS or filled its last block and leaves the
+rides in front of the next block, or of its K+1 candidate copies) or by a forward of their own; only the
+committing rows' finished positions are computed (a ragged forward, :class:`PendingCommit`; with CUDA graphs,
+up to a batch bucket of rows: the others write past their length and do not advance). The host checks which
+rows are full (one synchronisation) only after as many steps as surely leave every row with work
+(:class:`Strategy`; with ``device_loop``, and the steps that may have work after them in one graph, each run
+while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or filled its last block and leaves the
 batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller batch bucket: until then it
 rides along as padding). Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on
 replays each kind of step (forwards and decisions) as one graph.
@@ -38,6 +39,28 @@ from .prompts import PromptBatch
 from .step_graphs import conditional_nodes_supported, run_if
 from .stop_strings import StopStrings
 from .streaming import BlockStream
+
+
+@dataclass
+class PendingCommit:
+    """Finished blocks waiting for their keys and values to be written (by the rows' next forward with
+    ``fuse_commit``, else by a forward of their own).
+
+    ids, positions: [B, n] (rows that do not commit hold positions past their current block: nobody attends to
+    them); counted: a forward of their own is charged to the committing rows as a commit forward; rows: bool [B],
+    the rows that commit; riders: int64 [R], increasing, the rows whose n positions the forward computes: the
+    committing rows and, with CUDA graphs, other rows up to the next batch bucket (few sizes to capture). With
+    R < B the forward is ragged (``AttentionInputs.tokens``): the other rows' n positions cost nothing."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    counted: bool
+    rows: torch.Tensor
+    riders: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """ids, positions, rows, riders: what a captured step takes as inputs."""
+        return self.ids, self.positions, self.rows, self.riders
 
 
 @dataclass
@@ -104,7 +127,7 @@ class BlockDecoder:
             model.lm_head.weight, settings.draft_vocab, self.mask_id, self.engine.draft_rows)
         if settings.draft_candidates:
             self.engine.vocab_mean = refresh_vocab_mean(model.lm_head.weight, self.engine.vocab_mean)
-        self.pending: tuple | None = None  # finished blocks whose commit waits for the next forward
+        self.pending: PendingCommit | None = None  # finished blocks whose commit waits for the next forward
         self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
         self.all_fresh = True  # every working row is at the start of a block (host)
         self.steps_launched = 0  # steps launched one by one
@@ -146,9 +169,10 @@ class BlockDecoder:
         return self.engine.stats
 
     # ---------------------------------------------------------------------------------- forwards
-    def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0):
+    def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0,
+              tokens: torch.Tensor | None = None):
         return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
-                               block_size=self.block, packed=self.packed, rope=self.engine.rope)
+                               block_size=self.block, packed=self.packed, rope=self.engine.rope, tokens=tokens)
 
     def graphed(self, key: tuple, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = (), branches: bool = False):
         """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of ``key`` + the input shapes (see
@@ -158,12 +182,25 @@ class BlockDecoder:
         return self.graphs.run((*key, *(tuple(t.shape) for t in inputs)), fn, *inputs, mutated=mutated,
                                branches=branches)
 
-    def _forward(self, kind: str, write_len: int, fn, *inputs: torch.Tensor) -> torch.Tensor:
-        """A forward, graphed by (kind, write_len, input shapes). Forwards that write more than one block (the
+    def _forward(self, kind: str, write_len: int, run, ids: torch.Tensor, positions: torch.Tensor,
+                 *inputs: torch.Tensor, segments: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
+        """``run(ids, positions, *inputs, attn=...)``, a forward over the cache, graphed by (kind, write_len, which
+        of ``segments`` / ``tokens`` it has, input shapes). Ragged (``tokens``, see ``AttentionInputs``): ``run``
+        gets ids and positions [1, L] at the computed places. Forwards that write more than one block (the
         prefill) run once and are not worth a capture."""
+        optional = {name: t for name, t in (("segments", segments), ("tokens", tokens)) if t is not None}
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor, *values: torch.Tensor):
+            split = len(values) - len(optional)
+            attn = self._attn(positions, write_len=write_len, **dict(zip(optional, values[split:])))
+            if attn.tokens is not None:
+                ids, positions = attn.from_grid(ids), attn.from_grid(positions)
+            return run(ids, positions, *values[:split], attn=attn)
+
+        values = (ids, positions, *inputs, *optional.values())
         if write_len > self.block:
-            return fn(*inputs)
-        return self.graphed((kind, write_len, self.packed), fn, *inputs)
+            return forward(*values)
+        return self.graphed((kind, write_len, self.packed, *optional), forward, *values)
 
     def step(self, name: str, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = ()):
         """One whole decoding step ``fn(*inputs)``: its forwards and the decode ops between them, graphed as
@@ -174,22 +211,23 @@ class BlockDecoder:
         graph, so the commit rides along in the same launch. Only the prefill (longer than a block, once per
         call) runs as it is, each of its forwards graphed on its own."""
         self.steps_launched += 1
-        if self.pending is None:
+        pending = self.pending
+        if pending is None:
             return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
-        done_ids, done_pos, counted, done_rows = self.pending
-        if done_ids.shape[1] > self.block:
+        if pending.ids.shape[1] > self.block:
             return fn(*inputs)
         self.pending = None
 
-        def with_commit(done_ids: torch.Tensor, done_pos: torch.Tensor, done_rows: torch.Tensor,
+        def with_commit(ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, riders: torch.Tensor,
                         *inputs: torch.Tensor):
-            self.pending = (done_ids, done_pos, counted, done_rows)
+            self.pending = PendingCommit(ids, positions, pending.counted, rows, riders)
             output = fn(*inputs)
             self.flush()  # a step that read neither the backbone nor the head still writes the block
             return output
 
-        return self.graphed((name, "commit", counted, self.settings_key), with_commit, done_ids, done_pos,
-                            done_rows, *inputs, mutated=tuple(i + 3 for i in mutated))
+        commit = pending.tensors()
+        return self.graphed((name, "commit", pending.counted, self.settings_key), with_commit, *commit, *inputs,
+                            mutated=tuple(i + len(commit) for i in mutated))
 
     def steps(self, name: str, fn, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
               carry: tuple[int, ...] = ()) -> None:
@@ -224,19 +262,21 @@ class BlockDecoder:
                      branches=True)
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
-                          write_len: int = 0) -> torch.Tensor:
-        def forward(ids, positions, *segments):
-            return self.model.model(ids, positions, attn=self._attn(positions, *segments, write_len=write_len))
+                          write_len: int = 0, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, positions: [B, T] -> h_A [B, T, H]; ragged (``tokens`` [L]): h_A [1, L, H] of the computed places."""
+        def run(ids, positions, attn):
+            return self.model.model(ids, positions, attn=attn)
 
-        return self._forward("backbone", write_len, forward, ids, positions,
-                             *(() if segments is None else (segments,)))
+        return self._forward("backbone", write_len, run, ids, positions, segments=segments, tokens=tokens)
 
     def _mrp_forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                     write_len: int = 0) -> torch.Tensor:
-        def forward(ids, hidden, positions):
-            return self.model.mrp_forward(ids, hidden, positions, attn=self._attn(positions, write_len=write_len))
+                     write_len: int = 0, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, positions: [B, T], hidden: [B, T, H] -> h_p [B, T, H]; ragged (``tokens`` [L]): hidden and h_p
+        are [1, L, H], the computed places only."""
+        def run(ids, positions, hidden, attn):
+            return self.model.mrp_forward(ids, hidden, positions, attn=attn)
 
-        return self._forward("mrp", write_len, forward, ids, hidden, positions)
+        return self._forward("mrp", write_len, run, ids, positions, hidden, tokens=tokens)
 
     def backbone(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                  write_len: int = 0) -> torch.Tensor:
@@ -246,14 +286,11 @@ class BlockDecoder:
         forward (a denoising forward, or the K+1 ``segments`` of a verify forward, which all see them): one
         forward fewer per block, the same keys and values."""
         if self.pending is not None and write_len == 0:
-            done_ids, done_pos, _, done_rows = self.pending
-            self.pending = None
-            n = done_ids.shape[1]
+            pending, self.pending = self.pending, None
             if segments is not None:
-                segments = torch.cat([segments.new_full((n,), -1), segments])
-            hidden = self._write_finished(torch.cat([done_ids, ids], 1), torch.cat([done_pos, positions], 1), n,
-                                          done_rows, segments)
-            return hidden[:, n:]
+                segments = torch.cat([segments.new_full((pending.ids.shape[1],), -1), segments])
+            return self._write_finished(pending, torch.cat([pending.ids, ids], 1),
+                                        torch.cat([pending.positions, positions], 1), segments)
         self.flush()
         return self._backbone_forward(ids, positions, segments, write_len)
 
@@ -266,36 +303,54 @@ class BlockDecoder:
             self.flush()
         return self._mrp_forward(ids, hidden, positions, write_len)
 
-    def _write_finished(self, ids: torch.Tensor, positions: torch.Tensor, n: int, rows: torch.Tensor,
+    def _write_finished(self, pending: PendingCommit, ids: torch.Tensor, positions: torch.Tensor,
                         segments: torch.Tensor | None = None) -> torch.Tensor:
-        """One backbone forward over ids [B, T] whose first n positions are the finished blocks of ``rows``
-        (bool [B]): writes their keys and values (and the MRP head's, from the same h_A), makes them
-        committed for those rows only, and returns h_A [B, T, H]."""
-        hidden = self._backbone_forward(ids, positions, segments, write_len=n)
+        """One backbone forward over ids, positions [B, T] whose first n positions are ``pending``'s finished
+        blocks: writes their keys and values (and the MRP head's, from the same h_A), makes them committed for
+        the committing rows only, and returns h_A of the positions after them, [B, T - n, H]. Only the riders'
+        finished blocks are computed (a ragged forward when they are not every row)."""
+        (B, T), n, R = ids.shape, pending.ids.shape[1], pending.riders.shape[0]
+        if R == B:
+            hidden = self._backbone_forward(ids, positions, segments, write_len=n)
+            finished, rest, tokens = hidden[:, :n], hidden[:, n:], None
+        else:
+            hidden = self._backbone_forward(ids, positions, segments, write_len=n,
+                                            tokens=ride_tokens(pending.riders, n, B, T))
+            finished, rest = hidden[:, : R * n], hidden[0, R * n:].view(B, T - n, hidden.shape[-1])
+            tokens = ride_tokens(pending.riders, n, B, n)
         if self.uses_mrp:
-            self._mrp_forward(ids[:, :n], hidden[:, :n], positions[:, :n], write_len=n)
-        self.cache.advance(n, rows)
-        return hidden
+            self._mrp_forward(pending.ids, finished, pending.positions, write_len=n, tokens=tokens)
+        self.cache.advance(n, pending.rows)
+        return rest
 
     def commit(self, ids: torch.Tensor, positions: torch.Tensor, counted: bool = True,
-               rows: torch.Tensor | None = None) -> None:
-        """Finished positions ids [B, T] of ``rows`` (bool [B]; default all) go to the cache: with the rows'
+               rows: list[bool] | None = None) -> None:
+        """Finished positions ids [B, T] of ``rows`` (host bools [B]; default all) go to the cache: with the rows'
         next forward (``fuse_commit``) or at once (then ``counted`` charges those rows a commit forward).
         Positions of the other rows must lie past their current block (nobody attends to them)."""
         self.flush()
-        self.pending = (ids, positions, counted, torch.ones_like(self.rows, dtype=torch.bool) if rows is None
-                        else rows)
+        rows = [True] * ids.shape[0] if rows is None else rows
+        self.pending = PendingCommit(ids, positions, bool(counted), torch.tensor(rows, device=self.device),
+                                     self._riders(rows))
         if not self.settings.fuse_commit:
             self.flush()
+
+    def _riders(self, rows: list[bool]) -> torch.Tensor:
+        """int64 [R]: the committing ``rows`` and, with CUDA graphs, the first others up to the next batch bucket
+        (:func:`_graphed_batch`), increasing (see :class:`PendingCommit`)."""
+        committing = [i for i, commits in enumerate(rows) if commits]
+        size = len(committing) if self.graphs is None else min(_graphed_batch(len(committing)), len(rows))
+        others = [i for i, commits in enumerate(rows) if not commits]
+        return torch.tensor(sorted(committing + others[: size - len(committing)]), dtype=torch.long,
+                            device=self.device)
 
     def flush(self) -> None:
         """Write pending finished blocks in a forward of their own."""
         if self.pending is not None:
-            ids, positions, counted, rows = self.pending
-            self.pending = None
-            self._write_finished(ids, positions, ids.shape[1], rows)
-            if counted:
-                self.count("commit_forwards", rows)
+            pending, self.pending = self.pending, None
+            self._write_finished(pending, pending.ids, pending.positions)
+            if pending.counted:
+                self.count("commit_forwards", pending.rows)
 
     # --------------------------------------------------------------------------------- decisions
     def mask_among(self, vocab: int) -> int | None:
@@ -526,7 +581,7 @@ class BlockDecoder:
             return
         committing = torch.tensor(switching, device=self.device)
         # The other rows' part of the commit forward lies one block past their own: nobody attends to it.
-        self.commit(block.clone(), torch.where(committing[:, None], positions, positions + T), rows=committing)
+        self.commit(block.clone(), torch.where(committing[:, None], positions, positions + T), rows=switching)
         index = torch.tensor([i for i, switch in enumerate(switching) if switch], dtype=torch.long,
                              device=self.device)
         positions[index] += T
@@ -585,6 +640,16 @@ def _carry_over(inputs: tuple, carry: tuple[int, ...], outputs) -> None:
     """A step's ``outputs`` (one tensor per index in ``carry``) replace those ``inputs`` in place."""
     for i, output in zip(carry, outputs if carry else ()):
         inputs[i].copy_(output)
+
+
+def ride_tokens(riders: torch.Tensor, n: int, rows: int, width: int) -> torch.Tensor:
+    """The places a forward over ``rows`` x ``width`` positions whose first n are finished blocks computes when
+    only the ``riders``' (int64 [R]) finished blocks are computed: int64 [R * n + rows * (width - n)] indices into
+    the flattened [rows, width] grid, the riders' first n places row by row, then every row's other places."""
+    steps = torch.arange(width, device=riders.device)
+    finished = riders[:, None] * width + steps[:n]
+    rest = torch.arange(rows, device=riders.device)[:, None] * width + steps[n:]
+    return torch.cat([finished.flatten(), rest.flatten()])
 
 
 def _graphed_batch(rows: int) -> int:

@@ -156,13 +156,13 @@ class SDARAttention(nn.Module):
         return self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-        """x: [B, T, H], cos/sin: [B, T, head_dim] -> [B, T, H]."""
-        q, k, v = project(x, self.projections, attn.packed)
-        q = rearrange(q, "b t (h d) -> b t h d", d=self.head_dim)
-        k = rearrange(k, "b t (h d) -> b t h d", d=self.head_dim)
-        v = rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
+        """x: [B, T, H], cos/sin: [B, T, head_dim] -> [B, T, H] (a ragged forward, ``attn.tokens``: B = 1, T = L)."""
+        q, k, v = (rearrange(t, "b t (h d) -> b t h d", d=self.head_dim)
+                   for t in project(x, self.projections, attn.packed))
         q, k = mrp_triton.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if attn.tokens is not None:
+            q, k, v = attn.to_grid(q), attn.to_grid(k), attn.to_grid(v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if attn.cache is None:
             if attn.kv_out is not None:
                 attn.kv_out[self.layer_idx] = (k, v)
@@ -177,7 +177,8 @@ class SDARAttention(nn.Module):
                                  attn.write_offsets())
             out = mrp_triton.cached_attention(q, k, v, past_k, past_v, attn.cache.lengths, attn.positions,
                                               attn.block_size, attn.segments)
-        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
+        out = rearrange(out, "b h t d -> b t (h d)")
+        return self.o_proj(out if attn.tokens is None else attn.from_grid(out))
 
 
 class SDARMLP(nn.Module):

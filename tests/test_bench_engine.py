@@ -36,6 +36,11 @@ def test_bench_engine_smoke(tmp_path):
         shapes = {r["shape"] for r in rows if r["kernel"] in ("step", "whole_step") and r["provider"] == "cuda_graph"}
         assert {f"tiny B={batch} plain q=16", f"tiny B={batch} verify copies=4", f"tiny B={batch} mrp D=3",
                 f"tiny B={batch} static step", f"tiny B={batch} speculative round K=3"} <= shapes
+        riding = {f"tiny B={batch} static step + commit", f"tiny B={batch} speculative round K=3 + commit"}
+        if batch > 1:  # and the ragged forward, one row's finished block in front
+            riding |= {f"tiny B={batch} static step + commit of one row",
+                       f"tiny B={batch} speculative round K=3 + commit of one row"}
+        assert riding <= shapes
         unpacked = {r["shape"]: r for r in rows if r["provider"] == "unpacked"}
         assert {f"tiny B={batch} plain q=16", f"tiny B={batch} static step"} <= unpacked.keys()
         assert all(r["ratio"] > 0 and r["ratio_to"] == "packed (cuda_graph)" for r in unpacked.values())

@@ -432,15 +432,10 @@ def test_rows_move_to_their_next_block_without_waiting(model, kwargs):
     the rows start their blocks together: the same output in at least as many steps. (Static and direct
     decoding always start blocks together: every full block takes them the same steps, and an MRP step
     needs its row's backbone forward.)"""
-    lens = [3, 9, 6]
-    rows = [random_prompts(1, n, seed=30 + n)[0] for n in lens]
-    ids = torch.zeros((3, max(lens)), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, -len(r):], mask[b, -len(r):] = r, 1
+    ids, mask = _staggered_prompts()
     alone = []
-    for r in rows:
-        out = model.generate(r[None], max_new_tokens=14, return_dict_in_generate=True, **kwargs)
+    for r, keep in zip(ids, mask.bool()):
+        out = model.generate(r[keep][None], max_new_tokens=14, return_dict_in_generate=True, **kwargs)
         assert out.batch_steps == out.stats.backbone_forwards[0]  # one backbone forward a step
         alone.append(out.batch_steps)
     assert len(set(alone)) > 1, alone
@@ -451,6 +446,59 @@ def test_rows_move_to_their_next_block_without_waiting(model, kwargs):
                               per_row_blocks=False, **kwargs)
     assert torch.equal(together.sequences, out.sequences)
     assert together.batch_steps >= out.batch_steps
+
+
+def _staggered_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of 3, 9 and 6 tokens, left-padded: 1, 3 and 2 masks in their first blocks of 4, so the rows'
+    blocks fill at different steps."""
+    rows = [random_prompts(1, n, seed=30 + n)[0] for n in (3, 9, 6)]
+    ids = torch.zeros((3, 9), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, -len(r):], mask[b, -len(r):] = r, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("kwargs", [k for k in STRATEGIES if k["strategy"] not in ("static", "direct")],
+                         ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_a_riding_commit_computes_only_the_committing_rows_blocks(model, monkeypatch, kwargs, graphs):
+    """Rows that move on at different steps: the forward that carries a finished block computes it for the
+    committing rows only (a ragged forward over R * n + B * T positions; with CUDA graphs R is rounded up to a
+    batch bucket), and gives exactly the output and per-row counts of the padded forward (every row's n
+    positions computed, the old way)."""
+    from hf_integration.decoding import BlockDecoder
+
+    ids, mask = _staggered_prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=14, return_dict_in_generate=True, cuda_graphs=graphs, **kwargs)
+    shapes, original = [], model.model.forward
+
+    def spy(input_ids, *args, attn=None, **kw):
+        shapes.append((tuple(input_ids.shape), attn is not None and attn.tokens is not None))
+        return original(input_ids, *args, attn=attn, **kw)
+
+    monkeypatch.setattr(model.model, "forward", spy)
+    ragged = model.generate(ids, **kw)
+    ragged_shapes = list(shapes)
+    shapes.clear()
+    monkeypatch.setattr(BlockDecoder, "_riders", lambda self, rows: torch.arange(len(rows)))
+    padded = model.generate(ids, **kw)
+    assert torch.equal(ragged.sequences, padded.sequences)
+    for name, value in vars(ragged.stats).items():
+        assert torch.equal(getattr(padded.stats, name), value), name
+    assert len(ragged_shapes) == len(shapes) and not any(r for _, r in shapes)
+    n, ragged_sizes = model.config.block_size, []
+    for (shape, ragged_forward), (padded_shape, _) in zip(ragged_shapes, shapes):
+        if not ragged_forward:
+            assert shape == padded_shape
+            continue
+        rows, width = padded_shape  # [B', n + T]: the finished blocks in front of the step's T positions
+        riders, left = divmod(shape[1] - rows * (width - n), n)
+        assert shape[0] == 1 and left == 0 and 1 <= riders < rows
+        ragged_sizes.append(riders)
+    assert ragged_sizes  # the staggered rows commit one at a time at least once
+    if graphs:
+        assert set(ragged_sizes) <= {1, 2}  # batch buckets of 1 and 2 (4 rows, the graphed batch, ride padded)
 
 
 def test_finished_rows_leave_the_batch(model, monkeypatch):

@@ -106,6 +106,11 @@ class AttentionInputs:
     by layer index the keys and values of positions outside the forward, attended after the forward's own (the
     columns of ``mask`` are the forward's T positions, then these). Training runs the clean half of ``[noisy |
     clean]`` once and the later forwards over the noisy half only this way (``training.losses.mrp_loss_sum``).
+    ``tokens``: with a cache, int64 ``[L]``, the places in the flattened ``[B, T]`` grid of ``positions`` that the
+    forward computes (a ragged forward: the layers carry ``[1, L, ...]``; None = every place). Attention puts
+    queries, keys and values on the grid (:meth:`to_grid`, zeros elsewhere) and takes the computed places' outputs
+    back (:meth:`from_grid`). The caller leaves out only places whose outputs nobody reads and whose keys nobody
+    attends: positions past their row's current block, written (with ``write_len``) only past its committed length.
     """
 
     mask: torch.Tensor | BlockMask | None = None
@@ -118,6 +123,7 @@ class AttentionInputs:
     rope: torch.Tensor | None = None
     kv_out: dict | None = None
     kv_in: dict | None = None
+    tokens: torch.Tensor | None = None
     _write_offsets: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def write_offsets(self) -> torch.Tensor:
@@ -126,3 +132,14 @@ class AttentionInputs:
         if self._write_offsets is None:
             self._write_offsets = self.cache.write_offsets(self.write_len)
         return self._write_offsets
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """A ragged forward's ``x`` [1, L, ...] (one entry per place in ``tokens``) on the [B, T] grid of
+        ``positions``: [B, T, ...], zeros at the places not computed."""
+        B, T = self.positions.shape
+        grid = x.new_zeros((B * T, *x.shape[2:]))
+        return grid.index_copy_(0, self.tokens, x[0]).view(B, T, *x.shape[2:])
+
+    def from_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """The computed places of ``x`` [B, T, ...]: [1, L, ...] in the order of ``tokens``."""
+        return x.flatten(0, 1).index_select(0, self.tokens)[None]
