@@ -16,7 +16,7 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     MRP draft steps with their LM-head picks, the verify forward over 4 copies, its picks, verification and
     acceptance. ``ratio`` = over the static step. ``+ commit``: the same step carrying every row's finished
     block in front of its forward (as when the rows of a batch move on to their next block at the same step);
-    ``+ commit of one row`` (batch > 1): only one row's (as when they move on at different steps,
+    ``+ commit of one row`` (batch > 1, graphed): only one row's (as when they move on at different steps,
     ``per_row_blocks``: a ragged forward, the other rows' finished positions not computed); ``ratio`` = over the
     step alone.
 ``unpacked``
@@ -252,11 +252,11 @@ def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, t
     q = _time_step(bench, dec, whole, "speculate")
     spec_round_us = record("whole_step", f"{tag} speculative round K={dec.settings.mrp_steps}", provider, q,
                            ratio=q[0] / static, ratio_to="static step")
-    # A finished block riding in front, for every row and (a ragged forward) for one row of the batch; committed
-    # for no row, so the cache stays as it is: the same work at every repetition.
+    # A finished block riding in front, for every row and (graphed: a ragged forward) for one row of the batch;
+    # committed for no row, so the cache stays as it is: the same work at every repetition.
     B = ids.shape[0]
     ridings = {"": torch.arange(B, device=ids.device)}
-    if B > 1:
+    if B > 1 and graphs:
         ridings[" of one row"] = torch.zeros(1, dtype=torch.long, device=ids.device)
     for name, label, alone in (("denoise", "static step", static),
                                ("speculate", f"speculative round K={dec.settings.mrp_steps}", spec_round_us)):
