@@ -112,6 +112,31 @@ def _crash_at(n):
     return cb
 
 
+def test_a_failed_run_restores_the_projections_it_stored_in_bf16(env, tmp_path, monkeypatch):
+    """Under bf16 autocast (here the CPU's, standing in for CUDA's), a run that fails leaves the frozen projections
+    as they were loaded: fp32 tensors with the same values, not the bf16 copies it trained with."""
+    from training import trainer
+
+    monkeypatch.setattr(trainer, "_autocasts", lambda cfg, device: True)
+    monkeypatch.setattr(trainer, "_autocast", lambda cfg, device: torch.autocast("cpu", dtype=torch.bfloat16))
+    model = _model(env, "mrp")
+    with torch.no_grad():
+        for prm in model.parameters():
+            if not prm.requires_grad:
+                prm.copy_(prm.to(torch.bfloat16))  # what a bf16 checkpoint loaded in fp32 holds
+    frozen = {n: q.detach().clone() for n, q in model.named_parameters() if not q.requires_grad}
+    seen = []
+
+    def during(step, rec):
+        seen.append(model.model.layers[0].self_attn.q_proj.weight.dtype)
+
+    with pytest.raises(Crash):
+        train(_cfg(tmp_path, "mrp", max_steps=3), model, env["train"], callbacks=[during, _crash_at(2)])
+    assert seen == [torch.bfloat16] * 2  # the run trained with them in bf16
+    assert {q.dtype for q in model.parameters()} == {torch.float32}
+    assert all(torch.equal(q, frozen[n]) for n, q in model.named_parameters() if n in frozen)
+
+
 @pytest.mark.parametrize("mode", ["backbone", "mrp"])
 def test_resume_is_bit_identical(env, tmp_path, mode):
     kw = dict(max_steps=8, save_every=4, grad_accum=2, micro_batch_size=2, eval_every=3)

@@ -353,9 +353,10 @@ def train(
     rest); after the first backward this checks that no other parameter got a gradient.
     ``export(model)`` runs on rank 0 at the end (final ``save_pretrained``).
     ``callbacks(step, info)`` run after each optimizer step (and its checkpoint) on every rank.
+    An MRP run under bf16 autocast (CUDA) stores the frozen backbone's projections in bf16 while it trains
+    (:func:`training.models.frozen_projections_in_bf16`); they are restored before ``export``, and when a run fails.
     """
     cfg.validate()
-    rank, world = _world()
     if device is None:
         device = next(model.parameters()).device
     if cfg.attention == "flex" and device.type != "cuda":
@@ -365,6 +366,23 @@ def train(
         raise ConfigError(f"--seq-len is {cfg.seq_len} but the packed data has length {train_ds.seq_len}")
     if len(train_ds) == 0 or train_ds.num_answer_tokens() == 0:
         raise ConfigError("--data: the training data is empty (no answer tokens)")
+    in_bf16 = frozen_projections_in_bf16(model) if cfg.mode == "mrp" and _autocasts(cfg, device) else []
+    try:
+        result = _train_steps(cfg, model, train_ds, eval_ds, mask_token_id, callbacks, device, len(in_bf16))
+    finally:
+        restore_dtypes(in_bf16)
+    if _world()[0] == 0 and export is not None:
+        export(model)
+    barrier()
+    return result
+
+
+def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, eval_ds: PackedDataset | None,
+                 mask_token_id: int | None, callbacks: Sequence[Callable[[int, dict], None]], device: torch.device,
+                 projections_in_bf16: int) -> dict:
+    """:func:`train`'s steps, evaluations and checkpoints (``projections_in_bf16``: how many frozen projections
+    it stored in bf16, for the setup line)."""
+    rank, world = _world()
     if mask_token_id is None:
         mask_token_id = int(model.config.mask_token_id)
     if rank == 0:
@@ -376,7 +394,6 @@ def train(
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total)
 
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    in_bf16 = frozen_projections_in_bf16(model) if cfg.mode == "mrp" and _autocasts(cfg, device) else []
     loss_mod = LossModule(model, cfg, mask_token_id).to(device)
     optim = build_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda_factory(total, warmup, cfg.min_lr_ratio))
@@ -421,7 +438,7 @@ def train(
 
     setup = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
              "world_size": world, "ops": select_backend(device, backward=True), "attention": loss_mod.attention(device),
-             "bf16_autocast": _autocasts(cfg, device), "projections_in_bf16": len(in_bf16),
+             "bf16_autocast": _autocasts(cfg, device), "projections_in_bf16": projections_in_bf16,
              "kd_precision": cfg.kd_precision if cfg.mode == "mrp" else None, "global_batch": G, "total_steps": total,
              "torch": torch.__version__}
 
@@ -526,8 +543,4 @@ def train(
         log({"step": step, **evaluation})
     if cfg.save_every and step % cfg.save_every != 0 and step > start_step:
         save(step)
-    restore_dtypes(in_bf16)
-    if rank == 0 and export is not None:
-        export(model)
-    barrier()
     return {"step": step, "loss": last_loss, **evaluation, "history": history}
