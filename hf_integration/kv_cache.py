@@ -125,6 +125,7 @@ class AttentionInputs:
     kv_in: dict | None = None
     tokens: torch.Tensor | None = None
     _write_offsets: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _grids: dict = field(default_factory=dict, repr=False, compare=False)
 
     def write_offsets(self) -> torch.Tensor:
         """The cache slots of this forward's ``write_len`` leading positions, [B, write_len]: computed by its first
@@ -133,11 +134,18 @@ class AttentionInputs:
             self._write_offsets = self.cache.write_offsets(self.write_len)
         return self._write_offsets
 
-    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+    def to_grid(self, x: torch.Tensor, reuse: bool = False) -> torch.Tensor:
         """A ragged forward's ``x`` [1, L, ...] (one entry per place in ``tokens``) on the [B, T] grid of
-        ``positions``: [B, T, ...], zeros at the places not computed."""
+        ``positions``: [B, T, ...], zeros at the places not computed. ``reuse``: into the buffer of this forward's
+        previous reusing call of the same shape and dtype (its places not computed are still zero; the caller is
+        done with what it held): each layer's packed q/k/v output, one buffer and one zero fill a forward."""
         B, T = self.positions.shape
-        grid = x.new_zeros((B * T, *x.shape[2:]))
+        shape = (B * T, *x.shape[2:])
+        grid = self._grids.get((shape, x.dtype)) if reuse else None
+        if grid is None:
+            grid = x.new_zeros(shape)
+            if reuse:
+                self._grids[(shape, x.dtype)] = grid
         return grid.index_copy_(0, self.tokens, x[0]).view(B, T, *x.shape[2:])
 
     def from_grid(self, x: torch.Tensor) -> torch.Tensor:

@@ -460,13 +460,14 @@ def _staggered_prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("kwargs", [k for k in STRATEGIES if k["strategy"] not in ("static", "direct")],
+@pytest.mark.parametrize("kwargs", [k for k in STRATEGIES if k["strategy"] not in ("static", "direct")]
+                         + [dict(strategy="speculative", mrp_steps=3, packed_projections=False)],
                          ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_a_riding_commit_computes_only_the_committing_rows_blocks(model, monkeypatch, kwargs, graphs):
     """Rows that move on at different steps: the forward that carries a finished block computes it for the
     committing rows only (a ragged forward over R * n + B * T positions; with CUDA graphs R is rounded up to a
     batch bucket), and gives exactly the output and per-row counts of the padded forward (every row's n
-    positions computed, the old way)."""
+    positions computed, the old way), with the projections packed (the layers sharing one grid buffer) or not."""
     from hf_integration.decoding import BlockDecoder
 
     ids, mask = _staggered_prompts()

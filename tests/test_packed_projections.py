@@ -79,9 +79,9 @@ def test_packed_projections_decode_what_unpacked_ones_do(strategy, monkeypatch):
     kwargs = dict(max_new_tokens=11, strategy=strategy, return_dict_in_generate=True)
     calls = []
 
-    def counted(x, linears):
+    def counted(x, linears, place=None):
         calls.append(len(linears))
-        return packed_linears(x, linears)
+        return packed_linears(x, linears, place)
 
     monkeypatch.setattr(modeling_sdar, "packed_linears", counted)
     unpacked = model.generate(ids, packed_projections=False, **kwargs)

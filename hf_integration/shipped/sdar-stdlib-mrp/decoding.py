@@ -6,11 +6,12 @@ it denoises its current block with the chosen strategy and moves on to its next 
 full, while the other rows of the batch go on with theirs (rows of one forward sit at different positions over
 caches of different lengths; the attention masks derive from the per-row lengths). A finished block's
 keys/values (and the MRP head's) are written by the row's next forward (``fuse_commit``: the finished block
-rides in front of the next block, or of its K+1 candidate copies) or by a forward of their own; rows that commit
-nothing in that forward write past their length and do not advance. The host checks which rows are full (one
-synchronisation) only after as many steps as surely leave every row with work (:class:`Strategy`; with
-``device_loop``, and the steps that may have work after them in one graph, each run while no row has filled its
-block, tested on the device); a row finishes once it has produced an EOS or filled its last block and leaves the
+rides in front of the next block, or of its K+1 candidate copies) or by a forward of their own; only the
+committing rows' finished positions are computed (a ragged forward, :class:`PendingCommit`; with CUDA graphs,
+up to a batch bucket of rows: the others write past their length and do not advance). The host checks which
+rows are full (one synchronisation) only after as many steps as surely leave every row with work
+(:class:`Strategy`; with ``device_loop``, and the steps that may have work after them in one graph, each run
+while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or filled its last block and leaves the
 batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller batch bucket: until then it
 rides along as padding). Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on
 replays each kind of step (forwards and decisions) as one graph.
