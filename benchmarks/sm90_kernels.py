@@ -108,29 +108,33 @@ def _decisions() -> list[Variant]:
 def _cached_attention() -> list[Variant]:
     attention = importlib.import_module("mrp_triton.cached_attention")
     strides = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "sc_b", "sc_h", "sc_t",
-               "sp_b", "sp_t", "so_b", "so_h", "so_t")
-    consts = ("GROUP", "GROUP_P2", "ONE_SPLIT", "HAS_SEG", "DOT_FP32", "IEEE", "BLOCK_M", "BLOCK_N", "BLOCK_D")
+               "sp_b", "sp_t", "spl_b", "spl_t", "so_b", "so_h", "so_t")
+    consts = ("GROUP", "GROUP_P2", "ONE_SPLIT", "HAS_SEG", "RAGGED", "DOT_FP32", "IEEE", "BLOCK_M", "BLOCK_N",
+              "BLOCK_D")
     out = []
-    for dt, seg, d, group, splits in (("*bf16", False, 128, 2, 1), ("*bf16", True, 128, 2, 6),
-                                      ("*bf16", False, 128, 4, 8), ("*fp16", False, 64, 3, 1),
-                                      ("*fp32", True, 128, 2, 2)):
+    for dt, seg, d, group, splits, ragged in (("*bf16", False, 128, 2, 1, False), ("*bf16", True, 128, 2, 6, False),
+                                              ("*bf16", False, 128, 4, 8, False), ("*fp16", False, 64, 3, 1, False),
+                                              ("*fp32", True, 128, 2, 2, False), ("*bf16", False, 128, 2, 1, True),
+                                              ("*bf16", True, 128, 2, 6, True)):
         sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "ck_ptr": dt, "cv_ptr": dt, "len_ptr": "*i64", "pos_ptr": "*i64",
-               "seg_ptr": "*i64", "o_ptr": dt, "part_ptr": "*fp32", "ml_ptr": "*fp32", **{s: "i64" for s in strides},
-               "T": "i32", "Hq": "i32", "Hkv": "i32", "HEAD_DIM": "i32", "block_size": "i32", "scale": "fp32",
-               "splits": "i32", **{c: "constexpr" for c in consts}}
-        out.append(Variant(f"cached_attention {dt[1:]} seg={seg} D={d} group={group} splits={splits}",
+               "seg_ptr": "*i64", "place_ptr": "*i64", "o_ptr": dt, "part_ptr": "*fp32", "ml_ptr": "*fp32",
+               **{s: "i64" for s in strides}, "T": "i32", "Hq": "i32", "Hkv": "i32", "HEAD_DIM": "i32",
+               "block_size": "i32", "scale": "fp32", "splits": "i32", **{c: "constexpr" for c in consts}}
+        out.append(Variant(f"cached_attention {dt[1:]} seg={seg} D={d} group={group} splits={splits} ragged={ragged}",
                            "cached_attention", "_cached_attention_kernel", sig,
                            {"GROUP": group, "GROUP_P2": 1 << (group - 1).bit_length(), "ONE_SPLIT": splits == 1,
-                            "HAS_SEG": seg, "DOT_FP32": False, "IEEE": dt == "*fp32", "BLOCK_M": attention._BLOCK_M,
-                            "BLOCK_N": attention._BLOCK_N, "BLOCK_D": d},
+                            "HAS_SEG": seg, "RAGGED": ragged, "DOT_FP32": False, "IEEE": dt == "*fp32",
+                            "BLOCK_M": attention._BLOCK_M, "BLOCK_N": attention._BLOCK_N, "BLOCK_D": d},
                            attention._NUM_WARPS,
-                           divisible=_ptrs_divisible(sig, *(s for s in strides if s != "sp_t"), "HEAD_DIM")))
-    sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16", "so_b": "i64", "so_h": "i64", "so_t": "i64",
-           "T": "i32", "Hq": "i32", "HEAD_DIM": "i32", "splits": "i32", "SPLITS_P2": "constexpr",
-           "BLOCK_D": "constexpr"}
-    out.append(Variant("cached_attention merge splits=6", "cached_attention", "_merge_splits_kernel", sig,
-                       {"SPLITS_P2": 8, "BLOCK_D": 128}, 1,
-                       divisible=_ptrs_divisible(sig, "so_b", "so_h", "so_t", "HEAD_DIM")))
+                           divisible=_ptrs_divisible(sig, *(s for s in strides if s not in ("sp_t", "spl_t")),
+                                                     "HEAD_DIM")))
+    sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "place_ptr": "*i64", "o_ptr": "*bf16", "spl_b": "i64",
+           "spl_t": "i64", "so_b": "i64", "so_h": "i64", "so_t": "i64", "T": "i32", "Hq": "i32", "HEAD_DIM": "i32",
+           "splits": "i32", "RAGGED": "constexpr", "SPLITS_P2": "constexpr", "BLOCK_D": "constexpr"}
+    for ragged in (False, True):
+        out.append(Variant(f"cached_attention merge splits=6 ragged={ragged}", "cached_attention",
+                           "_merge_splits_kernel", sig, {"RAGGED": ragged, "SPLITS_P2": 8, "BLOCK_D": 128}, 1,
+                           divisible=_ptrs_divisible(sig, "spl_b", "so_b", "so_h", "so_t", "HEAD_DIM")))
     return out
 
 

@@ -34,6 +34,7 @@ class StaticKVCache:
         self._keys = torch.zeros(shape, dtype=dtype, device=device)
         self._values = torch.zeros(shape, dtype=dtype, device=device)
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._heads = torch.arange(num_kv_heads, device=device)  # what a write of some rows indexes
         self.max_len = max_len
         self.full_width = full_width
         self.reset()
@@ -62,13 +63,20 @@ class StaticKVCache:
             raise RuntimeError(f"KV cache overflow: {self.length} + {n} > max_len {self.max_len}")
         return self.lengths[:, None] + torch.arange(n, device=self.lengths.device)
 
-    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> None:
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
         """Put ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` of one layer in the slots ``offsets`` [batch, n]
-        (:meth:`write_offsets`, computed once for all the layers of a forward). ``advance`` makes them visible once
+        (:meth:`write_offsets`, computed once for all the layers of a forward); with ``rows`` (int64 [R]), keys and
+        values [R, kv_heads, n, head_dim] of those rows only, offsets [R, n]. ``advance`` makes them visible once
         every layer has written."""
-        index = offsets[:, None, :, None].expand_as(keys)
-        self.keys[slot].scatter_(2, index, keys)
-        self.values[slot].scatter_(2, index, values)
+        if rows is None:
+            index = offsets[:, None, :, None].expand_as(keys)
+            self.keys[slot].scatter_(2, index, keys)
+            self.values[slot].scatter_(2, index, values)
+            return
+        index = (rows[:, None, None], self._heads[None, :, None], offsets[:, None, :])
+        self.keys[slot].index_put_(index, keys)
+        self.values[slot].index_put_(index, values)
 
     def advance(self, n: int, rows: torch.Tensor | None = None) -> None:
         """Mark ``n`` more positions as committed: of every row, or of the rows where ``rows`` (bool [batch])
@@ -107,10 +115,11 @@ class AttentionInputs:
     columns of ``mask`` are the forward's T positions, then these). Training runs the clean half of ``[noisy |
     clean]`` once and the later forwards over the noisy half only this way (``training.losses.mrp_loss_sum``).
     ``tokens``: with a cache, int64 ``[L]``, the places in the flattened ``[B, T]`` grid of ``positions`` that the
-    forward computes (a ragged forward: the layers carry ``[1, L, ...]``; None = every place). Attention puts
-    queries, keys and values on the grid (:meth:`to_grid`, zeros elsewhere) and takes the computed places' outputs
-    back (:meth:`from_grid`). The caller leaves out only places whose outputs nobody reads and whose keys nobody
-    attends: positions past their row's current block, written (with ``write_len``) only past its committed length.
+    forward computes (a ragged forward: the layers carry ``[1, L, ...]``, :meth:`from_grid` takes a grid tensor's
+    computed places; None = every place), and ``riders``, int64 ``[R]``: the rows whose ``write_len`` leading
+    positions are computed, the first ``R * write_len`` of the L, row by row (the only ones written to the cache).
+    Attention finds each grid position's place through :meth:`places`. The caller leaves out only positions whose
+    outputs nobody reads and whose keys nobody attends (positions past their row's current block).
     """
 
     mask: torch.Tensor | BlockMask | None = None
@@ -124,29 +133,39 @@ class AttentionInputs:
     kv_out: dict | None = None
     kv_in: dict | None = None
     tokens: torch.Tensor | None = None
+    riders: torch.Tensor | None = None
     _write_offsets: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _grids: dict = field(default_factory=dict, repr=False, compare=False)
+    _places: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def write_offsets(self) -> torch.Tensor:
-        """The cache slots of this forward's ``write_len`` leading positions, [B, write_len]: computed by its first
-        layer, read by the others."""
+        """The cache slots of this forward's ``write_len`` leading positions, [B, write_len] ([R, write_len] of the
+        ``riders`` when ragged): computed by its first layer, read by the others."""
         if self._write_offsets is None:
-            self._write_offsets = self.cache.write_offsets(self.write_len)
+            offsets = self.cache.write_offsets(self.write_len)
+            self._write_offsets = offsets if self.tokens is None else offsets[self.riders]
         return self._write_offsets
 
-    def to_grid(self, x: torch.Tensor, reuse: bool = False) -> torch.Tensor:
-        """A ragged forward's ``x`` [1, L, ...] (one entry per place in ``tokens``) on the [B, T] grid of
-        ``positions``: [B, T, ...], zeros at the places not computed. ``reuse``: into the buffer of this forward's
-        previous reusing call of the same shape and dtype (its places not computed are still zero; the caller is
-        done with what it held): each layer's packed q/k/v output, one buffer and one zero fill a forward."""
-        B, T = self.positions.shape
-        shape = (B * T, *x.shape[2:])
-        grid = self._grids.get((shape, x.dtype)) if reuse else None
-        if grid is None:
-            grid = x.new_zeros(shape)
-            if reuse:
-                self._grids[(shape, x.dtype)] = grid
-        return grid.index_copy_(0, self.tokens, x[0]).view(B, T, *x.shape[2:])
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the ``write_len`` leading positions' keys and values of one layer, [B or 1, kv_heads, T or L,
+        head_dim] (ragged: the riders', the first R * write_len of the L places)."""
+        n = self.write_len
+        if self.tokens is None:
+            self.cache.write(slot, keys[:, :, :n], values[:, :, :n], self.write_offsets())
+            return
+        R = self.riders.shape[0]
+        keys, values = (x[0, :, : R * n].unflatten(1, (R, n)).transpose(0, 1) for x in (keys, values))
+        self.cache.write(slot, keys, values, self.write_offsets(), rows=self.riders)
+
+    def places(self) -> torch.Tensor | None:
+        """Ragged: int64 [B, T], each grid position's index among the L computed ones, -1 where not computed (what
+        ``mrp_triton.cached_attention`` reads); computed by the first layer. None when not ragged."""
+        if self.tokens is None:
+            return None
+        if self._places is None:
+            B, T = self.positions.shape
+            computed = torch.arange(self.tokens.shape[0], device=self.tokens.device)
+            self._places = self.tokens.new_full((B * T,), -1).index_copy_(0, self.tokens, computed).view(B, T)
+        return self._places
 
     def from_grid(self, x: torch.Tensor) -> torch.Tensor:
         """The computed places of ``x`` [B, T, ...]: [1, L, ...] in the order of ``tokens``."""

@@ -66,13 +66,14 @@ def _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32: tl.constexpr, IEEE
 
 
 @triton.jit
-def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, sk_t, sv_t, sp_t, t, row_mask, dims, dim_mask, T, block_size,
-                m_i, l_i, acc, scale, HAS_SEG: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, place_ptr, sk_t, sv_t, sp_t, spl_t, t, row_mask, dims, dim_mask,
+                T, block_size, m_i, l_i, acc, scale, HAS_SEG: tl.constexpr, RAGGED: tl.constexpr,
+                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online-softmax updates of queries q (positions ``t``) with the T new keys/values of their row and
-    key/value head (k_ptr, v_ptr, pos_ptr at them): block-causal, within a segment or from a shared (negative)
-    one. A tile of keys whose blocks all lie after every query's is skipped (half the tiles of a long prefill):
-    its keys would add exp(-inf) = 0 to every sum, so the result is the same bit for bit."""
+    key/value head (k_ptr, v_ptr, pos_ptr at them; RAGGED: key t lies at k_ptr's place place_ptr[t], none where
+    it is -1): block-causal, within a segment or from a shared (negative) one. A tile of keys whose blocks all
+    lie after every query's is skipped (half the tiles of a long prefill): its keys would add exp(-inf) = 0 to
+    every sum, so the result is the same bit for bit."""
     q_block = tl.load(pos_ptr + t * sp_t, mask=row_mask, other=0) // block_size
     last_block = tl.max(tl.where(row_mask, q_block, -1), axis=0)
     if HAS_SEG:
@@ -80,6 +81,10 @@ def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, sk_t, sv_t, sp_t, t, row_mask
     for start in range(0, T, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_mask = cols < T
+        at = cols
+        if RAGGED:
+            at = tl.load(place_ptr + cols * spl_t, mask=col_mask, other=-1)
+            col_mask = col_mask & (at >= 0)
         k_block = tl.load(pos_ptr + cols * sp_t, mask=col_mask, other=0) // block_size
         if tl.min(tl.where(col_mask, k_block, last_block + 1), axis=0) <= last_block:
             valid = col_mask[None, :] & (k_block[None, :] <= q_block[:, None])
@@ -87,18 +92,18 @@ def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, sk_t, sv_t, sp_t, t, row_mask
                 k_seg = tl.load(seg_ptr + cols, mask=col_mask, other=0)
                 valid = valid & ((k_seg[None, :] == q_seg[:, None]) | (k_seg[None, :] < 0))
             tile_mask = col_mask[:, None] & dim_mask[None, :]
-            kt = tl.load(k_ptr + cols[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
-            vt = tl.load(v_ptr + cols[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
+            kt = tl.load(k_ptr + at[:, None] * sk_t + dims[None, :], mask=tile_mask, other=0.0)
+            vt = tl.load(v_ptr + at[:, None] * sv_t + dims[None, :], mask=tile_mask, other=0.0)
             m_i, l_i, acc = _attend(q, kt, vt, valid, m_i, l_i, acc, scale, DOT_FP32, IEEE)
     return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["splits"])
-def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_ptr, seg_ptr, o_ptr, part_ptr, ml_ptr,
-                             sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_h, sc_t,
-                             sp_b, sp_t, so_b, so_h, so_t, T, Hq, Hkv, HEAD_DIM, block_size, scale, splits,
-                             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                             HAS_SEG: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_ptr, seg_ptr, place_ptr, o_ptr,
+                             part_ptr, ml_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_b, sc_h, sc_t,
+                             sp_b, sp_t, spl_b, spl_t, so_b, so_h, so_t, T, Hq, Hkv, HEAD_DIM, block_size, scale,
+                             splits, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                             HAS_SEG: tl.constexpr, RAGGED: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -110,9 +115,15 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
     h = kvh * GROUP + r // BLOCK_M
     t = pid_m * BLOCK_M + r % BLOCK_M
     row_mask = (r // BLOCK_M < GROUP) & (t < T)
+    at = t  # where query / output t lies in q and o (RAGGED: its place, -1 for none)
+    if RAGGED:
+        at = tl.load(place_ptr + b * spl_b + t * spl_t, mask=row_mask, other=-1)
+        row_mask = row_mask & (at >= 0)
+        if tl.max(row_mask.to(tl.int32), axis=0) == 0:  # no query here (a row whose finished block is not computed)
+            return
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + dims[None, :],
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + at[:, None] * sq_t + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     m_i = tl.full([GROUP_P2 * BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2 * BLOCK_M], tl.float32)
@@ -134,12 +145,13 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
 
     if pid_s == 0:  # the new positions
         m_i, l_i, acc = _attend_new(q, k_ptr + b * sk_b + kvh * sk_h, v_ptr + b * sv_b + kvh * sv_h,
-                                    pos_ptr + b * sp_b, seg_ptr, sk_t, sv_t, sp_t, t, row_mask, dims, dim_mask,
-                                    T, block_size, m_i, l_i, acc, scale, HAS_SEG, DOT_FP32, IEEE, BLOCK_N)
+                                    pos_ptr + b * sp_b, seg_ptr, place_ptr + b * spl_b, sk_t, sv_t, sp_t, spl_t, t,
+                                    row_mask, dims, dim_mask, T, block_size, m_i, l_i, acc, scale, HAS_SEG, RAGGED,
+                                    DOT_FP32, IEEE, BLOCK_N)
 
     if ONE_SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on the tile's padding rows
-        tl.store(o_ptr + b * so_b + h[:, None] * so_h + t[:, None] * so_t + dims[None, :],
+        tl.store(o_ptr + b * so_b + h[:, None] * so_h + at[:, None] * so_t + dims[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
     else:  # unnormalised partials of (b, h, t, split): acc [BLOCK_D] and (m, l), merged by _merge_splits_kernel
         slot = ((b * Hq + h) * T + t) * splits + pid_s
@@ -149,10 +161,17 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
 
 
 @triton.jit(do_not_specialize=["splits"])
-def _merge_splits_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, so_t, T, Hq, HEAD_DIM, splits,
-                         SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per (b, h, t): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s."""
+def _merge_splits_kernel(part_ptr, ml_ptr, place_ptr, o_ptr, spl_b, spl_t, so_b, so_h, so_t, T, Hq, HEAD_DIM, splits,
+                         RAGGED: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (b, h, t): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s (RAGGED: written at
+    t's place; nothing where it is -1, whose partials were never written)."""
     i = tl.program_id(0).to(tl.int64)
+    b, h, t = i // (Hq * T), (i // T) % Hq, i % T
+    at = t
+    if RAGGED:
+        at = tl.load(place_ptr + b * spl_b + t * spl_t)
+        if at < 0:
+            return
     pieces = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, BLOCK_D)
     live = pieces < splits
@@ -162,18 +181,24 @@ def _merge_splits_kernel(part_ptr, ml_ptr, o_ptr, so_b, so_h, so_t, T, Hq, HEAD_
                   other=0.0)
     w = tl.exp(m - tl.max(m, axis=0))  # split 0 saw the new keys: M is finite
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    b, h, t = i // (Hq * T), (i // T) % Hq, i % T
-    tl.store(o_ptr + b * so_b + h * so_h + t * so_t + dims, out.to(o_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(o_ptr + b * so_b + h * so_h + at * so_t + dims, out.to(o_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def _check(q, k, v, cache_k, cache_v, lengths, positions, segments) -> None:
+def _check(q, k, v, cache_k, cache_v, lengths, positions, segments, places) -> None:
     if q.dim() != 4 or k.dim() != 4 or cache_k.dim() != 4:
         raise ValueError("q must be [B, Hq, T, D], k and v [B, Hkv, T, D], cache_k and cache_v [B, Hkv, W, D]")
-    B, Hq, T, D = q.shape
+    Bq, Hq, Tq, D = q.shape
     Hkv = k.shape[1]
-    if k.shape != (B, Hkv, T, D) or v.shape != k.shape:
-        raise ValueError(f"k and v must be [B, Hkv, T, D] = [{B}, Hkv, {T}, {D}], got {tuple(k.shape)} and "
+    if k.shape != (Bq, Hkv, Tq, D) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [B, Hkv, T, D] = [{Bq}, Hkv, {Tq}, {D}], got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
+    B, T = Bq, Tq
+    if places is not None:
+        if Bq != 1 or places.dim() != 2 or places.dtype != torch.int64 or places.device != q.device:
+            raise ValueError(f"with places (a ragged forward) q must be [1, Hq, L, D] and places an int64 [B, T] "
+                             f"tensor on q's device, got q {tuple(q.shape)} and places {tuple(places.shape)} "
+                             f"{places.dtype} on {places.device}")
+        B, T = places.shape
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if cache_k.shape[:2] != (B, Hkv) or cache_k.shape[3] != D or cache_v.shape != cache_k.shape:
@@ -195,45 +220,52 @@ def _check(q, k, v, cache_k, cache_v, lengths, positions, segments) -> None:
 
 def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                             cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
-                            segments: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                            segments: torch.Tensor | None = None, places: torch.Tensor | None = None,
+                            splits: int | None = None) -> torch.Tensor:
     """Triton launcher of :func:`cached_attention` (same arguments and result). ``splits``: pieces each row's
     committed slots are cut into (default: :func:`_splits`; tests and benchmarks set it)."""
-    _check(q, k, v, cache_k, cache_v, lengths, positions, segments)
+    _check(q, k, v, cache_k, cache_v, lengths, positions, segments, places)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
     if cache_v.stride() != cache_k.stride():
         cache_v = cache_v.contiguous()
         cache_k = cache_k.contiguous()
-    B, Hq, T, D = q.shape
+    _, Hq, L, D = q.shape
     Hkv = k.shape[1]
+    B, T = positions.shape
     # [B, Hq, T, D] laid out as [B, T, Hq, D]: the output projection's "b t (h d)" view of it is free
-    out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    out = torch.empty((q.shape[0], L, Hq, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     if out.numel() == 0:
         return out
+    # ragged: q, k, v and out hold one row of L places, which every (b, t) of the grid finds in places
+    row_strides = [0 if places is not None else t.stride(0) for t in (q, k, v, out)]
     if splits is None:
         splits = _splits(B * Hkv * triton.cdiv(T, _BLOCK_M), cache_k.shape[2], q.device)
     if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"splits must be a positive int or None, got {splits!r}")
     seg = segments.to(torch.int64).contiguous() if segments is not None else lengths
+    place = places if places is not None else lengths  # a dummy pointer when not ragged
+    place_strides = places.stride() if places is not None else (0, 0)
     group, block_d = Hq // Hkv, max(16, triton.next_power_of_2(D))
     part = ml = out  # dummy pointers with one split
     if splits > 1:
         part = torch.empty((B * Hq * T * splits, block_d), dtype=torch.float32, device=q.device)
         ml = torch.empty((B * Hq * T * splits, 2), dtype=torch.float32, device=q.device)
     interp = interpreter_on()
+    sq_b, sk_b, sv_b, so_b = row_strides
     _cached_attention_kernel[(triton.cdiv(T, _BLOCK_M), B * Hkv, splits)](
-        q, k, v, cache_k, cache_v, lengths, positions, seg, out, part, ml,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, cache_k, cache_v, lengths, positions, seg, place, out, part, ml,
+        sq_b, q.stride(1), q.stride(2), sk_b, k.stride(1), k.stride(2),
+        sv_b, v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        positions.stride(0), positions.stride(1), *place_strides, so_b, out.stride(1), out.stride(2),
         T, Hq, Hkv, D, block_size, D ** -0.5, splits,
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), ONE_SPLIT=splits == 1, HAS_SEG=segments is not None,
-        DOT_FP32=interp and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        RAGGED=places is not None, DOT_FP32=interp and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=_NUM_WARPS)
     if splits > 1:
-        _merge_splits_kernel[(B * Hq * T,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, D,
-                                            splits, SPLITS_P2=triton.next_power_of_2(splits),
-                                            BLOCK_D=block_d, num_warps=1)
+        _merge_splits_kernel[(B * Hq * T,)](part, ml, place, out, *place_strides, so_b, out.stride(1), out.stride(2),
+                                            T, Hq, D, splits, RAGGED=places is not None,
+                                            SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1)
     return out
 
 
@@ -249,7 +281,7 @@ def _splits(programs: int, width: int, device: torch.device) -> int:
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
-                     segments: torch.Tensor | None = None) -> torch.Tensor:
+                     segments: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention (scale 1/sqrt(D), grouped-query heads) of T new positions over each row's
     committed cache prefix and themselves.
 
@@ -259,7 +291,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     sees every committed slot of its row and the new keys of its own or an earlier block
     (position // block_size) in its own segment or in a negative (shared) one, which is how a finished
     block written in the same forward as K+1 candidate copies reaches every copy. Returns [B, Hq, T, D] in
-    q's dtype (the Triton kernel's laid out as [B, T, Hq, D], so that its "b t (h d)" view costs no copy)."""
+    q's dtype (the Triton kernel's laid out as [B, T, Hq, D], so that its "b t (h d)" view costs no copy).
+
+    A ragged forward computes only some positions of the [B, T] grid of ``positions``: ``places`` int64 [B, T]
+    gives each one's index in q, k, v ([1, Hq or Hkv, L, D]), -1 for a position not computed (neither a query
+    nor a key); the result is [1, Hq, L, D]."""
+    args = (q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places)
     if q.dtype != torch.float64 and select_backend(q.device, q, k, v, cache_k, cache_v) == "triton":
-        return cached_attention_triton(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)
-    return cached_attention_reference(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments)
+        return cached_attention_triton(*args)
+    _check(*args[:7], segments, places)
+    return cached_attention_reference(*args)

@@ -73,6 +73,41 @@ def test_kernel_matches_reference(p, splits):
     torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
 
 
+@settings(max_examples=25, deadline=None)
+@given(p=problems(), splits=st.sampled_from([None, 1, 3]), data=st.data())
+def test_ragged_kernel_matches_reference(p, splits, data):
+    """A ragged forward: a drawn subset of the [B, T] grid computed (at least one position; all of them too), held
+    as one row of L places in a drawn order. The kernel equals the reference (the positions not computed are
+    neither queries nor keys, the programs of query tiles with none computed return at once), and with every
+    position computed both equal the dense attention, place by place."""
+    B, T = p["B"], p["T"]
+    keep = torch.tensor(data.draw(st.one_of(st.just([True] * (B * T)),
+                                            st.lists(st.booleans(), min_size=B * T, max_size=B * T).filter(any))))
+    L = int(keep.sum())
+    places = torch.full((B * T,), -1, dtype=torch.long)
+    places[keep] = torch.randperm(L, generator=torch.Generator().manual_seed(p["seed"]))
+    places = places.view(B, T)
+    q_grid, k_grid, v_grid, ck, cv = _tensors(p)
+
+    def ragged(x):  # [B, H, T, D] -> [1, H, L, D]: grid position (b, t) at index places[b, t]
+        out = x.new_empty((L, x.shape[1], x.shape[3]))
+        out[places[keep.view(B, T)].to(DEV)] = x.transpose(1, 2)[keep.view(B, T).to(DEV)]
+        return out[None].transpose(1, 2)
+
+    q, k, v = ragged(q_grid), ragged(k_grid), ragged(v_grid)
+    args = (p["lengths"].to(DEV), p["positions"].to(DEV), p["block"],
+            None if p["segments"] is None else p["segments"].to(DEV))
+    with poisoned_allocations():
+        out = cached_attention_triton(q, k, v, ck, cv, *args, places=places.to(DEV), splits=splits)
+    expect = ref.cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args,
+                                  places=places.to(DEV))
+    assert out.shape == expect.shape == (1, p["Hq"], L, p["D"]) and out.dtype == p["dtype"]
+    torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
+    if L == B * T:
+        dense = ref.cached_attention(q_grid.float(), k_grid.float(), v_grid.float(), ck.float(), cv.float(), *args)
+        torch.testing.assert_close(expect, ragged(dense), atol=1e-5, rtol=0)
+
+
 def test_uncommitted_slots_are_never_read():
     """Slots past a row's length (stale entries of an earlier call) change nothing; the kernel does not
     even read them (NaN there stays out), the reference masks them (finite values only: SDPA's masked

@@ -79,9 +79,9 @@ def test_packed_projections_decode_what_unpacked_ones_do(strategy, monkeypatch):
     kwargs = dict(max_new_tokens=11, strategy=strategy, return_dict_in_generate=True)
     calls = []
 
-    def counted(x, linears, place=None):
+    def counted(x, linears):
         calls.append(len(linears))
-        return packed_linears(x, linears, place)
+        return packed_linears(x, linears)
 
     monkeypatch.setattr(modeling_sdar, "packed_linears", counted)
     unpacked = model.generate(ids, packed_projections=False, **kwargs)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
-                     segments: torch.Tensor | None = None) -> torch.Tensor:
+                     segments: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention (scale 1/sqrt(D), grouped-query heads) of T new positions.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (the new positions); cache_k, cache_v: [B, Hkv, W, D] of
@@ -17,7 +17,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     A new position sees every committed slot of its row and the new keys of its own or an earlier
     block (block = position // block_size) in its own segment or in a negative (shared) one: a finished
     block written in the same forward as K+1 candidate copies is seen by every copy. Returns
-    [B, Hq, T, D] in q's dtype."""
+    [B, Hq, T, D] in q's dtype.
+
+    Ragged (``places`` int64 [B, T]): q, k, v are [1, H, L, D], grid position (b, t) of ``positions`` at index
+    places[b, t] of L, or not computed where it is -1 (neither a query nor a key); returns [1, Hq, L, D]."""
+    if places is not None:
+        return _ragged(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places)
     B, _, T, _ = q.shape
     W = cache_k.shape[2]
     committed = torch.arange(W, device=q.device)[None, :] < lengths[:, None]  # [B, W]
@@ -28,3 +33,23 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     mask = torch.cat([committed[:, None, :].expand(B, T, W), new], dim=-1)[:, None]
     return F.scaled_dot_product_attention(q, torch.cat([cache_k, k], dim=2), torch.cat([cache_v, v], dim=2),
                                           attn_mask=mask, enable_gqa=True)
+
+
+def _ragged(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places) -> torch.Tensor:
+    """:func:`cached_attention` of a ragged forward: q, k, v put on the [B, T] grid (zeros where not computed, their
+    positions moved past every block, so no computed query sees them), attended, the computed places taken back."""
+    B, T = places.shape
+    flat = places.flatten()
+    live = flat >= 0
+
+    def grid(x: torch.Tensor) -> torch.Tensor:  # [1, H, L, D] -> [B, H, T, D]
+        out = x.new_zeros((B * T, x.shape[1], x.shape[3]))
+        out[live] = x[0].transpose(0, 1)[flat[live]]
+        return out.view(B, T, x.shape[1], x.shape[3]).transpose(1, 2)
+
+    past = (positions.max() // block_size + 1) * block_size  # a block after every computed position's
+    out = cached_attention(grid(q), grid(k), grid(v), cache_k, cache_v, lengths,
+                           torch.where(places >= 0, positions, past), block_size, segments)
+    taken = out.new_zeros((q.shape[2], q.shape[1], q.shape[3]))
+    taken[flat[live]] = out.transpose(1, 2).reshape(B * T, q.shape[1], q.shape[3])[live]
+    return taken[None].transpose(1, 2)

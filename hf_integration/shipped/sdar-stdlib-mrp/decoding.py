@@ -8,11 +8,11 @@ caches of different lengths; the attention masks derive from the per-row lengths
 keys/values (and the MRP head's) are written by the row's next forward (``fuse_commit``: the finished block
 rides in front of the next block, or of its K+1 candidate copies) or by a forward of their own; only the
 committing rows' finished positions are computed (a ragged forward, :class:`PendingCommit`; with CUDA graphs,
-up to a batch bucket of rows: the others write past their length and do not advance). The host checks which
-rows are full (one synchronisation) only after as many steps as surely leave every row with work
+up to a batch bucket of rows: the others' are written past their length and do not advance them). The host
+checks which rows are full (one synchronisation) only after as many steps as surely leave every row with work
 (:class:`Strategy`; with ``device_loop``, and the steps that may have work after them in one graph, each run
-while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or filled its last block and leaves the
-batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller batch bucket: until then it
+while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or filled
+its last block and leaves the batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller batch bucket: until then it
 rides along as padding). Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on
 replays each kind of step (forwards and decisions) as one graph.
 """
@@ -170,9 +170,10 @@ class BlockDecoder:
 
     # ---------------------------------------------------------------------------------- forwards
     def _attn(self, positions: torch.Tensor, segments: torch.Tensor | None = None, write_len: int = 0,
-              tokens: torch.Tensor | None = None):
+              tokens: torch.Tensor | None = None, riders: torch.Tensor | None = None):
         return AttentionInputs(cache=self.cache, write_len=write_len, positions=positions, segments=segments,
-                               block_size=self.block, packed=self.packed, rope=self.engine.rope, tokens=tokens)
+                               block_size=self.block, packed=self.packed, rope=self.engine.rope, tokens=tokens,
+                               riders=riders)
 
     def graphed(self, key: tuple, fn, *inputs: torch.Tensor, mutated: tuple[int, ...] = (), branches: bool = False):
         """``fn(*inputs)``; with CUDA graphs on, replayed from the graph of ``key`` + the input shapes (see
@@ -183,12 +184,12 @@ class BlockDecoder:
                                branches=branches)
 
     def _forward(self, kind: str, write_len: int, run, ids: torch.Tensor, positions: torch.Tensor,
-                 *inputs: torch.Tensor, segments: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
+                 *inputs: torch.Tensor, **optional: torch.Tensor | None):
         """``run(ids, positions, *inputs, attn=...)``, a forward over the cache, graphed by (kind, write_len, which
-        of ``segments`` / ``tokens`` it has, input shapes). Ragged (``tokens``, see ``AttentionInputs``): ``run``
-        gets ids and positions [1, L] at the computed places. Forwards that write more than one block (the
-        prefill) run once and are not worth a capture."""
-        optional = {name: t for name, t in (("segments", segments), ("tokens", tokens)) if t is not None}
+        ``optional`` inputs it has, input shapes); ``optional``: ``AttentionInputs`` fields (segments; tokens and
+        riders for a ragged forward, where ``run`` gets ids and positions [1, L] at the computed places). Forwards
+        that write more than one block (the prefill) run once and are not worth a capture."""
+        optional = {name: t for name, t in optional.items() if t is not None}
 
         def forward(ids: torch.Tensor, positions: torch.Tensor, *values: torch.Tensor):
             split = len(values) - len(optional)
@@ -262,21 +263,22 @@ class BlockDecoder:
                      branches=True)
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
-                          write_len: int = 0, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """ids, positions: [B, T] -> h_A [B, T, H]; ragged (``tokens`` [L]): h_A [1, L, H] of the computed places."""
+                          write_len: int = 0, **ragged: torch.Tensor) -> torch.Tensor:
+        """ids, positions: [B, T] -> h_A [B, T, H]; ragged (``tokens`` [L] and ``riders``, see ``AttentionInputs``):
+        h_A [1, L, H] of the computed places."""
         def run(ids, positions, attn):
             return self.model.model(ids, positions, attn=attn)
 
-        return self._forward("backbone", write_len, run, ids, positions, segments=segments, tokens=tokens)
+        return self._forward("backbone", write_len, run, ids, positions, segments=segments, **ragged)
 
     def _mrp_forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                     write_len: int = 0, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """ids, positions: [B, T], hidden: [B, T, H] -> h_p [B, T, H]; ragged (``tokens`` [L]): hidden and h_p
-        are [1, L, H], the computed places only."""
+                     write_len: int = 0, **ragged: torch.Tensor) -> torch.Tensor:
+        """ids, positions: [B, T], hidden: [B, T, H] -> h_p [B, T, H]; ragged (``tokens`` [L] and ``riders``):
+        hidden and h_p are [1, L, H], the computed places only."""
         def run(ids, positions, hidden, attn):
             return self.model.mrp_forward(ids, hidden, positions, attn=attn)
 
-        return self._forward("mrp", write_len, run, ids, positions, hidden, tokens=tokens)
+        return self._forward("mrp", write_len, run, ids, positions, hidden, **ragged)
 
     def backbone(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                  write_len: int = 0) -> torch.Tensor:
@@ -312,14 +314,14 @@ class BlockDecoder:
         (B, T), n, R = ids.shape, pending.ids.shape[1], pending.riders.shape[0]
         if R == B:
             hidden = self._backbone_forward(ids, positions, segments, write_len=n)
-            finished, rest, tokens = hidden[:, :n], hidden[:, n:], None
+            finished, rest, ragged = hidden[:, :n], hidden[:, n:], {}
         else:
-            hidden = self._backbone_forward(ids, positions, segments, write_len=n,
+            hidden = self._backbone_forward(ids, positions, segments, write_len=n, riders=pending.riders,
                                             tokens=ride_tokens(pending.riders, n, B, T))
             finished, rest = hidden[:, : R * n], hidden[0, R * n:].view(B, T - n, hidden.shape[-1])
-            tokens = ride_tokens(pending.riders, n, B, n)
+            ragged = dict(tokens=ride_tokens(pending.riders, n, B, n), riders=pending.riders)
         if self.uses_mrp:
-            self._mrp_forward(pending.ids, finished, pending.positions, write_len=n, tokens=tokens)
+            self._mrp_forward(pending.ids, finished, pending.positions, write_len=n, **ragged)
         self.cache.advance(n, pending.rows)
         return rest
 

@@ -70,23 +70,19 @@ def pack_linears(linears: Sequence[nn.Linear]) -> bool:
     return True
 
 
-def packed_linears(x: torch.Tensor, linears: Sequence[nn.Linear], place=None) -> tuple[torch.Tensor, ...]:
+def packed_linears(x: torch.Tensor, linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)`` as one GEMM, for parameters :func:`pack_linears` packed (the
     caller's guarantee; inference only: no gradient reaches them). x: [..., in] -> views [..., out_i] of one
-    [..., sum(out_i)] output (``place(output)`` first, when given)."""
+    [..., sum(out_i)] output."""
     first, sizes = linears[0], [lin.out_features for lin in linears]
     weight = first.weight.as_strided((sum(sizes), first.in_features), (first.in_features, 1))
     bias = None if first.bias is None else first.bias.as_strided((sum(sizes),), (1,))
-    out = F.linear(x, weight, bias)
-    return (out if place is None else place(out)).split(sizes, dim=-1)
+    return F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
-def project(x: torch.Tensor, linears: Sequence[nn.Linear], packed: bool, place=None) -> tuple[torch.Tensor, ...]:
-    """Each of ``linears`` applied to x: as one GEMM when ``packed`` (see :func:`packed_linears`); ``place``, when
-    given, is applied to each output (to the packed one once)."""
-    if packed:
-        return packed_linears(x, linears, place)
-    return tuple(lin(x) if place is None else place(lin(x)) for lin in linears)
+def project(x: torch.Tensor, linears: Sequence[nn.Linear], packed: bool) -> tuple[torch.Tensor, ...]:
+    """Each of ``linears`` applied to x: as one GEMM when ``packed`` (see :func:`packed_linears`)."""
+    return packed_linears(x, linears) if packed else tuple(lin(x) for lin in linears)
 
 
 def rotary_cos_sin(config: SDARMRPConfig, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -160,13 +156,10 @@ class SDARAttention(nn.Module):
         return self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-        """x: [B, T, H], cos/sin: [B, T, head_dim] -> [B, T, H]. A ragged forward (``attn.tokens``): x and the result
-        are [1, L, H]; the projections' output goes onto the [B, T] grid of ``attn.positions`` (packed: one scatter
-        into one buffer all layers of the forward share), where the q/k-norm + RoPE (cos/sin of the grid) and the
-        attention run."""
-        place = None if attn.tokens is None else functools.partial(attn.to_grid, reuse=attn.packed)
+        """x: [B, T, H], cos/sin: [B, T, head_dim] -> [B, T, H] (a ragged forward, ``attn.tokens``: B = 1, T = L; the
+        attention finds the grid's positions through ``attn.places()``)."""
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", d=self.head_dim)
-                   for t in project(x, self.projections, attn.packed, place))
+                   for t in project(x, self.projections, attn.packed))
         q, k = mrp_triton.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if attn.cache is None:
@@ -179,12 +172,10 @@ class SDARAttention(nn.Module):
         else:
             past_k, past_v = attn.cache.prefix(self.layer_idx)
             if attn.write_len:  # visible from the next forward on (after cache.advance)
-                attn.cache.write(self.layer_idx, k[:, :, : attn.write_len], v[:, :, : attn.write_len],
-                                 attn.write_offsets())
+                attn.write(self.layer_idx, k, v)
             out = mrp_triton.cached_attention(q, k, v, past_k, past_v, attn.cache.lengths, attn.positions,
-                                              attn.block_size, attn.segments)
-        out = rearrange(out, "b h t d -> b t (h d)")
-        return self.o_proj(out if attn.tokens is None else attn.from_grid(out))
+                                              attn.block_size, attn.segments, attn.places())
+        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
 
 class SDARMLP(nn.Module):
@@ -238,8 +229,7 @@ def run_decoder_layers(layers: nn.ModuleList, norm: SDARRMSNorm, x: torch.Tensor
         if attention_mask is None:
             attention_mask = block_causal_mask(position_ids, position_ids, config.block_size)
         attn = AttentionInputs(mask=attention_mask)
-    rope_positions = position_ids if attn.tokens is None else attn.positions  # the attention's grid when ragged
-    cos, sin = rotary_cos_sin(config, rope_positions) if attn.rope is None else attn.rope[rope_positions].unbind(-2)
+    cos, sin = rotary_cos_sin(config, position_ids) if attn.rope is None else attn.rope[position_ids].unbind(-2)
     residual = None
     for layer in layers:
         x, residual = layer(x, residual, cos, sin, attn)
