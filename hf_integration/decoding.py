@@ -12,9 +12,10 @@ up to a batch bucket of rows: the others' are written past their length and do n
 checks which rows are full (one synchronisation) only after as many steps as surely leave every row with work
 (:class:`Strategy`; with ``device_loop``, and the steps that may have work after them in one graph, each run
 while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or filled
-its last block and leaves the batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller batch bucket: until then it
-rides along as padding). Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on
-replays each kind of step (forwards and decisions) as one graph.
+its last block and leaves the batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller
+batch bucket: until then it rides along as padding). Strategies run whole steps through
+:meth:`BlockDecoder.step`, which with CUDA graphs on replays each kind of step (forwards and decisions) as one
+graph.
 """
 
 from __future__ import annotations
