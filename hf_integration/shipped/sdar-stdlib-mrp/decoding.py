@@ -8,7 +8,7 @@ caches of different lengths; the attention masks derive from the per-row lengths
 keys/values (and the MRP head's) are written by the row's next forward (``fuse_commit``: the finished block
 rides in front of the next block, or of its K+1 candidate copies) or by a forward of their own; only the
 committing rows' finished positions are computed (a ragged forward, :class:`PendingCommit`; with CUDA graphs,
-up to a batch bucket of rows: the others' are written past their length and do not advance them). The host
+up to a batch bucket of rows: the extra rows' are written past their length and do not advance them). The host
 checks which rows are full (one synchronisation) only after as many steps as surely leave every row with work
 (:class:`Strategy`; with ``device_loop``, and the steps that may have work after them in one graph, each run
 while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or filled
