@@ -19,6 +19,12 @@ streaming the whole prefix) each split writes its unnormalised (acc, m, l) and `
 combines them. S is a host choice from the cache's width (:func:`_splits`), so a captured graph keeps it; it is
 a runtime argument (not specialised): one compile serves every S > 1.
 
+Ragged forwards (``places``, RAGGED): q, k, v and the output hold only the L computed positions of the [B, T]
+grid, one row of them; each program reads its queries' places (and each key tile's) from the map, leaves out
+positions with none (neither queries nor keys) and returns at once when its query tile has none; the merge
+writes by place. The decoder uses it for finished blocks riding in front of the rows' next forward, computed
+only for the rows that finished one.
+
 dtypes: bf16/fp16 dots accumulate in fp32 (the probabilities are cast to the value dtype for the second
 dot, as flash attention does); fp32 uses IEEE products (no TF32). Under TRITON_INTERPRET=1, tl.dot on
 bf16 is broken, so tiles are cast to fp32 there. float64 always runs the reference.
