@@ -78,15 +78,21 @@ def test_loss_falls(env, tmp_path, mode, kw):
     assert any("eval_loss" in x for x in lines)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast is the trainer's on CUDA")
-def test_cuda_mrp_training_keeps_bf16_valued_projections_in_bf16_then_restores_them(env, tmp_path):
+def _bf16_valued_mrp_model(env, device: str = "cpu"):
+    """An MRP model whose frozen weights hold bf16 values in fp32 (what a bf16 checkpoint loaded in fp32 holds), on
+    ``device``, and a copy of those frozen weights by name."""
     model = _model(env, "mrp")
     with torch.no_grad():
         for prm in model.parameters():
             if not prm.requires_grad:
-                prm.copy_(prm.to(torch.bfloat16))  # what a bf16 checkpoint loaded in fp32 holds
-    model.cuda()
-    frozen = {n: q.detach().clone() for n, q in model.named_parameters() if not q.requires_grad}
+                prm.copy_(prm.to(torch.bfloat16))
+    model.to(device)
+    return model, {n: q.detach().clone() for n, q in model.named_parameters() if not q.requires_grad}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast is the trainer's on CUDA")
+def test_cuda_mrp_training_keeps_bf16_valued_projections_in_bf16_then_restores_them(env, tmp_path):
+    model, frozen = _bf16_valued_mrp_model(env, "cuda")
     seen = []
 
     def exported(m):
@@ -119,12 +125,7 @@ def test_a_failed_run_restores_the_projections_it_stored_in_bf16(env, tmp_path, 
 
     monkeypatch.setattr(trainer, "_autocasts", lambda cfg, device: True)
     monkeypatch.setattr(trainer, "_autocast", lambda cfg, device: torch.autocast("cpu", dtype=torch.bfloat16))
-    model = _model(env, "mrp")
-    with torch.no_grad():
-        for prm in model.parameters():
-            if not prm.requires_grad:
-                prm.copy_(prm.to(torch.bfloat16))  # what a bf16 checkpoint loaded in fp32 holds
-    frozen = {n: q.detach().clone() for n, q in model.named_parameters() if not q.requires_grad}
+    model, frozen = _bf16_valued_mrp_model(env)
     seen = []
 
     def during(step, rec):
