@@ -28,10 +28,15 @@ QUANTILES = [0.5, 0.2, 0.8]  # median, p20, p80
 
 
 def commit() -> str:
-    """Short hash of the checked-out commit, or "unknown" (no git, not a checkout)."""
+    """Short hash of the checked-out commit, with "+changes" when tracked files differ from it (the figures are then
+    of a tree no commit holds), or "unknown" (no git, not a checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).resolve().parent,
+                              timeout=10).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
     except Exception:
         return "unknown"
 

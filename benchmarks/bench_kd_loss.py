@@ -1,13 +1,17 @@
 """The MRP distillation loss, forward + backward: chunked (``training.kd_loss.kd_loss_sum``) vs autograd through
 the dense formula (fp32 logits of teacher and student, log-softmax, KL), as MRP training computed it before.
 The chunked loss runs at each GEMM precision (``chunked``: fp32, ``chunked_tf32``, ``chunked_bf16``; see
-``training.kd_loss``; off CUDA tf32 is fp32).
+``training.kd_loss``; off CUDA tf32 is fp32), each chunk's KL and gradient on ``mrp_triton.softmax_kl`` (the Triton
+kernels on CUDA, the PyTorch reference on CPU); ``chunked_tf32_torch_kl`` is ``chunked_tf32`` with that step in
+PyTorch ops on CUDA too (the reference: two log-softmax and ~10 elementwise passes over the chunk's logits), what
+the kernels are measured against.
 
 Per (rows, provider): the median time of forward + backward over ``--reps`` calls (after one warm-up), the
 peak memory above the inputs: on CUDA ``torch.cuda.max_memory_allocated``, on CPU the peak resident set
 (``getrusage``), each (rows, provider) in its own process so one peak does not hide another; and the loss's and
 the student gradient's relative error against the same loss in fp64 (``loss_rel_err``, ``grad_rel_err``: norm of
-the difference over norm). All run in PyTorch, so CPU figures are real measurements (of a CPU), not a smoke run.
+the difference over norm). On CPU all run in PyTorch, so CPU figures are real measurements (of a CPU), not a smoke
+run. ``--providers`` picks some.
 
 With ``--model DIR`` the rows are real instead of random: the (student, teacher) hidden states every KD loss call
 of MRP training steps scores (K = 3 unroll, ``--batches`` micro-batches of 8 of the model's held-out stdlib
@@ -22,6 +26,7 @@ its own lm_head; ``rows`` is then their count and ``--rows`` / ``--hidden`` / ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
@@ -34,7 +39,9 @@ import _harness
 
 FIELDS = ["rows", "hidden", "vocab", "provider", "median_ms", "peak_mb", "loss_rel_err", "grad_rel_err", "device",
           "torch", "commit"]
-PROVIDERS = {"dense": None, "chunked": "fp32", "chunked_tf32": "tf32", "chunked_bf16": "bf16"}  # name: precision
+# name: (GEMM precision, backend of the per-chunk KL step: None = the default dispatch)
+PROVIDERS = {"dense": (None, None), "chunked": ("fp32", None), "chunked_tf32": ("tf32", None),
+             "chunked_bf16": ("bf16", None), "chunked_tf32_torch_kl": ("tf32", "reference")}
 
 
 def parse_args(argv):
@@ -43,13 +50,18 @@ def parse_args(argv):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--reps", type=int, default=3, help="timed calls per provider (after one warm-up)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated, of {', '.join(PROVIDERS)}")
     ap.add_argument("--out", default="benchmarks/results", help="directory for kd_loss_<device>.csv / .json")
     ap.add_argument("--model", default=None, help="score the rows MRP training steps of this model's head score")
     ap.add_argument("--batches", type=int, default=4, help="with --model: micro-batches of 8 sequences recorded")
     ap.add_argument("--tag", default=None, help="results file kd_loss_<device>[_<tag>]")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "provider,rows": one measurement
     ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)  # the recorded rows (with --model)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.providers.split(",")) - set(PROVIDERS))
+    if unknown:
+        ap.error(f"--providers: unknown {unknown}; choose among {', '.join(PROVIDERS)}")
+    return args
 
 
 def record_model_rows(model_dir: str, batches: int, path: str) -> None:
@@ -95,6 +107,7 @@ def measure(provider: str, n: int, H: int, V: int, reps: int, rows_file: str | N
     import torch.nn.functional as F
 
     sys.path.insert(0, str(_harness.ROOT))
+    from mrp_triton import use_backend
     from training.kd_loss import kd_loss_sum
 
     cuda = torch.cuda.is_available()
@@ -118,7 +131,9 @@ def measure(provider: str, n: int, H: int, V: int, reps: int, rows_file: str | N
         return loss
 
     def chunked():
-        loss = kd_loss_sum(student, teacher, weight, row_weights, precision=PROVIDERS[provider])
+        precision, backend = PROVIDERS[provider]
+        with use_backend(backend) if backend else contextlib.nullcontext():
+            loss = kd_loss_sum(student, teacher, weight, row_weights, precision=precision)
         loss.backward()
         return loss
 
@@ -154,7 +169,7 @@ def measure_providers(args, sizes: list[int], source: list[str]) -> list[dict]:
     """Each provider at each number of rows, in a process of its own (``source``: the child's row arguments)."""
     rows = []
     for n in sizes:
-        for provider in PROVIDERS:
+        for provider in args.providers.split(","):
             cmd = [sys.executable, __file__, "--child", f"{provider},{n}", "--hidden", str(args.hidden),
                    "--vocab", str(args.vocab), "--reps", str(args.reps), *source]
             r = subprocess.run(cmd, capture_output=True, text=True)

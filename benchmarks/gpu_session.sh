@@ -2,7 +2,7 @@
 # Everything owed to a GPU, as one prepared run (at most 9.5 minutes on an H200: the sum of the steps' limits):
 # correctness of the decode kernels and of CUDA-graph decoding against the references, every benchmark that
 # needs CUDA, then the model-op kernel tests (forward, then the backward kernels training runs, and the KD loss's
-# TF32 and bf16 GEMMs).
+# TF32 and bf16 GEMMs and its KL kernels).
 #   bash benchmarks/gpu_session.sh OUT_DIR
 # Each step has its own time limit and log; a failing step does not stop the others. Results and logs
 # are packed into OUT_DIR/gpu_results.tar.gz (unpack into benchmarks/results/ and commit what ran);
@@ -50,7 +50,8 @@ step lm_head 80 python3 benchmarks/bench_mrp_head.py --only candidates,lm_head -
   --hidden 2048,4096 --sweep --sweep-rows 64,128 --no-compile --out "$RES"
 step model_op_tests 50 python3 -m pytest -v -p no:cacheprovider tests/test_lm_head_confidence.py \
   tests/test_candidate_confidence.py tests/test_norm_ops.py tests/test_cached_attention.py \
-  tests/test_norm_ops_backward.py tests/test_kd_loss.py::test_cuda_precisions
+  tests/test_norm_ops_backward.py tests/test_kd_loss.py::test_cuda_precisions \
+  tests/test_softmax_kl.py::test_kernel_at_a_real_vocabulary
 # The issues' targets against what was measured (CPU only, seconds): also in results/targets.md.
 python3 benchmarks/targets.py "$RES"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results

@@ -237,9 +237,10 @@ def _backward_kernels(dt: str) -> list[Variant]:
     """The backward kernels training runs (weight-gradient partials in fp32), at the 1.7B shape's sizes."""
     sig = {"s_ptr": f"*{dt}", "w_ptr": f"*{dt}", "dy_ptr": f"*{dt}", "ds_ptr": f"*{dt}", "dx_ptr": f"*{dt}",
            "dw_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "eps": "fp32", "stride_s": "i64", "stride_dy": "i64",
-           "stride_ds": "i64", "rows_per_program": "i32", "HAS_DS": "constexpr", "BLOCK": "constexpr"}
+           "stride_ds": "i64", "rows_per_program": "i32", "HAS_DS": "constexpr", "WANT_DX": "constexpr",
+           "BLOCK": "constexpr"}
     out = [Variant(f"rms_norm_backward {dt} residual={ds}", "rms_norm", "_rms_norm_backward_kernel", sig,
-                   {"HAS_DS": ds, "BLOCK": 2048}, 8,
+                   {"HAS_DS": ds, "WANT_DX": True, "BLOCK": 2048}, 8,
                    divisible=_ptrs_divisible(sig, "n_cols", "stride_s", "stride_dy", "stride_ds"))
            for ds in (False, True)]
     sig = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "do_ptr": f"*{dt}", "dg_ptr": f"*{dt}", "du_ptr": f"*{dt}",
@@ -260,9 +261,28 @@ def _backward_kernels(dt: str) -> list[Variant]:
     return out
 
 
+def _softmax_kl() -> list[Variant]:
+    """The KD loss's two passes over a chunk's fp32 logits (fp64: what tests differentiate against), 2048-wide
+    tiles on 8 warps as a V = 151936 launch picks."""
+    out = []
+    for dt in ("fp32", "fp64"):
+        sig = {"s_ptr": f"*{dt}", "t_ptr": f"*{dt}", "part_ptr": f"*{dt}", "V": "i32", "stride_s": "i64",
+               "stride_t": "i64", "span": "i32", "S": "i32", "BLOCK": "constexpr"}
+        out.append(Variant(f"softmax_kl_stats {dt}", "softmax_kl", "_stats_kernel", sig, {"BLOCK": 2048}, 8,
+                           divisible=_ptrs_divisible(sig, "V", "stride_s", "stride_t", "span")))
+        sig = {"s_ptr": f"*{dt}", "t_ptr": f"*{dt}", "scale_ptr": f"*{dt}", "part_ptr": f"*{dt}", "kl_ptr": f"*{dt}",
+               "V": "i32", "stride_s": "i64", "stride_t": "i64", "span": "i32", "S": "i32", "GRAD": "constexpr",
+               "BLOCK": "constexpr", "BLOCK_S": "constexpr"}
+        out += [Variant(f"softmax_kl {dt} grad={grad}", "softmax_kl", "_kl_kernel", sig,
+                        {"GRAD": grad, "BLOCK": 2048, "BLOCK_S": 4}, 8,
+                        divisible=_ptrs_divisible(sig, "V", "stride_s", "stride_t", "span"))
+                for grad in (True, False)]
+    return out
+
+
 def variants() -> list[Variant]:
     """Every kernel variant the library launches (dtypes, flags and tile shapes a launch may pick)."""
-    return _confidence() + _decisions() + _cached_attention() + _lm_head() + _model_ops()
+    return _confidence() + _decisions() + _cached_attention() + _lm_head() + _model_ops() + _softmax_kl()
 
 
 def compile_variant(v: Variant):

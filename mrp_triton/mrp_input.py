@@ -8,8 +8,9 @@ norms (each reading its input twice) and a cat that re-copies both halves: ~3x t
 One program per row; the embedding half comes first (DeepSeek-V3 MTP layout). The embedding row
 is rounded to hidden's dtype first (the reference's ``embed_weight[ids].to(hidden.dtype)``),
 then both halves follow :mod:`mrp_triton.rms_norm`'s rounding points.
-Backward: the norm's backward kernel (:func:`mrp_triton.rms_norm.rms_norm_backward`) on each half; a gradient
-for the embedding (rarely wanted: it is frozen in MRP training) is scattered back by id.
+Backward: the norm's backward kernel (:func:`mrp_triton.rms_norm.rms_norm_backward`) on each half, each half's
+input gradient computed only when wanted (MRP training freezes the embedding: only enorm's weight gradient is
+computed from that half); a gradient for the embedding is scattered back by id.
 Token ids are not range-checked on CUDA (that would need a host sync): an out-of-range id reads
 as a zero embedding row instead of out-of-bounds memory. With CPU tensors they are checked.
 """
@@ -103,11 +104,11 @@ class _MRPInput(torch.autograd.Function):
         d_embed = d_hidden = d_enorm = d_hnorm = None
         if needs_embed or needs_enorm:
             e = embed_weight[ids].to(hidden.dtype)
-            d_e, d_enorm = rms_norm_backward(e, enorm_weight, ctx.eps, d_out[:, :H])
+            d_e, d_enorm = rms_norm_backward(e, enorm_weight, ctx.eps, d_out[:, :H], want_dx=needs_embed)
             if needs_embed:
                 d_embed = torch.zeros_like(embed_weight).index_add_(0, ids, d_e.to(embed_weight.dtype))
         if needs_hidden or needs_hnorm:
-            d_hidden, d_hnorm = rms_norm_backward(hidden, hnorm_weight, ctx.eps, d_out[:, H:])
+            d_hidden, d_hnorm = rms_norm_backward(hidden, hnorm_weight, ctx.eps, d_out[:, H:], want_dx=needs_hidden)
         return None, d_embed, d_hidden, d_enorm, d_hnorm, None
 
 

@@ -123,9 +123,10 @@ def backward_grid(rows: int, device: torch.device) -> tuple[int, int]:
 @triton.jit
 def _rms_norm_backward_kernel(s_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, n_rows, n_cols, eps,
                               stride_s, stride_dy, stride_ds, rows_per_program,
-                              HAS_DS: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows [pid * rows_per_program, ...) of dx = d rms_norm(s) / ds (plus the incoming gradient of s itself) and
-    this program's partial of dw = sum_rows dy * s_hat (rounding points: straight through, as autograd's)."""
+                              HAS_DS: tl.constexpr, WANT_DX: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [pid * rows_per_program, ...) of dx = d rms_norm(s) / ds (plus the incoming gradient of s itself; only
+    with WANT_DX) and this program's partial of dw = sum_rows dy * s_hat (rounding points: straight through, as
+    autograd's)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -138,32 +139,35 @@ def _rms_norm_backward_kernel(s_ptr, w_ptr, dy_ptr, ds_ptr, dx_ptr, dw_ptr, n_ro
         s_hat = s * rstd
         dy = tl.load(dy_ptr + row * stride_dy + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw += dy * s_hat
-        g = dy * w
-        dx = rstd * (g - s_hat * (tl.sum(g * s_hat, axis=0) / n_cols))
-        if HAS_DS:
-            dx += tl.load(ds_ptr + row * stride_ds + cols, mask=col_mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
+        if WANT_DX:
+            g = dy * w
+            dx = rstd * (g - s_hat * (tl.sum(g * s_hat, axis=0) / n_cols))
+            if HAS_DS:
+                dx += tl.load(ds_ptr + row * stride_ds + cols, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
     tl.store(dw_ptr + pid * n_cols + cols, dw, mask=col_mask)
 
 
 def rms_norm_backward(s: torch.Tensor, weight: torch.Tensor, eps: float, dy: torch.Tensor,
-                      ds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      ds: torch.Tensor | None = None, want_dx: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Gradients of ``y = rms_norm(s)`` (no residual) given dy [..., H]: (ds_total [..., H] in s's dtype: dy through
-    the norm plus ``ds``, the gradient s receives elsewhere (the residual stream's), or None; dw [H] in weight's
-    dtype). One kernel over the rows; the weight gradient is summed from one fp32 partial per program."""
+    the norm plus ``ds``, the gradient s receives elsewhere (the residual stream's), or None; None without
+    ``want_dx``, which then is neither computed nor written; dw [H] in weight's dtype). One kernel over the rows;
+    the weight gradient is summed from one fp32 partial per program."""
     H = s.shape[-1]
     s2, dy2 = as_rows(s), as_rows(dy)
     ds2 = as_rows(ds) if ds is not None else dy2  # unused pointer (HAS_DS=False)
     M = s2.shape[0]
-    dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    dx = torch.empty(s.shape if want_dx else (0,), dtype=s.dtype, device=s.device)
     BLOCK, num_warps = row_settings(H)
     programs, per_program = backward_grid(M, s.device)
     dw = torch.empty((programs, H), dtype=torch.float32, device=s.device)
     if programs > 0:
         _rms_norm_backward_kernel[(programs,)](s2, weight.contiguous(), dy2, ds2, dx, dw, M, H, float(eps),
                                                s2.stride(0), dy2.stride(0), ds2.stride(0), per_program,
-                                               HAS_DS=ds is not None, BLOCK=BLOCK, num_warps=num_warps)
-    return dx, dw.sum(0).to(weight.dtype)
+                                               HAS_DS=ds is not None, WANT_DX=want_dx, BLOCK=BLOCK,
+                                               num_warps=num_warps)
+    return dx if want_dx else None, dw.sum(0).to(weight.dtype)
 
 
 class _RMSNorm(torch.autograd.Function):

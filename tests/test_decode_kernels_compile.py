@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # one pass over their rows: bandwidth is their speed (the backward kernels of the first four too)
 STREAMING = ("confidence bf16", "confidence fp16", "confidence fp32", "rms_norm", "swiglu", "mrp_input",
-             "qk_norm_rope", "candidate_confidence")  # the last: the gathered lm_head rows
+             "qk_norm_rope", "candidate_confidence", "softmax_kl")  # candidate_confidence: the gathered lm_head rows
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +47,15 @@ def test_every_variant_compiles_for_sm90(reports):
     assert {name.split()[0] for name in reports} == {
         "confidence", "select", "verify", "remask", "cached_attention", "lm_head_confidence", "rms_norm", "swiglu",
         "qk_norm_rope", "mrp_input", "candidate_confidence", "rms_norm_backward", "swiglu_backward",
-        "qk_norm_rope_backward"}
+        "qk_norm_rope_backward", "softmax_kl_stats", "softmax_kl"}
     assert all(r["spill_bytes"] == 0 for r in reports.values()), {n: r["spill_bytes"] for n, r in reports.items()}
 
 
 def test_streaming_kernels_load_16_byte_vectors(reports):
     streaming = {name: r["loads"] for name, r in reports.items() if name.startswith(STREAMING)}
-    assert len(streaming) == 38
+    assert len(streaming) == 44
     for name, loads in streaming.items():
-        assert "16" in loads and "2" not in loads, (name, loads)  # bf16/fp16 data: 8 elements a load, never 1
+        assert "16" in loads and "2" not in loads, (name, loads)  # 16-byte vectors (bf16: 8 elements), never 1
 
 
 def test_confidence_loads_the_next_tile_ahead_without_losing_occupancy(reports):

@@ -1,5 +1,8 @@
 """The chunked MRP distillation loss (training.kd_loss) against autograd through the dense formula."""
 
+import importlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 from training.kd_loss import kd_loss_sum, top_choice, top_choices
 
 SETTINGS = settings(max_examples=40, deadline=None)
+softmax_kl_module = importlib.import_module("mrp_triton.softmax_kl")  # the package's attribute is the function
 
 
 def dense_kd_sum(student, teacher, weight, row_weights):
@@ -34,6 +38,23 @@ def draw_case(data, dtype=torch.float64):
 @SETTINGS
 @given(data=st.data())
 def test_loss_and_student_gradient_equal_autograd_of_the_dense_formula(data):
+    _check_against_the_dense_formula(data)
+
+
+@pytest.mark.triton
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_the_softmax_kl_kernel_gives_the_loss_and_gradient_of_the_dense_formula(data):
+    """The same with each chunk's KL and gradient from the Triton kernel (``mrp_triton.softmax_kl``, what a CUDA
+    run dispatches to; here in the interpreter)."""
+    with mock.patch.object(softmax_kl_module, "softmax_kl_triton", wraps=softmax_kl_module.softmax_kl_triton) as kernel:
+        n = _check_against_the_dense_formula(data, grad_atol=1e-10)  # its rounding differs: exp(s - lse)
+    assert (kernel.call_count > 0) == (n > 0)  # a chunk each (the test above passes without the kernel)
+
+
+def _check_against_the_dense_formula(data, grad_atol: float = 1e-12) -> int:
+    """kd_loss_sum on a drawn case (fp64) equals autograd through :func:`dense_kd_sum`; returns the rows n (row
+    weights reach 1000 and logits 8 * |H|, so the gradients' last bits are ~1e-12)."""
     student, teacher, weight, row_weights = draw_case(data)
     chunk = data.draw(st.integers(1, student.shape[0] + 3), label="chunk_rows")
     upstream = data.draw(st.floats(-3.0, 3.0), label="upstream grad")
@@ -44,8 +65,9 @@ def test_loss_and_student_gradient_equal_autograd_of_the_dense_formula(data):
     want = dense_kd_sum(s2, teacher, weight, row_weights)
     (want * upstream).backward()
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(s1.grad, s2.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(s1.grad, s2.grad, rtol=1e-9, atol=grad_atol)
     assert got.dtype == torch.float64
+    return student.shape[0]
 
 
 @SETTINGS

@@ -134,6 +134,16 @@ def test_mrp_input_backward_matches_reference(N, H, V, dtype, embed_dtype, needs
            seed)
 
 
+def test_mrp_input_backward_of_its_norm_weights_only():
+    """MRP training's first head step: the embedding frozen and h_A the frozen backbone's, so only the two norm weights
+    get gradients (the backward computes neither half's input gradient)."""
+    ids = torch.tensor([3, 0, 3, 7], device=DEV)
+    E, h = _randn((8, 40), torch.float32, 1), _randn((4, 40), torch.float32, 2, 5.0)
+    ew, hw = _randn((40,), torch.float32, 3), _randn((40,), torch.float32, 4)
+    _check(lambda i, E, h, ew, hw: mrp_input(i, E, h, ew, hw, EPS), [ids, E, h, ew, hw],
+           [False, False, False, True, True], 0)
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "swiglu"])
 def test_second_order_gradients_are_refused(op):
     """The backward kernels have no backward of their own: differentiating a gradient raises instead of giving a

@@ -11,6 +11,10 @@ of the loss and, in the same pass, its gradient with respect to the student rows
 ``w_i (softmax(W s_i) - softmax(W t_i)) @ W``: backward keeps only that [n, H] tensor and scales it.
 Same GEMMs as autograd (two logit products forward, one for the gradient), fewer passes over [n, V]. The
 weight is cast to fp32 once per call, as the dense formula also needs ([V, H] fp32: 1.2 GB at the 1.7B shape).
+Between the GEMMs, ``mrp_triton.softmax_kl`` takes a chunk's two logit tensors to its KL per row and writes the
+gradient over the student's logits: on CUDA two Triton passes (both tensors read twice, the gradient written once,
+nothing else of size [rows, V] allocated), elsewhere its PyTorch reference (log-softmaxes and in-place elementwise
+ops).
 
 ``top_choices`` gives what the draft-agreement statistics need (per row the most probable token without the
 mask token and its log-probability) in the same chunks, without gradients.
@@ -30,7 +34,9 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 25  # logits per chunk: [chunk_rows, V] in fp32 is 128 MB; a chunk holds ~4 such at its peak
+import mrp_triton
+
+CHUNK_ELEMENTS = 1 << 25  # logits per chunk: [chunk_rows, V] in fp32 is 128 MB; a chunk holds 2 such (4 on CPU)
 
 
 def default_chunk_rows(vocab_size: int) -> int:
@@ -125,13 +131,12 @@ class _ChunkedKD(torch.autograd.Function):
             grad = torch.empty(student.shape, dtype=dt, device=student.device) if want_grad else None
             total = torch.zeros((), dtype=dt, device=student.device)
             for rows in _chunks(student.shape[0], chunk_rows):
-                log_q = head.logits(student[rows]).log_softmax(-1)
-                log_p = head.logits(teacher[rows]).log_softmax(-1)
-                p = log_p.exp()
+                logits = head.logits(student[rows])  # with want_grad, overwritten by the gradient over them
                 rw = row_weights[rows].to(dt)
-                total += ((p * (log_p - log_q)).sum(-1) * rw).sum()
+                kl = mrp_triton.softmax_kl(logits, head.logits(teacher[rows]), rw if grad is not None else None)
+                total += (kl * rw).sum()
                 if grad is not None:
-                    grad[rows] = head.back(log_q.exp_().sub_(p).mul_(rw[:, None]))
+                    grad[rows] = head.back(logits)
         ctx.save_for_backward(grad)
         return total
 
