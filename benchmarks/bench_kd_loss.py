@@ -3,8 +3,8 @@ the dense formula (fp32 logits of teacher and student, log-softmax, KL), as MRP 
 The chunked loss runs at each GEMM precision (``chunked``: fp32, ``chunked_tf32``, ``chunked_bf16``; see
 ``training.kd_loss``; off CUDA tf32 is fp32), each chunk's KL and gradient on ``mrp_triton.softmax_kl`` (the Triton
 kernels on CUDA, the PyTorch reference on CPU); ``chunked_tf32_torch_kl`` is ``chunked_tf32`` with that step in
-PyTorch ops on CUDA too (the reference: two log-softmax and ~10 elementwise passes over the chunk's logits), what
-the kernels are measured against.
+PyTorch ops on CUDA too (the reference: two log-softmaxes and 8 elementwise ops, ~25 passes over the chunk's
+logits), what the kernels are measured against.
 
 Per (rows, provider): the median time of forward + backward over ``--reps`` calls (after one warm-up), the
 peak memory above the inputs: on CUDA ``torch.cuda.max_memory_allocated``, on CPU the peak resident set

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_kernel_device, check_matches
+from ._checks import as_rows, check_kernel_device, check_matches
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.softmax_kl import softmax_kl as softmax_kl_reference
 
@@ -107,8 +107,8 @@ def _kl_kernel(s_ptr, t_ptr, scale_ptr, part_ptr, kl_ptr, V, stride_s, stride_t,
 
 
 def _pick_config(n: int, V: int, device: torch.device, splits: int | None, block: int | None) -> tuple[int, int, int]:
-    """(slices S, BLOCK, num_warps): 2048-wide tiles on 8 warps (8 elements a thread: one 32-byte load a tensor and
-    tile in fp32) and ~4 programs an SM on CUDA; in the interpreter one slice of one wide tile (numpy is faster on
+    """(slices S, BLOCK, num_warps): 2048-wide tiles on 8 warps (8 fp32 elements a thread: two 16-byte loads a
+    tensor and tile) and ~4 programs an SM on CUDA; in the interpreter one slice of one wide tile (numpy is faster on
     long vectors). ``splits`` and ``block`` force either (tests). Untimed on hardware so far:
     ``benchmarks/bench_kd_loss.py`` times the op inside the KD loss."""
     if interpreter_on() and device.type != "cuda":
@@ -146,8 +146,7 @@ def softmax_kl_triton(student: torch.Tensor, teacher: torch.Tensor, grad_scale: 
         return softmax_kl_reference(student, teacher, grad_scale)
     if grad_scale is not None and student.stride(1) != 1:
         raise ValueError("student must have contiguous rows (stride 1 along V) to take the gradient in place")
-    s = student if student.stride(1) == 1 else student.contiguous()
-    t = teacher if teacher.stride(1) == 1 else teacher.contiguous()
+    s, t = as_rows(student), as_rows(teacher)
     S, block, num_warps = _pick_config(n, V, student.device, splits, block)
     span = triton.cdiv(triton.cdiv(V, S), block) * block
     S = triton.cdiv(V, span)
