@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
-from .generation_settings import DRAFT_SCHEDULES, DRAFT_TOKENS, REMASK_RULES, STRATEGIES
+from .generation_settings import DRAFT_SCHEDULES, DRAFT_TOKENS, REMASK_RULES, STRATEGIES, GenerationSettings
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
 COMPARE = [
@@ -84,18 +84,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class UsageError(ValueError):
+    """A command line that cannot run as given; the message names the option to fix."""
+
+
 def load(model_path: str, device: str, dtype: str | None):
     """(tokenizer, model) of a checkpoint folder or Hub repo id. The model is always this package's class, also
-    for the SDAR / MRP releases, whose own remote code ``AutoModelForCausalLM`` would run instead."""
+    for the SDAR / MRP releases, whose own remote code ``AutoModelForCausalLM`` would run instead. Raises
+    :class:`UsageError` for a device this torch cannot use or a checkpoint that cannot be loaded."""
     from transformers import AutoTokenizer
 
     from .modeling_sdar_mrp import SDARMRPForCausalLM
 
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: this torch sees no CUDA GPU (torch {torch.__version__}); "
+                         "use --device cpu")
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    model = SDARMRPForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-    # With the model's config given, AutoTokenizer does not load (and ask to trust) the remote config again.
-    tokenizer = AutoTokenizer.from_pretrained(model_path, config=model.config)
+    try:
+        model = SDARMRPForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        # With the model's config given, AutoTokenizer does not load (and ask to trust) the remote config again.
+        tokenizer = AutoTokenizer.from_pretrained(model_path, config=model.config)
+    except OSError as err:  # no such folder or repo, a folder without a checkpoint, offline without a cached copy
+        raise UsageError(f"--model: {model_path!r} is neither a checkpoint folder nor a Hub repo that could be "
+                         f"fetched ({type(err).__name__}: {err})") from err
     return tokenizer, model.to(device).eval()
 
 
@@ -108,8 +120,8 @@ def encode(tokenizer, prompt: str, args: argparse.Namespace) -> torch.Tensor:
                   file=sys.stderr)
         return tokenizer(prompt, return_tensors="pt").input_ids
     if not getattr(tokenizer, "chat_template", None):
-        raise SystemExit(f"mrp-generate: error: --chat needs a tokenizer with a chat template, and {args.model}'s "
-                         "has none (drop --chat to complete the prompt as plain text)")
+        raise UsageError(f"--chat needs a tokenizer with a chat template, and {args.model}'s has none (drop --chat to "
+                         "complete the prompt as plain text)")
     messages = [{"role": "user", "content": prompt}]
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})
@@ -128,16 +140,35 @@ def run_one(model, ids: torch.Tensor, settings: dict):
     return out.sequences[0, ids.shape[1]:], out.stats.as_dict(), time.perf_counter() - start
 
 
-def compare_table(model, ids: torch.Tensor, base: dict) -> str:
-    """One row per strategy of :data:`COMPARE`. On a GPU each strategy runs once untimed first (Triton
-    compilation and CUDA-graph capture), so tok/s is the steady state."""
-    rows, reference = [], None
-    header = f"{'strategy':<12}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
+def compare_settings(base: dict) -> list[dict]:
+    """The settings of each row of :data:`COMPARE`: ``base`` with the row's strategy and its own values."""
+    runs = []
     for strategy, extra in COMPARE:
         settings = {**base, "strategy": strategy, **extra}
         if strategy != "speculative":
             for name in DRAFT_TOKENS:  # the drafts of speculative decoding only
                 settings.pop(name, None)
+        runs.append(settings)
+    return runs
+
+
+def check_settings(model, ids: torch.Tensor, runs: list[dict]) -> None:
+    """Resolve each run's generate() settings as generate() will (:class:`UsageError` with their message when they
+    are refused), before anything is decoded."""
+    for settings in runs:
+        try:
+            GenerationSettings.resolve(model, None, settings, prompt_width=ids.shape[1])
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"--strategy {settings['strategy']}: {err}") from err
+
+
+def compare_table(model, ids: torch.Tensor, base: dict) -> str:
+    """One row per strategy of :data:`COMPARE`. On a GPU each strategy runs once untimed first (Triton
+    compilation and CUDA-graph capture), so tok/s is the steady state."""
+    rows, reference = [], None
+    header = f"{'strategy':<12}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
+    for settings in compare_settings(base):
+        strategy = settings["strategy"]
         if ids.is_cuda:
             run_one(model, ids, settings)
         new, stats, seconds = run_one(model, ids, settings)
@@ -150,15 +181,25 @@ def compare_table(model, ids: torch.Tensor, base: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.prompt_file is not None:
         prompt = args.prompt_file.read_text()
     elif args.prompt is not None:
         prompt = args.prompt
     else:
-        build_parser().error("give a prompt or --prompt-file")
+        parser.error("give a prompt or --prompt-file")
     if args.system is not None and not args.chat:
-        build_parser().error("--system needs --chat")
+        parser.error("--system needs --chat")
+    try:
+        return generate_and_print(args, prompt)
+    except UsageError as err:
+        parser.exit(2, f"mrp-generate: error: {err}\n")
+
+
+def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
+    """Load the model, check the settings, then print the completion (streamed) and its stats, or the table of
+    ``--compare``."""
     tokenizer, model = load(args.model, args.device, args.dtype)
     ids = encode(tokenizer, prompt, args).to(args.device)
     settings = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length,
@@ -168,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     residual_delta=args.residual_delta, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256,
                     stop_strings=args.stop, tokenizer=tokenizer if args.stop else None)
+    check_settings(model, ids, compare_settings(settings) if args.compare
+                   else [{**settings, "strategy": args.strategy}])
     if args.compare:
         print(compare_table(model, ids, settings))
         return 0

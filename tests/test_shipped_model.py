@@ -139,11 +139,35 @@ def test_mrp_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path, 
     assert seen[1].tolist() == [tok("hello").input_ids]
     out = capsys.readouterr()
     assert out.out.startswith("hello") and "--chat" in out.err
-    with pytest.raises(SystemExit, match="has none"):
+    with pytest.raises(SystemExit):
         cli.main(["hello", "--chat"])  # the shipped model's tokenizer has no chat template
+    assert "has none" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["hello", "--system", "be brief"])
     assert "--system needs --chat" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "{tmp}/missing"], "--model: '{tmp}/missing' is neither a checkpoint folder nor a Hub repo"),
+    (["--model", "{tmp}"], "--model: '{tmp}' is neither a checkpoint folder"),  # a folder without a checkpoint
+    (["-K", "0"], "--strategy speculative: mrp_steps=0 must be >= 1"),
+    (["--strategy", "dynamic", "--threshold", "1.5"], "--strategy dynamic: threshold=1.5 must be in (0, 1]"),
+    (["--compare", "--top-p", "0"], "--strategy static: top_p=0.0 must be in (0, 1]"),
+    (["--device", "cuda"], "--device cuda: this torch sees no CUDA GPU"),
+])
+def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, message, tmp_path, monkeypatch, capsys):
+    """Bad options end mrp-generate with exit status 2 and one line naming the option, before anything is decoded."""
+    from hf_integration import cli
+
+    if "--device" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setattr(cli, "run_one", lambda *a: pytest.fail("decoded despite bad input"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["def f():", *(a.format(tmp=tmp_path) for a in args)])
+    err = capsys.readouterr().err  # after the weights' loading bar, if it got that far
+    last = err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and last.startswith("mrp-generate: error: " + message.format(tmp=tmp_path)), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
