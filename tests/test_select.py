@@ -104,11 +104,11 @@ def test_threshold_compares_in_fp32_as_float_or_tensor(fn):
     """conf = fp32(0.1) does not pass a threshold of 0.1, given as a float or as a float64 tensor (both rounded
     to fp32): the top n = 1 is committed; with 0.0999 both positions pass."""
     for threshold, committed in ((0.1, [[True, False]]), (0.0999, [[True, True]])):
-        for given in (threshold, torch.tensor(threshold, dtype=torch.float64, device=DEV)):
+        for value in (threshold, torch.tensor(threshold, dtype=torch.float64, device=DEV)):
             block = torch.full((1, 2), M, device=DEV)
             got = fn(block, torch.tensor([[3, 4]], device=DEV), torch.tensor([[0.1, 0.1]], device=DEV),
-                     mask_token_id=M, n=1, threshold=given)
-            assert got.cpu().tolist() == committed, (threshold, given)
+                     mask_token_id=M, n=1, threshold=value)
+            assert got.cpu().tolist() == committed, (threshold, value)
 
 
 def test_errors():

@@ -1,8 +1,6 @@
-import json
 import os
 
 import pytest
-import torch
 
 from training_fixtures import make_tokenizer, write_corpus
 

@@ -34,7 +34,6 @@ def test_autotokenizer_loads_with_special_ids(tok_dir):
 
 @given(st.text(max_size=60))
 def test_round_trip(tok_dir, s):
-    from transformers import AutoTokenizer
 
     tok = _cached(tok_dir)
     ids = tok(s, add_special_tokens=False)["input_ids"]
