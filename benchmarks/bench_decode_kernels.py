@@ -136,6 +136,14 @@ def main(argv=None) -> int:
                             q, nbytes, e)
                     except Exception as exc:
                         print(f"sweep config s={s} bv={bv} failed: {exc!r}", file=sys.stderr)
+        # Sampling among the tokens top-k / top-p keep (what chat checkpoints ask for), at the N of a decoding step's
+        # picks (up to a verify round's at batch 8): the launcher cuts one stable sort of the effective logits, the
+        # kernel draws in its pass; eager: the reference (noise over all of V).
+        if N <= 512:
+            keys = torch.randint(0, 2**31, (N, 3), device=dev, generator=gen)
+            filtered = dict(do_sample=True, seed=1, noise_keys=keys, top_k=50, top_p=0.9, mask_token_id=151669 % V)
+            eager_and_triton("confidence_topkp", f"N={N},V={V},bf16", N * V * 2,
+                             lambda: ref.confidence(L, **filtered), lambda: mt.confidence_triton(L, **filtered))
         del L, Rr
         if cuda:
             torch.cuda.empty_cache()

@@ -27,9 +27,10 @@ second launch merges them (two launches, no atomics, deterministic).
 
 Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
 (seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
-< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p: documented slow path:
-the kernel computes lse, the filtered Gumbel-max pick runs as torch ops on the device
-(materialises z [N, V] in fp32), and prob stays the full-softmax probability.
+< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p (sampling only: the greedy pick
+is always kept) need a row's ranking: the launcher materialises z [N, V] in fp32 with torch ops and cuts its
+stable sort once (``reference.confidence.top_k_top_p_cut``: a value and an index per row); the kernel then draws
+only among the tokens the cut keeps, with the same in-kernel noise, and prob stays the full-softmax probability.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import triton.language as tl
 from ._checks import check_device_scalar, check_kernel_device, check_skip_rows
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
-from .reference.confidence import effective_logits, pick_tokens, seed_hash
+from .reference.confidence import effective_logits, seed_hash, top_k_top_p_cut
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -75,11 +76,11 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
-    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr,
+    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, tau_ptr, last_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
     V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
-    HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, FINAL: tl.constexpr,
-    T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, HAS_CUT: tl.constexpr,
+    FINAL: tl.constexpr, T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -102,6 +103,9 @@ def _conf_partial_kernel(
             k = tl.load(keys_ptr + row * 3 + j)
             h = _mix32(h ^ (k & M32))
             h = _mix32(h ^ ((k >> 32) & M32))
+    if HAS_CUT:  # top-k / top-p: draw among the tokens above the row's cut (a value, and an index among its ties)
+        tau = tl.load(tau_ptr + row)
+        last = tl.load(last_ptr + row)
     # One cross-warp reduction per tile (the running max m); the rescaled sum and the argmax are
     # kept per lane (lane i sees offsets i, i + BLOCK_V, ... in increasing order, and only a strictly
     # larger score replaces, so each lane holds its earliest maximum) and reduced once at the end.
@@ -142,6 +146,8 @@ def _conf_partial_kernel(
             e = _mix32((e + 0x9E3779B9) & M32)
             u = ((e >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             sc = x + (-tl.log(-tl.log(u)))
+            if HAS_CUT:
+                sc = tl.where((x > tau) | ((x == tau) & (offs <= last)), sc, float("-inf"))
             upd = sc > best_vec
             best_vec = tl.where(upd, sc, best_vec)
             z_vec = tl.where(upd, x, z_vec)
@@ -313,8 +319,11 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         tok, prob, lse = out
     if N == 0:
         return tok, prob, lse
-    filtered = top_k is not None or top_p is not None
-    sample_in_kernel = bool(do_sample) and not filtered
+    sample_in_kernel = bool(do_sample)
+    cut = None
+    if sample_in_kernel and (top_k is not None or top_p is not None):
+        cut = top_k_top_p_cut(effective_logits(logits, residual, scale=scale, temperature=temperature,
+                                               mask_token_id=mask_token_id), top_k, top_p)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     res = residual
@@ -344,27 +353,16 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         logits, logits.stride(0),
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
-        skip, keys, part, part_idx, tok, prob, lse,
+        skip, keys, *(cut if cut is not None else (dummy, dummy)), part, part_idx, tok, prob, lse,
         V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
-        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, FINAL=S == 1,
+        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, HAS_CUT=cut is not None,
+        FINAL=S == 1,
         T_TENSOR=t_tensor, PREFETCH=bool(prefetch), BLOCK_V=BLOCK_V, num_warps=nw,
         enable_fp_fusion=False,  # no FMA: same rounding as the reference
     )
     if S > 1:
         _conf_merge_kernel[(N,)](part, part_idx, tok, prob, lse, S,
                                  BLOCK_S=max(16, triton.next_power_of_2(S)), num_warps=1)
-    if filtered:
-        # Slow path (documented): kernel lse (above) + filtered Gumbel-max pick as torch ops.
-        z = effective_logits(logits, residual, scale=scale, temperature=temperature,
-                                  mask_token_id=mask_token_id)
-        t = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p)
-        if skip_rows is not None:
-            t = t.masked_fill(skip_rows, -1)
-        valid = t >= 0
-        zt = z.gather(1, t.clamp(min=0)[:, None])[:, 0]
-        tok.copy_(t)
-        prob.copy_(torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse)))
-        lse.copy_(torch.where(valid, lse, torch.full_like(lse, float("-inf"))))
     return tok, prob, lse
 
 

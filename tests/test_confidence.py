@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import mrp_triton as mt
 from mrp_triton.confidence import confidence_triton
-from mrp_triton.reference.confidence import effective_logits, filter_top_k_top_p, gumbel_uniform
+from mrp_triton.reference.confidence import effective_logits, gumbel_uniform, kept_by_cut, top_k_top_p_cut
 from mrp_triton.reference.confidence import confidence as confidence_ref
 
 from kernel_utils import DEV, DTYPES
@@ -64,6 +64,8 @@ def _cases(draw):
         do_sample=draw(st.booleans()),
         seed=draw(st.integers(0, 2**40)),
         noise_keys=torch.randint(-5, 2**33, (N, 3), generator=g),
+        top_k=draw(st.none() | st.integers(1, 40)),  # greedy picks ignore them (the best token is always kept)
+        top_p=draw(st.none() | st.floats(0.05, 1.0)),
     )
     return (logits.to(dtype), residual, kw, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([64, 512])),
             draw(st.booleans()), draw(st.booleans()))
@@ -71,12 +73,15 @@ def _cases(draw):
 
 @given(_cases())
 def test_kernel_matches_reference(case):
-    """The kernel against the reference (tiles loaded one ahead or as processed); a temperature given to the kernel
-    as a float64 0-d tensor (read on the device) scales (and samples) exactly as the float does."""
-    logits, residual, kw, splits, block_v, t_on_device, prefetch = case
+    """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-k /
+    top-p keep); a temperature, top_k and top_p given to the kernel as float64 0-d tensors (read on the device) scale,
+    filter and sample exactly as the numbers do."""
+    logits, residual, kw, splits, block_v, on_device, prefetch = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    if t_on_device:
-        dev_kw["temperature"] = torch.tensor(kw["temperature"], dtype=torch.float64, device=DEV)
+    if on_device:
+        for name in ("temperature", "top_k", "top_p"):
+            if kw[name] is not None:
+                dev_kw[name] = torch.tensor(float(kw[name]), dtype=torch.float64, device=DEV)
     L = logits.to(DEV)
     R = residual.to(DEV) if residual is not None else None
     got = confidence_triton(L, R, splits=splits, block_v=block_v, prefetch=prefetch, out=_poisoned(L.shape[0]),
@@ -197,12 +202,28 @@ def test_top_k_top_p(top_k, top_p, on_device):
                          temperature=0.7)
     _check(got, exp)
     z = effective_logits(L, temperature=0.7, mask_token_id=0)
-    kept = filter_top_k_top_p(z, top_k, top_p) > float("-inf")
+    kept = kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p))
     assert kept.gather(1, got[0].cpu()[:, None]).all()
     if top_k is not None:
         assert (kept.sum(1) <= top_k).all()
     full_p = torch.softmax(z, -1).gather(1, got[0].cpu()[:, None])[:, 0]
     torch.testing.assert_close(got[1].cpu(), full_p, atol=1e-6, rtol=1e-5)  # full-softmax prob
+
+
+@pytest.mark.parametrize("top_k,top_p,allowed", [(2, None, [0, 2]), (5, None, [0, 2, 4, 6, 8]),
+                                                (None, 0.2, [0, 2, 4]), (4, 0.6, [0, 2, 4])])
+def test_filters_cut_ties_in_index_order(top_k, top_p, allowed):
+    """Where the cut falls inside a group of equal logits, the kernel draws only from the group's lowest indices (the
+    reference's stable ranking) and from each of them. Logits 1, 0, 1, 0, ... over V = 20 (the mass of a 1 is 0.073:
+    top_p 0.2 keeps 3 of the 1s); 400 rows of other noise keys, tiles and splits that cut through the group."""
+    N, V = 400, 20
+    L = torch.tensor([1.0, 0.0] * (V // 2)).expand(N, V).contiguous()
+    keys = torch.stack([torch.arange(N), torch.arange(N) * 7, torch.full((N,), 2)], 1)
+    kw = dict(do_sample=True, seed=9, top_k=top_k, top_p=top_p)
+    exp = confidence_ref(L, noise_keys=keys, **kw)
+    got = confidence_triton(L.to(DEV), noise_keys=keys.to(DEV), splits=3, block_v=16, out=_poisoned(N), **kw)
+    _check(got, exp)
+    assert sorted(set(got[0].tolist())) == allowed
 
 
 @pytest.mark.parametrize("top_k,top_p", [(None, 1.0), (None, torch.tensor(1.0, dtype=torch.float64)),
@@ -213,7 +234,43 @@ def test_filters_that_keep_every_token(top_k, top_p):
     the tail already rounds to 1 (one dominant token). V = 50."""
     z = torch.zeros(2, 50)
     z[:, 0] = 40.0
-    assert torch.equal(filter_top_k_top_p(z, top_k, top_p), z)
+    assert kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)).all()
+
+
+def _filtered_as_transformers_does(z, top_k=None, top_p=None):
+    """z [N, V] with -inf outside the tokens top-k, then top-p keep, each filter on its own stable sort (ties: the
+    lowest index first), as transformers' TopKLogitsWarper and TopPLogitsWarper: the oracle of the cut."""
+    z = z.clone()
+    V = z.shape[-1]
+    if top_k is not None and top_k < V:
+        _, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(V).expand_as(order))
+        z = z.masked_fill(rank >= top_k, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        p = torch.softmax(sz, dim=-1).nan_to_num(nan=0.0)
+        drop = torch.cumsum(p, dim=-1) - p >= top_p
+        drop[:, 0] = False
+        z = z.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+    return z
+
+
+@given(N=st.integers(1, 6), V=st.integers(1, 40), ties=st.booleans(), p_inf=st.sampled_from([0.0, 0.3, 1.0]),
+       top_k=st.none() | st.integers(1, 45), top_p=st.none() | st.floats(0.01, 1.0), as_tensor=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_top_k_top_p_cut_keeps_what_the_two_filters_keep(N, V, ties, p_inf, top_k, top_p, as_tensor, seed):
+    """The cut (one sort, a value and an index per row) keeps exactly the finite tokens that top-k then top-p keep,
+    ties in index order, -inf rows and filters larger than the row included; top_k / top_p as numbers or as the
+    0-d float64 tensors the decode engine passes."""
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randint(-2, 3, (N, V), generator=g).float() if ties else torch.randn(N, V, generator=g) * 3)
+    z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
+    given_k, given_p = ((None if x is None else torch.tensor(float(x), dtype=torch.float64) for x in (top_k, top_p))
+                        if as_tensor else (top_k, top_p))
+    kept = kept_by_cut(z, top_k_top_p_cut(z, given_k, given_p))
+    expected = _filtered_as_transformers_does(z, top_k, top_p) > float("-inf")
+    assert torch.equal(kept & (z > float("-inf")), expected)
+    assert kept.any(-1).all()  # the first ranked token is always kept (a greedy pick needs no filter)
 
 
 @pytest.mark.triton

@@ -11,7 +11,7 @@ Defined behaviour (shared with the Triton kernel), per row n of N:
 * greedy: the first listed token with the largest z; sampling: Gumbel-max ``argmax_j (z_j + g(ids_nj))`` with the
   noise :func:`.confidence.gumbel_noise_at` gives that token id under ``(seed, noise_keys[n])`` (the noise the
   full-vocabulary pick draws for it), after top-k / top-p applied among the listed tokens
-  (:func:`.confidence.filter_top_k_top_p`);
+  (:func:`.confidence.top_k_top_p_cut`);
 * ``prob = exp(z_token - lse)``; skipped rows and rows with nothing listed: token -1, prob 0.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import filter_top_k_top_p, gumbel_noise_at, inverse_temperature
+from .confidence import gumbel_noise_at, inverse_temperature, kept_by_cut, top_k_top_p_cut
 
 
 def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0):
@@ -40,9 +40,9 @@ def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_k
     (tokens int64 [N], probs float32 [N])."""
     score = z
     if do_sample:
+        score = z + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype)
         if top_k is not None or top_p is not None:
-            score = filter_top_k_top_p(score, top_k, top_p)
-        score = score + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype)
+            score = score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)), float("-inf"))
     best, at = score.max(dim=-1)  # the first maximal column
     take = best > float("-inf")
     if skip_rows is not None:

@@ -2,15 +2,16 @@
 
 Defined behaviour (shared with the Triton kernel):
 
-* effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (fp64 for fp64 logits; the residual
-  is summed in fp32 in order r = 0..R-1; the division is a multiplication by ``1 / temperature``
+* effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (fp64 for fp64 logits; the
+  residual is summed in fp32 in order r = 0..R-1; the division is a multiplication by ``1 / temperature``
   rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
   on the device, so a captured CUDA graph serves every value);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax);
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
-  a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order);
+  a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
+  top-k / top-p keep (:func:`top_k_top_p_cut`);
 * ``prob`` = full-softmax probability of ``token`` under ``z`` (before top-k / top-p), ``lse`` =
   logsumexp of ``z`` over the non-excluded vocabulary;
 * skipped rows and rows with no finite candidate: ``token = -1, prob = 0, lse = -inf``.
@@ -107,38 +108,46 @@ def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_
     return z
 
 
-def filter_top_k_top_p(z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
-    """Set to -inf every z outside the top-k, then outside the top-p nucleus (HF order).
+def top_k_top_p_cut(z: torch.Tensor, top_k=None, top_p=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens top-k, then top-p keep (HF's order), as a cut of each row's ranking of z [N, V] (descending, the
+    lowest index first among equal values): its first r tokens, r = top_k (at most V) or, when sooner, the first
+    rank >= 1 at which the probability mass ranked before it, under the softmax over the top-k, reaches ``top_p``
+    (a ``top_p`` of 1 keeps every token). One stable sort of the row.
 
-    Ties are broken by lowest index (stable sort). The nucleus keeps the smallest prefix of the
-    sorted distribution whose mass reaches ``top_p`` (at least one token); a top_p of 1 keeps every token.
-    ``top_k`` and ``top_p`` may be 0-d tensors (read on the device, so a captured CUDA graph serves every value).
-    """
-    z = z.clone()
-    V = z.shape[-1]
-    if top_k is not None and (isinstance(top_k, torch.Tensor) or top_k < V):
-        _, order = torch.sort(z, dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(V, device=z.device).expand_as(order))
-        z = z.masked_fill(rank >= top_k, float("-inf"))
-    if top_p is not None and (isinstance(top_p, torch.Tensor) or top_p < 1.0):
-        sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
-        p = torch.softmax(sz, dim=-1)
-        p = torch.nan_to_num(p, nan=0.0)
-        before = torch.cumsum(p, dim=-1) - p  # mass strictly before each sorted token
-        drop_sorted = (before >= top_p) & (top_p < 1.0)
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
-    return z
+    Returns (tau [N], last [N] int64), the value and index of the r-th token: token v is kept iff ``z_v > tau`` or
+    ``z_v == tau and v <= last`` (:func:`kept_by_cut`), which is what lets a kernel apply the filter in its pass
+    over the vocabulary. ``top_k`` and ``top_p`` may be 0-d tensors (read on the device, so a captured CUDA graph
+    serves every value)."""
+    N, V = z.shape
+    sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(V, device=z.device)
+    kept = torch.full((N,), V, dtype=torch.int64, device=z.device)
+    if top_k is not None:
+        kept = torch.minimum(kept, top_k.to(torch.int64)) if isinstance(top_k, torch.Tensor) else kept.clamp(max=top_k)
+    if top_p is not None:
+        p = torch.softmax(sz.masked_fill(ranks >= kept[:, None], float("-inf")), dim=-1).nan_to_num(nan=0.0)
+        before = torch.cumsum(p, dim=-1) - p  # mass ranked strictly before each token
+        reached = (before >= top_p) & (ranks >= 1) & (top_p < 1.0)
+        kept = torch.minimum(kept, torch.where(reached, ranks, V).amin(-1))
+    at = (kept - 1)[:, None]
+    return sz.gather(1, at)[:, 0], order.gather(1, at)[:, 0]
+
+
+def kept_by_cut(z: torch.Tensor, cut: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """bool [N, V]: the tokens of z [N, V] a :func:`top_k_top_p_cut` (tau [N], last [N]) keeps."""
+    tau, last = cut
+    ids = torch.arange(z.shape[-1], device=z.device)
+    return (z > tau[:, None]) | ((z == tau[:, None]) & (ids <= last[:, None]))
 
 
 def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
-    """Token per row of effective logits z [N, V]: -1 where no finite candidate."""
+    """Token per row of effective logits z [N, V]: -1 where no finite candidate. Sampling draws among the tokens
+    top-k / top-p keep (:func:`top_k_top_p_cut`); a greedy pick needs no filter (the most likely token is kept)."""
     score = z
-    if top_k is not None or top_p is not None:
-        score = filter_top_k_top_p(z, top_k, top_p)
     if do_sample:
-        score = score + gumbel_noise(seed, noise_keys, z.shape[-1])
+        score = z + gumbel_noise(seed, noise_keys, z.shape[-1])
+        if top_k is not None or top_p is not None:
+            score = score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)), float("-inf"))
     best, tok = score.max(dim=-1)  # torch returns the first maximal index
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
 
