@@ -196,8 +196,8 @@ def test_top_k_top_p(top_k, top_p, on_device):
     keys = torch.randint(0, 1000, (N, 3), generator=g)
     given = (lambda x: torch.tensor(x, dtype=torch.float64, device=DEV)) if on_device else (lambda x: x)
     got = confidence_triton(L.to(DEV), do_sample=True, seed=5, noise_keys=keys.to(DEV),
-                            top_k=None if top_k is None else given(top_k), top_p=None if top_p is None else given(top_p),
-                            mask_token_id=0, temperature=given(0.7))
+                            top_k=None if top_k is None else given(top_k),
+                            top_p=None if top_p is None else given(top_p), mask_token_id=0, temperature=given(0.7))
     exp = confidence_ref(L, do_sample=True, seed=5, noise_keys=keys, top_k=top_k, top_p=top_p, mask_token_id=0,
                          temperature=0.7)
     _check(got, exp)
