@@ -162,12 +162,12 @@ def check_settings(model, ids: torch.Tensor, runs: list[dict]) -> None:
             raise UsageError(f"--strategy {settings['strategy']}: {err}") from err
 
 
-def compare_table(model, ids: torch.Tensor, base: dict) -> str:
-    """One row per strategy of :data:`COMPARE`. On a GPU each strategy runs once untimed first (Triton
+def compare_table(model, ids: torch.Tensor, runs: list[dict]) -> str:
+    """One row per run of :func:`compare_settings`. On a GPU each strategy runs once untimed first (Triton
     compilation and CUDA-graph capture), so tok/s is the steady state."""
     rows, reference = [], None
     header = f"{'strategy':<12}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
-    for settings in compare_settings(base):
+    for settings in runs:
         strategy = settings["strategy"]
         if ids.is_cuda:
             run_one(model, ids, settings)
@@ -209,10 +209,10 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
                     residual_delta=args.residual_delta, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256,
                     stop_strings=args.stop, tokenizer=tokenizer if args.stop else None)
-    check_settings(model, ids, compare_settings(settings) if args.compare
-                   else [{**settings, "strategy": args.strategy}])
+    runs = compare_settings(settings) if args.compare else [{**settings, "strategy": args.strategy}]
+    check_settings(model, ids, runs)
     if args.compare:
-        print(compare_table(model, ids, settings))
+        print(compare_table(model, ids, runs))
         return 0
     if not args.chat:
         print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded

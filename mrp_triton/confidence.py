@@ -319,9 +319,9 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         tok, prob, lse = out
     if N == 0:
         return tok, prob, lse
-    sample_in_kernel = bool(do_sample)
+    sample = bool(do_sample)
     cut = None
-    if sample_in_kernel and (top_k is not None or top_p is not None):
+    if sample and (top_k is not None or top_p is not None):
         cut = top_k_top_p_cut(effective_logits(logits, residual, scale=scale, temperature=temperature,
                                                mask_token_id=mask_token_id), top_k, top_p)
     if logits.stride(-1) != 1:
@@ -337,8 +337,8 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     S = triton.cdiv(V, chunk)
     dummy = tok
     skip = skip_rows.view(torch.uint8) if skip_rows is not None else dummy
-    keys = noise_keys.contiguous() if sample_in_kernel else dummy
-    seed_h = seed_hash(seed) if sample_in_kernel else 0
+    keys = noise_keys.contiguous() if sample else dummy
+    seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     t_tensor = isinstance(temperature, torch.Tensor)
     # 1 / temperature divided in float64, rounded to fp32 (as the reference): a kernel argument, or for a tensor
@@ -355,7 +355,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
         skip, keys, *(cut if cut is not None else (dummy, dummy)), part, part_idx, tok, prob, lse,
         V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
-        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample_in_kernel, HAS_CUT=cut is not None,
+        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample, HAS_CUT=cut is not None,
         FINAL=S == 1,
         T_TENSOR=t_tensor, PREFETCH=bool(prefetch), BLOCK_V=BLOCK_V, num_warps=nw,
         enable_fp_fusion=False,  # no FMA: same rounding as the reference

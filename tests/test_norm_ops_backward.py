@@ -44,7 +44,8 @@ def _check(op, inputs: list, needs: list[bool], seed: int) -> None:
     floating = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs]
     expect = _grads("reference", op, [t.double() if f else t for t, f in zip(inputs, floating)], needs, seed)
     rel = max(REL[t.dtype] for t, f in zip(inputs, floating) if f)
-    for out, exp in zip(got, expect):
+    for out, exp, leaf in zip(got, expect, [t for t, n in zip(inputs, needs) if n]):
+        assert out.shape == leaf.shape and out.dtype == leaf.dtype
         torch.testing.assert_close(out.double(), exp, rtol=rel, atol=rel * max(1.0, exp.abs().max().item()))
 
 

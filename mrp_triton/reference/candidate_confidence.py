@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import gumbel_noise_at, inverse_temperature, kept_by_cut, top_k_top_p_cut
+from .confidence import drop_filtered, gumbel_noise_at, inverse_temperature
 
 
 def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0):
@@ -40,9 +40,7 @@ def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_k
     (tokens int64 [N], probs float32 [N])."""
     score = z
     if do_sample:
-        score = z + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype)
-        if top_k is not None or top_p is not None:
-            score = score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)), float("-inf"))
+        score = drop_filtered(z + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype), z, top_k, top_p)
     best, at = score.max(dim=-1)  # the first maximal column
     take = best > float("-inf")
     if skip_rows is not None:

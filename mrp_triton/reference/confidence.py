@@ -140,14 +140,18 @@ def kept_by_cut(z: torch.Tensor, cut: tuple[torch.Tensor, torch.Tensor]) -> torc
     return (z > tau[:, None]) | ((z == tau[:, None]) & (ids <= last[:, None]))
 
 
+def drop_filtered(score: torch.Tensor, z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+    """``score`` [N, V] with -inf at the tokens of z [N, V] that top-k / top-p drop (:func:`top_k_top_p_cut`); as it
+    is when neither is set."""
+    if top_k is None and top_p is None:
+        return score
+    return score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)), float("-inf"))
+
+
 def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
     """Token per row of effective logits z [N, V]: -1 where no finite candidate. Sampling draws among the tokens
     top-k / top-p keep (:func:`top_k_top_p_cut`); a greedy pick needs no filter (the most likely token is kept)."""
-    score = z
-    if do_sample:
-        score = z + gumbel_noise(seed, noise_keys, z.shape[-1])
-        if top_k is not None or top_p is not None:
-            score = score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)), float("-inf"))
+    score = drop_filtered(z + gumbel_noise(seed, noise_keys, z.shape[-1]), z, top_k, top_p) if do_sample else z
     best, tok = score.max(dim=-1)  # torch returns the first maximal index
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
 
