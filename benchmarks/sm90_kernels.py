@@ -67,7 +67,7 @@ def _confidence() -> list[Variant]:
                 (False, True, False, False, True, False, True, 2048, 8),
                 (False, True, False, False, True, False, False, 2048, 8)]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
-                   "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "tau_ptr": "*fp32", "last_ptr": "*i64",
+                   "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "tau_ptr": "*fp32",
                    "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
                    "lse_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32", "inv_t": "fp32",
                    "t_ptr": "*fp64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",

@@ -42,7 +42,8 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eo
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
                      "device_loop", "stop_strings", "tokenizer", "use_cache", "seed", "denoising_steps")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
-# at all (None or not) is part of a step's key, so one set of captured steps serves every value.
+# at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
+# value up to its bound: GenerationSettings.top_k_max).
 ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
 # What the drafts of speculative decoding score; a checkpoint's generation config may set them for its speculative
@@ -136,9 +137,18 @@ class GenerationSettings:
             value = getattr(self, name)
             if name in SAMPLING_ONLY and not self.do_sample:
                 return None
+            if name == "top_k":
+                return self.top_k_max
             return value is None if name in ON_THE_DEVICE else repr(value)
 
         return tuple((f.name, part(f.name)) for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
+
+    @property
+    def top_k_max(self) -> int | None:
+        """The bound on ``top_k`` the decoding steps are built for (they read top_k on the device; its cut selects
+        this many of a row's largest logits instead of sorting the row): the power of two at or above top_k, at
+        least 64, so calls with top_k up to 64 share their captured steps. None without top_k."""
+        return None if self.top_k is None else max(64, 1 << (int(self.top_k) - 1).bit_length())
 
     @classmethod
     def resolve(cls, model, generation_config, kwargs: dict, prompt_width: int) -> "GenerationSettings":

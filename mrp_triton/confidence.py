@@ -28,9 +28,10 @@ second launch merges them (two launches, no atomics, deterministic).
 Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
 (seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
 < 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p (sampling only: the greedy pick
-is always kept) need a row's ranking: the launcher materialises z [N, V] in fp32 with torch ops and cuts its
-stable sort once (``reference.confidence.top_k_top_p_cut``: a value and an index per row); the kernel then draws
-only among the tokens the cut keeps, with the same in-kernel noise, and prob stays the full-softmax probability.
+is always kept) need a row's largest values: the launcher materialises z [N, V] in fp32 with torch ops and finds
+where the filters cut them (``reference.confidence.top_k_top_p_cut``: one value per row, from ``torch.topk`` of
+top_k (or ``top_k_max``) values, or a sort of the row for top-p alone); the kernel then draws only among the
+tokens at or above it, with the same in-kernel noise, and prob stays the full-softmax probability.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
-    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, tau_ptr, last_ptr,
+    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, tau_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
     V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, HAS_CUT: tl.constexpr,
@@ -103,9 +104,8 @@ def _conf_partial_kernel(
             k = tl.load(keys_ptr + row * 3 + j)
             h = _mix32(h ^ (k & M32))
             h = _mix32(h ^ ((k >> 32) & M32))
-    if HAS_CUT:  # top-k / top-p: draw among the tokens above the row's cut (a value, and an index among its ties)
+    if HAS_CUT:  # top-k / top-p: draw among the tokens at or above the row's cut
         tau = tl.load(tau_ptr + row)
-        last = tl.load(last_ptr + row)
     # One cross-warp reduction per tile (the running max m); the rescaled sum and the argmax are
     # kept per lane (lane i sees offsets i, i + BLOCK_V, ... in increasing order, and only a strictly
     # larger score replaces, so each lane holds its earliest maximum) and reduced once at the end.
@@ -147,7 +147,7 @@ def _conf_partial_kernel(
             u = ((e >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             sc = x + (-tl.log(-tl.log(u)))
             if HAS_CUT:
-                sc = tl.where((x > tau) | ((x == tau) & (offs <= last)), sc, float("-inf"))
+                sc = tl.where(x >= tau, sc, float("-inf"))
             upd = sc > best_vec
             best_vec = tl.where(upd, sc, best_vec)
             z_vec = tl.where(upd, x, z_vec)
@@ -246,7 +246,7 @@ def check_temperature(temperature: float) -> None:
 
 
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
-                top_k, top_p):
+                top_k, top_p, top_k_max):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -273,13 +273,14 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
     if mask_token_id is not None and (isinstance(mask_token_id, bool) or
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
-    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p)
+    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max)
 
 
 def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
-                   top_p) -> None:
+                   top_p, top_k_max=None) -> None:
     """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number or
-    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1 and top_p in (0, 1] (or None)."""
+    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1 and top_p in (0, 1] (or None), and
+    top_k_max an int >= 1 not below an int top_k (or None)."""
     if not check_device_scalar("temperature", temperature, device):
         check_temperature(temperature)
     if do_sample:
@@ -295,10 +296,15 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_p is not None and not check_device_scalar("top_p", top_p, device) and \
             not (0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if top_k_max is not None:
+        if isinstance(top_k_max, bool) or not isinstance(top_k_max, int) or top_k_max < 1:
+            raise ValueError(f"top_k_max must be a positive int or None, got {top_k_max!r}")
+        if isinstance(top_k, int) and top_k > top_k_max:
+            raise ValueError(f"top_k={top_k} exceeds top_k_max={top_k_max}; raise top_k_max or leave it None")
 
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-                      do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+                      do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None,
                       splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
@@ -307,7 +313,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     ``out = (tokens, probs, lse)`` preallocated outputs (tests poison them).
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
-                top_k, top_p)
+                top_k, top_p, top_k_max)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -323,7 +329,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     cut = None
     if sample and (top_k is not None or top_p is not None):
         cut = top_k_top_p_cut(effective_logits(logits, residual, scale=scale, temperature=temperature,
-                                               mask_token_id=mask_token_id), top_k, top_p)
+                                               mask_token_id=mask_token_id), top_k, top_p, top_k_max)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     res = residual
@@ -353,7 +359,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         logits, logits.stride(0),
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
-        skip, keys, *(cut if cut is not None else (dummy, dummy)), part, part_idx, tok, prob, lse,
+        skip, keys, cut if cut is not None else prob, part, part_idx, tok, prob, lse,
         V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample, HAS_CUT=cut is not None,
         FINAL=S == 1,
@@ -367,24 +373,26 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None):
     """Per-row token, full-softmax probability and logsumexp of the effective logits.
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); noise_keys: int64 [N, 3] =
     (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k`` and ``top_p``
     are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
-    caller checks such a tensor's value: > 0, >= 1, in (0, 1]).
+    caller checks such a tensor's value: > 0, >= 1, in (0, 1]); ``top_k_max`` (an int) is the largest value a
+    ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead of sorting
+    the row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. Dispatches with :func:`mrp_triton.backend.select_backend`.
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
-                top_k, top_p)
+                top_k, top_p, top_k_max)
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
     if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                  mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
-                                 noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+                                 noise_keys=noise_keys, top_k=top_k, top_p=top_p, top_k_max=top_k_max)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                 mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
-                                noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+                                noise_keys=noise_keys, top_k=top_k, top_p=top_p, top_k_max=top_k_max)

@@ -67,21 +67,24 @@ def _cases(draw):
         top_k=draw(st.none() | st.integers(1, 40)),  # greedy picks ignore them (the best token is always kept)
         top_p=draw(st.none() | st.floats(0.05, 1.0)),
     )
+    top_k_max = draw(st.sampled_from([None, 0, 64]))  # with a top_k tensor: none, top_k itself, or above it
     return (logits.to(dtype), residual, kw, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([64, 512])),
-            draw(st.booleans()), draw(st.booleans()))
+            draw(st.booleans()), draw(st.booleans()), top_k_max)
 
 
 @given(_cases())
 def test_kernel_matches_reference(case):
     """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-k /
     top-p keep); a temperature, top_k and top_p given to the kernel as float64 0-d tensors (read on the device) scale,
-    filter and sample exactly as the numbers do."""
-    logits, residual, kw, splits, block_v, on_device, prefetch = case
+    filter and sample exactly as the numbers do, top_k with or without a top_k_max."""
+    logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
         for name in ("temperature", "top_k", "top_p"):
             if kw[name] is not None:
                 dev_kw[name] = torch.tensor(float(kw[name]), dtype=torch.float64, device=DEV)
+        if kw["top_k"] is not None and top_k_max is not None:
+            dev_kw["top_k_max"] = top_k_max or kw["top_k"]
     L = logits.to(DEV)
     R = residual.to(DEV) if residual is not None else None
     got = confidence_triton(L, R, splits=splits, block_v=block_v, prefetch=prefetch, out=_poisoned(L.shape[0]),
@@ -210,14 +213,18 @@ def test_top_k_top_p(top_k, top_p, on_device):
     torch.testing.assert_close(got[1].cpu(), full_p, atol=1e-6, rtol=1e-5)  # full-softmax prob
 
 
-@pytest.mark.parametrize("top_k,top_p,allowed", [(2, None, [0, 2]), (5, None, [0, 2, 4, 6, 8]),
-                                                (None, 0.2, [0, 2, 4]), (4, 0.6, [0, 2, 4])])
-def test_filters_cut_ties_in_index_order(top_k, top_p, allowed):
-    """Where the cut falls inside a group of equal logits, the kernel draws only from the group's lowest indices (the
-    reference's stable ranking) and from each of them. Logits 1, 0, 1, 0, ... over V = 20 (the mass of a 1 is 0.073:
-    top_p 0.2 keeps 3 of the 1s); 400 rows of other noise keys, tiles and splits that cut through the group."""
-    N, V = 400, 20
-    L = torch.tensor([1.0, 0.0] * (V // 2)).expand(N, V).contiguous()
+ONES, ZEROS = list(range(0, 21, 3)), list(range(1, 21, 3))
+
+
+@pytest.mark.parametrize("top_k,top_p,allowed", [(2, None, ONES), (9, None, sorted(ONES + ZEROS)),
+                                                (None, 0.2, ONES), (9, 0.9, ONES), (9, 0.99, sorted(ONES + ZEROS))])
+def test_filters_keep_every_token_tied_with_the_cut(top_k, top_p, allowed):
+    """Where the cut falls inside a group of equal logits, the whole group is kept (whatever the token ids), and the
+    kernel draws from each of its tokens and from nothing below. Logits 1, 0, -1, 1, 0, -1, ... over V = 21 (the
+    mass of a 1 is 0.095: top_p 0.2 stops at the third 1; over the top 9 values, 7 ones and 2 zeros, the ones hold
+    0.905); 400 rows of other noise keys, tiles and splits that cut through the groups."""
+    N, V = 400, 21
+    L = torch.tensor([1.0, 0.0, -1.0] * (V // 3)).expand(N, V).contiguous()
     keys = torch.stack([torch.arange(N), torch.arange(N) * 7, torch.full((N,), 2)], 1)
     kw = dict(do_sample=True, seed=9, top_k=top_k, top_p=top_p)
     exp = confidence_ref(L, noise_keys=keys, **kw)
@@ -226,50 +233,50 @@ def test_filters_cut_ties_in_index_order(top_k, top_p, allowed):
     assert sorted(set(got[0].tolist())) == allowed
 
 
-@pytest.mark.parametrize("top_k,top_p", [(None, 1.0), (None, torch.tensor(1.0, dtype=torch.float64)),
-                                         (None, torch.tensor(1.0)), (50, None), (torch.tensor(50.0), None),
-                                         (torch.tensor(80), 1.0)])
-def test_filters_that_keep_every_token(top_k, top_p):
-    """top_k >= V and top_p = 1 filter nothing, as numbers or tensors; top_p = 1 even where the fp32 mass before
-    the tail already rounds to 1 (one dominant token). V = 50."""
+@pytest.mark.parametrize("top_k,top_p,top_k_max", [
+    (None, 1.0, None), (None, torch.tensor(1.0, dtype=torch.float64), None), (None, torch.tensor(1.0), None),
+    (50, None, None), (torch.tensor(50.0), None, None), (torch.tensor(80), 1.0, None), (torch.tensor(50.0), None, 64),
+    (torch.tensor(49), None, 49)])
+def test_filters_that_keep_every_token(top_k, top_p, top_k_max):
+    """top_k >= V and top_p = 1 filter nothing, as numbers or tensors (with or without a top_k_max); top_p = 1 even
+    where the fp32 mass before the tail already rounds to 1 (one dominant token); nor does top_k = 49 where the
+    49th value ties with the 50th. V = 50."""
     z = torch.zeros(2, 50)
     z[:, 0] = 40.0
-    assert kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)).all()
+    assert kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p, top_k_max)).all()
 
 
-def _filtered_as_transformers_does(z, top_k=None, top_p=None):
-    """z [N, V] with -inf outside the tokens top-k, then top-p keep, each filter on its own stable sort (ties: the
-    lowest index first), as transformers' TopKLogitsWarper and TopPLogitsWarper: the oracle of the cut."""
-    z = z.clone()
-    V = z.shape[-1]
-    if top_k is not None and top_k < V:
-        _, order = torch.sort(z, dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(V).expand_as(order))
-        z = z.masked_fill(rank >= top_k, float("-inf"))
+def _kept_by_the_filters(z, top_k=None, top_p=None):
+    """bool [N, V]: the tokens of z [N, V] that top-k, then top-p keep, decided token by token (the oracle of the
+    cut): top-k keeps a token unless top_k values of its row are larger (transformers' TopKLogitsWarper: the ties
+    of the k-th value all kept); top-p then keeps it unless the values larger than it among the row's top_k
+    largest (all V without top-k) hold top_p of their softmax mass."""
+    k = z.shape[-1] if top_k is None else min(top_k, z.shape[-1])
+    top = torch.topk(z, k, dim=-1).values  # the k largest values of each row, in any order among equals
+    kept = z >= top.amin(-1, keepdim=True)
     if top_p is not None and top_p < 1.0:
-        sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
-        p = torch.softmax(sz, dim=-1).nan_to_num(nan=0.0)
-        drop = torch.cumsum(p, dim=-1) - p >= top_p
-        drop[:, 0] = False
-        z = z.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
-    return z
+        p = torch.softmax(top, dim=-1).nan_to_num(nan=0.0)
+        kept &= (p[:, None, :] * (top[:, None, :] > z[:, :, None])).sum(-1) < top_p
+    return kept
 
 
 @given(N=st.integers(1, 6), V=st.integers(1, 40), ties=st.booleans(), p_inf=st.sampled_from([0.0, 0.3, 1.0]),
-       top_k=st.none() | st.integers(1, 45), top_p=st.none() | st.floats(0.01, 1.0), as_tensor=st.booleans(),
-       seed=st.integers(0, 2**31))
-def test_top_k_top_p_cut_keeps_what_the_two_filters_keep(N, V, ties, p_inf, top_k, top_p, as_tensor, seed):
-    """The cut (one sort, a value and an index per row) keeps exactly the finite tokens that top-k then top-p keep,
-    ties in index order, -inf rows and filters larger than the row included; top_k / top_p as numbers or as the
-    0-d float64 tensors the decode engine passes."""
+       top_k=st.none() | st.integers(1, 45), top_p=st.none() | st.floats(0.01, 1.0),
+       given_as=st.sampled_from(["numbers", "tensors", "tensors with top_k_max"]), seed=st.integers(0, 2**31))
+def test_top_k_top_p_cut_keeps_what_the_two_filters_keep(N, V, ties, p_inf, top_k, top_p, given_as, seed):
+    """The cut (one value per row) keeps exactly the finite tokens that top-k then top-p keep, ties with the cut all
+    kept, -inf rows and filters larger than the row included; top_k / top_p as numbers or as the 0-d float64 tensors
+    the decode engine passes (top_k selected by torch.topk with a top_k_max, else the row sorted)."""
     g = torch.Generator().manual_seed(seed)
     z = (torch.randint(-2, 3, (N, V), generator=g).float() if ties else torch.randn(N, V, generator=g) * 3)
     z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
-    given_k, given_p = ((None if x is None else torch.tensor(float(x), dtype=torch.float64) for x in (top_k, top_p))
-                        if as_tensor else (top_k, top_p))
-    kept = kept_by_cut(z, top_k_top_p_cut(z, given_k, given_p))
-    expected = _filtered_as_transformers_does(z, top_k, top_p) > float("-inf")
-    assert torch.equal(kept & (z > float("-inf")), expected)
+    given_k, given_p, top_k_max = top_k, top_p, None
+    if given_as != "numbers":
+        given_k, given_p = (None if x is None else torch.tensor(float(x), dtype=torch.float64) for x in (top_k, top_p))
+        top_k_max = top_k if given_as == "tensors with top_k_max" else None
+    kept = kept_by_cut(z, top_k_top_p_cut(z, given_k, given_p, top_k_max))
+    finite = z > float("-inf")
+    assert torch.equal(kept & finite, _kept_by_the_filters(z, top_k, top_p) & finite)
     assert kept.any(-1).all()  # the first ranked token is always kept (a greedy pick needs no filter)
 
 
@@ -298,6 +305,9 @@ def test_reference_backend_on_cpu_matches():
     (dict(top_p=torch.tensor(True)), "top_p must be a number or a 0-d real tensor"),
     (dict(top_k=torch.tensor([3])), "top_k must be a number or a 0-d real tensor"),
     (dict(temperature=torch.tensor(1.0, device="meta")), "temperature is on meta"),
+    (dict(top_k=5, top_k_max=0), "top_k_max must be a positive int"),
+    (dict(top_k=torch.tensor(5.0), top_k_max=4.5), "top_k_max must be a positive int"),
+    (dict(top_k=70, top_k_max=64), "top_k=70 exceeds top_k_max=64"),
 ])
 def test_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -572,6 +572,27 @@ def test_greedy_calls_ignore_sampling_settings_in_the_graph_key(model):
     assert set(model._decode_engine[1].graphs.graphs) == captured
 
 
+def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch):
+    """A sampled step's confidence op gets top_k on the device with the bound its captured graphs are built for (the
+    power of two at or above top_k, at least 64): calls with top_k up to 64 share the key, a larger top_k keys new
+    steps, and a greedy call or one without top_k has no bound."""
+    from hf_integration.generation_settings import GenerationSettings
+
+    def key(**kw):
+        return GenerationSettings(**kw).step_key()
+
+    assert [GenerationSettings(top_k=k).top_k_max for k in (None, 1, 20, 64, 65, 128, 129)] == \
+        [None, 64, 64, 64, 128, 128, 256]
+    assert key(do_sample=True, top_k=3) == key(do_sample=True, top_k=64) != key(do_sample=True, top_k=65)
+    assert key(top_k=3) == key(top_k=500) == key()
+    bounds = []
+    real = mrp_triton.confidence
+    monkeypatch.setattr(mrp_triton, "confidence", lambda *a, **kw: bounds.append((kw["top_k"], kw["top_k_max"])) or
+                        real(*a, **kw))
+    model.generate(random_prompts(1, 5, seed=2), max_new_tokens=4, do_sample=True, top_k=100, cuda_graphs=False)
+    assert bounds and all(isinstance(k, torch.Tensor) and k.item() == 100 and m == 128 for k, m in bounds)
+
+
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
                                                   ("remask", "threshold", (0.9, 0.3)),
                                                   ("remask", "residual_delta", (2.0, 0.05)),

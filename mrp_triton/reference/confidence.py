@@ -5,13 +5,13 @@ Defined behaviour (shared with the Triton kernel):
 * effective logits ``z = (logits + scale * sum_r residual[r]) / temperature`` in fp32 (fp64 for fp64 logits; the
   residual is summed in fp32 in order r = 0..R-1; the division is a multiplication by ``1 / temperature``
   rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
-  on the device, so a captured CUDA graph serves every value);
+  on the device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax);
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
-  top-k / top-p keep (:func:`top_k_top_p_cut`);
+  top-k / top-p keep (:func:`top_k_top_p_cut`: a value per row, ties at it all kept);
 * ``prob`` = full-softmax probability of ``token`` under ``z`` (before top-k / top-p), ``lse`` =
   logsumexp of ``z`` over the non-excluded vocabulary;
 * skipped rows and rows with no finite candidate: ``token = -1, prob = 0, lse = -inf``.
@@ -26,6 +26,7 @@ _M1 = 0x7FEB352D  # multipliers < 2**31, so (x < 2**32) * M never overflows int6
 _M2 = 0x2C1B3C6D
 _GOLDEN = 0x9E3779B9
 FLT_MAX = 3.4028234663852886e38
+NOISE_CHUNK = 1 << 18  # Gumbel noise elements a sampled pick hashes at once (pick_tokens)
 
 
 def mix32(x):
@@ -108,56 +109,75 @@ def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_
     return z
 
 
-def top_k_top_p_cut(z: torch.Tensor, top_k=None, top_p=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which tokens top-k, then top-p keep (HF's order), as a cut of each row's ranking of z [N, V] (descending, the
-    lowest index first among equal values): its first r tokens, r = top_k (at most V) or, when sooner, the first
-    rank >= 1 at which the probability mass ranked before it, under the softmax over the top-k, reaches ``top_p``
-    (a ``top_p`` of 1 keeps every token). One stable sort of the row.
+def top_k_top_p_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None) -> torch.Tensor:
+    """Where top-k, then top-p (HF's order) cut each row of z [N, V]: tau [N], the value of the r-th largest entry
+    of the row, r = top_k (at most V) or, when sooner, the first rank >= 1 at which the probability mass ranked
+    before it, under the softmax over the top_k largest values, reaches ``top_p`` (a ``top_p`` of 1 keeps every
+    token). The filters keep the tokens with ``z >= tau`` (:func:`kept_by_cut`): every token equal to the r-th
+    value, ties all kept (as transformers' top-k keeps them), so which tokens a cut keeps never depends on their
+    ids, and a kernel applies it with one comparison in its pass over the vocabulary.
 
-    Returns (tau [N], last [N] int64), the value and index of the r-th token: token v is kept iff ``z_v > tau`` or
-    ``z_v == tau and v <= last`` (:func:`kept_by_cut`), which is what lets a kernel apply the filter in its pass
-    over the vocabulary. ``top_k`` and ``top_p`` may be 0-d tensors (read on the device, so a captured CUDA graph
-    serves every value)."""
+    r depends on the row's sorted values only: with ``top_k`` it lies among the first top_k of them, found by
+    ``torch.topk`` (a partial selection); only top-p alone sorts the whole row. ``top_k`` and ``top_p`` may be 0-d
+    tensors (read on the device, so a captured CUDA graph serves every value); ``top_k_max`` (a host int) is the
+    largest value such a ``top_k`` tensor holds, which the selection then needs (without it the whole row is
+    sorted; an int ``top_k`` is its own)."""
     N, V = z.shape
-    sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
-    ranks = torch.arange(V, device=z.device)
-    kept = torch.full((N,), V, dtype=torch.int64, device=z.device)
+    width = V  # how many of each row's largest values the cut may need
+    if isinstance(top_k, torch.Tensor):
+        width = min(V, top_k_max or V)
+    elif top_k is not None:
+        width = min(V, top_k)
+    sz = torch.topk(z, width, dim=-1).values if width < V else torch.sort(z, dim=-1, descending=True).values
+    ranks = torch.arange(width, device=z.device)
+    kept = torch.full((N,), width, dtype=torch.int64, device=z.device)
     if top_k is not None:
         kept = torch.minimum(kept, top_k.to(torch.int64)) if isinstance(top_k, torch.Tensor) else kept.clamp(max=top_k)
     if top_p is not None:
         p = torch.softmax(sz.masked_fill(ranks >= kept[:, None], float("-inf")), dim=-1).nan_to_num(nan=0.0)
-        before = torch.cumsum(p, dim=-1) - p  # mass ranked strictly before each token
+        before = torch.cumsum(p, dim=-1) - p  # mass ranked strictly before each value
         reached = (before >= top_p) & (ranks >= 1) & (top_p < 1.0)
-        kept = torch.minimum(kept, torch.where(reached, ranks, V).amin(-1))
-    at = (kept - 1)[:, None]
-    return sz.gather(1, at)[:, 0], order.gather(1, at)[:, 0]
+        kept = torch.minimum(kept, torch.where(reached, ranks, width).amin(-1))
+    return sz.gather(1, (kept - 1)[:, None])[:, 0]
 
 
-def kept_by_cut(z: torch.Tensor, cut: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """bool [N, V]: the tokens of z [N, V] a :func:`top_k_top_p_cut` (tau [N], last [N]) keeps."""
-    tau, last = cut
-    ids = torch.arange(z.shape[-1], device=z.device)
-    return (z > tau[:, None]) | ((z == tau[:, None]) & (ids <= last[:, None]))
+def kept_by_cut(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """bool [N, V]: the tokens of z [N, V] a :func:`top_k_top_p_cut` tau [N] keeps (``z >= tau``)."""
+    return z >= tau[:, None]
 
 
-def drop_filtered(score: torch.Tensor, z: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+def drop_filtered(score: torch.Tensor, z: torch.Tensor, top_k=None, top_p=None, top_k_max=None) -> torch.Tensor:
     """``score`` [N, V] with -inf at the tokens of z [N, V] that top-k / top-p drop (:func:`top_k_top_p_cut`); as it
     is when neither is set."""
     if top_k is None and top_p is None:
         return score
-    return score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p)), float("-inf"))
+    return score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p, top_k_max)), float("-inf"))
 
 
-def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+                top_k_max=None):
     """Token per row of effective logits z [N, V]: -1 where no finite candidate. Sampling draws among the tokens
-    top-k / top-p keep (:func:`top_k_top_p_cut`); a greedy pick needs no filter (the most likely token is kept)."""
-    score = drop_filtered(z + gumbel_noise(seed, noise_keys, z.shape[-1]), z, top_k, top_p) if do_sample else z
-    best, tok = score.max(dim=-1)  # torch returns the first maximal index
+    top-k / top-p keep (:func:`top_k_top_p_cut`); a greedy pick needs no filter (the most likely token is kept).
+    The noise is hashed a few rows at a time (about NOISE_CHUNK elements): on a CPU its int64 temporaries then stay
+    in cache, which makes a pick over a large vocabulary several times faster than one [N, V] pass."""
+    if not do_sample:
+        best, tok = z.max(dim=-1)  # torch returns the first maximal index
+    else:
+        tau = None if top_k is None and top_p is None else top_k_top_p_cut(z, top_k, top_p, top_k_max)
+        step = max(1, NOISE_CHUNK // max(1, z.shape[-1]))
+        picks = []
+        for i in range(0, max(1, z.shape[0]), step):  # one (empty) chunk for N = 0
+            zi = z[i:i + step]
+            score = zi + gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1])
+            if tau is not None:
+                score = score.masked_fill(~kept_by_cut(zi, tau[i:i + step]), float("-inf"))
+            picks.append(score.max(dim=-1))
+        best, tok = (torch.cat(x) for x in zip(*picks)) if len(picks) > 1 else picks[0]
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
 
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None):
+               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None):
     """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; noise_keys: int64 [N, 3].
 
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])`` (see the module docstring).
@@ -165,7 +185,8 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     """
     z = effective_logits(logits, residual, scale=scale, temperature=temperature, mask_token_id=mask_token_id)
     lse = torch.logsumexp(z, dim=-1)
-    tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p)
+    tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
+                      top_k_max=top_k_max)
     valid = tok >= 0
     zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
     prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))

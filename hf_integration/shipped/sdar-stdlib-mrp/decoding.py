@@ -389,7 +389,7 @@ class BlockDecoder:
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), do_sample=s.do_sample, seed=0, noise_keys=keys,
-            top_k=self.on_device("top_k") if s.do_sample else None,
+            top_k=self.on_device("top_k") if s.do_sample else None, top_k_max=s.top_k_max,
             top_p=self.on_device("top_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
