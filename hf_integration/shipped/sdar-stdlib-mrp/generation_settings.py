@@ -227,8 +227,8 @@ class GenerationSettings:
             raise ValueError(f"threshold={self.threshold} must be in (0, 1]")
         if self.do_sample:
             check_temperature(self.temperature)
-        if self.top_k is not None and int(self.top_k) < 1:
-            raise ValueError(f"top_k={self.top_k} must be >= 1 (or None to disable)")
+        if self.top_k is not None:
+            _int_at_least("top_k", self.top_k, 1, " (or None to disable)")
         if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
         for name in ("use_cache", "device_loop", "packed_projections"):
@@ -244,9 +244,10 @@ class GenerationSettings:
             if not callable(getattr(self.tokenizer, "decode", None)):
                 raise ValueError("stop_strings needs the tokenizer that decodes the ids: pass tokenizer=... (as "
                                  "transformers' generate does)")
-        for eos in self.eos_ids:
-            if not 0 <= eos < config.vocab_size:
-                raise ValueError(f"eos_token_id {eos} is outside the vocabulary [0, {config.vocab_size})")
+        for name, ids in (("eos_token_id", self.eos_ids), ("pad_token_id", (self.pad_token_id,))):
+            for i in ids:
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < config.vocab_size:
+                    raise ValueError(f"{name} {i!r} is not a token id of the vocabulary [0, {config.vocab_size})")
         if self.strategy in MRP_STRATEGIES:
             model.require_mrp(f"strategy={self.strategy!r}")
             _int_at_least("mrp_steps", self.mrp_steps, 1)
