@@ -338,6 +338,8 @@ BAD_INPUTS = [
     (dict(strategy="remask", remask_rule="maybe"), ValueError, "remask_rule"),
     (dict(strategy="remask", remask_rule="delta", residual_delta=0.0), ValueError, "residual_delta"),
     (dict(strategy="direct", mrp_mix="product"), ValueError, "mrp_mix"),
+    (dict(strategy="direct", mrp_scale=float("nan")), ValueError, "mrp_scale=nan must be a finite number"),
+    (dict(strategy="speculative", mrp_scale="1"), ValueError, "mrp_scale='1' must be a finite number"),
     (dict(strategy="speculative", denoising_steps=2), ValueError, "denoising_steps"),
     (dict(frobnicate=True), TypeError, "frobnicate"),
     (dict(strategy="dynamic", device_loop="yes"), TypeError, "device_loop must be a bool"),

@@ -7,6 +7,8 @@ Precedence: explicit keyword arguments > the ``generation_config`` argument > th
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -259,6 +261,10 @@ class GenerationSettings:
                 raise ValueError(f"mrp_mix={self.mrp_mix!r} is unknown; use one of {MRP_MIX_MODES}")
             if not float(self.residual_delta) > 0.0:
                 raise ValueError(f"residual_delta={self.residual_delta} must be > 0")
+            if isinstance(self.mrp_scale, bool) or not isinstance(self.mrp_scale, numbers.Real) or \
+                    not math.isfinite(self.mrp_scale):
+                raise ValueError(f"mrp_scale={self.mrp_scale!r} must be a finite number (the weight of the MRP "
+                                 "residual; 1.0 as trained)")
         for name in DRAFT_TOKENS:
             if getattr(self, name) is not None and self.strategy != "speculative":
                 raise ValueError(f"{name} applies to the drafts of strategy='speculative', not {self.strategy!r}: "
