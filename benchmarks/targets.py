@@ -50,15 +50,20 @@ def _pick(rows: list[dict], **match) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
 
 
+# The confidence rows the targets are about (bench_decode_kernels: with and without a residual); its sampled
+# rows with top-k / top-p (confidence_topkp, confidence_topp) also time the torch ops that find the cut.
+GREEDY_CONFIDENCE = ("confidence_res", "confidence_nores")
+
+
 def _confidence_bandwidth(rows, model):
     return [Finding(f"{r['kernel']} {r['shape']}", f"{100 * r['copy_ratio']:.0f}% of copy", r["copy_ratio"] >= 0.8)
-            for r in _pick(rows, provider="triton") if r["kernel"].startswith("confidence")
+            for r in _pick(rows, provider="triton") if r["kernel"] in GREEDY_CONFIDENCE
             and _rows_n(r["shape"]) >= 256 and r.get("copy_ratio")]
 
 
 def _confidence_speedup(rows, model):
     return [Finding(f"{r['kernel']} {r['shape']}", f"{r['speedup_vs_eager']:.1f}x eager", r["speedup_vs_eager"] >= 10)
-            for r in _pick(rows, provider="triton") if r["kernel"].startswith("confidence")
+            for r in _pick(rows, provider="triton") if r["kernel"] in GREEDY_CONFIDENCE
             and _rows_n(r["shape"]) == 16 and r.get("speedup_vs_eager")]
 
 

@@ -29,6 +29,8 @@ def results(tmp_path):
     _write(tmp_path, "decode_kernels", [
         conf(256, "triton", copy_ratio=0.85, speedup_vs_eager=9.0), conf(4096, "triton", copy_ratio=0.7),
         conf(16, "triton", copy_ratio=0.1, speedup_vs_eager=12.5), conf(4096, "torch_eager", copy_ratio=0.1),
+        dict(conf(256, "triton", copy_ratio=0.2, speedup_vs_eager=3.0), kernel="confidence_topkp"),  # not judged
+        dict(conf(16, "triton", copy_ratio=0.01, speedup_vs_eager=3.0), kernel="confidence_topp"),
         dict(kernel="select_static", shape="B=8,L=16,K=3", provider="triton_graph", median_us=3.2),
         dict(kernel="select_static", shape="B=8,L=16,K=3", provider="triton", median_us=25.0),
         dict(kernel="verify", shape="B=8,L=16,K=3", provider="triton_graph", median_us=11.0),
