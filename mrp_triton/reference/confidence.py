@@ -163,15 +163,12 @@ def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, to
     if not do_sample:
         best, tok = z.max(dim=-1)  # torch returns the first maximal index
     else:
-        tau = None if top_k is None and top_p is None else top_k_top_p_cut(z, top_k, top_p, top_k_max)
         step = max(1, NOISE_CHUNK // max(1, z.shape[-1]))
         picks = []
         for i in range(0, max(1, z.shape[0]), step):  # one (empty) chunk for N = 0
-            zi = z[i:i + step]
+            zi = z[i:i + step]  # the cut is a row's own: cut chunk by chunk
             score = zi + gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1])
-            if tau is not None:
-                score = score.masked_fill(~kept_by_cut(zi, tau[i:i + step]), float("-inf"))
-            picks.append(score.max(dim=-1))
+            picks.append(drop_filtered(score, zi, top_k, top_p, top_k_max).max(dim=-1))
         best, tok = (torch.cat(x) for x in zip(*picks)) if len(picks) > 1 else picks[0]
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
 
