@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
-from .generation_settings import DRAFT_SCHEDULES, DRAFT_TOKENS, REMASK_RULES, STRATEGIES, GenerationSettings
+from .generation_settings import DRAFT_SCHEDULES, READ_BY, REMASK_RULES, STRATEGIES, GenerationSettings
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
 COMPARE = [
@@ -46,39 +46,50 @@ def draft_vocab_arg(value: str) -> int | list[int]:
     return ids
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds an option's default to its help where it has one (not None or False: those leave the choice to
+    generate(), or are flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrp-generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-file)")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the tokenizer's "
                    "chat template (chat checkpoints such as SDAR-*-Chat)")
     p.add_argument("--system", help="a system message before the prompt (with --chat)")
     p.add_argument("--model", default=str(SHIPPED_MODEL), help="checkpoint folder or Hub repo id")
-    p.add_argument("--strategy", choices=STRATEGIES, default="speculative")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--strategy", choices=STRATEGIES, default="speculative", help="decoding mode (docs/decoding.md)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to decode")
     p.add_argument("--block-length", type=int, help="default: the model's block size")
-    p.add_argument("--denoising-steps", type=int, help="default: block length (one token per step)")
+    p.add_argument("--denoising-steps", type=int, help="static / dynamic / remask: steps a block takes at most "
+                   "(default: the block length, one token a step)")
     p.add_argument("--threshold", type=float, help="dynamic / remask confidence threshold in (0, 1]")
-    p.add_argument("--mrp-steps", "-K", type=int, default=3, help="MRP steps (drafts) per backbone forward")
-    p.add_argument("--draft-schedule", choices=DRAFT_SCHEDULES, default="mrp")
+    p.add_argument("--mrp-steps", "-K", type=int, help="direct / speculative: MRP steps (drafts) per backbone forward "
+                   "(default: 3)")
+    p.add_argument("--draft-schedule", choices=DRAFT_SCHEDULES, help="speculative (default: mrp)")
     p.add_argument("--draft-vocab", type=draft_vocab_arg, metavar="N|FILE",
                    help="speculative drafts choose among the token ids below N, or those listed in a JSON FILE "
                    "(mrp-train draft-vocab); the output stays lossless")
     p.add_argument("--draft-candidates", type=int, metavar="M",
                    help="speculative drafts choose among the M tokens the round's seed forward found most likely at "
                    "each position (1-64); the output stays lossless")
-    p.add_argument("--remask-rule", choices=REMASK_RULES, default="tau")
-    p.add_argument("--residual-delta", type=float, default=1.0)
+    p.add_argument("--remask-rule", choices=REMASK_RULES, help="remask (default: tau)")
+    p.add_argument("--residual-delta", type=float, help="remask rule delta (default: 1.0)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: divides the logits")
+    p.add_argument("--top-k", type=int, help="with --do-sample: sample among the k largest logits"
+                   " (ties at the cut kept)")
+    p.add_argument("--top-p", type=float, help="with --do-sample: sample among the most likely tokens holding mass p")
+    p.add_argument("--seed", type=int, default=0, help="with --do-sample: the seed of the sampling noise")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
     p.add_argument("--compare", action="store_true", help="run static, dynamic, direct, speculative and remask")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, "
                    "bfloat16 on CUDA")
     return p
@@ -141,14 +152,13 @@ def run_one(model, ids: torch.Tensor, settings: dict):
 
 
 def compare_settings(base: dict) -> list[dict]:
-    """The settings of each row of :data:`COMPARE`: ``base`` with the row's strategy and its own values."""
+    """The settings of each row of :data:`COMPARE`: ``base`` with the row's strategy and its own values where
+    ``base`` gives none (None), without the settings the row's strategy does not read (:data:`READ_BY`)."""
     runs = []
     for strategy, extra in COMPARE:
-        settings = {**base, "strategy": strategy, **extra}
-        if strategy != "speculative":
-            for name in DRAFT_TOKENS:  # the drafts of speculative decoding only
-                settings.pop(name, None)
-        runs.append(settings)
+        unread = {name for name, strategies in READ_BY.items() if strategy not in strategies}
+        settings = {**extra, **{k: v for k, v in base.items() if v is not None or k not in extra}}
+        runs.append({"strategy": strategy, **{k: v for k, v in settings.items() if k not in unread}})
     return runs
 
 
@@ -197,18 +207,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"mrp-generate: error: {err}\n")
 
 
+def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
+    """The keywords of ``generate()`` the options give (None: not given, generate()'s default)."""
+    return dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length,
+                denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
+                draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
+                draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
+                residual_delta=args.residual_delta, do_sample=args.do_sample,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                progress=args.max_new_tokens >= 256, stop_strings=args.stop,
+                tokenizer=tokenizer if args.stop else None)
+
+
 def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
     """Load the model, check the settings, then print the completion (streamed) and its stats, or the table of
     ``--compare``."""
     tokenizer, model = load(args.model, args.device, args.dtype)
     ids = encode(tokenizer, prompt, args).to(args.device)
-    settings = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length,
-                    denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
-                    draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
-                    draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
-                    residual_delta=args.residual_delta, do_sample=args.do_sample, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, progress=args.max_new_tokens >= 256,
-                    stop_strings=args.stop, tokenizer=tokenizer if args.stop else None)
+    settings = generate_settings(args, tokenizer)
     runs = compare_settings(settings) if args.compare else [{**settings, "strategy": args.strategy}]
     check_settings(model, ids, runs)
     if args.compare:

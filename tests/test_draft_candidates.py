@@ -133,7 +133,7 @@ def test_the_vocab_mean_buffer_is_refreshed_in_place():
     (dict(draft_candidates=True), TypeError, "draft_candidates must be an int"),
     (dict(draft_candidates=2.0), TypeError, "draft_candidates must be an int"),
     (dict(draft_candidates=4, draft_vocab=20), ValueError, "give one of them"),
-    (dict(draft_candidates=4, strategy="static"), ValueError, "applies to the drafts of strategy='speculative'"),
+    (dict(draft_candidates=4, strategy="static"), ValueError, "draft_candidates=4 steers strategy 'speculative', not"),
 ])
 def test_bad_draft_candidates_are_refused_with_their_name(kwargs, error, message):
     model = tiny_model(seed=0)

@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 
 import mrp_triton
 from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
+from hf_integration.generation_settings import READ_BY
 from tiny_models import MASK_ID, random_prompts, tiny_config, tiny_model
 
 
@@ -120,8 +121,11 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     for b, r in enumerate(rows):
         ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, **kwargs)
+    # static and direct rows start their blocks together anyway (and run no device loops)
+    moving = kwargs["strategy"] in READ_BY["per_row_blocks"]
+    loop = loop and kwargs["strategy"] in READ_BY["device_loop"]
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
-    together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=False,
+    together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=not moving,
                               device_loop=not graphs and loop, **common)
     assert torch.equal(out.sequences, together.sequences)
     for name, value in vars(out.stats).items():
@@ -202,6 +206,28 @@ def test_generation_config_and_kwargs_precedence(model):
     assert torch.equal(via_config, via_kwargs) and via_config.shape == (1, 10)
     overridden = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=6), max_new_tokens=3)
     assert overridden.shape == (1, 7)
+
+
+def test_a_checkpoint_sets_strategy_settings_for_the_strategies_that_read_them(model):
+    """The model's own generation config may carry settings of several strategies (a threshold, mrp_steps):
+    each call applies those its strategy reads (as the same values passed by the call would) and ignores the
+    others; a call asking for one its strategy does not read (a keyword, or a passed generation_config that
+    differs from the model's) is refused."""
+    ids = random_prompts(1, 4, seed=9)
+    shipped = model.generation_config
+    plain = {s: model.generate(ids, max_new_tokens=8, strategy=s) for s in ("static", "dynamic", "direct")}
+    try:
+        model.generation_config = GenerationConfig(threshold=0.1, mrp_steps=1, remask_rule="delta")
+        assert torch.equal(model.generate(ids, max_new_tokens=8), plain["static"])
+        dynamic = model.generate(ids, max_new_tokens=8, strategy="dynamic")
+        direct = model.generate(ids, max_new_tokens=8, strategy="direct")
+        with pytest.raises(ValueError, match="threshold=0.6 steers strategy 'dynamic' or 'remask', not 'static'"):
+            model.generate(ids, generation_config=GenerationConfig(threshold=0.6), max_new_tokens=8)
+    finally:
+        model.generation_config = shipped
+    assert torch.equal(dynamic, model.generate(ids, max_new_tokens=8, strategy="dynamic", threshold=0.1))
+    assert torch.equal(direct, model.generate(ids, max_new_tokens=8, strategy="direct", mrp_steps=1))
+    assert not torch.equal(dynamic, plain["dynamic"]) and not torch.equal(direct, plain["direct"])
 
 
 def test_use_cache_is_accepted_and_unknown_keywords_are_refused(model):
@@ -340,11 +366,21 @@ BAD_INPUTS = [
     (dict(strategy="direct", mrp_mix="product"), ValueError, "mrp_mix"),
     (dict(strategy="direct", mrp_scale=float("nan")), ValueError, "mrp_scale=nan must be a finite number"),
     (dict(strategy="speculative", mrp_scale="1"), ValueError, "mrp_scale='1' must be a finite number"),
-    (dict(strategy="speculative", denoising_steps=2), ValueError, "denoising_steps"),
+    (dict(strategy="speculative", denoising_steps=2), ValueError,
+     "denoising_steps=2 steers strategy 'static' or 'dynamic' or 'remask', not 'speculative'"),
+    (dict(threshold=0.7), ValueError, "threshold=0.7 steers strategy 'dynamic' or 'remask', not 'static': drop it"),
+    (dict(mrp_steps=2), ValueError, "mrp_steps=2 steers strategy 'direct' or 'speculative', not 'static'"),
+    (dict(strategy="direct", draft_schedule="authors"), ValueError, "draft_schedule='authors' steers strategy"),
+    (dict(strategy="dynamic", remask_rule="delta"), ValueError, "remask_rule='delta' steers strategy 'remask'"),
+    (dict(strategy="speculative", residual_delta=0.5), ValueError, "residual_delta=0.5 steers strategy 'remask'"),
+    (dict(strategy="dynamic", mrp_scale=0.5), ValueError, "mrp_scale=0.5 steers strategy 'direct' or"),
+    (dict(mrp_mix="none"), ValueError, "mrp_mix='none' steers strategy"),
+    (dict(strategy="direct", per_row_blocks=False), ValueError, "per_row_blocks=False steers strategy 'dynamic'"),
+    (dict(device_loop=True), ValueError, "device_loop=True steers strategy 'dynamic' or 'remask' or 'speculative'"),
     (dict(frobnicate=True), TypeError, "frobnicate"),
     (dict(strategy="dynamic", device_loop="yes"), TypeError, "device_loop must be a bool"),
     (dict(packed_projections=1), TypeError, "packed_projections must be a bool"),
-    (dict(draft_vocab=8), ValueError, "draft_vocab applies to the drafts of strategy='speculative'"),
+    (dict(draft_vocab=8), ValueError, "draft_vocab=8 steers strategy 'speculative', not 'static': drop it"),
     (dict(strategy="speculative", draft_vocab=1), ValueError, "draft_vocab=1 must be >= 2"),
     (dict(strategy="speculative", draft_vocab=1000), ValueError, "draft_vocab=1000 exceeds the vocabulary"),
     (dict(strategy="speculative", draft_vocab=8.0), TypeError, "draft_vocab must be an int"),

@@ -14,6 +14,7 @@ import torch
 
 import hf_integration
 from hf_integration.cli import SHIPPED_MODEL
+from tiny_models import tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,6 +154,8 @@ def test_mrp_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path, 
     (["-K", "0"], "--strategy speculative: mrp_steps=0 must be >= 1"),
     (["--strategy", "dynamic", "--threshold", "1.5"], "--strategy dynamic: threshold=1.5 must be in (0, 1]"),
     (["--compare", "--top-p", "0"], "--strategy static: top_p=0.0 must be in (0, 1]"),
+    (["--strategy", "static", "--threshold", "0.5"],
+     "--strategy static: threshold=0.5 steers strategy 'dynamic' or 'remask', not 'static': drop it"),
     (["--device", "cuda"], "--device cuda: this torch sees no CUDA GPU"),
 ])
 def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, message, tmp_path, monkeypatch, capsys):
@@ -168,6 +171,29 @@ def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, me
     last = err.strip().splitlines()[-1]
     assert exit_.value.code == 2 and last.startswith("mrp-generate: error: " + message.format(tmp=tmp_path)), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("options, expected", [
+    ([], dict(dynamic=dict(threshold=0.7), direct=dict(mrp_steps=2), speculative=dict(mrp_steps=3),
+              remask=dict(threshold=0.5))),
+    (["--threshold", "0.6", "-K", "4", "--draft-candidates", "8", "--remask-rule", "delta", "--denoising-steps", "8"],
+     dict(static=dict(denoising_steps=8), dynamic=dict(threshold=0.6, denoising_steps=8), direct=dict(mrp_steps=4),
+          speculative=dict(mrp_steps=4, draft_candidates=8),
+          remask=dict(threshold=0.6, remask_rule="delta", denoising_steps=8))),
+])
+def test_mrp_generate_compare_gives_each_strategy_the_options_it_reads(options, expected):
+    """--compare runs every strategy with the options given (its own defaults where none is), each strategy with
+    only the options it reads, so generate() accepts every run."""
+    from hf_integration import cli
+    from hf_integration.generation_settings import READ_BY
+
+    args = cli.build_parser().parse_args(["def f():", "--compare", *options])
+    runs = cli.compare_settings(cli.generate_settings(args, tokenizer=None))
+    assert [r["strategy"] for r in runs] == [s for s, _ in cli.COMPARE]
+    for run in runs:
+        read = {k: v for k, v in run.items() if k in READ_BY and v is not None}
+        assert read == expected.get(run["strategy"], {}), run["strategy"]
+    cli.check_settings(tiny_model(seed=0, block_size=8), torch.zeros(1, 4, dtype=torch.long), runs)
 
 
 @pytest.mark.slow

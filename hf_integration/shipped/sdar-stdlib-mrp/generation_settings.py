@@ -48,9 +48,23 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eo
 # value up to its bound: GenerationSettings.top_k_max).
 ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
-# What the drafts of speculative decoding score; a checkpoint's generation config may set them for its speculative
-# calls.
-DRAFT_TOKENS = ("draft_vocab", "draft_candidates")
+# Settings only some strategies read. A call that asks for one (a value other than its default) with another strategy
+# is refused: the value would change nothing. A checkpoint's generation config serves every strategy: its values apply
+# to the calls whose strategy reads them (e.g. a draft_vocab to the speculative calls).
+READ_BY = {
+    "threshold": ("dynamic", "remask"),
+    "denoising_steps": ("static", "dynamic", "remask"),  # direct and speculative commit by their own rules
+    "mrp_steps": ("direct", "speculative"),
+    "draft_schedule": ("speculative",),
+    "draft_vocab": ("speculative",),
+    "draft_candidates": ("speculative",),
+    "remask_rule": ("remask",),
+    "residual_delta": ("remask",),
+    "mrp_mix": MRP_STRATEGIES,
+    "mrp_scale": MRP_STRATEGIES,
+    "per_row_blocks": ("dynamic", "remask", "speculative"),  # static and direct rows move through blocks together
+    "device_loop": ("dynamic", "remask", "speculative"),
+}
 
 
 @dataclass
@@ -84,13 +98,15 @@ class GenerationSettings:
     roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor, e.g. the most frequent tokens of
     your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the lm_head instead of all of them
     (the lm_head is most of a draft step's weights at large vocabularies); verification uses the whole vocabulary:
-    the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`). A ``draft_vocab`` in the model's
-    own generation config applies to its speculative calls only; asked for by a call, it must come with
-    ``strategy="speculative"``. ``draft_candidates`` M (speculative, 1 to 64) lets each draft choose among the M
-    tokens the round's seed forward found most likely at that position (listed by the same pass over the lm_head
-    that picks the backbone's tokens), so a draft step reads M rows of the lm_head per position instead of all of
-    them (:mod:`.draft_candidates`); lossless like ``draft_vocab``, with which it does not combine; a checkpoint's
-    generation config may set it as it sets ``draft_vocab``."""
+    the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`). ``draft_candidates`` M
+    (speculative, 1 to 64) lets each draft choose among the M tokens the round's seed forward found most likely at
+    that position (listed by the same pass over the lm_head that picks the backbone's tokens), so a draft step reads
+    M rows of the lm_head per position instead of all of them (:mod:`.draft_candidates`); lossless like
+    ``draft_vocab``, with which it does not combine.
+
+    Settings that only some strategies read (:data:`READ_BY`: ``threshold``, ``mrp_steps``, ``draft_vocab``, ...)
+    are refused when a call asks for them (a value other than the default) with a strategy that does not read
+    them; set in the model's own generation config, they apply to the calls whose strategy reads them."""
 
     max_new_tokens: int | None = None
     max_length: int | None = None
@@ -177,17 +193,28 @@ class GenerationSettings:
             values.update({k: v for k, v in given.items() if k in names})
         values.update({k: v for k, v in kwargs.items() if v is not None})
         settings = cls(**values)
-        # A checkpoint's draft vocabulary (or candidates) is for its speculative calls: the call asked for one only if
-        # it passed it (None passes nothing), or a generation_config whose value differs from the model's (a pipeline
-        # passes a copy of the model's).
+        # The call asked for a setting if it passed it (None passes nothing), or a generation_config whose value
+        # differs from the model's (a pipeline passes a copy of the model's).
         asked = {k for k, v in kwargs.items() if v is not None} | {k for k, v in passed.items()
                                                                   if k not in own or own[k] != v}
-        for name in DRAFT_TOKENS:
-            if settings.strategy != "speculative" and name not in asked:
-                setattr(settings, name, None)
+        settings._drop_unread(asked)
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         return settings
+
+    def _drop_unread(self, asked: set[str]) -> None:
+        """Reset the settings this call's strategy does not read (:data:`READ_BY`) to their defaults; raise if the
+        call asked for one of them."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, strategies in READ_BY.items():
+            value, default = getattr(self, name), defaults[name]
+            if self.strategy in strategies or (value is None if default is None else value == default):
+                continue
+            if name in asked:
+                readers = " or ".join(repr(s) for s in strategies)
+                raise ValueError(f"{name}={value!r} steers strategy {readers}, not {self.strategy!r}: drop it (or "
+                                 f"choose a strategy that reads it)")
+            setattr(self, name, default)
 
     def _fill_defaults(self, config, prompt_width: int) -> None:
         if self.max_new_tokens is None and self.max_length is not None:
@@ -265,10 +292,6 @@ class GenerationSettings:
                     not math.isfinite(self.mrp_scale):
                 raise ValueError(f"mrp_scale={self.mrp_scale!r} must be a finite number (the weight of the MRP "
                                  "residual; 1.0 as trained)")
-        for name in DRAFT_TOKENS:
-            if getattr(self, name) is not None and self.strategy != "speculative":
-                raise ValueError(f"{name} applies to the drafts of strategy='speculative', not {self.strategy!r}: "
-                                 "drop it")
         if self.draft_vocab is not None:
             self.draft_vocab = normalize_draft_vocab(self.draft_vocab, config.vocab_size)
         if self.draft_candidates is not None:
@@ -280,9 +303,6 @@ class GenerationSettings:
             if self.draft_vocab is not None:
                 raise ValueError("draft_candidates and draft_vocab both choose the tokens a draft scores: give one "
                                  "of them")
-        if self.strategy == "speculative" and self.denoising_steps != self.block_length:
-            raise ValueError("strategy='speculative' verifies one token per step: leave denoising_steps at "
-                             f"block_length ({self.block_length})")
 
 
 def _int_at_least(name: str, value, low: int, why: str = "") -> None:
