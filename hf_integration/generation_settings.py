@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -29,6 +30,8 @@ DRAFT_SCHEDULES = ("mrp", "authors")
 REMASK_RULES = ("tau", "delta")
 MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
+FLAGS = ("do_sample", "return_dict_in_generate", "progress", "fuse_commit", "per_row_blocks", "use_cache",
+         "device_loop", "packed_projections")
 DEFAULT_MAX_NEW_TOKENS = 64
 # GenerationConfig fields that do not steer decoding (bookkeeping, or the model's own ids and block size).
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
@@ -234,7 +237,7 @@ class GenerationSettings:
         if self.eos_token_id is None:
             self.eos_token_id = config.eos_token_id
         eos = self.eos_token_id
-        self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         if self.pad_token_id is None:
             self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else (
                 self.eos_ids[0] if self.eos_ids else config.mask_token_id)
@@ -252,17 +255,23 @@ class GenerationSettings:
                              f"({self.block_length})")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
-        if self.threshold is not None and not 0.0 < float(self.threshold) <= 1.0:
+        if self.threshold is not None and not 0.0 < _number("threshold", self.threshold) <= 1.0:
             raise ValueError(f"threshold={self.threshold} must be in (0, 1]")
-        if self.do_sample:
-            check_temperature(self.temperature)
-        if self.top_k is not None:
-            _int_at_least("top_k", self.top_k, 1, " (or None to disable)")
-        if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
-        for name in ("use_cache", "device_loop", "packed_projections"):
+        for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool or None (on for a CUDA model), got "
+                            f"{type(self.cuda_graphs).__name__}")
+        _int_at_least("seed", self.seed, 0)
+        if self.seed >= 2**64:
+            raise ValueError(f"seed={self.seed} must be below 2**64 (the noise hash reads 64 bits of it)")
+        if self.do_sample:
+            check_temperature(_number("temperature", self.temperature))
+        if self.top_k is not None:
+            _int_at_least("top_k", self.top_k, 1, " (or None to disable)")
+        if self.top_p is not None and not 0.0 < _number("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")
@@ -273,10 +282,8 @@ class GenerationSettings:
             if not callable(getattr(self.tokenizer, "decode", None)):
                 raise ValueError("stop_strings needs the tokenizer that decodes the ids: pass tokenizer=... (as "
                                  "transformers' generate does)")
-        for name, ids in (("eos_token_id", self.eos_ids), ("pad_token_id", (self.pad_token_id,))):
-            for i in ids:
-                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < config.vocab_size:
-                    raise ValueError(f"{name} {i!r} is not a token id of the vocabulary [0, {config.vocab_size})")
+        self.eos_ids = tuple(_token_id("eos_token_id", i, config.vocab_size) for i in self.eos_ids)
+        self.pad_token_id = _token_id("pad_token_id", self.pad_token_id, config.vocab_size)
         if self.strategy in MRP_STRATEGIES:
             model.require_mrp(f"strategy={self.strategy!r}")
             _int_at_least("mrp_steps", self.mrp_steps, 1)
@@ -286,7 +293,7 @@ class GenerationSettings:
                 raise ValueError(f"remask_rule={self.remask_rule!r} is unknown; use one of {REMASK_RULES}")
             if self.mrp_mix not in MRP_MIX_MODES:
                 raise ValueError(f"mrp_mix={self.mrp_mix!r} is unknown; use one of {MRP_MIX_MODES}")
-            if not float(self.residual_delta) > 0.0:
+            if not _number("residual_delta", self.residual_delta) > 0.0:
                 raise ValueError(f"residual_delta={self.residual_delta} must be > 0")
             if isinstance(self.mrp_scale, bool) or not isinstance(self.mrp_scale, numbers.Real) or \
                     not math.isfinite(self.mrp_scale):
@@ -303,6 +310,24 @@ class GenerationSettings:
             if self.draft_vocab is not None:
                 raise ValueError("draft_candidates and draft_vocab both choose the tokens a draft scores: give one "
                                  "of them")
+
+
+def _number(name: str, value) -> float:
+    """``value`` as a float, if it is a real number (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _token_id(name: str, value, vocab_size: int) -> int:
+    """``value`` as an int, if it is a token id of the vocabulary (an int, a numpy or 0-d torch integer)."""
+    try:
+        i = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        i = None
+    if i is None or not 0 <= i < vocab_size:
+        raise ValueError(f"{name} {value!r} is not a token id of the vocabulary [0, {vocab_size})")
+    return i
 
 
 def _int_at_least(name: str, value, low: int, why: str = "") -> None:
