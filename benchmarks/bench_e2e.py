@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
+from hf_integration.generation_settings import READ_BY  # noqa: E402
 
 # A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files.
 MostFrequent = namedtuple("MostFrequent", "size")
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
         if isinstance(extra.get("draft_vocab"), MostFrequent):
             extra = {**extra, "draft_vocab": most_frequent_ids(manifest, tokenizer, extra["draft_vocab"].size, model,
                                                                counts)}
-        if args.device_loop and extra.get("strategy") in ("dynamic", "remask", "speculative"):
+        if args.device_loop and extra.get("strategy") in READ_BY["device_loop"]:
             extra = {**extra, "device_loop": True, "cuda_graphs": True}
         completions, totals, seconds = run_mode(model, tokenizer, prompts, {**base, **extra}, args.batch_size)
         static = static or (completions, totals, seconds)
@@ -227,7 +228,8 @@ def main(argv=None) -> int:
                             text=True).stdout.strip() or "unknown"
     meta = {"model": str(args.model), "device": device_name, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "batch_size": args.batch_size, "device_loop": args.device_loop, "commit": commit, "example_prompt": prompts[0],
+            "batch_size": args.batch_size, "device_loop": args.device_loop, "commit": commit,
+            "example_prompt": prompts[0],
             "example_static_completion": tokenizer.decode(static[0][0], skip_special_tokens=True)}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.tag or f"e2e_{'gpu' if args.device.startswith('cuda') else 'cpu'}"

@@ -265,7 +265,8 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
     if weight.device != hidden.device:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
     N, H = hidden.shape

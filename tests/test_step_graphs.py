@@ -188,7 +188,6 @@ def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(mon
     model.release_decode_engine()
 
 
-
 @pytest.mark.parametrize("kwargs", DEVICE_LOOPS + [
     dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20, device_loop=True),
     dict(strategy="dynamic", threshold=0.3, per_row_blocks=False, device_loop=True)],

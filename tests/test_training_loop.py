@@ -34,7 +34,8 @@ def env(tmp_path_factory):
     m = tiny_backbone(tok)
     m.save_pretrained(bb)
     tok.save_pretrained(bb)
-    return {"root": root, "tok": tok, "tok_dir": tok_dir, "paths": paths, "train": train_ds, "held": held, "backbone": bb}
+    return {"root": root, "tok": tok, "tok_dir": tok_dir, "paths": paths, "train": train_ds, "held": held,
+            "backbone": bb}
 
 
 def _cfg(out, mode="backbone", **kw):
@@ -239,7 +240,8 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     bb = tmp_path / "bb"
     res = run(_cli_args(env, bb, "--max-steps", "3"))
     assert res["step"] == 3 and res["eval_loss"] is not None
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "training_config.json"):
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+              "training_config.json"):
         assert (bb / f).exists(), f
     gen = json.load(open(bb / "generation_config.json"))
     assert gen["mask_token_id"] == 1 and gen["block_size"] == BS

@@ -33,11 +33,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="text files, JSONL ({text} | {prompt,response} | {messages}) or folders")
     g.add_argument("--heldout-fraction", type=float, default=None,
                    help="documents (files for --stdlib) held out for evaluation; default 0.01 (0.02 with --stdlib)")
-    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed sequence (multiple of --block-size)")
+    g.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help="tokens per packed sequence (multiple of --block-size)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub repo id (AutoTokenizer)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--out", required=True, help="output folder (checkpoints, metrics.jsonl, final model)")
-    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per process per micro-step")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help="sequences per process per micro-step")
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-steps per optimizer step")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
     g.add_argument("--epochs", type=float, default=d.epochs)

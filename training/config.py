@@ -73,7 +73,8 @@ class TrainConfig:
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(0.0 <= self.warmup_ratio < 1.0, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
-        need(self.warmup_steps is None or self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        need(self.warmup_steps is None or self.warmup_steps >= 0,
+             f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         need(self.attention in ("auto", "flex", "sdpa"),
              f"--attention must be 'auto', 'flex' or 'sdpa', got {self.attention!r}")
         need(0.0 < self.noise_eps < 1.0, f"--noise-eps must be in (0, 1), got {self.noise_eps}")

@@ -220,7 +220,8 @@ class PackedDataset:
         return cls(d["input_ids"], d["is_prompt"])
 
 
-def pack(ids: Sequence[int], flags: Sequence[bool], seq_len: int, pad_id: int, block_size: int | None = None) -> PackedDataset:
+def pack(ids: Sequence[int], flags: Sequence[bool], seq_len: int, pad_id: int,
+         block_size: int | None = None) -> PackedDataset:
     """Cut a token stream into ``seq_len`` rows; pad the tail with ``pad_id`` flagged as prompt."""
     if block_size is not None and seq_len % block_size:
         raise ConfigError(f"--seq-len ({seq_len}) must be a multiple of --block-size ({block_size})")

@@ -4,7 +4,8 @@
 step reading those rows of the lm_head (see ``hf_integration/draft_vocab.py``). The ids below N are BPE merge
 order, a rough stand-in for frequency; the N most frequent tokens of the text a model will see cover more of it
 (shipped model, 2048 ids, its training files, ``mrp-train draft-vocab --stdlib --size 512``: the 512 most
-frequent ids cover 80% of the tokens, the ids below 512 cover 69%). The output stays lossless either way: only the acceptance of the drafts changes.
+frequent ids cover 80% of the tokens, the ids below 512 cover 69%). The output stays lossless either way: only the
+acceptance of the drafts changes.
 """
 
 from __future__ import annotations
