@@ -294,6 +294,29 @@ def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatc
             run(["mrp", "--data", env["paths"]["pairs"], "--out", str(tmp_path / "x"), *sum(args.items(), ())])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--vocab-size", "100"], "--vocab-size must be >= 258"),
+    (["--num-kv-heads", "0"], "--num-kv-heads must be >= 1, got 0"),  # not read as "default: --num-heads"
+    (["--intermediate-size", "0"], "--intermediate-size must be >= 1, got 0"),
+    (["--num-layers", "0"], "--num-layers must be >= 1, got 0"),
+    (["--num-heads", "3"], r"--hidden-size \(256\) must be a multiple of --num-heads \(3\) or give --head-dim"),
+    (["--num-kv-heads", "3"], r"--num-heads \(4\) must be a multiple of --num-kv-heads \(3\)"),
+    (["--head-dim", "7"], "--head-dim must be even"),
+    (["--max-position-embeddings", "8"], r"--max-position-embeddings \(8\) must be >= --seq-len \(256\)"),
+    (["--rope-theta", "0"], "--rope-theta must be > 0"),
+])
+def test_backbone_flags_are_refused_before_the_data_is_read(flags, message, tmp_path, monkeypatch):
+    """Sizes that make no model end the run before it reads the data and trains a tokenizer (minutes on a
+    large corpus), with the flag named."""
+    from training import cli, data
+
+    monkeypatch.setattr(data, "read_records", lambda *a, **k: pytest.fail("read the data despite bad flags"))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "def f(): pass"}\n')
+    with pytest.raises(ConfigError, match=message):
+        cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), *flags])
+
+
 def test_bad_configs_rejected(env, tmp_path):
     from training.cli import main, run
 

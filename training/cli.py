@@ -24,6 +24,7 @@ import sys
 import torch
 
 from .config import KD_PRECISIONS, ConfigError, TrainConfig
+from .tokenizer import MIN_VOCAB_SIZE
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -315,6 +316,16 @@ def run_draft_vocab(args) -> dict:
             "coverage_ids_below_size": round(coverage(counts, range(args.size)), 4)}
 
 
+def _backbone_sizes(args: argparse.Namespace) -> dict:
+    """The backbone's sizes the flags give (keywords of :func:`.models.build_backbone`), defaults filled in."""
+    def given(value, default):
+        return default if value is None else value
+
+    return dict(hidden_size=args.hidden_size, intermediate_size=given(args.intermediate_size, 3 * args.hidden_size),
+                num_layers=args.num_layers, num_heads=args.num_heads,
+                num_kv_heads=given(args.num_kv_heads, args.num_heads), head_dim=args.head_dim)
+
+
 def run(argv: list[str] | None = None) -> dict:
     """Parse ``argv``, train and export (or evaluate, or count a draft vocabulary). Raises ConfigError on a bad
     configuration."""
@@ -336,6 +347,19 @@ def run(argv: list[str] | None = None) -> dict:
         raise ConfigError("--stdlib and --data are mutually exclusive")
     if not args.data and not args.stdlib:
         raise ConfigError("--data: no training data given (or use --stdlib)")
+    if args.command == "backbone":  # before the data is read and a tokenizer trained
+        from .models import backbone_head_dim
+
+        sizes = _backbone_sizes(args)
+        backbone_head_dim(**sizes)
+        if args.tokenizer is None and args.vocab_size < MIN_VOCAB_SIZE:
+            raise ConfigError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + 2 special tokens), got "
+                              f"{args.vocab_size}")
+        if args.max_position_embeddings is not None and args.max_position_embeddings < cfg.seq_len:
+            raise ConfigError(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-len "
+                              f"({cfg.seq_len})")
+        if not args.rope_theta > 0:
+            raise ConfigError(f"--rope-theta must be > 0, got {args.rope_theta}")
 
     rank, world, device = init_distributed(cfg.device)
     random.seed(cfg.seed)
@@ -382,10 +406,7 @@ def run(argv: list[str] | None = None) -> dict:
         from .models import build_backbone
 
         model = build_backbone(
-            ids, len(tokenizer), hidden_size=args.hidden_size,
-            intermediate_size=args.intermediate_size or 3 * args.hidden_size, num_layers=args.num_layers,
-            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads or args.num_heads, head_dim=args.head_dim,
-            block_size=cfg.block_size, max_position_embeddings=args.max_position_embeddings or max(cfg.seq_len, 4096),
+            ids, len(tokenizer), **sizes, block_size=cfg.block_size, max_position_embeddings=args.max_position_embeddings or max(cfg.seq_len, 4096),
             rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings).to(device)
     else:
         from .models import prepare_mrp_model

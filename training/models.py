@@ -22,13 +22,15 @@ from torch import nn
 from .config import ConfigError
 
 
-def build_backbone(tokenizer_ids: dict, vocab_size: int, *, hidden_size: int, intermediate_size: int,
-                   num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int | None,
-                   block_size: int, max_position_embeddings: int, rope_theta: float = 1e6,
-                   rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
-                   initializer_range: float = 0.02):
-    from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
-
+def backbone_head_dim(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+                      num_kv_heads: int, head_dim: int | None) -> int:
+    """The head size of a backbone of these sizes (``head_dim``, or hidden / heads); raises :class:`ConfigError`
+    naming the flag when the sizes do not make a model."""
+    sizes = {"--hidden-size": hidden_size, "--intermediate-size": intermediate_size, "--num-layers": num_layers,
+             "--num-heads": num_heads, "--num-kv-heads": num_kv_heads, "--head-dim": head_dim}
+    for flag, value in sizes.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     if num_heads % num_kv_heads:
         raise ConfigError(f"--num-heads ({num_heads}) must be a multiple of --num-kv-heads ({num_kv_heads})")
     if head_dim is None:
@@ -38,6 +40,18 @@ def build_backbone(tokenizer_ids: dict, vocab_size: int, *, hidden_size: int, in
         head_dim = hidden_size // num_heads
     if head_dim % 2:
         raise ConfigError(f"--head-dim must be even (RoPE), got {head_dim}")
+    return head_dim
+
+
+def build_backbone(tokenizer_ids: dict, vocab_size: int, *, hidden_size: int, intermediate_size: int,
+                   num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int | None,
+                   block_size: int, max_position_embeddings: int, rope_theta: float = 1e6,
+                   rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
+                   initializer_range: float = 0.02):
+    from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
+
+    head_dim = backbone_head_dim(hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
+                                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     cfg = SDARMRPConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

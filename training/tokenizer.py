@@ -16,6 +16,7 @@ from typing import Iterable
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|MASK|>"
 SPECIAL_IDS_FILE = "special_token_ids.json"
+MIN_VOCAB_SIZE = 258  # the 256 byte symbols and the two special tokens
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int = 8192, min_frequency: int = 2):
@@ -26,8 +27,8 @@ def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int = 8192, 
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 258:
-        raise ValueError(f"--vocab-size must be >= 258 (256 bytes + 2 special tokens), got {vocab_size}")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + 2 special tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
