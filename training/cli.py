@@ -406,8 +406,9 @@ def run(argv: list[str] | None = None) -> dict:
         from .models import build_backbone
 
         model = build_backbone(
-            ids, len(tokenizer), **sizes, block_size=cfg.block_size, max_position_embeddings=args.max_position_embeddings or max(cfg.seq_len, 4096),
-            rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings).to(device)
+            ids, len(tokenizer), **sizes, block_size=cfg.block_size,
+            max_position_embeddings=args.max_position_embeddings or max(cfg.seq_len, 4096), rope_theta=args.rope_theta,
+            tie_word_embeddings=args.tie_word_embeddings).to(device)
     else:
         from .models import prepare_mrp_model
 
