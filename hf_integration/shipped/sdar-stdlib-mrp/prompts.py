@@ -36,6 +36,9 @@ class PromptBatch:
             raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
         if attention_mask.device != input_ids.device:
             raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids on {input_ids.device}")
+        if not ((attention_mask == 0) | (attention_mask == 1)).all():
+            raise ValueError("attention_mask must hold 1 (a prompt token) and 0 (padding) only, got "
+                             f"{sorted(set(attention_mask.unique().tolist()) - {0, 1})[:4]}")
         keep = attention_mask.to(torch.bool)
         lens = keep.sum(1).tolist()
         if min(lens) == 0:
