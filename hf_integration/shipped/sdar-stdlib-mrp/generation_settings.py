@@ -30,6 +30,7 @@ DRAFT_SCHEDULES = ("mrp", "authors")
 REMASK_RULES = ("tau", "delta")
 MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
+# Settings that take True or False only (a string such as "no" would read as True).
 FLAGS = ("do_sample", "return_dict_in_generate", "progress", "fuse_commit", "per_row_blocks", "use_cache",
          "device_loop", "packed_projections")
 DEFAULT_MAX_NEW_TOKENS = 64
