@@ -61,7 +61,7 @@ def test_round_trip_corpus_and_code(tok_dir):
 def test_vocab_too_small_rejected(tmp_path):
     from training.tokenizer import train_tokenizer
 
-    with pytest.raises(ValueError, match="--vocab-size"):
+    with pytest.raises(ValueError, match="vocab_size must be >= 258"):
         train_tokenizer(["abc"], str(tmp_path), vocab_size=100)
 
 
