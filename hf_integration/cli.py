@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "chat template (chat checkpoints such as SDAR-*-Chat)")
     p.add_argument("--system", help="a system message before the prompt (with --chat)")
     p.add_argument("--model", default=str(SHIPPED_MODEL), help="checkpoint folder or Hub repo id")
-    p.add_argument("--strategy", choices=STRATEGIES, default="speculative", help="decoding mode (docs/decoding.md)")
+    p.add_argument("--strategy", choices=STRATEGIES, help="decoding mode (docs/decoding.md; default: speculative)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to decode")
     p.add_argument("--block-length", type=int, help="default: the model's block size")
     p.add_argument("--denoising-steps", type=int, help="static / dynamic / remask: steps a block takes at most "
@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a prompt or --prompt-file")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    if args.compare and args.strategy is not None:
+        parser.error("--compare runs every strategy: drop --strategy")
+    args.strategy = args.strategy or "speculative"
     try:
         return generate_and_print(args, prompt)
     except UsageError as err:
