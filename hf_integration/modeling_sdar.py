@@ -219,21 +219,30 @@ class SDARDecoderLayer(nn.Module):
 
 def run_decoder_layers(layers: nn.ModuleList, norm: SDARRMSNorm, x: torch.Tensor, config: SDARMRPConfig,
                        position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                       attn: AttentionInputs | None) -> torch.Tensor:
+                       attn: AttentionInputs | None, hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The decoder ``layers`` and the final ``norm`` (the last residual add fused into it); shared by the backbone
     and the MRP head. x: [B, T, H], position_ids: [B, T] -> [B, T, H] (ragged, ``attn.tokens``: B = 1, T = L).
 
     Without ``attn`` the stack attends only over x itself, with ``attention_mask`` (bool, broadcastable
-    to [B, 1, T, T]) or, if that is None, the block-causal mask of ``position_ids``."""
+    to [B, 1, T, T]) or, if that is None, the block-causal mask of ``position_ids``. A ``hidden_states`` list gets
+    transformers' L + 1 hidden states appended (each [B, T, H]): x, the output of each layer but the last, and the
+    returned normed output."""
     if attn is None:
         if attention_mask is None:
             attention_mask = block_causal_mask(position_ids, position_ids, config.block_size)
         attn = AttentionInputs(mask=attention_mask)
     cos, sin = rotary_cos_sin(config, position_ids) if attn.rope is None else attn.rope[position_ids].unbind(-2)
+    if hidden_states is not None:
+        hidden_states.append(x)
     residual = None
-    for layer in layers:
+    for i, layer in enumerate(layers):
         x, residual = layer(x, residual, cos, sin, attn)
-    return norm(x) if residual is None else norm(x, residual=residual)[0]
+        if hidden_states is not None and i < len(layers) - 1:
+            hidden_states.append(x + residual)
+    out = norm(x) if residual is None else norm(x, residual=residual)[0]
+    if hidden_states is not None:
+        hidden_states.append(out)
+    return out
 
 
 def pack_projections(module: nn.Module) -> bool:
@@ -253,12 +262,16 @@ class SDARModel(nn.Module):
         self.layers = nn.ModuleList(SDARDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = SDARRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, attn: AttentionInputs | None = None) -> torch.Tensor:
-        """input_ids: [B, T] -> hidden states after the final norm (h_A), [B, T, H].
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, attn: AttentionInputs | None = None,
+                inputs_embeds: torch.Tensor | None = None,
+                hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids: [B, T] (or their embeddings, ``inputs_embeds`` [B, T, H]) -> hidden states after the final
+        norm (h_A), [B, T, H].
 
-        position_ids default to 0..T-1. See :func:`run_decoder_layers` for the masks."""
+        position_ids default to 0..T-1. See :func:`run_decoder_layers` for the masks and ``hidden_states``."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.embed_tokens(input_ids)
-        return run_decoder_layers(self.layers, self.norm, x, self.config, position_ids, attention_mask, attn)
+            position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])
+        return run_decoder_layers(self.layers, self.norm, x, self.config, position_ids, attention_mask, attn,
+                                  hidden_states)

@@ -16,21 +16,95 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.utils import logging
 
-from .attention_masks import block_causal_mask
+from .attention_masks import padded_block_causal_mask
 from .configuration_sdar_mrp import SDARMRPConfig
 from .generation import generate_blocks
 from .modeling_mrp import MRPModule
 from .modeling_sdar import SDARModel, pack_projections
+from .prompts import check_vocabulary_ids
 
 logger = logging.get_logger(__name__)
 
 MRP_PREFIX = "mrp_modules.0."
+INDEX_DTYPES = (torch.int64, torch.int32)
 LEGACY_MRP_KEYS = {r"^mtp_modules\.": "mrp_modules."}
 AUTO_MAP = {
     "AutoConfig": "configuration_sdar_mrp.SDARMRPConfig",
     "AutoModel": "modeling_sdar_mrp.SDARMRPForCausalLM",
     "AutoModelForCausalLM": "modeling_sdar_mrp.SDARMRPForCausalLM",
 }
+
+
+def _check_forward_inputs(config: SDARMRPConfig, input_ids, inputs_embeds, attention_mask, position_ids, labels,
+                          logits_to_keep, past_key_values, flags: dict[str, bool | None]) -> None:
+    """Refuse what :meth:`SDARMRPForCausalLM.forward` would misread, naming the argument."""
+    for name, flag in flags.items():
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True, False or None, got {flag!r}")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("forward takes input_ids [batch, seq_len] or inputs_embeds [batch, seq_len, hidden], "
+                         "exactly one of them")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in INDEX_DTYPES:
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq_len] (one sequence: ids[None]), got "
+                             f"{_describe(input_ids)}")
+        check_vocabulary_ids(input_ids, config.vocab_size)
+        shape = tuple(input_ids.shape)
+    else:
+        if (not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3
+                or inputs_embeds.shape[-1] != config.hidden_size or not inputs_embeds.is_floating_point()):
+            raise ValueError(f"inputs_embeds must be a float tensor [batch, seq_len, {config.hidden_size}], got "
+                             f"{_describe(inputs_embeds)}")
+        shape = tuple(inputs_embeds.shape[:2])
+    if 0 in shape:
+        raise ValueError(f"forward got an empty batch of shape {shape}: give at least one token per row")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
+        if attention_mask.dim() == 2:
+            if tuple(attention_mask.shape) != shape:
+                raise ValueError(f"attention_mask [batch, seq_len] must have the shape {shape} of the input, got "
+                                 f"{tuple(attention_mask.shape)}")
+            if not ((attention_mask == 0) | (attention_mask == 1)).all():
+                raise ValueError("attention_mask [batch, seq_len] must hold 1 (a token) and 0 (padding) only")
+        elif (attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or attention_mask.shape[0] not in
+              (1, shape[0]) or tuple(attention_mask.shape[1:]) != (1, shape[1], shape[1])):
+            raise ValueError(f"attention_mask must be a padding mask {shape} or a bool mask "
+                             f"[{_rows(shape)}, 1, {shape[1]}, {shape[1]}] (True = attend), got "
+                             f"{_describe(attention_mask)}")
+    if position_ids is not None and (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+                                     or position_ids.dtype not in INDEX_DTYPES or position_ids.shape[1] != shape[1]
+                                     or position_ids.shape[0] not in (1, shape[0])):
+        raise ValueError(f"position_ids must be an integer tensor [{_rows(shape)}, {shape[1]}], got "
+                         f"{_describe(position_ids)}")
+    if labels is not None and (not isinstance(labels, torch.Tensor) or tuple(labels.shape) != shape
+                               or labels.dtype not in INDEX_DTYPES):
+        raise ValueError(f"labels must be an integer tensor {shape} (-100 where no loss), got {_describe(labels)}")
+    if isinstance(logits_to_keep, bool) or not (
+            (isinstance(logits_to_keep, int) and logits_to_keep >= 0)
+            or (isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 1
+                and logits_to_keep.dtype in INDEX_DTYPES)):
+        raise ValueError(f"logits_to_keep must be an int >= 0 (the last n positions; 0: all) or a 1-D tensor of "
+                         f"positions, got {logits_to_keep!r}")
+    if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError("labels score every position: drop logits_to_keep (or set it to 0) when giving labels")
+    if past_key_values is not None:
+        raise ValueError("forward scores whole sequences and takes no past_key_values: decode with generate(), "
+                         "which keeps its own KV cache")
+    if flags["output_attentions"]:
+        raise ValueError("output_attentions=True is not supported: attention runs in fused kernels (SDPA, "
+                         "FlexAttention) that never form the attention weights")
+
+
+def _rows(shape: tuple[int, int]) -> str:
+    """How many rows a broadcast [rows, ...] input may have for an input of ``shape`` [batch, seq_len]."""
+    return "1" if shape[0] == 1 else f"{shape[0]} or 1"
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)} dtype {value.dtype}"
+    return type(value).__name__
 
 
 class SDARMRPPreTrainedModel(PreTrainedModel):
@@ -90,27 +164,49 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     # ------------------------------------------------------------------------------------- forwards
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                **kwargs) -> CausalLMOutput:
-        """input_ids: [B, T] -> logits [B, T, V]; logits at position i predict token i (no shift).
+                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                use_cache: bool | None = None, past_key_values=None,
+                output_attentions: bool | None = None) -> CausalLMOutput | tuple:
+        """Scores whole sequences at once, block-causally: input_ids [B, T] (or ``inputs_embeds`` [B, T, H]) ->
+        logits [B, T, V]; the logits at position i predict token i (no shift: give a masked state to see what
+        the model would reveal). Decoding, with its KV cache, is :meth:`generate`'s.
 
-        attention_mask: None (block-causal over T from position 0), a padding mask [B, T] of 0/1
-        (padded keys are hidden), or a bool mask broadcastable to [B, 1, T, T] (True = attend).
-        labels: [B, T] with -100 for positions that carry no loss (e.g. unmasked ones)."""
+        attention_mask: None (every token real, positions 0..T-1), a padding mask [B, T] of 0/1 (left or right
+        padding: padding keys are hidden and, unless ``position_ids`` are given, each row's real tokens count
+        from 0, so a row scores as it does alone), or a bool mask [B or 1, 1, T, T] (True = attend).
+        position_ids: [B or 1, T]. labels: [B, T] with -100 for positions that carry no loss (the loss is the
+        mean cross entropy of the rest, unshifted).
+        logits_to_keep: an int n > 0 computes the logits of the last n positions only (0: all), a 1-D tensor
+        those positions. output_hidden_states: also return the L + 1 hidden states [B, T, H] (embeddings, each
+        layer's output, the final normed states), as transformers does. return_dict=False: a tuple.
+        use_cache is accepted and changes nothing (a forward keeps no cache); ``past_key_values`` and
+        ``output_attentions=True`` are refused."""
+        _check_forward_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels,
+                              logits_to_keep, past_key_values, dict(output_hidden_states=output_hidden_states,
+                                                                    return_dict=return_dict, use_cache=use_cache,
+                                                                    output_attentions=output_attentions))
+        if position_ids is not None:
+            position_ids = position_ids.expand((input_ids if input_ids is not None else inputs_embeds).shape[:2])
         if attention_mask is not None and attention_mask.dim() == 2:
-            if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            keys = position_ids.masked_fill(attention_mask == 0, -1)
-            attention_mask = block_causal_mask(position_ids, keys, self.config.block_size)
-            attention_mask = attention_mask | torch.eye(input_ids.shape[1], dtype=torch.bool,
-                                                        device=input_ids.device)
-        hidden = self.model(input_ids, position_ids, attention_mask)
-        logits = self.lm_head(hidden)
+            attention_mask, position_ids = padded_block_causal_mask(attention_mask, position_ids,
+                                                                    self.config.block_size)
+        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None \
+            else output_hidden_states
+        hidden_states = [] if output_hidden_states else None
+        hidden = self.model(input_ids, position_ids, attention_mask, inputs_embeds=inputs_embeds,
+                            hidden_states=hidden_states)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep])
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return CausalLMOutput(loss=loss, logits=logits)
+            scores = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 / fp16 logits: in fp32
+            loss = nn.functional.cross_entropy(scores.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        out = CausalLMOutput(loss=loss, logits=logits,
+                             hidden_states=None if hidden_states is None else tuple(hidden_states))
+        return out if (self.config.return_dict if return_dict is None else return_dict) else out.to_tuple()
 
     def mrp_forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                     attention_mask: torch.Tensor | None = None, attn=None) -> torch.Tensor:

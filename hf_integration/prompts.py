@@ -7,6 +7,13 @@ from dataclasses import dataclass
 import torch
 
 
+def check_vocabulary_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """Raise a ValueError naming ``name`` if any of the token ``ids`` (any shape) lies outside [0, vocab_size)."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name} contain ids outside the vocabulary [0, {vocab_size}) "
+                         f"(min {int(ids.min())}, max {int(ids.max())}); check the tokenizer")
+
+
 @dataclass
 class PromptBatch:
     """Rows' real prompt tokens, compacted to the left.
@@ -45,9 +52,7 @@ class PromptBatch:
             row = lens.index(0)
             raise ValueError(f"row {row} of the prompt is empty or all padding: every row needs at least one token")
         real = input_ids[keep]
-        if real.min() < 0 or real.max() >= config.vocab_size:
-            raise ValueError(f"input_ids contain ids outside the vocabulary [0, {config.vocab_size}) "
-                             f"(min {int(real.min())}, max {int(real.max())}); check the tokenizer")
+        check_vocabulary_ids(real, config.vocab_size)
         if (real == config.mask_token_id).any():
             raise ValueError(f"input_ids contain the mask token {config.mask_token_id}: prompts must be "
                              "fully given (the mask token is reserved for the positions being decoded)")

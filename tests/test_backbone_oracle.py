@@ -12,9 +12,9 @@ from tiny_models import random_prompts, tiny_model
 
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_backbone_is_qwen3_with_a_block_causal_mask(block_size):
-    """Same weights, same positions: our backbone's hidden states (after the final norm) equal Qwen3Model's given
-    the block-causal mask as an additive 4-D mask (block 1: plain causal attention). HF computes RoPE in float32,
-    hence the tolerance in float64."""
+    """Same weights, same positions: our backbone's hidden states (each layer's, as ``output_hidden_states`` returns
+    them, and the final normed ones) equal Qwen3Model's given the block-causal mask as an additive 4-D mask
+    (block 1: plain causal attention). HF computes RoPE in float32, hence the tolerance in float64."""
     model = tiny_model(seed=5, block_size=block_size)
     c = model.config
     qwen = Qwen3Model(Qwen3Config(
@@ -29,6 +29,10 @@ def test_backbone_is_qwen3_with_a_block_causal_mask(block_size):
     visible = block_causal_mask(positions, positions, block_size)
     additive = torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, float("-inf"))
     with torch.no_grad():
-        ours = model.model(ids, positions)
-        theirs = qwen(input_ids=ids, position_ids=positions, attention_mask=additive).last_hidden_state
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        ours = model(ids, position_ids=positions, output_hidden_states=True).hidden_states
+        theirs = qwen(input_ids=ids, position_ids=positions, attention_mask=additive,
+                      output_hidden_states=True).hidden_states
+    assert len(ours) == len(theirs) == c.num_hidden_layers + 1
+    for layer, (h, expected) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(h, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"hidden state {layer}: {m}")
+    torch.testing.assert_close(ours[-1], model.model(ids, positions), rtol=0, atol=0)
