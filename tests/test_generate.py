@@ -426,6 +426,16 @@ def test_device_mismatch_is_rejected(model):
         model.generate(torch.tensor([[1, 2]]), attention_mask=torch.ones((1, 2), dtype=torch.long, device="meta"))
 
 
+@pytest.mark.parametrize("part", ["model.layers.1", "mrp_modules.0", "lm_head"])
+def test_a_model_split_over_devices_or_offloaded_is_refused(part):
+    """A device_map may split a model or offload parts of it ("meta" parameters filled in by hooks); decoding's
+    steps and KV cache run on one device, so generate refuses, naming the devices."""
+    model = tiny_model(seed=0)
+    model.get_submodule(part).to("meta")
+    with pytest.raises(ValueError, match=r"one device, but its parameters are on \['cpu', 'meta'\]"):
+        model.generate(torch.tensor([[1, 2]]), max_new_tokens=2)
+
+
 def test_mrp_strategies_need_mrp_weights():
     plain = SDARMRPForCausalLM(tiny_config(num_nextn_predict_layers=0)).eval()
     for strategy in ("direct", "speculative", "remask"):

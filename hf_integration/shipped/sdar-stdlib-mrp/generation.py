@@ -46,6 +46,16 @@ def one_call_at_a_time(model):
             calls.owner = None
 
 
+def _one_device(model) -> torch.device:
+    """The device all of ``model``'s parameters sit on: decoding's steps, kernels and KV cache run on one device."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1 or next(iter(devices)).type == "meta":
+        raise ValueError(f"generate() runs the whole model on one device, but its parameters are on "
+                         f"{sorted(map(str, devices))} (split by a device_map, or offloaded): load it onto one device "
+                         f"(device_map={{'': 0}}, or model.to('cuda'))")
+    return next(iter(devices))
+
+
 def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
                     kwargs: dict):
     """input_ids: [B, P] -> [B * num_return_sequences, P + max_new_tokens] (or :class:`SDARGenerateOutput`),
@@ -57,7 +67,7 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if input_ids is None:
         raise TypeError("generate() needs input_ids, the prompt's token ids [batch, prompt_len] (inputs_embeds is "
                         "not supported: decoding embeds the ids it writes)")
-    device = model.lm_head.weight.device
+    device = _one_device(model)
     if isinstance(input_ids, torch.Tensor) and input_ids.device != device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
                          f".to({str(device)!r})")
