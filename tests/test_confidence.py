@@ -95,7 +95,7 @@ def test_kernel_matches_reference(case):
 def test_greedy_exact_cases():
     V = 300
     L = torch.zeros(6, V)
-    L[0, 10] = L[0, 250] = 5.0                     # tie across tiles and splits: lowest index
+    L[0, 10] = L[0, 74] = L[0, 250] = 5.0          # ties in one lane of two tiles, across splits: lowest index
     L[1, :] = float("-inf")                        # no finite candidate
     L[2, :] = float("nan")                         # NaN == -inf
     L[3, 7] = 9.0                                  # mask token is the max: excluded

@@ -128,16 +128,19 @@ def test_equals_softmax_max_with_default_tiles():
                                     pytest.param(dict(tma=True, flatten=True), marks=pytest.mark.skipif(
                                         not HAS_TMA, reason="TMA needs sm_90 or newer"))])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_constructed_ties_across_tiles_and_splits(dtype, layout):
+@pytest.mark.parametrize("splits", [dict(tiles_per_split=2), dict(tiles_per_split=1, BLOCK_S=2)],
+                         ids=["2-tile-splits", "1-tile-splits-merged-2-at-a-time"])
+def test_constructed_ties_across_tiles_and_splits(dtype, layout, splits):
     # V = 200 with 16-wide tiles, 2 tiles per split: copies of the best row sit in the same tile
-    # (5, 9), in a later tile of the same split (20), in later splits (70, 197)
+    # (5, 9), in a later tile of the same split (20), in later splits (70, 197); with 1-tile splits merged
+    # BLOCK_S at a time, the copies sit in several merge chunks
     V, H = 200, 24
     g = torch.Generator().manual_seed(1)
     weight = _ints((V, H), -1, 1, dtype, g)
     for j in (5, 9, 20, 70, 197):
         weight[j] = 2
     hidden = torch.ones(3, H, dtype=dtype, device=DEV)
-    cfg = dict(BLOCK_V=16, BLOCK_K=16, tiles_per_split=2, **layout)
+    cfg = dict(BLOCK_V=16, BLOCK_K=16, **splits, **layout)
     for mask, want in ((None, 5), (5, 9), (9, 5), (197, 5)):
         tok, prob, _ = lm_head_confidence_triton(hidden, weight, mask_token_id=mask, config=cfg)
         assert tok.tolist() == [want] * 3, (mask, tok)

@@ -76,6 +76,12 @@ def test_exact_cases():
         got = fn(b, rev.to(DEV), score.to(DEV), 0.25, mask_token_id=M, rule="delta")
         # delta: keep |C| <= 0.25 -> row 0 keeps index 1; row 1: none -> smallest (tie -> index 0)
         assert got.cpu().tolist() == [[True, False, False, True], [False, True, False, False], [False] * 4]
+        # none passes, distinct scores: tau keeps the largest (index 1), delta the smallest residual (index 1)
+        for rule, scores in (("tau", [0.2, 0.4]), ("delta", [2.0, 1.0])):
+            b = torch.tensor([[1, 2]], device=DEV)
+            got = fn(b, torch.ones(1, 2, dtype=torch.bool, device=DEV), torch.tensor([scores], device=DEV), 0.5,
+                     mask_token_id=M, rule=rule)
+            assert got.cpu().tolist() == [[True, False]] and b.cpu().tolist() == [[M, 2]], rule
 
 
 @pytest.mark.triton

@@ -82,6 +82,7 @@ def _cases(draw):
     block[torch.rand(B, L, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))] = M
     ttok = torch.randint(0, 5, (B, K + 1, L), generator=g)
     ttok[torch.rand(B, K + 1, L, generator=g) < 0.03] = -1
+    ttok[torch.rand(B, K + 1, L, generator=g) < 0.05] = M  # the backbone's pick may be the mask token itself
     if draw(st.booleans()):
         tconf = (torch.rand(B, K + 1, L, generator=g) * 3).round() / 3  # ties
     else:
@@ -145,6 +146,19 @@ def test_block_end_and_decoded_rows(fn):
     assert acc.tolist() == [1, 0]                # row 0: draft accepted, C(1) has no mask left
     assert bonus.tolist() == [-1, -1]            # no bonus on a full block
     assert b.tolist() == [[1, 7], [6, 7]]
+
+
+@pytest.mark.parametrize("fn", [verify_ref, verify_drafts_triton], ids=["reference", "triton"])
+def test_the_mask_token_is_never_accepted_or_written(fn):
+    """Row 0: the backbone picks the mask token at pos 0 and the draft agrees: neither the draft nor the bonus is
+    written. Row 1: the draft (pos 0 <- 3) is accepted, then the backbone's next pick is the mask token: no bonus."""
+    block = torch.tensor([[M, M], [M, M]])
+    ttok = torch.tensor([[[M, 4], [5, 6]], [[3, 4], [5, M]]])
+    tconf = torch.tensor([[[0.9, 0.1], [0.2, 0.8]]] * 2)
+    dpos, dtok = torch.tensor([[0], [0]]), torch.tensor([[M], [3]])
+    b, acc, bonus = _run(fn, block, dpos, dtok, ttok, tconf)
+    assert acc.tolist() == [0, 1] and bonus.tolist() == [-1, -1]
+    assert b.tolist() == [[M, M], [3, M]]
 
 
 @pytest.mark.triton
