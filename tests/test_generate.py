@@ -585,6 +585,18 @@ def test_finished_rows_leave_the_batch(model, monkeypatch):
     assert out.stats.backbone_forwards[0] == 3
 
 
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_an_eos_as_the_first_new_token_ends_the_row(model, strategy):
+    """Prompt 7, block 4: the first decoded block holds one new token (position 7, its last slot). When that token
+    is an EOS the row is done after that one forward: nothing more is decoded, the rest is padding."""
+    ids = random_prompts(1, 7, seed=12)
+    first = int(model.generate(ids, max_new_tokens=1)[0, 7])
+    out = model.generate(ids, max_new_tokens=12, eos_token_id=[first], pad_token_id=0, strategy=strategy,
+                         return_dict_in_generate=True)
+    assert out.sequences[0, 7] == first and (out.sequences[0, 8:] == 0).all()
+    assert out.stats.tokens_committed.tolist() == [1] and out.stats.backbone_forwards.tolist() == [1]
+
+
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_graph_shaped_forwards_give_identical_output(model, kwargs):
     """``cuda_graphs=True`` on a CPU model records each step (whole cache width, masked by per-row lengths;

@@ -119,6 +119,72 @@ def test_remask_terminates_without_masks(rule, threshold):
     assert (stats.backbone_forwards <= 24 - 6).all()  # at most one step per masked position (blocks to 24)
 
 
+def test_the_authors_first_draft_is_the_accepted_candidates_stale_pick(monkeypatch):
+    """With the authors' schedule a round's first draft is the backbone's pick on the candidate state the previous
+    round accepted (read from that copy of the verify forward, the bonus position now filled): the next round is
+    seeded by the accepted copy, not by another."""
+    import mrp_triton
+
+    model = tiny_model(seed=3, block_size=16)
+    rounds, verify = [], mrp_triton.verify_drafts
+
+    def spy(block, draft_pos, draft_tok, target_tok, target_conf, **kwargs):
+        before = block.clone()
+        accepted, bonus = verify(block, draft_pos, draft_tok, target_tok, target_conf, **kwargs)
+        rounds.append((before, draft_pos.clone(), draft_tok.clone(), target_tok.clone(), target_conf.clone(),
+                       block.clone(), accepted.clone()))
+        return accepted, bonus
+
+    monkeypatch.setattr(mrp_triton, "verify_drafts", spy)
+    model.generate(random_prompts(1, 16, seed=4), max_new_tokens=32, strategy="speculative", mrp_steps=3,
+                   draft_schedule="authors")
+    checked = 0
+    for previous, this in zip(rounds, rounds[1:]):
+        *_, target_tok, target_conf, after, accepted = previous
+        if not torch.equal(this[0], after) or not (after == MASK_ID).any():
+            continue  # the next round opens another block
+        copy = int(accepted[0])
+        conf = target_conf[0, copy].masked_fill(after[0] != MASK_ID, float("-inf"))
+        pos = int(conf.argmax())  # lowest index among ties
+        assert (int(this[1][0, 0]), int(this[2][0, 0])) == (pos, int(target_tok[0, copy, pos]))
+        checked += copy > 0
+    assert checked >= 2  # rounds seeded by a copy other than C(0)
+
+
+@pytest.mark.parametrize("rule", ["tau", "delta"])
+def test_remask_feeds_the_head_the_ids_its_rule_reads(monkeypatch, rule):
+    """Rule "tau" scores the reveals on the state after them (the head reads the revealed tokens), rule "delta" on
+    the state before them (the revealed positions still masked): each MRP pass's ids, seen from the remask op."""
+    import mrp_triton
+
+    model = tiny_model(seed=5, block_size=8)
+    events = []
+    head, remask = model.mrp_forward, mrp_triton.remask
+
+    def spy_head(input_ids, *args, attn=None, **kwargs):
+        if not attn.write_len:
+            events.append(("head", input_ids.clone()))
+        return head(input_ids, *args, attn=attn, **kwargs)
+
+    def spy_remask(block, revealed, *args, **kwargs):
+        events.append(("remask", block.clone(), revealed.clone()))
+        return remask(block, revealed, *args, **kwargs)
+
+    monkeypatch.setattr(model, "mrp_forward", spy_head)
+    monkeypatch.setattr(mrp_triton, "remask", spy_remask)
+    model.generate(random_prompts(1, 6, seed=3), max_new_tokens=10, strategy="remask", threshold=0.3,
+                   remask_rule=rule, residual_delta=0.2)
+    checked = 0
+    for seen, event in zip(events, events[1:]):
+        if event[0] == "remask":
+            assert seen[0] == "head"
+            block, revealed = event[1:]
+            expected = block if rule == "tau" else block.masked_fill(revealed, MASK_ID)
+            assert torch.equal(seen[1], expected)
+            checked += int(revealed.any())
+    assert checked >= 2
+
+
 def test_remask_actually_remasks_with_a_strict_threshold():
     model = tiny_model(seed=5, block_size=8)
     out = model.generate(random_prompts(2, 6, seed=3), max_new_tokens=15, strategy="remask", threshold=0.05,
