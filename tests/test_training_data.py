@@ -136,3 +136,14 @@ def test_chat_template_is_used_when_present(tok, corpus):
     answers = [s for s, f in segs if not f]
     assert answers == [rec["messages"][2]["content"] + "<|im_end|>\n", rec["messages"][4]["content"] + "<|im_end|>\n"]
     assert all(s.endswith("<|im_start|>assistant\n") for s, f in segs if f)
+
+
+def test_split_keeps_a_training_document_and_directories_skip_dotfiles(tmp_path):
+    from training.data import iter_files, split_records
+
+    assert split_records([{"text": "a"}, {"text": "b"}], 0.9, seed=0)[0] != []  # at least one document to train on
+    assert [len(part) for part in split_records([{"text": "a"}], 0.5, seed=0)] == [1, 0]
+    (tmp_path / "sub").mkdir()
+    for name in ("a.txt", ".hidden", "sub/b.txt", "sub/.swp"):
+        (tmp_path / name).write_text("x")
+    assert iter_files([str(tmp_path)]) == [str(tmp_path / "a.txt"), str(tmp_path / "sub" / "b.txt")]

@@ -38,6 +38,16 @@ def test_noise_is_per_sample_and_reproducible():
     assert len(set(seeds)) == 3
 
 
+@pytest.mark.parametrize("eps", [1e-3, 0.5])
+def test_p_is_drawn_in_eps_to_one(eps):
+    """p = (1 - eps) t + eps with t ~ U(0, 1): the same generators give t, so p is recomputed exactly."""
+    seeds = list(range(16))
+    _, p = sample_mask(torch.zeros(16, 8, dtype=torch.bool), make_generators(seeds), eps=eps)
+    t = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in make_generators(seeds)])
+    assert torch.equal(p, ((1.0 - eps) * t + eps).float())
+    assert (p >= eps).all() and (p <= 1.0).all()
+
+
 def test_masking_rate_follows_p():
     T = 4096
     is_prompt = torch.zeros(8, T, dtype=torch.bool)
