@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import mrp_triton
 from hf_integration.draft_vocab import draft_head, normalize_draft_vocab
-from tiny_models import VOCAB, random_prompts, spy_on_drafts, tiny_model
+from tiny_models import MASK_ID, VOCAB, random_prompts, spy_on_drafts, tiny_model
 from training.draft_vocab import coverage, most_frequent_ids
 
 ODD_IDS = tuple(range(1, VOCAB, 2))  # without the mask token (66)
@@ -97,6 +97,16 @@ def test_speculative_with_listed_draft_ids_equals_static(seed, batch, k, max_new
     static = model.generate(prompts, **kwargs)
     spec = model.generate(prompts, strategy="speculative", mrp_steps=k, draft_vocab=list(ids), **kwargs)
     assert torch.equal(spec, static)
+
+
+@pytest.mark.parametrize("draft_vocab", [MASK_ID, MASK_ID + 1], ids=["every-id-below-the-mask", "whole-vocabulary"])
+def test_draft_vocab_up_to_the_mask_token_equals_static(draft_vocab):
+    """``draft_vocab=N`` at the mask token's edge: N = mask id leaves exactly the mask token out, N = mask id + 1
+    takes it in (its column then masked out of the drafts)."""
+    model = tiny_model(seed=2, block_size=8)
+    prompts = random_prompts(2, 6, seed=1)
+    spec = model.generate(prompts, max_new_tokens=12, strategy="speculative", mrp_steps=3, draft_vocab=draft_vocab)
+    assert torch.equal(spec, model.generate(prompts, max_new_tokens=12))
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

@@ -14,7 +14,9 @@ from transformers import GenerationConfig
 import mrp_triton
 from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from hf_integration.generation_settings import READ_BY
-from tiny_models import MASK_ID, random_prompts, tiny_config, tiny_model
+from hf_integration.kv_cache import StaticKVCache
+from hf_integration.stop_strings import StopStrings
+from tiny_models import MASK_ID, VOCAB, random_prompts, tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +330,7 @@ def test_num_return_sequences_samples_each_prompt_that_many_times(model, strateg
 
 
 BAD_INPUTS = [
+    (dict(input_ids=torch.tensor([[1, VOCAB]])), ValueError, "outside the vocabulary \\[0, 67\\) \\(min 1, max 67\\)"),
     (dict(input_ids=None, inputs_embeds=torch.zeros(1, 3, 8)), TypeError, "needs input_ids"),
     (dict(inputs=torch.tensor([[1, 2]])), TypeError, "prompt twice"),
     (dict(input_ids=torch.tensor([[1, 2, 99]])), ValueError, "outside the vocabulary"),
@@ -885,6 +888,33 @@ def test_stop_strings_cut_the_stream_too(model):
     out = model.generate(ids, max_new_tokens=16, eos_token_id=[], pad_token_id=0, stop_strings=stop, tokenizer=tok,
                          streamer=streamer)
     assert sum(streamer.puts[1:], []) == free[:keep] == out[0, 4:4 + keep].tolist()
+
+
+def test_tokens_to_keep_ends_with_the_token_that_completes_a_stop_string():
+    stops = StopStrings(LetterTokenizer(), ("cd",))  # ids 0, 1, 2, 3 decode as "abcd"
+    assert stops.tokens_to_keep([0, 1, 2], checked=0) is None
+    assert stops.tokens_to_keep([0, 1, 2, 3, 4], checked=2) == 4  # "abcd": completed by the first unchecked token
+    assert stops.tokens_to_keep([2, 3], checked=0) == 2
+    assert StopStrings(LetterTokenizer(), ("b",)).tokens_to_keep([1, 0], checked=0) == 1
+
+
+def test_the_kv_cache_refuses_writes_past_its_length():
+    cache = StaticKVCache(1, 2, 4, 1, 2, torch.float32, "cpu")
+    assert cache.write_offsets(4).tolist() == [[0, 1, 2, 3]] * 2
+    with pytest.raises(RuntimeError, match="KV cache overflow: 0 \\+ 5 > max_len 4"):
+        cache.write_offsets(5)
+
+
+def test_top_p_one_keeps_every_token_and_pad_falls_back_to_the_first_eos(model):
+    ids = random_prompts(2, 5, seed=3)
+    kw = dict(max_new_tokens=6, do_sample=True, seed=5)
+    assert torch.equal(model.generate(ids, top_p=1.0, **kw), model.generate(ids, **kw))
+    free = model.generate(ids, max_new_tokens=12)
+    first = int(free[0, 6])  # row 0's 2nd new token
+    other = next(t for t in range(MASK_ID) if t not in free[0].tolist())
+    assert model.config.pad_token_id is None and model.generation_config.pad_token_id is None
+    out = model.generate(ids[:1], max_new_tokens=12, eos_token_id=[other, first])
+    assert out[0, 6] == first and (out[0, 7:] == other).all()  # no pad id anywhere: padded with the first EOS id
 
 
 @pytest.mark.parametrize("overrides,error,message", [
