@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 
 
-def check_vocabulary_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
-    """Raise a ValueError naming ``name`` if any of the token ``ids`` (any shape) lies outside [0, vocab_size)."""
+def check_vocabulary_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise a ValueError naming input_ids if any of the token ``ids`` (any shape) lies outside [0, vocab_size)."""
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"{name} contain ids outside the vocabulary [0, {vocab_size}) "
+        raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab_size}) "
                          f"(min {int(ids.min())}, max {int(ids.max())}); check the tokenizer")
 
 

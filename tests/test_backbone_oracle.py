@@ -1,4 +1,5 @@
-"""The SDAR backbone against an implementation that is not ours: transformers' Qwen3 with the block-causal mask."""
+"""The SDAR backbone against an implementation that is not ours (transformers' Qwen3 with the block-causal mask), and
+the MRP head's input against its specification (method.md section 3) written out in plain torch."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from transformers import Qwen3Config, Qwen3Model
 
 from hf_integration.attention_masks import block_causal_mask
+from hf_integration.modeling_sdar import run_decoder_layers
 from tiny_models import random_prompts, tiny_model
 
 
@@ -36,3 +38,27 @@ def test_backbone_is_qwen3_with_a_block_causal_mask(block_size):
     for layer, (h, expected) in enumerate(zip(ours, theirs)):
         torch.testing.assert_close(h, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"hidden state {layer}: {m}")
     torch.testing.assert_close(ours[-1], model.model(ids, positions), rtol=0, atol=0)
+
+
+def test_mrp_head_projects_the_normed_embedding_and_hidden_state_then_runs_its_layers():
+    """x = eh_proj(concat(enorm(E[ids]), hnorm(h))), then the head's layers and norm: with enorm and hnorm
+    weights that differ (a fresh model has both at 1), so a swap of the two norms or of the halves shows."""
+    model = tiny_model(seed=7)
+    m, c = model.mrp_modules[0].model, model.config
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for norm in (m.enorm, m.hnorm):
+            norm.weight.copy_(torch.rand(c.hidden_size, generator=g, dtype=torch.float64) + 0.5)
+    ids = random_prompts(2, 6, seed=2)
+    h = torch.randn(2, 6, c.hidden_size, generator=g, dtype=torch.float64)
+    positions = torch.arange(6).expand(2, -1)
+
+    def rms_norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * weight
+
+    embedded = model.model.embed_tokens.weight[ids]
+    with torch.no_grad():
+        x = m.eh_proj(torch.cat([rms_norm(embedded, m.enorm.weight), rms_norm(h, m.hnorm.weight)], dim=-1))
+        expected = run_decoder_layers(m.layers, m.norm, x, c, positions, None, None)
+        got = model.mrp_forward(ids, h, positions)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # the kernel computes in float32

@@ -317,6 +317,35 @@ def test_backbone_flags_are_refused_before_the_data_is_read(flags, message, tmp_
         cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), *flags])
 
 
+@pytest.mark.parametrize("flags", [["--max-position-embeddings", "256"], ["--vocab-size", "258"]])
+def test_backbone_flags_at_their_bounds_pass_the_checks(flags, tmp_path, monkeypatch):
+    """The bounds themselves are valid (max positions = --seq-len, the smallest vocabulary): the run gets as far
+    as reading the data."""
+    from training import cli, data
+
+    class DataRead(Exception):
+        pass
+
+    def read(*args, **kwargs):
+        raise DataRead
+
+    monkeypatch.setattr(data, "read_records", read)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "def f(): pass"}\n')
+    with pytest.raises(DataRead):
+        cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), "--seq-len", "256", *flags])
+
+
+def test_lr_warms_up_linearly_from_its_first_step_then_follows_a_cosine_to_the_floor():
+    from training.trainer import lr_lambda_factory
+
+    f = lr_lambda_factory(total_steps=12, warmup_steps=4, min_lr_ratio=0.1)
+    assert [f(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]  # step 0 already trains, at lr / warmup
+    assert f(8) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+    assert f(12) == pytest.approx(0.1) and f(40) == pytest.approx(0.1)
+    assert lr_lambda_factory(10, 0, 0.0)(0) == 1.0
+
+
 def test_bad_configs_rejected(env, tmp_path):
     from training.cli import main, run
 
