@@ -21,12 +21,11 @@ from .configuration_sdar_mrp import SDARMRPConfig
 from .generation import generate_blocks
 from .modeling_mrp import MRPModule
 from .modeling_sdar import SDARModel, pack_projections
-from .prompts import check_vocabulary_ids
+from .prompts import INDEX_DTYPES, check_padding_mask, check_vocabulary_ids
 
 logger = logging.get_logger(__name__)
 
 MRP_PREFIX = "mrp_modules.0."
-INDEX_DTYPES = (torch.int64, torch.int32)
 LEGACY_MRP_KEYS = {r"^mtp_modules\.": "mrp_modules."}
 AUTO_MAP = {
     "AutoConfig": "configuration_sdar_mrp.SDARMRPConfig",
@@ -36,8 +35,9 @@ AUTO_MAP = {
 
 
 def _check_forward_inputs(config: SDARMRPConfig, input_ids, inputs_embeds, attention_mask, position_ids, labels,
-                          logits_to_keep, past_key_values, flags: dict[str, bool | None]) -> None:
-    """Refuse what :meth:`SDARMRPForCausalLM.forward` would misread, naming the argument."""
+                          logits_to_keep, past_key_values, flags: dict[str, bool | None]) -> tuple[int, int]:
+    """Refuse what :meth:`SDARMRPForCausalLM.forward` would misread, naming the argument. Returns the input's
+    [batch, seq_len]."""
     for name, flag in flags.items():
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be True, False or None, got {flag!r}")
@@ -65,8 +65,7 @@ def _check_forward_inputs(config: SDARMRPConfig, input_ids, inputs_embeds, atten
             if tuple(attention_mask.shape) != shape:
                 raise ValueError(f"attention_mask [batch, seq_len] must have the shape {shape} of the input, got "
                                  f"{tuple(attention_mask.shape)}")
-            if not ((attention_mask == 0) | (attention_mask == 1)).all():
-                raise ValueError("attention_mask [batch, seq_len] must hold 1 (a token) and 0 (padding) only")
+            check_padding_mask(attention_mask)
         elif (attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or attention_mask.shape[0] not in
               (1, shape[0]) or tuple(attention_mask.shape[1:]) != (1, shape[1], shape[1])):
             raise ValueError(f"attention_mask must be a padding mask {shape} or a bool mask "
@@ -94,6 +93,7 @@ def _check_forward_inputs(config: SDARMRPConfig, input_ids, inputs_embeds, atten
     if flags["output_attentions"]:
         raise ValueError("output_attentions=True is not supported: attention runs in fused kernels (SDPA, "
                          "FlexAttention) that never form the attention weights")
+    return shape
 
 
 def _rows(shape: tuple[int, int]) -> str:
@@ -184,12 +184,12 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         layer's output, the final normed states), as transformers does. return_dict=False: a tuple.
         use_cache is accepted and changes nothing (a forward keeps no cache); ``past_key_values`` and
         ``output_attentions=True`` are refused."""
-        _check_forward_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels,
-                              logits_to_keep, past_key_values, dict(output_hidden_states=output_hidden_states,
-                                                                    return_dict=return_dict, use_cache=use_cache,
-                                                                    output_attentions=output_attentions))
+        shape = _check_forward_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels,
+                                      logits_to_keep, past_key_values,
+                                      dict(output_hidden_states=output_hidden_states, return_dict=return_dict,
+                                           use_cache=use_cache, output_attentions=output_attentions))
         if position_ids is not None:
-            position_ids = position_ids.expand((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            position_ids = position_ids.expand(shape)
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask, position_ids = padded_block_causal_mask(attention_mask, position_ids,
                                                                     self.config.block_size)

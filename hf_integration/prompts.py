@@ -7,11 +7,21 @@ from dataclasses import dataclass
 import torch
 
 
+INDEX_DTYPES = (torch.int64, torch.int32)  # what token ids and positions may come as
+
+
 def check_vocabulary_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """Raise a ValueError naming input_ids if any of the token ``ids`` (any shape) lies outside [0, vocab_size)."""
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab_size}) "
                          f"(min {int(ids.min())}, max {int(ids.max())}); check the tokenizer")
+
+
+def check_padding_mask(attention_mask: torch.Tensor) -> None:
+    """Raise a ValueError naming attention_mask unless it holds only 1 (a token) and 0 (padding), bool or not."""
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must hold 1 (a token) and 0 (padding) only, got "
+                         f"{sorted(set(attention_mask.unique().tolist()) - {0, 1})[:4]}")
 
 
 @dataclass
@@ -31,7 +41,7 @@ class PromptBatch:
             raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        if input_ids.dim() != 2 or input_ids.dtype not in INDEX_DTYPES:
             raise ValueError(f"input_ids must be an integer tensor [batch, prompt_len], got shape "
                              f"{tuple(input_ids.shape)} dtype {input_ids.dtype}")
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -43,9 +53,7 @@ class PromptBatch:
             raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
         if attention_mask.device != input_ids.device:
             raise ValueError(f"attention_mask is on {attention_mask.device} but input_ids on {input_ids.device}")
-        if not ((attention_mask == 0) | (attention_mask == 1)).all():
-            raise ValueError("attention_mask must hold 1 (a prompt token) and 0 (padding) only, got "
-                             f"{sorted(set(attention_mask.unique().tolist()) - {0, 1})[:4]}")
+        check_padding_mask(attention_mask)
         keep = attention_mask.to(torch.bool)
         lens = keep.sum(1).tolist()
         if min(lens) == 0:

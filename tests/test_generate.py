@@ -339,7 +339,7 @@ BAD_INPUTS = [
     (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[0, 0]])), ValueError, "all padding"),
     (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 1]])), ValueError, "contiguous"),
     (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 2, 1]])), ValueError,
-     r"attention_mask must hold 1 \(a prompt token\) and 0 \(padding\) only, got \[2\]"),
+     r"attention_mask must hold 1 \(a token\) and 0 \(padding\) only, got \[2\]"),
     (dict(input_ids=torch.tensor([[1, MASK_ID]])), ValueError, "mask token"),
     (dict(input_ids=torch.tensor([[1.0, 2.0]])), ValueError, "integer tensor"),
     (dict(input_ids=[[1, 2]]), TypeError, "torch.Tensor"),
