@@ -1,6 +1,7 @@
 """A 2-process torchrun (gloo) run equals a 1-process run with the same global batch."""
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -44,6 +45,12 @@ def _load(folder):
     return out
 
 
+def _steps(folder):
+    """The per-step records (loss, grad_norm, ...) of a run's metrics.jsonl."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [rec for rec in map(json.loads, f) if "loss" in rec]
+
+
 def test_torchrun_two_processes_equal_one(tmp_path):
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun not on PATH")
@@ -73,6 +80,12 @@ def test_torchrun_two_processes_equal_one(tmp_path):
         if part == "bb":
             moved = [k for k in a if "mrp" not in k]
             assert moved
+        # each step's loss and gradient norm too (AdamW's update would hide a gradient scaled by a constant)
+        one, two = _steps(tmp_path / "one" / part), _steps(tmp_path / "two" / part)
+        assert [s["step"] for s in one] == [s["step"] for s in two] and one
+        for a, b in zip(one, two):
+            for key in ("loss", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4), (part, a["step"], key)
     # the 2-process MRP run left the backbone untouched and trained the head
     bb, mrp = _load(tmp_path / "one" / "bb"), _load(tmp_path / "two" / "mrp")
     assert all(torch.equal(bb[k], mrp[k]) for k in bb)

@@ -79,6 +79,27 @@ def test_loss_falls(env, tmp_path, mode, kw):
     assert any("eval_loss" in x for x in lines)
 
 
+@pytest.mark.parametrize("mode,kw", [("backbone", {}), ("mrp", {"unroll_k": 2, "lr": 3e-3})])
+def test_gradient_accumulation_equals_one_large_micro_batch(env, tmp_path, mode, kw):
+    """A global batch of 8 as 1 x 8, 2 x 4 or 4 x 2 (grad_accum x micro_batch_size) takes the same steps: the
+    same loss and gradient norm at each step (AdamW would hide a gradient scaled by a constant, the norm does not)
+    and the same weights after them."""
+    runs = {}
+    for accum in (1, 2, 4):
+        model = _model(env, mode)
+        res = train(_cfg(tmp_path / str(accum), mode, max_steps=3, micro_batch_size=8 // accum, grad_accum=accum,
+                         **kw), model, env["train"], None)
+        runs[accum] = res["history"], _weights(model)
+    one_hist, one_w = runs[1]
+    for accum in (2, 4):
+        hist, w = runs[accum]
+        for a, b in zip(one_hist, hist, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (accum, a["step"], key)
+        for k in one_w:
+            assert torch.allclose(one_w[k], w[k], rtol=1e-4, atol=1e-6), (accum, k)
+
+
 def _bf16_valued_mrp_model(env, device: str = "cpu"):
     """An MRP model whose frozen weights hold bf16 values in fp32 (what a bf16 checkpoint loaded in fp32 holds), on
     ``device``, and a copy of those frozen weights by name."""
