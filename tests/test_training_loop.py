@@ -16,7 +16,7 @@ from training_fixtures import make_tokenizer, one_thread, subprocess_env, tiny_b
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 from training.config import ConfigError, TrainConfig
-from training.data import build_datasets
+from training.data import build_datasets, read_records, split_records
 from training.trainer import CKPT_DIR, LossModule, evaluate, list_checkpoints, train
 
 T, BS = 16, 4
@@ -283,6 +283,16 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     assert ev["sequences"] == 4 and ev["eval_loss"] > 0
     assert all(len(ev[k]) == 3 and all(0 <= a <= 1 for a in ev[k]) for k in ("eval_token_agreement",
                                                                            "eval_pick_agreement"))
+    # without settings it evaluates as the head's training did (its sequence length, K and chaining, from
+    # training_config.json): on the run's held-out documents it repeats the run's final held-out evaluation
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in
+                            split_records(read_records([env["paths"]["pairs"]]), 0.01, 0)[1]))
+    ev = run(["eval", "--model", str(mrp), "--data", str(held), "--micro-batch-size", "2",
+              "--eval-batches", str(TrainConfig().eval_batches)])
+    assert (ev["seq_len"], ev["block_size"], ev["unroll_k"], ev["mrp_loss"]) == (T, BS, 2, "kd_diff_sum")
+    for k in ("eval_loss", "eval_token_agreement", "eval_pick_agreement"):
+        assert ev[k] == res[k], k
     with pytest.raises(ConfigError, match="has no MRP head"):
         run(["eval", "--model", str(bb), "--data", env["paths"]["pairs"], "--seq-len", str(T)])
     with pytest.raises(ConfigError, match="give the held-out data"):

@@ -27,6 +27,11 @@ from .config import KD_PRECISIONS, ConfigError, TrainConfig
 from .tokenizer import MIN_VOCAB_SIZE
 
 
+# ``mrp-train eval``'s settings that default to how the head was trained, and their defaults for a head trained
+# elsewhere (no training_config.json of an MRP run in its folder).
+EVAL_DEFAULTS = {"seq_len": TrainConfig().seq_len, "unroll_k": 3, "mrp_loss": "kd_diff_sum"}
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     g = p.add_argument_group("data")
@@ -125,16 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = e.add_argument_group("data")
     g.add_argument("--data", nargs="+", default=[], metavar="PATH",
                    help="held-out text files, JSONL or folders (all of it is evaluated)")
-    g.add_argument("--seq-len", type=int, default=TrainConfig().seq_len)
+    g.add_argument("--seq-len", type=int, default=None,
+                   help="default: the head's training length (MODEL/training_config.json), else "
+                   f"{EVAL_DEFAULTS['seq_len']}")
     g = _stdlib_args(e, "MODEL/stdlib_manifest.json")
     g.description = "--stdlib evaluates the manifest's held-out files"
     g = e.add_argument_group("evaluation")
     g.add_argument("--model", required=True, help="a model folder or Hub repo id with an MRP head (its tokenizer "
                    "is used)")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
-    g.add_argument("--unroll-k", type=int, default=3, help="K successive reveals: agreement of drafts 1..K")
-    g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default="kd_diff_sum",
-                   help="how the head chains (as it was trained)")
+    g.add_argument("--unroll-k", type=int, default=None, help="K successive reveals: agreement of drafts 1..K; "
+                   f"default: the head's training K (MODEL/training_config.json), else {EVAL_DEFAULTS['unroll_k']}")
+    g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default=None,
+                   help="how the head chains; default: as it was trained (MODEL/training_config.json), else "
+                   f"{EVAL_DEFAULTS['mrp_loss']}")
     _kd_precision_arg(g)
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--eval-batches", type=int, default=16, help="micro-batches to evaluate")
@@ -248,8 +257,25 @@ def _model_records(args, what: str, heldout: bool) -> list[dict]:
     return read_records(args.data)
 
 
+def _eval_defaults(args) -> None:
+    """Fill the :data:`EVAL_DEFAULTS` settings ``args`` leaves None from ``args.model``'s training_config.json (the
+    MRP run that trained its head, as ``mrp-train mrp`` writes it), else from :data:`EVAL_DEFAULTS`; so evaluating a
+    head you trained measures what its training's held-out evaluation measured."""
+    path = os.path.join(args.model, "training_config.json")
+    trained = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            trained = json.load(f)
+        if trained.get("mode") != "mrp":
+            trained = {}
+    for name, default in EVAL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, trained.get(name, default))
+
+
 def run_eval(args) -> dict:
-    """``mrp-train eval``: :func:`training.trainer.evaluate` of the model's own MRP head on held-out data."""
+    """``mrp-train eval``: :func:`training.trainer.evaluate` of the model's own MRP head on held-out data; the result
+    names the settings it ran with."""
     from hf_integration import SDARMRPForCausalLM
 
     from .data import build_datasets
@@ -257,6 +283,7 @@ def run_eval(args) -> dict:
     from .trainer import LossModule, evaluate
 
     records = _model_records(args, "held-out data", heldout=True)
+    _eval_defaults(args)
     cfg = TrainConfig(mode="mrp", seq_len=args.seq_len, block_size=_model_block_size(args),
                       micro_batch_size=args.micro_batch_size, eval_batches=args.eval_batches, seed=args.seed,
                       unroll_k=args.unroll_k, mrp_loss=args.mrp_loss, kd_precision=args.kd_precision,
@@ -271,7 +298,9 @@ def run_eval(args) -> dict:
         raise ConfigError(f"--model: {args.model!r} has no MRP head to evaluate")
     model.config.block_size = cfg.block_size
     mask_id = special_token_ids(tokenizer)["mask_token_id"]
-    return {"sequences": min(len(data), cfg.eval_batches * cfg.micro_batch_size),
+    settings = {"seq_len": cfg.seq_len, "block_size": cfg.block_size, "unroll_k": cfg.unroll_k,
+                "mrp_loss": cfg.mrp_loss, "seed": cfg.seed}
+    return {"sequences": min(len(data), cfg.eval_batches * cfg.micro_batch_size), **settings,
             **evaluate(LossModule(model, cfg, mask_id), data, cfg, device)}
 
 
