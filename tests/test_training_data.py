@@ -32,7 +32,7 @@ def test_formats_and_flags(tok, corpus):
     ids, flags = tokenize_documents([segs], tok, tok.eos_token_id)
     n_prompt = len(tok(segs[0][0], add_special_tokens=False)["input_ids"])
     assert flags == [True] * n_prompt + [False] * (len(ids) - n_prompt)
-    assert tok.decode(ids[n_prompt:-1]) == recs[0]["response"]
+    assert tok.decode(ids[n_prompt:-1]) == recs[0]["response"] + "\n"  # a user and an assistant turn
 
     recs = read_records([corpus["chat"]])
     segs = record_to_segments(recs[0], tok)
@@ -136,6 +136,60 @@ def test_chat_template_is_used_when_present(tok, corpus):
     answers = [s for s, f in segs if not f]
     assert answers == [rec["messages"][2]["content"] + "<|im_end|>\n", rec["messages"][4]["content"] + "<|im_end|>\n"]
     assert all(s.endswith("<|im_start|>assistant\n") for s, f in segs if f)
+
+
+def test_a_tokenizer_trained_here_renders_chats_as_training_lays_them_out(tok, tmp_path):
+    """Training lays out a conversation with CHAT_TEMPLATE when the tokenizer has no template, and a tokenizer trained
+    here carries it (saved and loaded with it): its apply_chat_template, generation prompt included, gives the text
+    training read before each answer, so a chat prompt at inference (mrp-generate --chat) looks as in training."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from training.data import record_to_segments
+    from training.tokenizer import CHAT_TEMPLATE
+
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.chat_template == loaded.chat_template == CHAT_TEMPLATE
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": "bye"}]
+    segs = record_to_segments({"messages": msgs}, loaded)
+    assert segs == record_to_segments({"messages": msgs}, bare) == record_to_segments({"messages": msgs}, None)
+    assert segs == [("<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n", True), ("hello\n", False),
+                    ("<|user|>\nand?\n<|assistant|>\n", True), ("bye\n", False)]
+    for turn in (2, 4):  # the prompt of each answer is the template's generation prompt for the turns before it
+        prompt = loaded.apply_chat_template(msgs[:turn], tokenize=False, add_generation_prompt=True)
+        assert prompt == "".join(t for t, _ in segs[:turn - 1])
+    assert record_to_segments({"prompt": "p", "response": "r"}, loaded) == [("<|user|>\np\n<|assistant|>\n", True),
+                                                                            ("r\n", False)]
+
+
+def test_a_template_that_rewrites_history_trains_the_last_answer_and_one_that_moves_the_answer_is_refused(tok):
+    """A template that renders earlier assistant turns differently once the conversation goes on (as Qwen3's drops
+    their reasoning) is not a prefix of itself: training then takes the last answer only, after the history as the
+    template renders it for that turn. A template whose conversation does not start with its generation prompt
+    leaves no way to find the answer: a ConfigError, not another layout."""
+    import copy
+
+    from training.config import ConfigError
+    from training.data import record_to_segments
+
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    t = copy.deepcopy(tok)
+    # the last assistant turn in full, earlier ones shortened to "..."
+    t.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{% if m['role'] == 'assistant' and not loop.last %}..."
+                       "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant]"
+                       "{% endif %}")
+    assert record_to_segments({"messages": msgs}, t) == [("[user]u1[assistant]...[user]u2[assistant]", True),
+                                                         ("a2", False)]
+    t.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    with pytest.raises(ConfigError, match="chat template does not render a conversation up to an assistant turn"):
+        record_to_segments({"messages": msgs}, t)
 
 
 def test_split_keeps_a_training_document_and_directories_skip_dotfiles(tmp_path):

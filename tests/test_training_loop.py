@@ -17,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 from training.config import ConfigError, TrainConfig
 from training.data import build_datasets, read_records, split_records
+from training.tokenizer import CHAT_TEMPLATE
 from training.trainer import CKPT_DIR, LossModule, evaluate, list_checkpoints, train
 
 T, BS = 16, 4
@@ -276,7 +277,9 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     base = SDARMRPForCausalLM.from_pretrained(str(bb))
     for k, v in base.state_dict().items():  # the backbone did not move
         assert torch.equal(v, m.state_dict()[k]), k
-    assert AutoTokenizer.from_pretrained(str(mrp)).mask_token_id == 1
+    exported = AutoTokenizer.from_pretrained(str(mrp))
+    assert exported.mask_token_id == 1
+    assert exported.chat_template == CHAT_TEMPLATE  # chats at inference are laid out as training laid them out
     # mrp-train eval: the trained head's held-out loss and draft agreement, per unroll step
     ev = run(["eval", "--model", str(mrp), "--data", env["paths"]["pairs"], "--seq-len", str(T), "--unroll-k", "3",
               "--micro-batch-size", "2", "--eval-batches", "2"])

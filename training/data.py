@@ -9,11 +9,12 @@ Inputs (``read_records``):
   Blank lines are skipped; anything else is an error naming the file and line.
 - directories: every regular file below them (sorted), recursively.
 
-Rendering (``record_to_segments``) turns a record into ``(text, is_prompt)`` segments. When the
-tokenizer has a chat template (the real SDAR tokenizer), chat records are rendered with it: an
-assistant turn's answer text is the part the template adds on top of the prompt rendered with
-``add_generation_prompt=True``. Otherwise a plain template is used:
-``"<|user|>\\n{prompt}\\n<|assistant|>\\n"`` (prompt) followed by the response (answer).
+Rendering (``record_to_segments``) turns a record into ``(text, is_prompt)`` segments. Chat and
+prompt/response records (a user and an assistant turn) are rendered with the tokenizer's chat template
+(the real SDAR tokenizer's, or :data:`training.tokenizer.CHAT_TEMPLATE`, which a tokenizer trained here
+carries and which serves a tokenizer without one): an assistant turn's answer text is the part the
+template adds on top of the conversation before it rendered with ``add_generation_prompt=True``, and the
+rest is prompt (:func:`_chat_segments`).
 
 Tokenization encodes each segment separately (so the flags are exact) and appends the EOS
 token after every document (documents are separated by EOS; the EOS carries the flag of the
@@ -28,6 +29,7 @@ The held-out split is by document and deterministic: a permutation drawn from ``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -37,6 +39,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .config import ConfigError
+from .tokenizer import CHAT_TEMPLATE
 
 Segment = tuple[str, bool]  # (text, is_prompt)
 
@@ -102,52 +105,55 @@ def _check_record(rec, where: str) -> None:
         raise ConfigError(f"{where}: a record needs 'text', 'prompt'+'response' or 'messages' (got keys {sorted(rec)})")
 
 
-def _plain_chat_segments(messages: list[dict]) -> list[Segment]:
-    segs: list[Segment] = []
-    for m in messages:
-        if m["role"] == "assistant":
-            segs.append(("<|assistant|>\n", True))
-            segs.append((m["content"], False))
-            segs.append(("\n", False))
-        else:
-            segs.append((f"<|{m['role']}|>\n{m['content']}\n", True))
-    return segs
+@functools.cache
+def _own_template():
+    """:data:`training.tokenizer.CHAT_TEMPLATE`, compiled as transformers compiles chat templates."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
 
 
-def _template_chat_segments(messages: list[dict], tokenizer) -> list[Segment]:
+def _render_chat(messages: list[dict], tokenizer=None, add_generation_prompt: bool = False) -> str:
+    """``messages`` as text: with the tokenizer's own chat template, else with :data:`CHAT_TEMPLATE`."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return _own_template().render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def _chat_segments(messages: list[dict], tokenizer=None) -> list[Segment]:
+    """``(text, is_prompt)`` segments of a conversation: each assistant turn's answer is what the template adds to
+    the conversation before it rendered with the generation prompt, and the rest is prompt. A template that renders
+    earlier turns differently once a conversation goes on (Qwen3's drops their reasoning) trains the last answer
+    only, after the history as the template renders it for that turn."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        return [(_render_chat(messages, tokenizer), True)]
     segs: list[Segment] = []
     done = ""
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not prefix.startswith(done) or not full.startswith(prefix):
-            return _plain_chat_segments(messages)  # template is not prefix-stable: fall back
-        segs.append((prefix[len(done):], True))
-        segs.append((full[len(prefix):], False))
+    for i in turns:
+        prefix = _render_chat(messages[:i], tokenizer, add_generation_prompt=True)
+        full = _render_chat(messages[:i + 1], tokenizer)
+        if not full.startswith(prefix):
+            raise ConfigError("--data: the tokenizer's chat template does not render a conversation up to an "
+                              "assistant turn as its generation prompt followed by the answer, so the answer cannot "
+                              "be told apart from the prompt; train on {text} records or with another --tokenizer")
+        if not prefix.startswith(done):  # not prefix-stable: the last answer after the history as rendered for it
+            last = _render_chat(messages[:turns[-1]], tokenizer, add_generation_prompt=True)
+            return [(last, True), (_render_chat(messages[:turns[-1] + 1], tokenizer)[len(last):], False)]
+        segs += [(prefix[len(done):], True), (full[len(prefix):], False)]
         done = full
-    if len(done) == 0:
-        full = tokenizer.apply_chat_template(messages, tokenize=False)
-        return [(full, True)]
     return segs
 
 
 def record_to_segments(rec: dict, tokenizer=None) -> list[Segment]:
-    """``(text, is_prompt)`` segments of one record (empty segments dropped)."""
+    """``(text, is_prompt)`` segments of one record (empty segments dropped); a prompt/response pair is a
+    conversation of a user and an assistant turn."""
     if "text" in rec:
         segs = [(rec["text"], False)]
     else:
-        if "messages" in rec:
-            messages = rec["messages"]
-        else:
-            messages = [{"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": rec["response"]}]
-        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            segs = _template_chat_segments(messages, tokenizer)
-        elif "messages" in rec:
-            segs = _plain_chat_segments(messages)
-        else:
-            segs = [(f"<|user|>\n{rec['prompt']}\n<|assistant|>\n", True), (rec["response"], False)]
+        messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]},
+                                           {"role": "assistant", "content": rec["response"]}]
+        segs = _chat_segments(messages, tokenizer)
     return [(t, fl) for t, fl in segs if t]
 
 

@@ -4,7 +4,8 @@
 saves it with ``PreTrainedTokenizerFast.save_pretrained`` so that
 ``AutoTokenizer.from_pretrained(folder)`` loads it. ``<|endoftext|>`` (EOS, also used as pad)
 is id 0 and ``<|MASK|>`` is id 1; both ids are recorded in ``tokenizer_config.json`` (through
-``eos_token`` / ``mask_token``) and, explicitly, in ``special_token_ids.json``.
+``eos_token`` / ``mask_token``) and, explicitly, in ``special_token_ids.json``. It carries
+:data:`CHAT_TEMPLATE`, the layout training gives chat records.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|MASK|>"
 SPECIAL_IDS_FILE = "special_token_ids.json"
 MIN_VOCAB_SIZE = 258  # the 256 byte symbols and the two special tokens
+# How a conversation is laid out for a model trained here: "<|role|>\n{content}\n" a message, and "<|assistant|>\n"
+# as the generation prompt. training/data.py renders chat and prompt/response records with it when the tokenizer has
+# no template of its own, and a tokenizer trained here carries it, so ``apply_chat_template`` (``mrp-generate --chat``)
+# prompts the model as it was trained.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int = 8192, min_frequency: int = 2):
@@ -55,6 +62,7 @@ def save_tokenizer(tok, out_dir: str):
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,
     )
+    hf.chat_template = CHAT_TEMPLATE
     os.makedirs(out_dir, exist_ok=True)
     hf.save_pretrained(out_dir)
     with open(os.path.join(out_dir, SPECIAL_IDS_FILE), "w") as f:
