@@ -42,7 +42,7 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # 0: only at the end (when there is held-out data)
     eval_batches: int = 4  # micro-batches per process per evaluation
-    save_every: int = 0  # 0: no intermediate checkpoints
+    save_every: int = 500  # a checkpoint every N steps and at the end (0: none), for --resume
     keep_checkpoints: int = 2
     resume: bool = False
     progress: bool = True
