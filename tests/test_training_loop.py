@@ -262,6 +262,7 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     bb = tmp_path / "bb"
     res = run(_cli_args(env, bb, "--max-steps", "3"))
     assert res["step"] == 3 and res["eval_loss"] is not None
+    assert [s for s, _ in list_checkpoints(str(bb))] == [3]  # by default a run ends with a checkpoint to resume
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
               "training_config.json"):
         assert (bb / f).exists(), f
