@@ -120,6 +120,18 @@ def _render_chat(messages: list[dict], tokenizer=None, add_generation_prompt: bo
     return _own_template().render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
+def _turn(messages: list[dict], i: int, tokenizer) -> tuple[str, str]:
+    """The conversation before assistant turn i rendered with the generation prompt, and with turn i; the first is
+    a prefix of the second (else a ConfigError: the answer cannot be told apart from the prompt)."""
+    prefix = _render_chat(messages[:i], tokenizer, add_generation_prompt=True)
+    full = _render_chat(messages[:i + 1], tokenizer)
+    if not full.startswith(prefix):
+        raise ConfigError("--data: the tokenizer's chat template does not render a conversation up to an assistant "
+                          "turn as its generation prompt followed by the answer, so the answer cannot be told apart "
+                          "from the prompt; train on {text} records or with another --tokenizer")
+    return prefix, full
+
+
 def _chat_segments(messages: list[dict], tokenizer=None) -> list[Segment]:
     """``(text, is_prompt)`` segments of a conversation: each assistant turn's answer is what the template adds to
     the conversation before it rendered with the generation prompt, and the rest is prompt. A template that renders
@@ -131,15 +143,10 @@ def _chat_segments(messages: list[dict], tokenizer=None) -> list[Segment]:
     segs: list[Segment] = []
     done = ""
     for i in turns:
-        prefix = _render_chat(messages[:i], tokenizer, add_generation_prompt=True)
-        full = _render_chat(messages[:i + 1], tokenizer)
-        if not full.startswith(prefix):
-            raise ConfigError("--data: the tokenizer's chat template does not render a conversation up to an "
-                              "assistant turn as its generation prompt followed by the answer, so the answer cannot "
-                              "be told apart from the prompt; train on {text} records or with another --tokenizer")
+        prefix, full = _turn(messages, i, tokenizer)
         if not prefix.startswith(done):  # not prefix-stable: the last answer after the history as rendered for it
-            last = _render_chat(messages[:turns[-1]], tokenizer, add_generation_prompt=True)
-            return [(last, True), (_render_chat(messages[:turns[-1] + 1], tokenizer)[len(last):], False)]
+            prefix, full = _turn(messages, turns[-1], tokenizer)
+            return [(prefix, True), (full[len(prefix):], False)]
         segs += [(prefix[len(done):], True), (full[len(prefix):], False)]
         done = full
     return segs
@@ -151,8 +158,8 @@ def record_to_segments(rec: dict, tokenizer=None) -> list[Segment]:
     if "text" in rec:
         segs = [(rec["text"], False)]
     else:
-        messages = rec.get("messages") or [{"role": "user", "content": rec["prompt"]},
-                                           {"role": "assistant", "content": rec["response"]}]
+        messages = rec["messages"] if "messages" in rec else [{"role": "user", "content": rec["prompt"]},
+                                                              {"role": "assistant", "content": rec["response"]}]
         segs = _chat_segments(messages, tokenizer)
     return [(t, fl) for t, fl in segs if t]
 
