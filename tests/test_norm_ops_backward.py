@@ -26,23 +26,27 @@ def _randn(shape, dtype, seed, scale=1.0):
     return (torch.randn(shape, generator=g) * scale).to(DEV, dtype)
 
 
-def _grads(backend: str, op, inputs: list, needs: list[bool], seed: int) -> list[torch.Tensor]:
+def _grads(backend: str, op, inputs: list, needs: list[bool], seed: int, transposed: bool) -> list[torch.Tensor]:
     """Gradients of sum(out * r) (r a fixed random cotangent per output) w.r.t. the inputs marked in ``needs``,
-    with ``op`` dispatched to ``backend`` (forward and backward)."""
+    with ``op`` dispatched to ``backend`` (forward and backward). ``transposed``: r multiplies each output with its
+    last two dimensions swapped, so the gradient reaching the op's backward is a transposed, non-contiguous view (as
+    attention's transposes of q and k hand it back)."""
     leaves = [t.detach().requires_grad_(n) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
               for t, n in zip(inputs, needs)]
     with use_backend(backend), (poisoned_allocations() if backend == "triton" else torch.enable_grad()):
         outs = op(*leaves)
         outs = outs if isinstance(outs, tuple) else (outs,)
+        outs = [o.float().transpose(-1, -2) if transposed and o.dim() >= 2 else o.float() for o in outs]
         g = torch.Generator().manual_seed(seed)
-        loss = sum((o.float() * torch.randn(o.shape, generator=g).to(DEV)).sum() for o in outs)
+        loss = sum((o * torch.randn(o.shape, generator=g).to(DEV)).sum() for o in outs)
         return list(torch.autograd.grad(loss, [t for t, n in zip(leaves, needs) if n]))
 
 
-def _check(op, inputs: list, needs: list[bool], seed: int) -> None:
-    got = _grads("triton", op, inputs, needs, seed)
+def _check(op, inputs: list, needs: list[bool], seed: int, transposed: bool = False) -> None:
+    got = _grads("triton", op, inputs, needs, seed, transposed)
     floating = [isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs]
-    expect = _grads("reference", op, [t.double() if f else t for t, f in zip(inputs, floating)], needs, seed)
+    expect = _grads("reference", op, [t.double() if f else t for t, f in zip(inputs, floating)], needs, seed,
+                    transposed)
     rel = max(REL[t.dtype] for t, f in zip(inputs, floating) if f)
     for out, exp, leaf in zip(got, expect, [t for t, n in zip(inputs, needs) if n]):
         assert out.shape == leaf.shape and out.dtype == leaf.dtype
@@ -57,14 +61,16 @@ def _needs(draw_bools: list[bool]) -> list[bool]:
 @settings(max_examples=20)
 @given(rows=st.integers(1, 40), H=st.integers(1, 300), dtype=dtypes, residual_dtype=st.sampled_from((None, *DTYPES)),
        needs=st.lists(st.booleans(), min_size=3, max_size=3), pad=st.sampled_from((0, 0, 3)),
-       seed=st.integers(0, 2**16))
-def test_rms_norm_backward_matches_reference(rows, H, dtype, residual_dtype, needs, pad, seed):
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
+def test_rms_norm_backward_matches_reference(rows, H, dtype, residual_dtype, needs, pad, transposed, seed):
     """Rows beyond 16 share a program (the backward loops over rows); x and the residual may be column slices;
-    mixed x / residual dtypes are what autocast gives; with a residual the new stream s is an output too."""
+    mixed x / residual dtypes are what autocast gives; with a residual the new stream s is an output too; the
+    output gradient may be a transposed view."""
     x = _randn((rows, H + pad), dtype, seed, 3.0)[:, :H]
     w = _randn((H,), dtype, seed + 1)
     r = None if residual_dtype is None else _randn((rows, H + pad), residual_dtype, seed + 2)[:, :H]
-    _check(lambda x, w, r: rms_norm(x, w, EPS, r), [x, w, r], _needs([*needs[:2], needs[2] and r is not None]), seed)
+    _check(lambda x, w, r: rms_norm(x, w, EPS, r), [x, w, r], _needs([*needs[:2], needs[2] and r is not None]), seed,
+           transposed)
 
 
 def test_rms_norm_backward_of_no_rows_is_zero():
@@ -77,27 +83,32 @@ def test_rms_norm_backward_of_no_rows_is_zero():
 
 @settings(max_examples=15)
 @given(lead=st.lists(st.integers(1, 5), min_size=1, max_size=2), F=st.integers(1, 3000), dtype=dtypes,
-       fused=st.booleans(), needs=st.lists(st.booleans(), min_size=2, max_size=2), seed=st.integers(0, 2**16))
-def test_swiglu_backward_matches_reference(lead, F, dtype, fused, needs, seed):
-    """``fused``: gate and up are the halves of one [..., 2F] tensor (read in place)."""
-    if fused:
+       layout=st.sampled_from(("fused", "separate", "strides")), needs=st.lists(st.booleans(), min_size=2, max_size=2),
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
+def test_swiglu_backward_matches_reference(lead, F, dtype, layout, needs, transposed, seed):
+    """``fused``: gate and up are the halves of one [..., 2F] tensor (read in place); ``strides``: column slices of
+    two tensors of other widths, so gate's and up's rows have different strides; the output gradient may be a
+    transposed view."""
+    if layout == "fused":
         gate_up = _randn((*lead, 2 * F), dtype, seed, 3.0)
         g, u = gate_up[..., :F], gate_up[..., F:]
-    else:
+    elif layout == "separate":
         g, u = _randn((*lead, F), dtype, seed, 4.0), _randn((*lead, F), dtype, seed + 1, 2.0)
-    _check(swiglu, [g, u], _needs(needs), seed)
+    else:
+        g, u = _randn((*lead, F + 3), dtype, seed, 4.0)[..., 1:F + 1], _randn((*lead, 2 * F), dtype, seed + 1)[..., :F]
+    _check(swiglu, [g, u], _needs(needs), seed, transposed)
 
 
 @settings(max_examples=15)
 @given(B=st.integers(1, 3), T=st.integers(1, 9), Hkv=st.integers(1, 3), groups=st.integers(1, 3),
        half=st.integers(1, 40), dtype=dtypes, k_weight_dtype=st.sampled_from((None, torch.float32)),
        fused=st.booleans(), broadcast_batch=st.booleans(), needs=st.lists(st.booleans(), min_size=4, max_size=4),
-       seed=st.integers(0, 2**16))
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
 def test_qk_norm_rope_backward_matches_reference(B, T, Hkv, groups, half, dtype, k_weight_dtype, fused,
-                                                 broadcast_batch, needs, seed):
+                                                 broadcast_batch, needs, transposed, seed):
     """``fused``: q and k are column slices of one q/k/v projection output (read in place); tokens beyond 16 share
     a program; the fp32 RoPE tables get no gradient; an fp32 k weight makes k's output (and the dtype its RoPE
-    tables are rounded to) fp32 where q's stays in ``dtype``."""
+    tables are rounded to) fp32 where q's stays in ``dtype``; the outputs' gradients may be transposed views."""
     D, Hq = 2 * half, Hkv * groups
     if fused:
         qkv = _randn((B, T, (Hq + 2 * Hkv) * D), dtype, seed, 2.0)
@@ -108,7 +119,7 @@ def test_qk_norm_rope_backward_matches_reference(B, T, Hkv, groups, half, dtype,
     angle = _randn((1 if broadcast_batch else B, T, D), torch.float32, seed + 4, 3.0)
     cos, sin = angle.cos(), angle.sin()
     _check(lambda q, k, qw, kw, c, s: qk_norm_rope(q, k, qw, kw, c, s, EPS), [q, k, qw, kw, cos, sin],
-           _needs(needs) + [False, False], seed)
+           _needs(needs) + [False, False], seed, transposed)
 
 
 @pytest.mark.triton
@@ -125,15 +136,16 @@ def test_qk_norm_rope_tables_that_require_grad_run_the_reference():
 @settings(max_examples=15)
 @given(N=st.integers(1, 40), H=st.integers(1, 200), V=st.integers(1, 30), dtype=dtypes,
        embed_dtype=st.sampled_from((None, torch.float32)), needs=st.lists(st.booleans(), min_size=4, max_size=4),
-       seed=st.integers(0, 2**16))
-def test_mrp_input_backward_matches_reference(N, H, V, dtype, embed_dtype, needs, seed):
-    """Repeated ids (V small) add their rows' gradients into one embedding row."""
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
+def test_mrp_input_backward_matches_reference(N, H, V, dtype, embed_dtype, needs, transposed, seed):
+    """Repeated ids (V small) add their rows' gradients into one embedding row; the output gradient may be a
+    transposed view."""
     ids = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(seed)).to(DEV)
     E = _randn((V, H), embed_dtype or dtype, seed + 1)
     h = _randn((N, H), dtype, seed + 2, 5.0)
     ew, hw = _randn((H,), dtype, seed + 3), _randn((H,), dtype, seed + 4)
     _check(lambda i, E, h, ew, hw: mrp_input(i, E, h, ew, hw, EPS), [ids, E, h, ew, hw], [False] + _needs(needs),
-           seed)
+           seed, transposed)
 
 
 def test_mrp_input_backward_of_its_norm_weights_only():
