@@ -37,17 +37,21 @@ def _sprinkle(x, seed, value, every):
 @given(n=st.integers(1, 9), V=st.integers(1, 3000), dtype=st.sampled_from((torch.float32, torch.float64)),
        splits=st.sampled_from((None, 1, 2, 3, 7)), block=st.sampled_from((None, 16, 64)),
        scale=st.sampled_from((0.1, 1.0, 30.0)), grad=st.booleans(), pad=st.sampled_from((0, 0, 3)),
-       minus_inf=st.sampled_from((None, "student", "teacher")), seed=st.integers(0, 2**16))
+       minus_inf=st.sampled_from((None, "student", "teacher", "range")), seed=st.integers(0, 2**16))
 def test_kernel_matches_reference(n, V, dtype, splits, block, scale, grad, pad, minus_inf, seed):
     """Drawn rows, vocabularies, slices (one to more than there are tiles), tiles (one to many a slice), sharpness
     and row strides; -inf logits (teacher: probability 0, contributing 0; student: KL inf where the teacher has
-    mass); the gradient written over the student logits, which nothing else may touch (the padding columns stay);
-    a strided grad_scale."""
+    mass; ``range``: both over the first half of the vocabulary, a masked range, so whole tiles see only -inf
+    before any finite logit); the gradient written over the student logits, which nothing else may touch (the
+    padding columns stay); a strided grad_scale."""
     s, t = _logits(n, V, dtype, seed, scale, pad)
     if minus_inf == "student":
         s = _sprinkle(s.clone(), seed, float("-inf"), 5)
     elif minus_inf == "teacher":
         t = _sprinkle(t.clone(), seed, float("-inf"), 5)
+    elif minus_inf == "range":
+        s, t = s.clone(), t.clone()
+        s[:, : V // 2], t[:, : V // 2] = float("-inf"), float("-inf")
     w = (torch.rand(2 * n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5).to(DEV, dtype)
     w = w[::2]
     wide = torch.full((n, V + pad), 7.0, dtype=dtype, device=DEV)
