@@ -18,6 +18,7 @@ from kernel_utils import DEV, DTYPES, poisoned_allocations
 from mrp_triton import lm_head_confidence
 from mrp_triton.lm_head_confidence import _kept_first_kernel, lm_head_confidence_triton
 from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
+from mrp_triton.reference.lm_head_confidence import top_by_value
 
 # the weight tiles come through TMA where the device has it (Hopper or newer; the interpreter on CPU)
 HAS_TMA = DEV == "cpu" or torch.cuda.get_device_capability()[0] >= 9
@@ -173,6 +174,27 @@ def test_reference_top_m_is_the_sorted_prefix(N, V, top_m, spread, use_mask, see
     want_ids = [v for _, v in ranked] + [-1] * (top_m - len(ranked))
     want_values = [-x for x, _ in ranked] + [-inf] * (top_m - len(ranked))
     assert ids.tolist() == [want_ids] * N and values.tolist() == [want_values] * N
+
+
+def test_top_by_value_ties_minus_zero_with_zero():
+    """-0.0 and 0.0 are equal logits: listed in increasing id, as every other tie (their bits differ)."""
+    values, ids = top_by_value(torch.tensor([[-0.0, 0.0, 1.0, -0.0, -1.0]]), 5)
+    assert ids.tolist() == [[2, 0, 1, 3, 4]] and values.tolist() == [[1.0, 0.0, 0.0, 0.0, -1.0]]
+
+
+@pytest.mark.parametrize("mask", [None, 2])
+def test_top_m_of_more_tokens_than_a_row_can_score_ends_with_minus_one(mask):
+    """top_m = V with the mask token left out (or a row all -inf but its first tokens): the kernel lists the
+    tokens it can score, then id -1 and value -inf, as the reference does."""
+    hidden = torch.ones(2, 4, device=DEV)
+    weight = torch.tensor([[1.0] * 4, [2.0] * 4, [3.0] * 4], device=DEV)
+    base = torch.tensor([[0.0, 0.0, 0.0], [0.0, -inf, -inf]], device=DEV)
+    for kw in (dict(mask_token_id=mask), dict(mask_token_id=mask, base_logits=base)):
+        with poisoned_allocations():
+            out = lm_head_confidence_triton(hidden, weight, top_m=3, **kw)
+        expect = lm_head_confidence_reference(hidden, weight, top_m=3, **kw)
+        _check(out, expect)
+        assert (out[4] == -1).any() == (mask is not None or "base_logits" in kw)
 
 
 @settings(max_examples=10)
