@@ -48,11 +48,23 @@ def test_plain_sdar_config_gets_defaults_and_new_rope_spelling():
     assert legacy.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
 
 
-def test_config_rejects_unsupported_rope_and_bad_mask_id():
-    with pytest.raises(ValueError, match="rope type"):
-        SDARMRPConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="mask_token_id"):
-        SDARMRPConfig(vocab_size=10, mask_token_id=10)
+@pytest.mark.parametrize("kw,message", [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0.0}), "positive 'factor'"),
+    (dict(rope_theta=0.0), "rope_theta must be > 0"),
+    (dict(vocab_size=10, mask_token_id=10), "mask_token_id"),
+    (dict(num_attention_heads=6, num_key_value_heads=4), "must be a multiple of num_key_value_heads"),
+    (dict(head_dim=7), "head_dim must be even"),
+    (dict(block_size=0), "block_size must be >= 1"),
+])
+def test_config_rejects_bad_values(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SDARMRPConfig(**kw)
+
+
+def test_config_head_dim_none_is_hidden_over_query_heads():
+    assert SDARMRPConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=None).head_dim == 8
+    assert SDARMRPConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}).rope_parameters["factor"] == 2.0
 
 
 def _hub_state_dict(config) -> dict[str, torch.Tensor]:

@@ -78,6 +78,7 @@ class SDARMRPConfig(PretrainedConfig):
         # Drop keys that transformers would otherwise re-interpret after us.
         kwargs.pop("rope_scaling", None)
         kwargs.pop("rope_theta", None)
+        self._validate()  # before transformers' own checks (their words, and their error types, vary by version)
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -87,7 +88,6 @@ class SDARMRPConfig(PretrainedConfig):
         )
         # Some transformers versions rewrite ``rope_parameters`` in ``__post_init__``; ours is final.
         self.rope_parameters = _standard_rope(self.rope_parameters, None, None)
-        self._validate()
 
     @property
     def rope_theta(self) -> float:
@@ -134,4 +134,6 @@ def _standard_rope(rope_parameters: dict | None, rope_scaling: dict | None, rope
         raise ValueError(f"rope type {params['rope_type']!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
     if params["rope_type"] == "linear" and float(params.get("factor", 0)) <= 0:
         raise ValueError("linear rope scaling needs a positive 'factor'")
+    if not float(params["rope_theta"]) > 0:
+        raise ValueError(f"rope_theta must be > 0, got {params['rope_theta']}")
     return params
