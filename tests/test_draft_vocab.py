@@ -152,6 +152,9 @@ def test_most_frequent_ids():
     assert most_frequent_ids(counts, 3, 12) == [0, 2, 5]  # 5 and 2 tie: both in; then 0
     assert most_frequent_ids(counts, 3, 12, exclude=[2]) == [0, 5, 9]
     assert most_frequent_ids(counts, 7, 12) == [0, 1, 2, 3, 5, 7, 9]  # unseen ids fill up, lowest first
+    assert most_frequent_ids(counts, 7, 12, exclude=[1]) == [0, 2, 3, 4, 5, 7, 9]  # never with an excluded id
+    assert most_frequent_ids(counts, 2, 12, exclude=[0]) == [2, 5]  # a tie at the cut: the lower ids
+    assert most_frequent_ids(Counter({8: 2, 3: 2, 6: 2}), 2, 12) == [3, 6]
     assert coverage(counts, [5, 2]) == pytest.approx(20 / 28)
     with pytest.raises(ValueError, match="--size"):
         most_frequent_ids(counts, 13, 12)

@@ -121,6 +121,18 @@ def test_stdlib_corpus(tmp_path):
     assert all(not os.path.isabs(f) for f in m2["train"])
 
 
+def test_stdlib_files_leave_out_tests_and_other_files_and_a_tiny_list_holds_one_out(tmp_path):
+    from training.stdlib_corpus import collect_stdlib_files, split_files
+
+    for rel in ("a.py", "test_a.py", "a_test.py", "notes.txt", "sub/c.py", "tests/b.py", "test_pkg/d.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    assert collect_stdlib_files(str(tmp_path)) == ["a.py", "sub/c.py"]
+    for files in (["a.py", "b.py"], ["a.py", "b.py", "c.py"]):  # a fraction too small for a file still holds one out
+        train, held = split_files(files, 1e-9, seed=0)
+        assert len(held) == 1 and sorted(train + held) == files
+
+
 def test_chat_template_is_used_when_present(tok, corpus):
     import copy
 

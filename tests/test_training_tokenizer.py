@@ -73,3 +73,18 @@ def test_missing_tokenizer_rejected(tmp_path):
         load_tokenizer(str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="--tokenizer"):
         load_tokenizer(str(tmp_path))
+
+
+def test_a_tokenizer_without_the_mask_token_has_no_mask_id(tmp_path):
+    """A tokenizer that neither declares a mask token nor holds <|MASK|> (its lookup falls back to the unk id) has
+    none: the unk id must not pass for it."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from training.tokenizer import special_token_ids
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2},
+                                                                              unk_token="<unk>")),
+                                  unk_token="<unk>", eos_token="</s>")
+    assert tok.convert_tokens_to_ids("<|MASK|>") == tok.unk_token_id == 0
+    assert special_token_ids(tok) == {"eos_token_id": 2, "mask_token_id": None, "pad_token_id": 2}
