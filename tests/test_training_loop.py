@@ -339,6 +339,7 @@ def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatc
     (["--head-dim", "7"], "--head-dim must be even"),
     (["--max-position-embeddings", "8"], r"--max-position-embeddings \(8\) must be >= --seq-len \(256\)"),
     (["--rope-theta", "0"], "--rope-theta must be > 0"),
+    (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
 ])
 def test_backbone_flags_are_refused_before_the_data_is_read(flags, message, tmp_path, monkeypatch):
     """Sizes that make no model end the run before it reads the data and trains a tokenizer (minutes on a
@@ -369,6 +370,40 @@ def test_backbone_flags_at_their_bounds_pass_the_checks(flags, tmp_path, monkeyp
     corpus.write_text('{"text": "def f(): pass"}\n')
     with pytest.raises(DataRead):
         cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), "--seq-len", "256", *flags])
+
+
+def test_steps_per_epoch_count_the_global_batch_of_every_process():
+    from training.trainer import total_steps_for
+
+    cfg = TrainConfig(micro_batch_size=4, grad_accum=2, epochs=2.5)
+    assert [total_steps_for(cfg, 100, world) for world in (1, 2, 8)] == [30, 15, 2]  # 2.5 x (100 // (4 x 2 x world))
+    assert total_steps_for(TrainConfig(micro_batch_size=4, max_steps=7), 100, 2) == 7
+
+
+def test_pruning_keeps_the_newest_checkpoints(tmp_path):
+    from training.trainer import _prune
+
+    (tmp_path / CKPT_DIR).mkdir()
+    for step in (3, 6, 9, 12):
+        (tmp_path / CKPT_DIR / f"step_{step:08d}.pt").write_bytes(b"")
+    _prune(str(tmp_path), 2)
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [12, 9]
+
+
+def test_eval_loss_is_the_loss_per_answer_token(env):
+    """evaluate's eval_loss: the loss sum of the sequences it scores (the noise fixed by their index) over their
+    answer tokens."""
+    from training.noising import sample_seed
+
+    cfg = _cfg("unused", micro_batch_size=3, eval_batches=2)
+    loss_mod = LossModule(_model(env, "backbone"), cfg, env["tok"].mask_token_id)
+    ds = build_datasets([env["paths"]["pairs"]], env["tok"], T, BS, 0.0, 0)[0]  # prompts and answers
+    with torch.no_grad():
+        total = sum(float(loss_mod(ds.input_ids[i:i + 3], ds.is_prompt[i:i + 3],
+                                   [sample_seed(cfg.seed, "eval", j) for j in range(i, i + 3)])) for i in (0, 3))
+    answers = int((~ds.is_prompt[:6]).sum())
+    assert answers < 6 * T  # the data holds prompt tokens: per token and per sequence differ
+    assert evaluate(loss_mod, ds, cfg, torch.device("cpu"))["eval_loss"] == pytest.approx(total / answers, rel=1e-6)
 
 
 def test_lr_warms_up_linearly_from_its_first_step_then_follows_a_cosine_to_the_floor():
