@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_integration.attention_masks import block_causal_mask
 from tiny_models import VOCAB, random_prompts, tiny_model
 
 
@@ -50,7 +51,7 @@ def test_inputs_embeds_logits_to_keep_and_tuples_give_the_same_scores(model):
     assert len(as_tuple[2]) == model.config.num_hidden_layers + 1
 
 
-def test_hidden_states_follow_the_config_default(model):
+def test_hidden_states_and_return_dict_follow_the_config_defaults(model):
     ids = random_prompts(1, 5)
     model.config.output_hidden_states = True
     try:
@@ -59,6 +60,35 @@ def test_hidden_states_follow_the_config_default(model):
     finally:
         model.config.output_hidden_states = False
     assert model(ids).hidden_states is None
+    model.config.return_dict = False
+    try:
+        assert isinstance(model(ids), tuple) and not isinstance(model(ids, return_dict=True), tuple)
+    finally:
+        model.config.return_dict = True
+    assert not isinstance(model(ids), tuple)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_bool_mask_per_row_or_broadcast_is_the_attention_it_says(model, rows):
+    """A 4-D bool mask [B or 1, 1, T, T] (True = attend): the block-causal mask of positions 0..T-1 gives the scores
+    of no mask; a causal triangle gives other scores (it hides the later keys of a query's own block)."""
+    ids = random_prompts(2, 9, seed=3)
+    pos = torch.arange(9)[None].expand(rows, 9)
+    block_causal = block_causal_mask(pos, pos, model.config.block_size)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(rows, 1, 9, 9)
+    with torch.no_grad():
+        plain = model(ids).logits
+        assert torch.equal(model(ids, attention_mask=block_causal).logits, plain)
+        assert not torch.allclose(model(ids, attention_mask=causal).logits, plain)
+
+
+def test_a_bf16_model_computes_its_labels_loss_in_fp32():
+    model = tiny_model(seed=2, dtype=torch.bfloat16)
+    ids = random_prompts(2, 9, seed=5)
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+    assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+    assert torch.equal(out.loss, torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten()))
 
 
 IDS = random_prompts(2, 6)
@@ -82,7 +112,9 @@ BAD_FORWARD_INPUTS = [
     (dict(input_ids=IDS, attention_mask=[[1] * 6] * 2), ValueError, "attention_mask must be a tensor"),
     (dict(input_ids=IDS, position_ids=torch.arange(5)[None]), ValueError, "position_ids must be"),
     (dict(input_ids=IDS, position_ids=torch.arange(6.0)[None]), ValueError, "position_ids must be"),
+    (dict(input_ids=IDS, position_ids=torch.arange(6)[None].expand(3, 6)), ValueError, "position_ids must be"),
     (dict(input_ids=IDS, labels=IDS[:, :5]), ValueError, "labels must be an integer tensor"),
+    (dict(input_ids=IDS, labels=IDS.double()), ValueError, "labels must be an integer tensor"),
     (dict(input_ids=IDS, logits_to_keep=-1), ValueError, "logits_to_keep must be"),
     (dict(input_ids=IDS, logits_to_keep=True), ValueError, "logits_to_keep must be"),
     (dict(input_ids=IDS, logits_to_keep=torch.tensor([[1]])), ValueError, "logits_to_keep must be"),
