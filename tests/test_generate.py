@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -13,7 +14,7 @@ from transformers import GenerationConfig
 
 import mrp_triton
 from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
-from hf_integration.generation_settings import READ_BY
+from hf_integration.generation_settings import READ_BY, GenerationSettings
 from hf_integration.kv_cache import StaticKVCache
 from hf_integration.stop_strings import StopStrings
 from tiny_models import MASK_ID, VOCAB, random_prompts, tiny_config, tiny_model
@@ -208,6 +209,19 @@ def test_generation_config_and_kwargs_precedence(model):
     assert torch.equal(via_config, via_kwargs) and via_config.shape == (1, 10)
     overridden = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=6), max_new_tokens=3)
     assert overridden.shape == (1, 7)
+    # a keyword given as None passes nothing (transformers' convention): the config's value stays
+    kept = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=6, strategy="dynamic", threshold=0.5),
+                          max_new_tokens=None, strategy=None, threshold=None)
+    assert torch.equal(kept, via_config)
+
+
+def test_the_resolved_defaults(model):
+    """What a call that sets nothing decodes with: 64 new tokens, the config's block, one token a step, tau 0.9
+    (dynamic) or 0.5 (remask), K = 3."""
+    for strategy, threshold in (("static", None), ("dynamic", 0.9), ("remask", 0.5)):
+        s = GenerationSettings.resolve(model, None, {"strategy": strategy}, prompt_width=4)
+        assert (s.max_new_tokens, s.block_length, s.denoising_steps, s.threshold, s.mrp_steps) == \
+            (64, model.config.block_size, model.config.block_size, threshold, 3)
 
 
 def test_a_checkpoint_sets_strategy_settings_for_the_strategies_that_read_them(model):
@@ -225,6 +239,12 @@ def test_a_checkpoint_sets_strategy_settings_for_the_strategies_that_read_them(m
         direct = model.generate(ids, max_new_tokens=8, strategy="direct")
         with pytest.raises(ValueError, match="threshold=0.6 steers strategy 'dynamic' or 'remask', not 'static'"):
             model.generate(ids, generation_config=GenerationConfig(threshold=0.6), max_new_tokens=8)
+        # a copy of the model's own config (what a pipeline passes) asks for nothing the model does not set
+        copied = copy.deepcopy(model.generation_config)
+        assert torch.equal(model.generate(ids, generation_config=copied, max_new_tokens=8), plain["static"])
+        # nor do engine settings only some strategies read: a checkpoint's device_loop leaves static calls alone
+        model.generation_config = GenerationConfig(device_loop=True)
+        assert torch.equal(model.generate(ids, max_new_tokens=8), plain["static"])
     finally:
         model.generation_config = shipped
     assert torch.equal(dynamic, model.generate(ids, max_new_tokens=8, strategy="dynamic", threshold=0.1))
@@ -304,9 +324,17 @@ def test_stats_report_tokens_per_forward(model):
 
 
 def test_block_length_other_than_config(model):
+    """Blocks of 8 (the config's are 4) take one token a step by default too (denoising_steps = block_length): as
+    many forwards as with the config's blocks, where 4 steps a block of 8 would take fewer."""
+    assert model.config.block_size == 4
     ids = random_prompts(1, 5, seed=2)
     out = model.generate(ids, max_new_tokens=10, block_length=8, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 15) and not (out.sequences == MASK_ID).any()
+    forwards = out.stats.as_dict()["backbone_forwards"]
+    assert forwards == model.generate(ids, max_new_tokens=10, return_dict_in_generate=True).stats.as_dict()[
+        "backbone_forwards"]
+    fewer = model.generate(ids, max_new_tokens=10, block_length=8, denoising_steps=4, return_dict_in_generate=True)
+    assert fewer.stats.as_dict()["backbone_forwards"][0] < forwards[0]
 
 
 def test_max_length_counts_the_prompt_width_and_yields_to_max_new_tokens(model):
@@ -427,6 +455,17 @@ def test_inputs_is_transformers_name_for_input_ids(model):
 def test_device_mismatch_is_rejected(model):
     with pytest.raises(ValueError, match="attention_mask is on"):
         model.generate(torch.tensor([[1, 2]]), attention_mask=torch.ones((1, 2), dtype=torch.long, device="meta"))
+
+
+def test_prompt_ids_on_another_device_than_the_model_are_refused(model):
+    with pytest.raises(ValueError, match=r"input_ids are on meta but the model is on cpu; move them with .to\('cpu'\)"):
+        model.generate(torch.tensor([[1, 2]], device="meta"), max_new_tokens=2)
+
+
+def test_a_wholly_offloaded_model_is_refused():
+    model = tiny_model(seed=0).to("meta")
+    with pytest.raises(ValueError, match=r"one device, but its parameters are on \['meta'\]"):
+        model.generate(torch.tensor([[1, 2]], device="meta"), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("part", ["model.layers.1", "mrp_modules.0", "lm_head"])
@@ -836,6 +875,9 @@ def test_streamer_gets_the_prompt_then_each_finished_block(model, kwargs):
 def test_streamer_refuses_batches_and_objects_without_put(model):
     with pytest.raises(ValueError, match="streamer streams one prompt"):
         model.generate(random_prompts(2, 5), max_new_tokens=4, streamer=RecordingStreamer())
+    with pytest.raises(ValueError, match="streamer streams one prompt"):  # one prompt, sampled twice: two rows
+        model.generate(random_prompts(1, 5), max_new_tokens=4, streamer=RecordingStreamer(), do_sample=True,
+                       num_return_sequences=2)
     with pytest.raises(TypeError, match=r"streamer must have put\(ids\) and end\(\)"):
         model.generate(random_prompts(1, 5), max_new_tokens=4, streamer=object())
 
