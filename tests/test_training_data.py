@@ -204,6 +204,15 @@ def test_a_template_that_rewrites_history_trains_the_last_answer_and_one_that_mo
         record_to_segments({"messages": msgs}, t)
 
 
+def test_a_conversation_without_answers_is_prompt_and_an_empty_document_is_skipped(tok):
+    from training.data import record_to_segments, tokenize_documents
+
+    assert record_to_segments({"messages": [{"role": "user", "content": "hi"}]}, tok) == [("<|user|>\nhi\n", True)]
+    docs = [record_to_segments(r, tok) for r in ({"text": "ab"}, {"text": ""}, {"messages": []}, {"text": "cd"})]
+    ids, flags = tokenize_documents(docs, tok, tok.eos_token_id)
+    assert ids.count(tok.eos_token_id) == 2 and not any(flags)  # two documents, each ended by EOS
+
+
 def test_split_keeps_a_training_document_and_directories_skip_dotfiles(tmp_path):
     from training.data import iter_files, split_records
 

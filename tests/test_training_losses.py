@@ -116,6 +116,10 @@ def test_block_picks_and_agreement_by_hand():
     student[2] = torch.tensor([0, 0, 5, 0, 1.0])  # position 3: token 2 (not 4), and now block 0's pick
     assert draft_agreement(top_choice(teacher, M), top_choice(student, M), sel, 4) == {
         "tokens_agree": 4, "tokens": 5, "picks_agree": 1, "blocks": 2}
+    shifted = teacher.clone()
+    shifted[1] = torch.tensor([9, 5, 1, 0, 0.0])  # position 2: still token 1, now surer than position 0
+    assert draft_agreement(top_choice(teacher, M), top_choice(shifted, M), sel, 4) == {
+        "tokens_agree": 5, "tokens": 5, "picks_agree": 1, "blocks": 2}  # the same token at another position
 
 
 def test_kd_matches_hand_computation(setup):

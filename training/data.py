@@ -137,6 +137,8 @@ def _chat_segments(messages: list[dict], tokenizer=None) -> list[Segment]:
     the conversation before it rendered with the generation prompt, and the rest is prompt. A template that renders
     earlier turns differently once a conversation goes on (Qwen3's drops their reasoning) trains the last answer
     only, after the history as the template renders it for that turn."""
+    if not messages:  # nothing to render (transformers refuses an empty conversation): an empty document
+        return []
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         return [(_render_chat(messages, tokenizer), True)]
