@@ -297,6 +297,9 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     assert (ev["seq_len"], ev["block_size"], ev["unroll_k"], ev["mrp_loss"]) == (T, BS, 2, "kd_diff_sum")
     for k in ("eval_loss", "eval_token_agreement", "eval_pick_agreement"):
         assert ev[k] == res[k], k
+    everything = run(["eval", "--model", str(mrp), "--data", str(held), "--eval-batches", "1000"])
+    held_ds, _ = build_datasets([str(held)], exported, T, BS, 0.0, 0)
+    assert everything["sequences"] == len(held_ds) < 1000  # what it evaluated, not what it was allowed
     with pytest.raises(ConfigError, match="has no MRP head"):
         run(["eval", "--model", str(bb), "--data", env["paths"]["pairs"], "--seq-len", str(T)])
     with pytest.raises(ConfigError, match="give the held-out data"):
@@ -370,6 +373,18 @@ def test_backbone_flags_at_their_bounds_pass_the_checks(flags, tmp_path, monkeyp
     corpus.write_text('{"text": "def f(): pass"}\n')
     with pytest.raises(DataRead):
         cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), "--seq-len", "256", *flags])
+
+
+def test_eval_block_size_is_the_flag_else_the_model_config_else_4(tmp_path):
+    import argparse
+
+    from training.cli import _model_block_size
+
+    (tmp_path / "config.json").write_text(json.dumps({"block_size": 8}))
+    assert _model_block_size(argparse.Namespace(model=str(tmp_path), block_size=None)) == 8
+    assert _model_block_size(argparse.Namespace(model=str(tmp_path), block_size=16)) == 16
+    (tmp_path / "config.json").write_text("{}")
+    assert _model_block_size(argparse.Namespace(model=str(tmp_path), block_size=None)) == 4
 
 
 def test_steps_per_epoch_count_the_global_batch_of_every_process():
