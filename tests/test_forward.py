@@ -36,6 +36,16 @@ def test_a_padded_batch_scores_each_row_as_alone(model, lengths, left, seed):
             torch.testing.assert_close(logits[row, real], alone, rtol=1e-9, atol=1e-9)
 
 
+def test_position_ids_given_with_a_padding_mask_are_kept(model):
+    """Explicit position_ids win over the ones a padding mask implies (as in transformers)."""
+    ids = random_prompts(2, 7, seed=6)
+    pos = torch.arange(3, 10)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=torch.ones_like(ids), position_ids=pos).logits,
+                                   model(ids, position_ids=pos).logits, rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(model(ids, position_ids=pos).logits, model(ids).logits)
+
+
 def test_inputs_embeds_logits_to_keep_and_tuples_give_the_same_scores(model):
     ids = random_prompts(2, 9, seed=4)
     with torch.no_grad():

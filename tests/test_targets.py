@@ -44,6 +44,8 @@ def results(tmp_path):
         dict(kernel="lm_head_confidence", shape="N=128 H=2048 V=151936", provider="sweep_1", x_weight_read=1.9,
              note="{}"),
         dict(kernel="lm_head_confidence", shape="N=512 H=2048 V=151936", provider="triton_fused", x_weight_read=5.0),
+        # a CPU --smoke row: timed, but no weight-read ratio (no bandwidth figure without a GPU): not judged
+        dict(kernel="lm_head_confidence", shape="N=16 H=64 V=1000", provider="triton_fused", x_weight_read=""),
     ])
     _write(tmp_path, "engine", [
         dict(kernel="step", shape="1.7B B=1 plain q=16", provider="cuda_graph", median_us=1900.0, ratio=""),

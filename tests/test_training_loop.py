@@ -375,6 +375,25 @@ def test_backbone_flags_at_their_bounds_pass_the_checks(flags, tmp_path, monkeyp
         cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), "--seq-len", "256", *flags])
 
 
+def test_eval_defaults_come_from_an_mrp_run_only(tmp_path):
+    """mrp-train eval's sequence length, K and chaining: the flags, else the MRP run's training_config.json, else
+    EVAL_DEFAULTS (a folder whose training_config.json is a backbone run's: that run trained no head)."""
+    import argparse
+
+    from training.cli import EVAL_DEFAULTS, _eval_defaults
+
+    def resolved(**flags):
+        args = argparse.Namespace(model=str(tmp_path), **{k: flags.get(k) for k in EVAL_DEFAULTS})
+        _eval_defaults(args)
+        return {k: getattr(args, k) for k in EVAL_DEFAULTS}
+
+    trained = {"seq_len": 64, "unroll_k": 2, "mrp_loss": "direct"}
+    (tmp_path / "training_config.json").write_text(json.dumps({"mode": "mrp", **trained}))
+    assert resolved() == trained and resolved(unroll_k=4) == {**trained, "unroll_k": 4}
+    (tmp_path / "training_config.json").write_text(json.dumps({"mode": "backbone", **trained}))
+    assert resolved() == EVAL_DEFAULTS
+
+
 def test_eval_block_size_is_the_flag_else_the_model_config_else_4(tmp_path):
     import argparse
 
