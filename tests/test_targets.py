@@ -55,6 +55,7 @@ def results(tmp_path):
         dict(kernel="step", shape="8B B=1 mrp D=3", provider="cuda_graph", median_us=900.0, ratio=0.3),
         dict(kernel="decode", shape="1.7B B=1 static 512+256", provider="cuda_graph", ratio=9.5, tokens_per_s=480.0),
         dict(kernel="decode", shape="1.7B B=32 static 512+256", provider="cuda_graph", ratio=4.0, tokens_per_s=9e3),
+        dict(kernel="decode", shape="1.7B B=1 static 512+256", provider="eager", ratio=1.0, tokens_per_s=50.0),
         dict(kernel="speculative_estimate", shape="1.7B B=1 K=3", provider="draft_candidates=16", ratio=1.7),
     ])
     return tmp_path

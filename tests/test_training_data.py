@@ -90,6 +90,10 @@ def test_bad_inputs(tmp_path, tok):
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="--data.*empty"):
         build_datasets([str(empty)], tok, 16, 4)
+    questions = tmp_path / "questions.jsonl"  # conversations without answers: nothing to learn
+    questions.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3)
+    with pytest.raises(ConfigError, match="no answer tokens"):
+        build_datasets([str(questions)], tok, 16, 4, heldout_fraction=0.0)
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"text": "hello"}\n')
     with pytest.raises(ConfigError, match="--seq-len.*--block-size"):
@@ -217,6 +221,7 @@ def test_split_keeps_a_training_document_and_directories_skip_dotfiles(tmp_path)
     from training.data import iter_files, split_records
 
     assert split_records([{"text": "a"}, {"text": "b"}], 0.9, seed=0)[0] != []  # at least one document to train on
+    assert len(split_records([{"text": str(i)} for i in range(8)], 0.2, seed=0)[1]) == 2  # round(1.6) held out
     assert [len(part) for part in split_records([{"text": "a"}], 0.5, seed=0)] == [1, 0]
     (tmp_path / "sub").mkdir()
     for name in ("a.txt", ".hidden", "sub/b.txt", "sub/.swp"):

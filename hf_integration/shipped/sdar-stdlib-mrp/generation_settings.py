@@ -76,9 +76,10 @@ class GenerationSettings:
     """Everything that steers decoding. ``max_new_tokens`` defaults to ``max_length`` minus the width of
     ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64;
     ``num_return_sequences`` (sampling only) decodes each prompt that many times, the copies next to each
-    other in the output and each drawing its own noise. ``block_length``/``denoising_steps`` default to the
-    model's block size; ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a
-    finished block's cache entries in the row's next forward (same output, one forward fewer per block);
+    other in the output and each drawing its own noise. ``block_length`` defaults to the model's block size
+    and ``denoising_steps`` to ``block_length`` (one token a step); ``threshold`` defaults to 0.9 (dynamic) or
+    0.5 (remask). ``fuse_commit`` writes a finished block's cache entries in the row's next forward (same output,
+    one forward fewer per block);
     ``per_row_blocks`` (dynamic, remask, speculative) lets each row of a batch move on to its next block as
     soon as its own is full, so a batch takes as many steps as its slowest row alone, at the price of the
     finished block riding in the next forward of every row (``False``: rows start their blocks together;
