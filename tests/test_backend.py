@@ -43,7 +43,10 @@ def test_a_forward_with_grad_gets_every_gradient():
     reference, default = grads
     assert "model.embed_tokens.weight" in default and default.keys() == reference.keys()
     for name, grad in reference.items():
-        torch.testing.assert_close(default[name], grad, msg=name)
+        # fp32 sums in another order: an element where large terms cancel (the embedding's rows sum over positions)
+        # keeps an error of the terms' size, so the absolute tolerance follows the gradient's scale
+        torch.testing.assert_close(default[name], grad, rtol=1.3e-6, atol=2e-6 * max(1.0, grad.abs().max().item()),
+                                   msg=name)
 
 
 def test_autocast_forward_runs_on_the_kernels():
