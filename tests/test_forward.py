@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_integration.attention_masks import block_causal_mask
+from hf_integration.attention_masks import block_causal_mask, padded_block_causal_mask
 from tiny_models import VOCAB, random_prompts, tiny_model
 
 
@@ -34,6 +34,18 @@ def test_a_padded_batch_scores_each_row_as_alone(model, lengths, left, seed):
             real = mask[row].bool()
             alone = model(ids[row, real][None]).logits[0]
             torch.testing.assert_close(logits[row, real], alone, rtol=1e-9, atol=1e-9)
+
+
+def test_padding_keys_are_hidden_and_no_query_is_left_without_keys():
+    """Real queries never see padding keys, and every query sees at least itself: no mask row is empty, not even an
+    all-padding row's (a softmax over no keys is NaN on some SDPA backends; the CPU one returns 0, so the forward
+    tests alone would not notice)."""
+    real = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    mask, positions = padded_block_causal_mask(real, None, block_size=2)
+    assert mask.shape == (3, 1, 5, 5) and mask.any(-1).all()
+    assert positions.tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2], [0, 0, 0, 0, 0]]
+    sees_padding = mask[:, 0] & ~real.bool()[:, None, :]  # [row, query, key]
+    assert not sees_padding[real.bool()].any()
 
 
 def test_position_ids_given_with_a_padding_mask_are_kept(model):

@@ -24,7 +24,8 @@ def padded_block_causal_mask(attention_mask: torch.Tensor, position_ids: torch.T
     """The block-causal mask of a padded batch: attention_mask [B, T] (1/True = a real token, 0 = padding, on
     either side) -> (bool mask [B, 1, T, T], position_ids [B, T]).
 
-    Padding keys are hidden (a padding query sees only itself, so no row of the mask is empty). Without
+    Padding keys are hidden, and every query sees itself (so no row of the mask is empty, not even an all-padding
+    row's: a softmax over no keys is NaN on some SDPA backends). Without
     ``position_ids`` each row's real tokens count from 0, so a row's blocks, and its scores, are those it has alone."""
     real = attention_mask.to(torch.bool)
     if position_ids is None:
