@@ -237,8 +237,8 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
         print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     new, stats, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer})
-    # decoding fills whole blocks: the last one may hold tokens past --max-new-tokens (decoded, not printed)
-    print(f"\n[{args.strategy}] {stats['tokens_committed'][0]} tokens decoded (whole blocks), "
+    # the count may hold a few of the last block's positions past --max-new-tokens (committed on the way, not printed)
+    print(f"\n[{args.strategy}] {stats['tokens_committed'][0]} tokens committed, "
           f"{stats['backbone_forwards'][0]} backbone forwards, {stats['mrp_forwards'][0]} MRP forwards, "
           f"{stats['tokens_per_forward'][0]:.2f} tokens/forward, "
           f"{seconds:.2f} s" + (" (with Triton compilation and CUDA-graph capture: --compare times the steady state)"

@@ -85,15 +85,19 @@ def decode_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
 
     Every step commits exactly one token per row that has a mask, and the rows start their blocks together
     (an MRP step needs the backbone forward of its row's block): ``steps`` (the most masks of any row)
-    fill every block, one host synchronisation per block, as static decoding."""
+    fill every block, one host synchronisation per block, as static decoding (and a check where a row's last
+    block ends before the block does: the chain, h_A and its carry in ``row_state``, goes on over it)."""
     K = dec.settings.mrp_steps
     backbone_step, mrp_step = denoising_step(dec), direct_mrp_step(dec)
-    for i in range(steps):
-        if i % (K + 1) == 0:
-            h_a = dec.step("denoise", backbone_step, block, positions, _one_each(dec.masked(block)), mutated=(0,))
-            carry = MRPChain(dec, h_a, positions).carry
+    state = dec.row_state
+    for _ in range(steps):
+        if dec.block_steps % (K + 1) == 0:
+            state["h_a"] = dec.step("denoise", backbone_step, block, positions, _one_each(dec.masked(block)),
+                                    mutated=(0,))
+            state["carry"] = MRPChain(dec, state["h_a"], positions).carry
         else:
-            carry = dec.step("direct_mrp", mrp_step, block, positions, h_a, carry, mutated=(0,))
+            state["carry"] = dec.step("direct_mrp", mrp_step, block, positions, state["h_a"], state["carry"],
+                                      mutated=(0,))
 
 
 def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed: tuple, fresh: torch.Tensor):

@@ -25,14 +25,19 @@ def model():
     return tiny_model(seed=0)
 
 
-def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int) -> torch.Tensor:
-    """One token per step, recomputing the whole block-causal sequence with no cache (the oracle)."""
+def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None):
+    """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
+    until its positions up to the last new token are committed (the last block's positions past it are masks
+    the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
+    forwards it ran are appended to ``forwards``."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
     x[0, :P] = prompt
     for start in range(P // block * block, end, block):
-        while (x[0, start : start + block] == MASK_ID).any():
+        while (x[0, start : min(start + block, P + max_new)] == MASK_ID).any():
+            if forwards is not None:
+                forwards.append(start)
             logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
             logits[:, MASK_ID] = float("-inf")
             probs = logits.softmax(-1)
@@ -43,11 +48,16 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int) -
     return x[0, : P + max_new]
 
 
-@pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (5, 12)])
+@pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (5, 12), (2, 7), (6, 1)])
 def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new):
+    """Tokens and backbone forwards (blocks of 4: the last block ending at the block's end, or 1-3 positions
+    before it)."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
-    out = model.generate(prompt[None], max_new_tokens=max_new)
-    assert torch.equal(out[0], naive_static_decode(model, prompt, max_new, model.config.block_size))
+    out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True)
+    forwards = []
+    assert torch.equal(out.sequences[0], naive_static_decode(model, prompt, max_new, model.config.block_size,
+                                                             forwards))
+    assert out.stats.backbone_forwards.tolist() == [len(forwards)]
 
 
 def test_cached_denoising_forward_equals_uncached_logits(model):
@@ -78,6 +88,25 @@ STRATEGIES = [
     dict(strategy="remask", threshold=0.4),
     dict(strategy="remask", threshold=0.4, remask_rule="delta", residual_delta=0.5),
 ]
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_decoding_stops_at_the_last_new_token(model, kwargs):
+    """``max_new_tokens`` ending inside a block gives the first tokens of that block decoded whole (its positions
+    past the last new token are context either way), and decoding stops once they are committed: never more
+    forwards than decoding the block whole, fewer where the block's last positions come after them."""
+    saved = {}
+    for n in (2, 3, 5, 6, 9, 11):
+        prompt = random_prompts(1, n, seed=40 + n)
+        whole = -(-(n + 7) // 4) * 4 - n  # blocks of 4
+        cut, full = (model.generate(prompt, max_new_tokens=new, eos_token_id=[], return_dict_in_generate=True,
+                                    **kwargs) for new in (7, whole))
+        assert torch.equal(cut.sequences[0], full.sequences[0, : n + 7]), n
+        for name in ("backbone_forwards", "mrp_forwards"):
+            assert getattr(cut.stats, name) <= getattr(full.stats, name), (name, n)
+        saved[n] = int(full.stats.backbone_forwards + full.stats.mrp_forwards
+                       - cut.stats.backbone_forwards - cut.stats.mrp_forwards)
+    assert saved[9] == 0 and sum(saved.values()) > 0, saved  # 9 + 7 ends with its block
 
 
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
@@ -515,7 +544,8 @@ def _forward_batch_sizes(model, monkeypatch) -> list[int]:
 
 def test_rows_progress_through_their_own_blocks(model, monkeypatch):
     """A 3-token and a 30-token prompt decode their blocks side by side (blocks 0-2 and 7-9 of 4 tokens):
-    the batch costs the forwards of the slower row alone plus one prefill, not a pass over blocks 0-9."""
+    the batch costs, block by block, the forwards of the slower row alone plus one prefill, not a pass over
+    blocks 0-9."""
     short, long = random_prompts(1, 3, seed=20)[0], random_prompts(1, 30, seed=21)[0]
     ids = torch.zeros((2, 30), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -527,10 +557,13 @@ def test_rows_progress_through_their_own_blocks(model, monkeypatch):
         sizes.clear()
         alone.append(model.generate(row[None], max_new_tokens=8))
         forwards.append(len(sizes))
-    assert forwards == [1 + 4 + 4, 2 + 4 + 4]  # one token a step; the long row's prefill rides on its first
+    # One token a step, up to each row's last new token (positions 11 and 38-39, in the last blocks, are context:
+    # committed only if picked before it); the long row's prefill rides on its first.
+    assert 1 + 4 + 3 <= forwards[0] <= 1 + 4 + 4 and 2 + 4 + 2 <= forwards[1] <= 2 + 4 + 4, forwards
     sizes.clear()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8)
-    assert sizes == [2] * (1 + max(forwards))  # + one prefill of its own: the rows' prompt blocks differ
+    # + one prefill of its own (the rows' prompt blocks differ); static rows start their blocks together
+    assert sizes == [2] * (1 + max(1, 2) + 4 + max(forwards[0] - 1 - 4, forwards[1] - 2 - 4))
     assert torch.equal(out[0, 27:], alone[0][0]) and torch.equal(out[1], alone[1][0])
 
 
@@ -621,7 +654,8 @@ def test_finished_rows_leave_the_batch(model, monkeypatch):
     sizes = _forward_batch_sizes(model, monkeypatch)
     out = model.generate(ids, max_new_tokens=20, eos_token_id=[eos], pad_token_id=0, return_dict_in_generate=True)
     assert torch.equal(out.sequences[1], free[1])
-    assert out.stats.tokens_committed.tolist() == [3, 23]  # row 1 fills its last block (to 28)
+    # row 1 commits its 20 new tokens (5-24), and any of 25-27 (in its last block) that come before them
+    assert out.stats.tokens_committed[0] == 3 and 20 <= out.stats.tokens_committed[1] <= 23
     # The first block (3 masks, one token a step) runs with both rows; every later forward with row 1 only.
     assert sizes == [2] * 3 + [1] * (len(sizes) - 3) and len(sizes) > 3
     assert out.stats.backbone_forwards[0] == 3

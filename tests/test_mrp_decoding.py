@@ -51,7 +51,10 @@ def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, blo
                           draft_schedule=schedule, return_dict_in_generate=True, **drafts)
     assert torch.equal(spec.sequences, static.sequences)
     assert (spec.stats.tokens_per_forward >= 1.0).all()
-    assert torch.equal(spec.stats.tokens_committed, static.stats.tokens_committed)
+    # The same tokens in the same order: static stops once the last new token is committed (a last block's later
+    # positions are context), the verify round that commits it at most K tokens after it.
+    extra = spec.stats.tokens_committed - static.stats.tokens_committed
+    assert ((0 <= extra) & (extra <= k)).all(), extra
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

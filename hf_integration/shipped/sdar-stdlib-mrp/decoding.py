@@ -11,9 +11,10 @@ committing rows' finished positions are computed (a ragged forward, :class:`Pend
 up to a batch bucket of rows: the extra rows' are written past their length and do not advance them). The host
 checks which rows are full (one synchronisation) only after as many steps as surely leave every row with work
 (:class:`Strategy`; with ``device_loop``, and the steps that may have work after them in one graph, each run
-while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or filled
-its last block and leaves the batch, so it stops costing work (with CUDA graphs, once the rows left fit a smaller
-batch bucket: until then it rides along as padding). Strategies run whole steps through
+while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or committed
+its last new token (the positions of its last block past that token are context, not decoded:
+:meth:`BlockDecoder.masked_kept`) and leaves the batch, so it stops costing work (with CUDA graphs, once the rows
+left fit a smaller batch bucket: until then it rides along as padding). Strategies run whole steps through
 :meth:`BlockDecoder.step`, which with CUDA graphs on replays each kind of step (forwards and decisions) as one
 graph.
 """
@@ -109,10 +110,14 @@ class BlockDecoder:
         self.x = torch.full((B, total), self.mask_id, dtype=torch.long, device=device)
         self.x[:, : prompts.ids.shape[1]] = torch.where(
             torch.arange(prompts.ids.shape[1], device=device)[None, :] < lens[:, None], prompts.ids, self.mask_id)
-        self.x[real:] = prompts.ids[0, 0]
+        self.filler = prompts.ids[0, 0]  # a token that is not the mask: what padding rows hold
+        self.x[real:] = self.filler
+        self.ends = lens + settings.max_new_tokens  # [B]: past each row's last new token
         self.first_blocks = [n // T for n in prompts.lens]  # each row's first block with masks (host)
         self.first_block = torch.tensor(self.first_blocks, device=device)
         self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)] + [0] * (B - real)
+        # The positions a row's last block keeps (host, per working row): up to its last new token.
+        self.last_block_kept = [(n + settings.max_new_tokens - 1) % T + 1 for n in prompts.lens]
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         # Before the engine: packing may move the weights' storage, which keys a graphed engine.
         self.packed = settings.packed_projections and model.pack_projections()
@@ -131,6 +136,7 @@ class BlockDecoder:
         self.pending: PendingCommit | None = None  # finished blocks whose commit waits for the next forward
         self.row_state: dict[str, torch.Tensor] = {}  # per working row [B', ...]: follows the rows as they leave
         self.all_fresh = True  # every working row is at the start of a block (host)
+        self.block_steps = 0  # steps since every working row last opened a block: where a synchronous strategy is
         self.steps_launched = 0  # steps launched one by one
         self.loop_steps = 0  # steps run inside device loops (read back at each check of the rows)
         self.loop_slots = 0  # steps the next device loop may run (0: no loop)
@@ -213,6 +219,7 @@ class BlockDecoder:
         graph, so the commit rides along in the same launch. Only the prefill (longer than a block, once per
         call) runs as it is, each of its forwards graphed on its own."""
         self.steps_launched += 1
+        self.block_steps += 1
         pending = self.pending
         if pending is None:
             return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
@@ -235,33 +242,42 @@ class BlockDecoder:
               carry: tuple[int, ...] = ()) -> None:
         """``count`` steps ``fn(*inputs)`` that surely have work, each as :meth:`step` (with ``carry``, ``fn`` returns
         one tensor per index in it, which replaces that input in place: the next step's seed), then, with
-        ``device_loop``, up to ``loop_slots`` steps that may have work in one graph, each run only while no working
-        row has filled its block (with rows moving on together: while any has masks), tested on the device; so the
-        host checks the rows once a block fills, not after every step. ``inputs[0]`` is the block [B, T]."""
+        ``device_loop``, up to ``loop_slots`` steps that may have work in one graph, each run only while some row has
+        kept masks (:meth:`masked_kept`) and no :meth:`watched` row has filled its block, tested on the device; so
+        the host checks the rows once a block fills, not after every step. ``inputs[0]`` is the block [B, T],
+        ``inputs[1]`` its positions."""
         for _ in range(count):
             _carry_over(inputs, carry, self.step(name, fn, *inputs, mutated=mutated))
         if not self.loop_slots:
             return
-        together, slots, loop_steps = self.together, self.loop_slots, self.engine.loop_steps
+        slots, loop_steps = self.loop_slots, self.engine.loop_steps
 
-        def busy(block: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-            has_masks = self.masked(block).any(-1)
-            return has_masks.any() if together else (has_masks | ~active).all()
+        def busy(block: torch.Tensor, positions: torch.Tensor, watched: torch.Tensor, ends: torch.Tensor):
+            has_masks = self.masked_kept(block, positions, ends).any(-1)
+            return has_masks.any() & (has_masks | ~watched).all()
 
-        def body(go: torch.Tensor, active: torch.Tensor, *inputs: torch.Tensor) -> None:
+        def body(go: torch.Tensor, watched: torch.Tensor, ends: torch.Tensor, *inputs: torch.Tensor) -> None:
             _carry_over(inputs, carry, fn(*inputs))
             loop_steps.add_(1)
-            go.copy_(busy(inputs[0], active))
+            go.copy_(busy(inputs[0], inputs[1], watched, ends))
 
-        def loop(active: torch.Tensor, *inputs: torch.Tensor) -> None:
-            go = busy(inputs[0], active)
+        def loop(watched: torch.Tensor, ends: torch.Tensor, *inputs: torch.Tensor) -> None:
+            go = busy(inputs[0], inputs[1], watched, ends)
             for _ in range(slots):
-                run_if(go, body, go, active, *inputs)
+                run_if(go, body, go, watched, ends, *inputs)
 
-        active = torch.tensor([b > 0 for b in self.blocks_left], device=self.device)  # rows with blocks left
-        changed = tuple(i + 1 for i in (*mutated, *carry))
-        self.graphed(("loop", name, slots, together, self.settings_key), loop, active, *inputs, mutated=changed,
-                     branches=True)
+        watched = torch.tensor(self.watched(), device=self.device)
+        changed = tuple(i + 2 for i in (*mutated, *carry))
+        self.graphed(("loop", name, slots, self.settings_key), loop, watched, self.ends[self.rows], *inputs,
+                     mutated=changed, branches=True)
+
+    def watched(self) -> list[bool]:
+        """Per working row (host): whether the steps must stop once its block is done (no kept masks), for the
+        host to move it on: every row with blocks left; with rows moving on together, only a row decoding a last
+        block that ends before the block does (past its last new token a row stops, whatever the others do)."""
+        if not self.together:
+            return [b > 0 for b in self.blocks_left]
+        return [b == 1 and kept < self.block for b, kept in zip(self.blocks_left, self.last_block_kept)]
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
                           write_len: int = 0, **ragged: torch.Tensor) -> torch.Tensor:
@@ -464,6 +480,13 @@ class BlockDecoder:
         """bool [B, T]: the masked positions of ``block`` (every row of the working batch is decoding)."""
         return block == self.mask_id
 
+    def masked_kept(self, block: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """bool [B, T]: the masked positions of ``block`` (at ``positions`` [B, T]) that the output keeps, those
+        before ``ends`` [B] (``self.ends`` of the working rows). A row's block is done once they are committed:
+        the positions past its last new token (in its last block) are context while it decodes, and are dropped,
+        not decoded, after."""
+        return self.masked(block) & (positions < ends[:, None])
+
     def count(self, name: str, values: torch.Tensor) -> None:
         """Add ``values`` [B'] (one per row of the working batch) to the stats counter ``name``."""
         self.stats.add(name, self.rows, values)
@@ -485,11 +508,12 @@ class BlockDecoder:
         block = self.x.gather(1, positions)
         # Host state per working row: masks left in its block, blocks left to decode (with this one; 0 for a
         # finished row kept as padding of a graphed batch, see retire).
-        self.masks_left = [T - n % T if b else 0 for n, b in zip(self.prompts.lens, self.blocks_to_decode)]
+        masks = [T - n % T if b else 0 for n, b in zip(self.prompts.lens, self.blocks_to_decode)]
+        self.masks_left = [min(m, self.settings.max_new_tokens) for m in masks]  # the kept ones (masked_kept)
         self.blocks_left = list(self.blocks_to_decode)
-        S = self.settings.denoising_steps
-        self.row_state["quota_base"] = torch.tensor([m // S for m in self.masks_left], device=self.device)
-        self.row_state["quota_extra"] = torch.tensor([m % S for m in self.masks_left], device=self.device)
+        S = self.settings.denoising_steps  # SDAR's schedule counts every mask of the block
+        self.row_state["quota_base"] = torch.tensor([m // S for m in masks], device=self.device)
+        self.row_state["quota_extra"] = torch.tensor([m % S for m in masks], device=self.device)
         self.row_state["steps_taken"] = torch.zeros_like(self.rows)
         self.row_state["fresh"] = torch.ones_like(self.rows, dtype=torch.bool)
         eos = torch.tensor(self.settings.eos_ids, dtype=torch.long, device=self.device)
@@ -498,12 +522,16 @@ class BlockDecoder:
         most = strategy.most_per_step(self)
         with tqdm(total=sum(self.blocks_left), desc="blocks", disable=not self.settings.progress) as bar:
             while self.masks_left:
-                # Steps that surely have work: for the row with the fewest left (for all rows, together). A step
-                # commits at least one token in each row with masks, so a block (together: every block) is full
-                # at most `left` steps after them.
+                # Steps that surely have work: for the row with the fewest left (together: for all rows, but no
+                # more than a watched row surely has: a row decoding its last block must not step on past its
+                # last new token, see watched). A step commits at least one token in each row with masks, so a
+                # block (together: every block) is full at most `left` steps after them (the masks past a last
+                # new token counted as left too: a step may commit them first).
                 row = max if together else min
-                steps = row(-(-m // most) for m in self.masks_left if m)
-                left = row(m for m in self.masks_left if m) - steps
+                steps = min([row(-(-m // most) for m in self.masks_left if m)]
+                            + [-(-m // most) for m, w in zip(self.masks_left, self.watched()) if m and w])
+                left = row(m + (T - kept if b == 1 else 0) for m, b, kept in
+                           zip(self.masks_left, self.blocks_left, self.last_block_kept) if m) - steps
                 if self.settings.device_loop and not strategy.synchronous and left > 0:
                     self.loop_slots = 1 << (left - 1).bit_length()  # few sizes of loop: few graphs
                 strategy.decode(self, block, positions, steps)
@@ -532,15 +560,20 @@ class BlockDecoder:
 
     def _move_on(self, block: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor, bar, together: bool):
         """Check the working rows (one host synchronisation, which also reads the steps device loops ran): full
-        blocks go to x (and the stream); rows with an EOS or no blocks left leave; the other full rows commit
-        theirs and move on to their next block (``together``: only once every row's block is full). Returns the
-        working rows' block and positions [B'', T]."""
+        blocks (no kept masks: :meth:`masked_kept`) go to x (and the stream); rows with an EOS or no blocks left
+        leave; the other full rows commit theirs and move on to their next block (``together``: only once every
+        row's block is full). Returns the working rows' block and positions [B'', T]."""
         hit = torch.isin(block, eos) & (positions >= self.lens[self.rows, None])
         B = block.shape[0]
-        counts = torch.cat([self.masked(block).sum(-1), hit.any(-1).long(), self.engine.loop_steps.view(1)]).tolist()
+        counts = torch.cat([self.masked_kept(block, positions, self.ends[self.rows]).sum(-1), hit.any(-1).long(),
+                            self.engine.loop_steps.view(1)]).tolist()
         self.masks_left, hit, self.loop_steps = counts[:B], counts[B:-1], counts[-1]
         live = sum(1 for b in self.blocks_left if b)
         full = [i for i, m in enumerate(self.masks_left) if m == 0 and self.blocks_left[i]]
+        ending = [i for i in full if self.blocks_left[i] == 1 and self.last_block_kept[i] < self.block]
+        if ending:  # their masks past the last new token: filled, so no later step works on them
+            index = torch.tensor(ending, device=self.device)
+            block[index] = block[index].masked_fill(self.masked(block[index]), self.filler)
         if not full or (together and len(full) < live):
             return block, positions
         bar.update(len(full))
@@ -593,8 +626,12 @@ class BlockDecoder:
         self.row_state["quota_extra"][index] = T % self.settings.denoising_steps
         self.row_state["steps_taken"][index] = 0
         self.row_state["fresh"][index] = True
-        self.masks_left = [T if switch else m for switch, m in zip(switching, self.masks_left)]
+        self.masks_left = [(T if b > 1 else kept) if switch else m
+                           for switch, m, b, kept in zip(switching, self.masks_left, self.blocks_left,
+                                                         self.last_block_kept)]
         self.all_fresh = all(switch for switch, b in zip(switching, self.blocks_left) if b)
+        if self.all_fresh:
+            self.block_steps = 0
 
     def retire(self, kept: list[int], block: torch.Tensor, positions: torch.Tensor):
         """Shrink the working batch to the rows ``kept`` (increasing indices into it); the others are finished.
@@ -613,6 +650,7 @@ class BlockDecoder:
         self.row_state = {name: value[index] for name, value in self.row_state.items()}
         self.masks_left = [self.masks_left[i] for i in kept]
         self.blocks_left = [self.blocks_left[i] for i in kept]
+        self.last_block_kept = [self.last_block_kept[i] for i in kept]
         return block[index], positions[index]
 
 
