@@ -56,6 +56,23 @@ def test_listing_every_token_drafts_what_the_whole_vocabulary_drafts(monkeypatch
     assert whole.stats.accepted_lengths[:, 1:].sum() > 0
 
 
+def test_a_sampled_list_leaves_out_the_mask_token(monkeypatch):
+    """Sampling, the seed forward lists each position's candidates from the logits it builds: never the mask token
+    (no draft may pick it), so a list as long as the vocabulary without it holds every other token."""
+    model = small_vocab_model(seed=2)
+    prompts = torch.randint(0, MASK, (2, 5), generator=torch.Generator().manual_seed(7))
+    listed = []
+    pick = mrp_triton.candidate_confidence
+    monkeypatch.setattr(mrp_triton, "candidate_confidence",
+                        lambda *a, **k: (listed.append(a[2].clone()), pick(*a, **k))[1])  # a[2]: the ids [N, M]
+    model.generate(prompts, max_new_tokens=16, strategy="speculative", mrp_steps=2, draft_candidates=MASK,
+                   do_sample=True, seed=3)
+    rows = torch.cat(listed)
+    rows = rows[(rows >= 0).all(-1)]  # the positions the seed forward scored
+    assert rows.shape[0] > 0
+    assert torch.equal(rows.sort(-1).values, torch.arange(MASK).expand_as(rows))
+
+
 def test_each_round_drafts_among_its_seed_forwards_list(monkeypatch):
     """With one candidate, a round's drafts choose among (list) exactly the tokens the forward that seeded it picked:
     a block's opening forward, or the verify forward's slice of the accepted candidate state (greedy: its picks

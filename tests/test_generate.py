@@ -961,9 +961,11 @@ def test_stop_strings_cut_the_stream_too(model):
     stop = tok.decode(free[5:7])
     keep = tok.decode(free).find(stop) + 2
     streamer = RecordingStreamer()
-    out = model.generate(ids, max_new_tokens=16, eos_token_id=[], pad_token_id=0, stop_strings=stop, tokenizer=tok,
+    pad = next(t for t in range(MASK_ID) if t not in free)  # a token the model does not write: the cut shows
+    out = model.generate(ids, max_new_tokens=16, eos_token_id=[], pad_token_id=pad, stop_strings=stop, tokenizer=tok,
                          streamer=streamer)
     assert sum(streamer.puts[1:], []) == free[:keep] == out[0, 4:4 + keep].tolist()
+    assert (out[0, 4 + keep:] == pad).all() and keep < 16
 
 
 def test_tokens_to_keep_ends_with_the_token_that_completes_a_stop_string():

@@ -99,6 +99,45 @@ def test_oracle_mrp_scale_is_respected(monkeypatch):
     assert out.stats.backbone_forwards.tolist() == [3]  # 1 opening + 2 rounds of 4 (then 3)
 
 
+@pytest.mark.parametrize("mix", ["logits_sum", "none"])
+def test_direct_chains_start_from_the_backbone_hidden_state(monkeypatch, mix):
+    """Each chain of direct decoding feeds its first MRP step h_A, the hidden state of the backbone forward before
+    it (the residual sum starts at zero; mode "none" feeds h_A and then each h_p), and chains a step's output on
+    (``logits_sum``: h_A + s * (h_p1 + ...)), whatever host checks fall between its steps."""
+    model = tiny_model(seed=3, block_size=8)
+    events = []
+    backbone, head = model.model.forward, model.mrp_forward
+
+    def spy_backbone(*args, **kwargs):
+        hidden = backbone(*args, **kwargs)
+        events.append(("backbone", hidden[:, -8:].clone()))  # the block's positions (a finished one may ride first)
+        return hidden
+
+    def spy_head(input_ids, hidden_states, *args, attn=None, **kwargs):
+        out = head(input_ids, hidden_states, *args, attn=attn, **kwargs)
+        if not attn.write_len:  # a chain step, not a commit's cache write
+            events.append(("head", hidden_states.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(model.model, "forward", spy_backbone)
+    monkeypatch.setattr(model, "mrp_forward", spy_head)
+    model.generate(random_prompts(1, 3, seed=2), max_new_tokens=19, strategy="direct", mrp_steps=3, mrp_mix=mix,
+                   mrp_scale=0.5)
+    chains = 0
+    for event, previous in zip(events[1:], events):
+        if event[0] != "head":
+            continue
+        if previous[0] == "backbone":
+            h_a, residuals = previous[1], 0
+            chains += 1
+            expected = h_a
+        else:
+            residuals = residuals + previous[2]
+            expected = h_a + 0.5 * residuals if mix == "logits_sum" else previous[2]
+        torch.testing.assert_close(event[1], expected, rtol=1e-12, atol=1e-12)
+    assert chains >= 4
+
+
 def test_direct_decoding_is_bounded_and_counts_mrp_forwards():
     model = tiny_model(seed=3, block_size=8)
     out = model.generate(random_prompts(2, 3, seed=2), max_new_tokens=13, strategy="direct", mrp_steps=2,
@@ -188,11 +227,46 @@ def test_remask_feeds_the_head_the_ids_its_rule_reads(monkeypatch, rule):
     assert checked >= 2
 
 
-def test_remask_actually_remasks_with_a_strict_threshold():
+@pytest.mark.parametrize("rule", ["tau", "delta"])
+def test_remask_scores_follow_their_rule(rule):
+    """Rule "tau" scores a revealed token by its probability under the full softmax (mask token left out) of the
+    corrected logits at the temperature the picks use; rule "delta" by |C[pos, token]|, C = corrected -
+    lm_head(h_A): a residual that lowers the token's logit counts as much as one that raises it."""
+    from hf_integration.decoding import BlockDecoder
+    from hf_integration.generation_settings import GenerationSettings
+    from hf_integration.mrp_decoding import _token_scores
+    from hf_integration.prompts import PromptBatch
+
     model = tiny_model(seed=5, block_size=8)
-    out = model.generate(random_prompts(2, 6, seed=3), max_new_tokens=15, strategy="remask", threshold=0.05,
-                         remask_rule="delta", residual_delta=1e-6, return_dict_in_generate=True)
-    assert (out.stats.tokens_remasked > 0).any()
+    ids = random_prompts(2, 5, seed=1)
+    kwargs = dict(max_new_tokens=8, strategy="remask", remask_rule=rule, do_sample=True, temperature=0.5, seed=1)
+    dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None),
+                       GenerationSettings.resolve(model, None, kwargs, prompt_width=5))
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 2, 8, model.config.vocab_size
+    h_a = torch.randn(B, T, model.config.hidden_size, generator=g, dtype=torch.float64)
+    corrected = 3 * torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, MASK_ID, (B, T), generator=g)
+    revealed = torch.rand(B, T, generator=g) < 0.6
+    score = _token_scores(dec, h_a, corrected, tokens, revealed, torch.arange(8, 16).expand(B, -1))
+    if rule == "tau":
+        expected = (corrected / 0.5).index_fill(-1, torch.tensor([MASK_ID]), float("-inf")).softmax(-1)
+    else:
+        expected = corrected - model.lm_head(h_a)
+        assert (expected.gather(-1, tokens[..., None])[revealed] < 0).any()  # residuals that lower the token
+        expected = expected.abs()
+    expected = expected.gather(-1, tokens[..., None])[..., 0]
+    torch.testing.assert_close(score[revealed].double(), expected[revealed], rtol=1e-5, atol=1e-7)
+
+
+def test_remask_actually_remasks_with_a_strict_threshold():
+    """A remasked reveal is not committed: each row commits its 18 new tokens (to 24, the end of its last block)
+    once, however often its reveals were vetoed."""
+    model = tiny_model(seed=5, block_size=8)
+    out = model.generate(random_prompts(2, 6, seed=3), max_new_tokens=18, strategy="remask", threshold=0.05,
+                         remask_rule="delta", residual_delta=1e-6, eos_token_id=[], return_dict_in_generate=True)
+    assert (out.stats.tokens_remasked > 0).all()
+    assert out.stats.tokens_committed.tolist() == [18, 18]
 
 
 def test_remask_with_infinite_delta_equals_dynamic():

@@ -195,8 +195,9 @@ def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(mon
 def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
     """With ``device_loop`` the steps that may have work run in one graph, each only while no row has filled
     its block: one prompt checks the host once per block (step by step: after every step but the surely
-    busy ones), a batch at most as often, and the tokens, per-row counts and steps are those of step-by-step
-    decoding. Loops come in a few sizes (powers of two), so few graphs."""
+    busy ones), a batch less often than step by step too (the padding row of its graphed bucket does not stop
+    the loops), and the tokens, per-row counts and steps are those of step-by-step decoding. Loops come in a few
+    sizes (powers of two), so few graphs."""
     checks = []
     move_on = decoding.BlockDecoder._move_on
     monkeypatch.setattr(decoding.BlockDecoder, "_move_on", lambda self, *a: (checks.append(1), move_on(self, *a))[1])
@@ -214,9 +215,9 @@ def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
         for name, value in vars(plain.stats).items():
             assert torch.equal(getattr(loop.stats, name), value), name
         blocks = -(-(ids.shape[1] + new) // 4) - ids.shape[1] // 4
-        assert loop_checks <= plain_checks
+        assert loop_checks < plain_checks, (loop_checks, plain_checks)  # 3 prompts: a padding row in the bucket of 4
         if ids.shape[0] == 1:
-            assert loop_checks == blocks < plain_checks, (loop_checks, blocks, plain_checks)
+            assert loop_checks == blocks, (loop_checks, blocks)
     loops = {key[2] for key in model._decode_engine[1].graphs.graphs if key[0] == "loop"}
     assert loops and loops <= {1, 2, 4}, loops  # block 4: at most 3 steps may follow the first
     model.release_decode_engine()
