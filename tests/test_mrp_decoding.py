@@ -103,20 +103,22 @@ def test_oracle_mrp_scale_is_respected(monkeypatch):
 def test_direct_chains_start_from_the_backbone_hidden_state(monkeypatch, mix):
     """Each chain of direct decoding feeds its first MRP step h_A, the hidden state of the backbone forward before
     it (the residual sum starts at zero; mode "none" feeds h_A and then each h_p), and chains a step's output on
-    (``logits_sum``: h_A + s * (h_p1 + ...)), whatever host checks fall between its steps."""
+    (``logits_sum``: h_A + s * (h_p1 + ...)), whatever host checks fall between its steps; a block's first step is
+    a backbone forward over it (no chain goes on into the next block)."""
     model = tiny_model(seed=3, block_size=8)
     events = []
     backbone, head = model.model.forward, model.mrp_forward
 
-    def spy_backbone(*args, **kwargs):
-        hidden = backbone(*args, **kwargs)
-        events.append(("backbone", hidden[:, -8:].clone()))  # the block's positions (a finished one may ride first)
+    def spy_backbone(input_ids, position_ids, **kwargs):
+        hidden = backbone(input_ids, position_ids, **kwargs)
+        # the block's positions (a finished block may ride in front)
+        events.append(("backbone", hidden[:, -8:].clone(), position_ids[:, -8:].clone()))
         return hidden
 
-    def spy_head(input_ids, hidden_states, *args, attn=None, **kwargs):
-        out = head(input_ids, hidden_states, *args, attn=attn, **kwargs)
+    def spy_head(input_ids, hidden_states, position_ids, *args, attn=None, **kwargs):
+        out = head(input_ids, hidden_states, position_ids, *args, attn=attn, **kwargs)
         if not attn.write_len:  # a chain step, not a commit's cache write
-            events.append(("head", hidden_states.clone(), out.clone()))
+            events.append(("head", hidden_states.clone(), out.clone(), position_ids.clone()))
         return out
 
     monkeypatch.setattr(model.model, "forward", spy_backbone)
@@ -128,12 +130,13 @@ def test_direct_chains_start_from_the_backbone_hidden_state(monkeypatch, mix):
         if event[0] != "head":
             continue
         if previous[0] == "backbone":
-            h_a, residuals = previous[1], 0
+            (_, h_a, block), residuals = previous, 0
             chains += 1
             expected = h_a
         else:
             residuals = residuals + previous[2]
             expected = h_a + 0.5 * residuals if mix == "logits_sum" else previous[2]
+        assert torch.equal(event[3], block)  # the block of the chain's backbone forward
         torch.testing.assert_close(event[1], expected, rtol=1e-12, atol=1e-12)
     assert chains >= 4
 
