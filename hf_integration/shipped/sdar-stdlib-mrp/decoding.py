@@ -277,6 +277,11 @@ class BlockDecoder:
         block that ends before the block does (past its last new token a row stops, whatever the others do)."""
         if not self.together:
             return [b > 0 for b in self.blocks_left]
+        return self.in_short_last_block()
+
+    def in_short_last_block(self) -> list[bool]:
+        """Per working row (host): whether it decodes its last block and that block goes on past its last new
+        token (positions that are context only: :meth:`masked_kept`)."""
         return [b == 1 and kept < self.block for b, kept in zip(self.blocks_left, self.last_block_kept)]
 
     def _backbone_forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None,
@@ -570,7 +575,8 @@ class BlockDecoder:
         self.masks_left, hit, self.loop_steps = counts[:B], counts[B:-1], counts[-1]
         live = sum(1 for b in self.blocks_left if b)
         full = [i for i, m in enumerate(self.masks_left) if m == 0 and self.blocks_left[i]]
-        ending = [i for i in full if self.blocks_left[i] == 1 and self.last_block_kept[i] < self.block]
+        short = self.in_short_last_block()
+        ending = [i for i in full if short[i]]
         if ending:  # their masks past the last new token: filled, so no later step works on them
             index = torch.tensor(ending, device=self.device)
             block[index] = block[index].masked_fill(self.masked(block[index]), self.filler)
