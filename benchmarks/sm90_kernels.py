@@ -107,6 +107,10 @@ def _decisions() -> list[Variant]:
         for thr_t in (True, False):
             out.append(Variant(f"remask tau={tau} thr_tensor={thr_t}", "remask", "_remask_kernel", sig,
                                {"IS_TAU": tau, "THR_TENSOR": thr_t, "BLOCK_L": 16}, 1, divisible=_ptrs_divisible(sig)))
+    sig = {"block_ptr": "*i64", "pos_ptr": "*i64", "starts_ptr": "*i64", "ends_ptr": "*i64", "eos_ptr": "*u8",
+           "L": "i32", "mask_id": "i32", "filler": "i32", "BLOCK_L": "constexpr"}
+    out.append(Variant("settle_rows", "settle", "_settle_kernel", sig, {"BLOCK_L": 16}, 1,
+                       divisible=_ptrs_divisible(sig)))
     return out
 
 

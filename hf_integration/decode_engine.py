@@ -1,12 +1,14 @@
 """What a ``generate`` call decodes on: the KV cache, the per-row state and the captured steps.
 
 The per-row state is which original row each row of the working batch is (``rows``: it keys the sampling noise
-and the stats), how many tokens each has committed (``counter``: the state index in the noise key), the per-row
-stats and the steps device loops have run (``loop_steps``); beside it the call's sampling seed (``seed_key``)
-and the settings read on the device (``on_device``: temperature, top-k, top-p, thresholds, denoising steps), so
-one set of captured steps serves every value. Like the cache, it lives in buffers whose storage never moves:
-``rows`` and ``counter`` are views of the first B' entries, finished rows are dropped by moving the kept ones to
-the front, and the stats are indexed by original row. So steps captured in CUDA graphs may read and update it,
+and the stats), how many tokens each has committed (``counter``: the state index in the noise key), where its
+new tokens start and where its output ends (``starts``, ``ends``: past its last new token, or past its first EOS
+once it has committed one), the per-row stats and the steps device loops have run (``loop_steps``); beside it the
+call's sampling seed (``seed_key``), EOS ids (``is_eos``) and the settings read on the device (``on_device``:
+temperature, top-k, top-p, thresholds, denoising steps), so one set of captured steps serves every value. Like the
+cache, it lives in buffers whose storage never moves: ``rows``, ``counter``, ``starts`` and ``ends`` are views of
+the first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats are indexed by
+original row. So steps captured in CUDA graphs may read and update it,
 and a graphed engine is kept on the model for the next call of the same shapes.
 """
 
@@ -99,6 +101,9 @@ class DecodeEngine:
         self.graphs = StepGraphs(capture=s.device.type == "cuda") if graphed else None
         self._rows = torch.arange(s.batch, device=s.device)
         self._counter = torch.zeros(s.batch, dtype=torch.long, device=s.device)
+        self._starts = torch.zeros(s.batch, dtype=torch.long, device=s.device)
+        self._ends = torch.zeros(s.batch, dtype=torch.long, device=s.device)
+        self.is_eos = torch.zeros(config.vocab_size, dtype=torch.bool, device=s.device)  # bool [V], by token id
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
         self.loop_steps = torch.zeros((), dtype=torch.long, device=s.device)
         self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
@@ -118,6 +123,14 @@ class DecodeEngine:
         self.seed_key.fill_((seed_hash(settings.seed) & 0x7FFFFFFF) << 32)
         for name, value in self.on_device.items():
             value.fill_(1.0 if getattr(settings, name) is None else float(getattr(settings, name)))
+        self.is_eos.zero_()
+        self.is_eos[list(settings.eos_ids)] = True
+
+    def use_layout(self, starts: torch.Tensor, ends: torch.Tensor) -> None:
+        """This call's rows (every row of the engine's batch): where each one's new tokens start and end, int64
+        [B] (position of the first new token; past the last)."""
+        self._starts.copy_(starts)
+        self._ends.copy_(ends)
 
     def reset(self) -> None:
         """Every row back, nothing committed, stats zero (graphs captured over the buffers stay valid)."""
@@ -138,12 +151,15 @@ class DecodeEngine:
 
     def _use_rows(self, n: int) -> None:
         self.rows, self.counter = self._rows[:n], self._counter[:n]
+        self.starts, self.ends = self._starts[:n], self._ends[:n]
 
     def keep_rows(self, kept: torch.Tensor) -> None:
         """Shrink the working batch to ``kept`` (int64 [B''], increasing indices into it)."""
         n = kept.shape[0]
         self._rows[:n] = self.rows[kept]
         self._counter[:n] = self.counter[kept]
+        self._starts[:n] = self.starts[kept]
+        self._ends[:n] = self.ends[kept]
         self._use_rows(n)
         self.cache.keep_rows(kept)
 

@@ -285,6 +285,9 @@ class GenerationSettings:
                 raise ValueError("stop_strings needs the tokenizer that decodes the ids: pass tokenizer=... (as "
                                  "transformers' generate does)")
         self.eos_ids = tuple(_token_id("eos_token_id", i, config.vocab_size) for i in self.eos_ids)
+        if config.mask_token_id in self.eos_ids:
+            raise ValueError(f"eos_token_id {config.mask_token_id} is the mask token, which decoding never commits "
+                             "(it marks the positions still to decode): pass the model's end-of-text id(s)")
         self.pad_token_id = _token_id("pad_token_id", self.pad_token_id, config.vocab_size)
         if self.strategy in MRP_STRATEGIES:
             model.require_mrp(f"strategy={self.strategy!r}")

@@ -14,13 +14,14 @@ from .qk_norm_rope import qk_norm_rope, qk_norm_rope_triton
 from .remask import remask, remask_triton
 from .rms_norm import rms_norm, rms_norm_triton
 from .select import select_commit, select_commit_triton
+from .settle import settle_rows, settle_rows_triton
 from .softmax_kl import softmax_kl, softmax_kl_triton
 from .swiglu import swiglu, swiglu_triton
 from .verify import verify_drafts, verify_drafts_triton
 
 __all__ = [
     "confidence", "confidence_triton", "remask", "remask_triton", "select_commit", "select_commit_triton",
-    "verify_drafts", "verify_drafts_triton",
+    "verify_drafts", "verify_drafts_triton", "settle_rows", "settle_rows_triton",
     "lm_head_confidence", "lm_head_confidence_triton", "mrp_input", "mrp_input_triton",
     "qk_norm_rope", "qk_norm_rope_triton", "rms_norm", "rms_norm_triton", "swiglu", "swiglu_triton",
     "cached_attention", "cached_attention_triton", "candidate_confidence", "candidate_confidence_triton",

@@ -45,9 +45,9 @@ def test_every_variant_compiles_for_sm90(reports):
 
     assert sorted(reports) == sorted(v.name for v in sm90_kernels.variants())
     assert {name.split()[0] for name in reports} == {
-        "confidence", "select", "verify", "remask", "cached_attention", "lm_head_confidence", "rms_norm", "swiglu",
-        "qk_norm_rope", "mrp_input", "candidate_confidence", "rms_norm_backward", "swiglu_backward",
-        "qk_norm_rope_backward", "softmax_kl_stats", "softmax_kl"}
+        "confidence", "select", "verify", "remask", "settle_rows", "cached_attention", "lm_head_confidence",
+        "rms_norm", "swiglu", "qk_norm_rope", "mrp_input", "candidate_confidence", "rms_norm_backward",
+        "swiglu_backward", "qk_norm_rope_backward", "softmax_kl_stats", "softmax_kl"}
     assert all(r["spill_bytes"] == 0 for r in reports.values()), {n: r["spill_bytes"] for n, r in reports.items()}
 
 

@@ -110,6 +110,38 @@ def test_decoding_stops_at_the_last_new_token(model, kwargs):
 
 
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_decoding_stops_at_the_first_eos(model, kwargs):
+    """A row whose first EOS is its new token k stops as it would with ``max_new_tokens=k`` (and no EOS): once
+    the EOS and every new token before it are committed, however much of the EOS's block is still masked: the
+    same tokens and the very same per-row counts, never more forwards than decoding that block whole (the rows
+    of a batch stopped there before), fewer where its last positions would come after them. The EOS token in the
+    prompt (its last token, in the first decoded block) ends nothing."""
+    saved = 0
+    for n in (3, 4, 9):
+        prompt = random_prompts(1, n, seed=60 + n)
+        common = dict(return_dict_in_generate=True, pad_token_id=0, **kwargs)
+        free = model.generate(prompt, max_new_tokens=16, eos_token_id=[], **common).sequences[0, n:].tolist()
+        firsts = {}  # new-token index of each token's first occurrence
+        for k, token in enumerate(free):
+            firsts.setdefault(token, k)
+        eos_ids = [*list(firsts)[:4], int(prompt[0, -1])]
+        for eos in eos_ids:
+            k = firsts.get(eos, 15)
+            ended = model.generate(prompt, max_new_tokens=16, eos_token_id=[eos], **common)
+            cut, whole = (model.generate(prompt, max_new_tokens=new, eos_token_id=[], **common)
+                          for new in (k + 1, -(-(n + k + 1) // 4) * 4 - n))  # blocks of 4
+            assert torch.equal(ended.sequences[0, : n + k + 1], cut.sequences[0]), (n, k)
+            assert (ended.sequences[0, n + k + 1 :] == 0).all()
+            for name, value in vars(cut.stats).items():
+                assert torch.equal(getattr(ended.stats, name), value), (name, n, k)
+            assert ended.batch_steps >= cut.batch_steps
+            spent = [int(out.stats.backbone_forwards + out.stats.mrp_forwards) for out in (ended, whole)]
+            assert spent[0] <= spent[1], (n, k)
+            saved += spent[1] - spent[0]
+    assert saved > 0
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_batched_equals_one_by_one(model, kwargs, padding):
     lens = [3, 9, 6]
@@ -419,6 +451,7 @@ BAD_INPUTS = [
     (dict(do_sample=True, top_k=0), ValueError, "top_k"),
     (dict(do_sample=True, top_k=2.5), TypeError, "top_k must be an int"),
     (dict(eos_token_id=1000), ValueError, r"eos_token_id 1000 is not a token id of the vocabulary \[0, "),
+    (dict(eos_token_id=[3, MASK_ID]), ValueError, f"eos_token_id {MASK_ID} is the mask token, which decoding never"),
     (dict(pad_token_id=-3), ValueError, r"pad_token_id -3 is not a token id of the vocabulary \[0, "),
     (dict(pad_token_id=1000), ValueError, "pad_token_id 1000 is not a token id"),
     (dict(strategy="speculative", mrp_steps=0), ValueError, "mrp_steps"),

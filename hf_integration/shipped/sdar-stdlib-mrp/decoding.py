@@ -11,12 +11,12 @@ committing rows' finished positions are computed (a ragged forward, :class:`Pend
 up to a batch bucket of rows: the extra rows' are written past their length and do not advance them). The host
 checks which rows are full (one synchronisation) only after as many steps as surely leave every row with work
 (:class:`Strategy`; with ``device_loop``, and the steps that may have work after them in one graph, each run
-while no row has filled its block, tested on the device); a row finishes once it has produced an EOS or committed
-its last new token (the positions of its last block past that token are context, not decoded:
-:meth:`BlockDecoder.masked_kept`) and leaves the batch, so it stops costing work (with CUDA graphs, once the rows
-left fit a smaller batch bucket: until then it rides along as padding). Strategies run whole steps through
-:meth:`BlockDecoder.step`, which with CUDA graphs on replays each kind of step (forwards and decisions) as one
-graph.
+while no row has filled its block, tested on the device); a row finishes once it has committed its last new token,
+or an EOS and every new token before it (the positions after are context, not decoded: each step ends by
+settling such rows on the device, :meth:`BlockDecoder.settle`), and leaves the batch, so it stops costing work
+(with CUDA graphs, once the rows left fit a smaller batch bucket: until then it rides along as padding).
+Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA graphs on replays each kind of step
+(forwards and decisions) as one graph.
 """
 
 from __future__ import annotations
@@ -105,14 +105,13 @@ class BlockDecoder:
         # nothing to decode), so calls whose batches share a bucket share the engine and its graphs.
         real = len(prompts.lens)
         self.prompts = prompts = prompts.with_padding_rows(_graphed_batch(real) - real if graphed else 0)
-        self.lens = lens = torch.tensor(prompts.lens, device=device)
+        lens = torch.tensor(prompts.lens, device=device)
         B = lens.shape[0]
         self.x = torch.full((B, total), self.mask_id, dtype=torch.long, device=device)
         self.x[:, : prompts.ids.shape[1]] = torch.where(
             torch.arange(prompts.ids.shape[1], device=device)[None, :] < lens[:, None], prompts.ids, self.mask_id)
-        self.filler = prompts.ids[0, 0]  # a token that is not the mask: what padding rows hold
+        self.filler = 0 if self.mask_id else 1  # a token that is not the mask: what padding rows hold
         self.x[real:] = self.filler
-        self.ends = lens + settings.max_new_tokens  # [B]: past each row's last new token
         self.first_blocks = [n // T for n in prompts.lens]  # each row's first block with masks (host)
         self.first_block = torch.tensor(self.first_blocks, device=device)
         self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)] + [0] * (B - real)
@@ -127,6 +126,7 @@ class BlockDecoder:
                             device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
         self.engine = engine_for(model, shape, graphed)
         self.engine.use_settings(settings)
+        self.engine.use_layout(lens, lens + settings.max_new_tokens)
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
         self.settings_key = settings.step_key()
         self.draft = None if settings.draft_vocab is None else draft_head(
@@ -214,12 +214,14 @@ class BlockDecoder:
         """One whole decoding step ``fn(*inputs)``: its forwards and the decode ops between them, graphed as
         one by (name, settings, input shapes), so a step costs one launch. ``fn`` reads the decoder's
         per-row state (``rows``, ``counter``, ``stats``: fixed buffers) and its inputs, and updates the
-        inputs in ``mutated`` in place. The first step after rows finished blocks carries their pending
+        inputs in ``mutated`` in place; ``inputs[0]`` is the block [B, T] (always mutated: the step ends with
+        :meth:`settle`), ``inputs[1]`` its positions. The first step after rows finished blocks carries their pending
         commit (``fuse_commit``): the finished ids, positions and committing rows become inputs of its
         graph, so the commit rides along in the same launch. Only the prefill (longer than a block, once per
         call) runs as it is, each of its forwards graphed on its own."""
         self.steps_launched += 1
         self.block_steps += 1
+        fn = self._settling(fn)
         pending = self.pending
         if pending is None:
             return self.graphed((name, self.settings_key), fn, *inputs, mutated=mutated)
@@ -238,38 +240,46 @@ class BlockDecoder:
         return self.graphed((name, "commit", pending.counted, self.settings_key), with_commit, *commit, *inputs,
                             mutated=tuple(i + len(commit) for i in mutated))
 
+    def _settling(self, fn):
+        """``fn``, a step over inputs (block, positions, ...), followed by :meth:`settle` of its block."""
+        def settled(*inputs: torch.Tensor):
+            output = fn(*inputs)
+            self.settle(inputs[0], inputs[1])
+            return output
+
+        return settled
+
     def steps(self, name: str, fn, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
               carry: tuple[int, ...] = ()) -> None:
         """``count`` steps ``fn(*inputs)`` that surely have work, each as :meth:`step` (with ``carry``, ``fn`` returns
         one tensor per index in it, which replaces that input in place: the next step's seed), then, with
         ``device_loop``, up to ``loop_slots`` steps that may have work in one graph, each run only while some row has
-        kept masks (:meth:`masked_kept`) and no :meth:`watched` row has filled its block, tested on the device; so
-        the host checks the rows once a block fills, not after every step. ``inputs[0]`` is the block [B, T],
-        ``inputs[1]`` its positions."""
+        masks and no :meth:`watched` row has filled its block (a settled row has no masks: :meth:`settle`), tested on
+        the device; so the host checks the rows once a block fills, not after every step. ``inputs[0]`` is the block
+        [B, T], ``inputs[1]`` its positions."""
         for _ in range(count):
             _carry_over(inputs, carry, self.step(name, fn, *inputs, mutated=mutated))
         if not self.loop_slots:
             return
-        slots, loop_steps = self.loop_slots, self.engine.loop_steps
+        slots, loop_steps, settled_fn = self.loop_slots, self.engine.loop_steps, self._settling(fn)
 
-        def busy(block: torch.Tensor, positions: torch.Tensor, watched: torch.Tensor, ends: torch.Tensor):
-            has_masks = self.masked_kept(block, positions, ends).any(-1)
+        def busy(block: torch.Tensor, watched: torch.Tensor):
+            has_masks = self.masked(block).any(-1)
             return has_masks.any() & (has_masks | ~watched).all()
 
-        def body(go: torch.Tensor, watched: torch.Tensor, ends: torch.Tensor, *inputs: torch.Tensor) -> None:
-            _carry_over(inputs, carry, fn(*inputs))
+        def body(go: torch.Tensor, watched: torch.Tensor, *inputs: torch.Tensor) -> None:
+            _carry_over(inputs, carry, settled_fn(*inputs))
             loop_steps.add_(1)
-            go.copy_(busy(inputs[0], inputs[1], watched, ends))
+            go.copy_(busy(inputs[0], watched))
 
-        def loop(watched: torch.Tensor, ends: torch.Tensor, *inputs: torch.Tensor) -> None:
-            go = busy(inputs[0], inputs[1], watched, ends)
+        def loop(watched: torch.Tensor, *inputs: torch.Tensor) -> None:
+            go = busy(inputs[0], watched)
             for _ in range(slots):
-                run_if(go, body, go, watched, ends, *inputs)
+                run_if(go, body, go, watched, *inputs)
 
         watched = torch.tensor(self.watched(), device=self.device)
-        changed = tuple(i + 2 for i in (*mutated, *carry))
-        self.graphed(("loop", name, slots, self.settings_key), loop, watched, self.ends[self.rows], *inputs,
-                     mutated=changed, branches=True)
+        changed = tuple(i + 1 for i in (*mutated, *carry))
+        self.graphed(("loop", name, slots, self.settings_key), loop, watched, *inputs, mutated=changed, branches=True)
 
     def watched(self) -> list[bool]:
         """Per working row (host): whether the steps must stop once its block is done (no kept masks), for the
@@ -485,12 +495,23 @@ class BlockDecoder:
         """bool [B, T]: the masked positions of ``block`` (every row of the working batch is decoding)."""
         return block == self.mask_id
 
-    def masked_kept(self, block: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """bool [B, T]: the masked positions of ``block`` (at ``positions`` [B, T]) that the output keeps, those
-        before ``ends`` [B] (``self.ends`` of the working rows). A row's block is done once they are committed:
-        the positions past its last new token (in its last block) are context while it decodes, and are dropped,
-        not decoded, after."""
-        return self.masked(block) & (positions < ends[:, None])
+    def masked_kept(self, block: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """bool [B, T]: the masked positions of ``block`` (at ``positions`` [B, T]) that the output keeps: those
+        before the row's end (``engine.ends``: past its last new token, or past the first EOS it committed). A row's
+        output is settled once they are committed: the positions after it are context while the row decodes, and
+        are dropped, not decoded, after (:meth:`settle`)."""
+        return self.masked(block) & (positions < self.engine.ends[:, None])
+
+    def settle(self, block: torch.Tensor, positions: torch.Tensor) -> None:
+        """What every step ends with, on the device: a row that has committed an EOS among its new tokens ends its
+        output there (``engine.ends`` lowered to past the first), and a row whose output is settled (no kept masks:
+        :meth:`masked_kept`) has its other masks filled, in place in ``block`` [B, T] (at ``positions`` [B, T]), so
+        the next steps find no work in it (they commit nothing there and count no forward for it) and the host
+        sees its block full (``mrp_triton.settle_rows``, one launch). Committed tokens never change, so this drops
+        only tokens that the output drops."""
+        engine = self.engine
+        mrp_triton.settle_rows(block, positions, engine.starts, engine.ends, engine.is_eos, mask_token_id=self.mask_id,
+                               filler=self.filler)
 
     def count(self, name: str, values: torch.Tensor) -> None:
         """Add ``values`` [B'] (one per row of the working batch) to the stats counter ``name``."""
@@ -521,7 +542,6 @@ class BlockDecoder:
         self.row_state["quota_extra"] = torch.tensor([m % S for m in masks], device=self.device)
         self.row_state["steps_taken"] = torch.zeros_like(self.rows)
         self.row_state["fresh"] = torch.ones_like(self.rows, dtype=torch.bool)
-        eos = torch.tensor(self.settings.eos_ids, dtype=torch.long, device=self.device)
         step_limit = sum(self.blocks_left) * T  # every step commits a token in every row with masks
         self.together = together = strategy.synchronous or not self.settings.per_row_blocks
         most = strategy.most_per_step(self)
@@ -542,7 +562,7 @@ class BlockDecoder:
                 strategy.decode(self, block, positions, steps)
                 self.loop_slots = 0
                 self.all_fresh = False
-                block, positions = self._move_on(block, positions, eos, bar, together)
+                block, positions = self._move_on(block, positions, bar, together)
                 if self.batch_steps > step_limit:
                     raise RuntimeError("decoding made no progress (a strategy committed nothing); please report")
         if self.stream is not None:
@@ -563,34 +583,30 @@ class BlockDecoder:
             self.flush()
             self.cache.lengths.copy_(self.first_block * T)
 
-    def _move_on(self, block: torch.Tensor, positions: torch.Tensor, eos: torch.Tensor, bar, together: bool):
+    def _move_on(self, block: torch.Tensor, positions: torch.Tensor, bar, together: bool):
         """Check the working rows (one host synchronisation, which also reads the steps device loops ran): full
-        blocks (no kept masks: :meth:`masked_kept`) go to x (and the stream); rows with an EOS or no blocks left
-        leave; the other full rows commit theirs and move on to their next block (``together``: only once every
-        row's block is full). Returns the working rows' block and positions [B'', T]."""
-        hit = torch.isin(block, eos) & (positions >= self.lens[self.rows, None])
-        B = block.shape[0]
-        counts = torch.cat([self.masked_kept(block, positions, self.ends[self.rows]).sum(-1), hit.any(-1).long(),
+        blocks (no kept masks: :meth:`masked_kept`; the steps filled the others, :meth:`settle`) go to x (and the
+        stream); rows whose output ends in them (an EOS, or the last new token) leave; the other full rows commit
+        theirs and move on to their next block (``together``: only once every row's block is full). Returns the
+        working rows' block and positions [B'', T]."""
+        B, T = block.shape
+        counts = torch.cat([self.masked_kept(block, positions).sum(-1), self.engine.ends, positions[:, 0],
                             self.engine.loop_steps.view(1)]).tolist()
-        self.masks_left, hit, self.loop_steps = counts[:B], counts[B:-1], counts[-1]
+        self.masks_left, ends, starts, self.loop_steps = counts[:B], counts[B : 2 * B], counts[2 * B : -1], counts[-1]
         live = sum(1 for b in self.blocks_left if b)
         full = [i for i, m in enumerate(self.masks_left) if m == 0 and self.blocks_left[i]]
-        short = self.in_short_last_block()
-        ending = [i for i in full if short[i]]
-        if ending:  # their masks past the last new token: filled, so no later step works on them
-            index = torch.tensor(ending, device=self.device)
-            block[index] = block[index].masked_fill(self.masked(block[index]), self.filler)
         if not full or (together and len(full) < live):
             return block, positions
         bar.update(len(full))
         index = torch.tensor(full, device=self.device)
         self.x[self.rows[index, None], positions[index]] = block[index]
+        ended = [end <= start + T for end, start in zip(ends, starts)]  # the row's output ends in this block
         if self.stops is not None:
-            self._stop_at_strings(full, positions, hit)
+            self._stop_at_strings(full, starts, ends, ended)
         if self.stream is not None:  # one prompt: row 0 is the working batch
             self.stream.block(block[0])
         for i in full:
-            self.blocks_left[i] = 0 if hit[i] else self.blocks_left[i] - 1
+            self.blocks_left[i] = 0 if ended[i] else self.blocks_left[i] - 1
         kept = [i for i, b in enumerate(self.blocks_left) if b]
         if not kept:
             self.masks_left = []
@@ -600,16 +616,17 @@ class BlockDecoder:
         self._next_blocks(block, positions)
         return block, positions
 
-    def _stop_at_strings(self, full: list[int], positions: torch.Tensor, hit: list[int]) -> None:
-        """The ``full`` rows whose new text now holds a stop string end with this block (``hit``), keeping
-        their new tokens up to and with the one that completes it."""
-        rows, starts = self.rows.tolist(), positions[:, 0].tolist()
+    def _stop_at_strings(self, full: list[int], starts: list[int], ends: list[int], ended: list[bool]) -> None:
+        """The ``full`` rows whose new text (up to their ``ends``) now holds a stop string end with this block
+        (``ended``), keeping their new tokens up to and with the one that completes it; ``starts``: each working
+        row's block start."""
+        rows = self.rows.tolist()
         for i in full:
             r, first_new = rows[i], self.prompts.lens[rows[i]]
-            end = min(starts[i] + self.block, first_new + self.settings.max_new_tokens)
+            end = min(starts[i] + self.block, ends[i])
             keep = self.stops.tokens_to_keep(self.x[r, first_new:end].tolist(), max(starts[i] - first_new, 0))
             if keep is not None:
-                hit[i] = 1
+                ended[i] = True
                 self.new_tokens_kept[r] = keep
                 if self.stream is not None:
                     self.stream.cut(keep)
