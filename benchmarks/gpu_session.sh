@@ -31,7 +31,7 @@ step() {  # step NAME SECONDS COMMAND...
 # test in the log, so a step cut by its limit still shows what passed: CUDA-graph decoding first, the
 # confidence tests (the most kernel variants to compile) last. The sm_90 compile test is CI's (CPU).
 step decode_tests 135 python3 -m pytest -v -p no:cacheprovider tests/test_cuda_graphs.py tests/test_select.py \
-  tests/test_verify.py tests/test_remask.py tests/test_confidence.py
+  tests/test_verify.py tests/test_remask.py tests/test_settle.py tests/test_confidence.py
 # bench_engine saves each row as measured: a run cut by its limit keeps them.
 step engine 145 python3 benchmarks/bench_engine.py --out "$RES"
 # Graph-replayed timings of every op (the *_graph rows) came on top of the sweep. The eager per-forward
