@@ -61,17 +61,19 @@ def test_exact_rows():
                           [1, 3, M, M],    # EOS at 9: settled, the masks behind it filled
                           [1, M, 3, M],    # EOS at 10 with a mask before it: not settled yet
                           [1, 2, 3, 3],    # two EOS: the first ends it
-                          [1, 2, M, M]])   # no EOS, the end at 10: settled
-    positions = torch.arange(8, 12).expand(5, -1).contiguous()
-    starts = torch.full((5,), 9)
-    ends = torch.tensor([12, 12, 12, 12, 10])
+                          [1, 2, M, M],    # no EOS, the end at 10: settled
+                          [3, 3, 3, 3]])   # EOS past an end before the block: the end stays
+    positions = torch.arange(8, 12).expand(6, -1).contiguous()
+    starts = torch.full((6,), 8)
+    starts[:5] = 9
+    ends = torch.tensor([12, 12, 12, 12, 10, 8])
     is_eos = torch.zeros(V, dtype=torch.bool)
     is_eos[3] = True
     for op in (settle_ref, mt.settle_rows):
         b, e = block.clone(), ends.clone()
         op(b, positions, starts, e, is_eos, mask_token_id=M, filler=FILLER)
-        assert e.tolist() == [12, 10, 11, 11, 10]
-        assert b.tolist() == [[3, M, 5, M], [1, 3, 0, 0], [1, M, 3, M], [1, 2, 3, 3], [1, 2, 0, 0]]
+        assert e.tolist() == [12, 10, 11, 11, 10, 8]
+        assert b.tolist() == [[3, M, 5, M], [1, 3, 0, 0], [1, M, 3, M], [1, 2, 3, 3], [1, 2, 0, 0], [3, 3, 3, 3]]
 
 
 @pytest.mark.parametrize("change, match", [

@@ -19,7 +19,7 @@ def settle_rows(block, positions, starts, ends, is_eos, *, mask_token_id, filler
     is_eos: bool [V] (indexed by token id)."""
     if block.shape[1]:
         eos = is_eos[block] & (positions >= starts[:, None])
-        ends.copy_(torch.where(eos, positions + 1, ends[:, None]).amin(-1))
+        ends.copy_(torch.minimum(ends, torch.where(eos, positions + 1, ends[:, None]).amin(-1)))
     masked = block == mask_token_id
     settled = ~(masked & (positions < ends[:, None])).any(-1, keepdim=True)
     block.masked_fill_(masked & settled, filler)
