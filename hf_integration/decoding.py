@@ -555,9 +555,13 @@ class BlockDecoder:
                 row = max if together else min
                 steps = min([row(-(-m // most) for m in self.masks_left if m)]
                             + [-(-m // most) for m, w in zip(self.masks_left, self.watched()) if m and w])
+                if self.settings.eos_ids and (self.graphs is None or self.settings.device_loop):
+                    # Any row may settle (an EOS) at its first step: only that one surely has work. Check after it
+                    # where a check idles no device (steps not replayed) or the device checks (device_loop).
+                    steps = 1
                 left = row(m + (T - kept if b == 1 else 0) for m, b, kept in
                            zip(self.masks_left, self.blocks_left, self.last_block_kept) if m) - steps
-                if self.settings.device_loop and not strategy.synchronous and left > 0:
+                if self.settings.device_loop and left > 0:
                     self.loop_slots = 1 << (left - 1).bit_length()  # few sizes of loop: few graphs
                 strategy.decode(self, block, positions, steps)
                 self.loop_slots = 0

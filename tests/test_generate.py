@@ -134,7 +134,7 @@ def test_decoding_stops_at_the_first_eos(model, kwargs):
             assert (ended.sequences[0, n + k + 1 :] == 0).all()
             for name, value in vars(cut.stats).items():
                 assert torch.equal(getattr(ended.stats, name), value), (name, n, k)
-            assert ended.batch_steps >= cut.batch_steps
+            assert ended.batch_steps == cut.batch_steps, (n, k)  # checked after every step: it stops at once
             spent = [int(out.stats.backbone_forwards + out.stats.mrp_forwards) for out in (ended, whole)]
             assert spent[0] <= spent[1], (n, k)
             saved += spent[1] - spent[0]
@@ -185,7 +185,7 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     for b, r in enumerate(rows):
         ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, **kwargs)
-    # static and direct rows start their blocks together anyway (and run no device loops)
+    # static and direct rows start their blocks together anyway (and direct runs no device loops)
     moving = kwargs["strategy"] in READ_BY["per_row_blocks"]
     loop = loop and kwargs["strategy"] in READ_BY["device_loop"]
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
@@ -303,9 +303,9 @@ def test_a_checkpoint_sets_strategy_settings_for_the_strategies_that_read_them(m
         # a copy of the model's own config (what a pipeline passes) asks for nothing the model does not set
         copied = copy.deepcopy(model.generation_config)
         assert torch.equal(model.generate(ids, generation_config=copied, max_new_tokens=8), plain["static"])
-        # nor do engine settings only some strategies read: a checkpoint's device_loop leaves static calls alone
+        # nor do engine settings only some strategies read: a checkpoint's device_loop leaves direct calls alone
         model.generation_config = GenerationConfig(device_loop=True)
-        assert torch.equal(model.generate(ids, max_new_tokens=8), plain["static"])
+        assert torch.equal(model.generate(ids, max_new_tokens=8, strategy="direct"), plain["direct"])
     finally:
         model.generation_config = shipped
     assert torch.equal(dynamic, model.generate(ids, max_new_tokens=8, strategy="dynamic", threshold=0.1))
@@ -471,7 +471,8 @@ BAD_INPUTS = [
     (dict(strategy="dynamic", mrp_scale=0.5), ValueError, "mrp_scale=0.5 steers strategy 'direct' or"),
     (dict(mrp_mix="none"), ValueError, "mrp_mix='none' steers strategy"),
     (dict(strategy="direct", per_row_blocks=False), ValueError, "per_row_blocks=False steers strategy 'dynamic'"),
-    (dict(device_loop=True), ValueError, "device_loop=True steers strategy 'dynamic' or 'remask' or 'speculative'"),
+    (dict(strategy="direct", device_loop=True), ValueError,
+     "device_loop=True steers strategy 'static' or 'dynamic' or 'remask' or 'speculative', not 'direct'"),
     (dict(frobnicate=True), TypeError, "frobnicate"),
     (dict(do_sample=1), TypeError, "do_sample must be a bool, got int"),
     (dict(strategy="dynamic", per_row_blocks="no"), TypeError, "per_row_blocks must be a bool, got str"),

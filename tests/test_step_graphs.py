@@ -89,7 +89,9 @@ DEVICE_LOOPS = [dict(strategy="dynamic", threshold=0.3, device_loop=True),
                 dict(strategy="remask", threshold=0.4, device_loop=True)]
 
 
-@pytest.mark.parametrize("kwargs", STRATEGIES + DEVICE_LOOPS, ids=lambda k: "-".join(str(v) for v in k.values()))
+@pytest.mark.parametrize("kwargs", STRATEGIES + DEVICE_LOOPS + [dict(strategy="static", eos_token_id=1,
+                                                                      device_loop=True)],
+                         ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     """Each step the decoder hands to StepGraphs (forwards, whole denoising / verify / remask steps) is
     traced by TorchDynamo with ``fullgraph=True`` on the reference ops: a host synchronisation
@@ -220,4 +222,34 @@ def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
             assert loop_checks == blocks, (loop_checks, blocks)
     loops = {key[2] for key in model._decode_engine[1].graphs.graphs if key[0] == "loop"}
     assert loops and loops <= {1, 2, 4}, loops  # block 4: at most 3 steps may follow the first
+    model.release_decode_engine()
+
+
+def test_a_static_device_loop_stops_a_settled_row_at_the_next_step(monkeypatch):
+    """Static decoding with an EOS: every step but the first of a check may find the row settled (its EOS and the
+    tokens before it committed), so with ``device_loop`` those run in the loop, tested on the device: one check
+    per block, and the row stops at the step after settling, as step-by-step decoding without graphs does (same
+    tokens, counts and steps), where replayed steps without the loop run its block to the end."""
+    checks = []
+    move_on = decoding.BlockDecoder._move_on
+    monkeypatch.setattr(decoding.BlockDecoder, "_move_on", lambda self, *a: (checks.append(1), move_on(self, *a))[1])
+    model = tiny_model(seed=0)
+    common = dict(strategy="static", max_new_tokens=16, pad_token_id=0, return_dict_in_generate=True)
+    shorter = 0
+    for n in (3, 4, 9):
+        ids = random_prompts(1, n, seed=60 + n)
+        free = model.generate(ids, eos_token_id=[], **common).sequences[0, n:].tolist()
+        for k in [k for k, token in enumerate(free) if token not in free[:k]]:  # each token id's first
+            settings = dict(eos_token_id=free[k], **common)
+            plain = model.generate(ids, cuda_graphs=False, **settings)
+            replayed = model.generate(ids, cuda_graphs=True, **settings)
+            checks.clear()
+            loop = model.generate(ids, cuda_graphs=True, device_loop=True, **settings)
+            assert torch.equal(loop.sequences, plain.sequences) and torch.equal(replayed.sequences, plain.sequences)
+            for name, value in vars(plain.stats).items():
+                assert torch.equal(getattr(loop.stats, name), value), name
+            assert loop.batch_steps == plain.batch_steps <= replayed.batch_steps, (n, k)
+            assert len(checks) == -(-(n + k + 1) // 4) - n // 4, (n, k)  # once per block, to the EOS's (blocks of 4)
+            shorter += replayed.batch_steps - loop.batch_steps
+    assert shorter > 0
     model.release_decode_engine()

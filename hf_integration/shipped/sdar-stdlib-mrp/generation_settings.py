@@ -67,7 +67,7 @@ READ_BY = {
     "mrp_mix": MRP_STRATEGIES,
     "mrp_scale": MRP_STRATEGIES,
     "per_row_blocks": ("dynamic", "remask", "speculative"),  # static and direct rows move through blocks together
-    "device_loop": ("dynamic", "remask", "speculative"),
+    "device_loop": ("static", "dynamic", "remask", "speculative"),
 }
 
 
@@ -92,10 +92,11 @@ class GenerationSettings:
     which gives the tokens a forward over the whole sequence would.
     ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
     graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's
-    data flow, without the graph). ``device_loop`` (dynamic, remask, speculative; needs ``cuda_graphs`` and on
-    CUDA torch >= 2.12) runs the steps after those that surely have work inside one graph, each only while no
+    data flow, without the graph). ``device_loop`` (static, dynamic, remask, speculative; needs ``cuda_graphs`` and
+    on CUDA torch >= 2.12) runs the steps after those that surely have work inside one graph, each only while no
     row has filled its block, tested on the device (CUDA-graph conditional nodes), so the host checks the rows
-    once a block fills instead of after every step (same output). ``packed_projections`` runs each layer's
+    once a block fills instead of after every step (same output; static rows that an EOS may settle stop at
+    the step after, not at the block's end). ``packed_projections`` runs each layer's
     q/k/v projections as one GEMM and its gate/up projections as another (the model's weights are laid out for
     it once, in place: ``model.pack_projections()``); the same output up to the rounding of a differently
     blocked GEMM (``False``: one GEMM per projection, to measure what packing saves). ``draft_vocab`` (speculative)
