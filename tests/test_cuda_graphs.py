@@ -53,7 +53,13 @@ def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
     assert {"denoise", "speculate", "remask"} & kinds, kinds  # whole steps, not only forwards
     assert ("loop" in kinds) == device_loop, kinds
     assert {key[-1][0] for key, _ in captured} <= {8, 4, 2, 1}  # the bucket of 6 rows, then smaller ones
-    assert torch.equal(graphed.sequences, eager.sequences) and graphed.batch_steps == eager.batch_steps
+    assert torch.equal(graphed.sequences, eager.sequences)
+    # With an EOS, eager decoding checks the host after every step; replayed steps without the device loop keep the
+    # checks of decoding without one (static: once a block; speculative: after the rounds that surely have work).
+    if device_loop or kwargs["strategy"] in ("dynamic", "remask"):
+        assert graphed.batch_steps == eager.batch_steps
+    else:
+        assert graphed.batch_steps >= eager.batch_steps
     for name, value in vars(eager.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
 
@@ -73,10 +79,11 @@ def test_graph_replay_equals_eager_triton_ops(kwargs, monkeypatch):
 @pytest.mark.triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter cannot be captured")
 @pytest.mark.skipif(not conditional_nodes_supported(), reason="CUDA-graph conditional nodes need torch >= 2.12")
-@pytest.mark.parametrize("kwargs", STRATEGIES[1:], ids=_name)
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=_name)
 def test_device_loop_equals_eager(kwargs, monkeypatch):
     """The steps after the surely busy ones, captured into conditional nodes (each run while no row has filled
-    its block, tested on the device), decode as eager decoding does: same tokens, counts and steps."""
+    its block, tested on the device), decode as eager decoding does: same tokens, counts and steps (static too: with
+    an EOS, its steps after a check's first run in the loop)."""
     _graphed_equals_eager(kwargs, monkeypatch, device_loop=True)
 
 
