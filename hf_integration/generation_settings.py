@@ -235,6 +235,8 @@ class GenerationSettings:
             self.denoising_steps = self.block_length
         if self.threshold is None:
             self.threshold = DEFAULT_THRESHOLD.get(self.strategy)
+        if self.top_k == 0 and type(self.top_k) is int:  # transformers' "no top-k cut" (a checkpoint may carry it)
+            self.top_k = None
         if isinstance(self.stop_strings, (str, list)):
             self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if self.eos_token_id is None:
@@ -272,7 +274,7 @@ class GenerationSettings:
         if self.do_sample:
             check_temperature(_number("temperature", self.temperature))
         if self.top_k is not None:
-            _int_at_least("top_k", self.top_k, 1, " (or None to disable)")
+            _int_at_least("top_k", self.top_k, 0, " (0 or None: no top-k cut)")
         if self.top_p is not None and not 0.0 < _number("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):

@@ -448,7 +448,7 @@ BAD_INPUTS = [
     (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
     (dict(do_sample=True, temperature=float("inf")), ValueError, "temperature must be a finite float"),
     (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
-    (dict(do_sample=True, top_k=0), ValueError, "top_k"),
+    (dict(do_sample=True, top_k=-1), ValueError, r"top_k=-1 must be >= 0 \(0 or None: no top-k cut\)"),
     (dict(do_sample=True, top_k=2.5), TypeError, "top_k must be an int"),
     (dict(eos_token_id=1000), ValueError, r"eos_token_id 1000 is not a token id of the vocabulary \[0, "),
     (dict(eos_token_id=[3, MASK_ID]), ValueError, f"eos_token_id {MASK_ID} is the mask token, which decoding never"),
@@ -761,6 +761,24 @@ def test_greedy_calls_ignore_sampling_settings_in_the_graph_key(model):
     captured = set(model._decode_engine[1].graphs.graphs)
     assert torch.equal(model.generate(ids, top_k=5, top_p=0.5, temperature=0.3, **kw), plain)
     assert set(model._decode_engine[1].graphs.graphs) == captured
+
+
+def test_top_k_0_is_no_cut_as_in_transformers(model):
+    """top_k=0 means no top-k cut, as transformers reads it (a checkpoint's generation config may carry it): greedy
+    and sampled calls decode as without top_k, also when the model's generation config sets it."""
+    ids = random_prompts(2, 6, seed=43)
+    kw = dict(max_new_tokens=8, eos_token_id=[])
+    sampled = dict(do_sample=True, seed=5, top_p=0.9, **kw)
+    plain, plain_sampled = model.generate(ids, **kw), model.generate(ids, **sampled)
+    assert not torch.equal(plain_sampled, model.generate(ids, top_k=2, **sampled))  # top_k cuts when set
+    assert torch.equal(model.generate(ids, top_k=0, **sampled), plain_sampled)
+    shipped = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(top_k=0)
+        assert torch.equal(model.generate(ids, **kw), plain)
+        assert torch.equal(model.generate(ids, **sampled), plain_sampled)
+    finally:
+        model.generation_config = shipped
 
 
 def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch):
