@@ -545,6 +545,9 @@ class BlockDecoder:
         step_limit = sum(self.blocks_left) * T  # every step commits a token in every row with masks
         self.together = together = strategy.synchronous or not self.settings.per_row_blocks
         most = strategy.most_per_step(self)
+        # Any row may settle (an EOS) at its first step: then only that one surely has work. Check after it where a
+        # check idles no device (steps not replayed) or the device checks (device_loop).
+        one_sure_step = bool(self.settings.eos_ids) and (self.graphs is None or self.settings.device_loop)
         with tqdm(total=sum(self.blocks_left), desc="blocks", disable=not self.settings.progress) as bar:
             while self.masks_left:
                 # Steps that surely have work: for the row with the fewest left (together: for all rows, but no
@@ -553,12 +556,9 @@ class BlockDecoder:
                 # block (together: every block) is full at most `left` steps after them (the masks past a last
                 # new token counted as left too: a step may commit them first).
                 row = max if together else min
-                steps = min([row(-(-m // most) for m in self.masks_left if m)]
-                            + [-(-m // most) for m, w in zip(self.masks_left, self.watched()) if m and w])
-                if self.settings.eos_ids and (self.graphs is None or self.settings.device_loop):
-                    # Any row may settle (an EOS) at its first step: only that one surely has work. Check after it
-                    # where a check idles no device (steps not replayed) or the device checks (device_loop).
-                    steps = 1
+                steps = 1 if one_sure_step else min(
+                    [row(-(-m // most) for m in self.masks_left if m)]
+                    + [-(-m // most) for m, w in zip(self.masks_left, self.watched()) if m and w])
                 left = row(m + (T - kept if b == 1 else 0) for m, b, kept in
                            zip(self.masks_left, self.blocks_left, self.last_block_kept) if m) - steps
                 if self.settings.device_loop and left > 0:

@@ -190,6 +190,14 @@ def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(mon
     model.release_decode_engine()
 
 
+def _count_host_checks(monkeypatch) -> list:
+    """A list that gains an entry at each host check of the rows (``BlockDecoder._move_on``)."""
+    checks = []
+    move_on = decoding.BlockDecoder._move_on
+    monkeypatch.setattr(decoding.BlockDecoder, "_move_on", lambda self, *a: (checks.append(1), move_on(self, *a))[1])
+    return checks
+
+
 @pytest.mark.parametrize("kwargs", DEVICE_LOOPS + [
     dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20, device_loop=True),
     dict(strategy="dynamic", threshold=0.3, per_row_blocks=False, device_loop=True)],
@@ -200,9 +208,7 @@ def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
     busy ones), a batch less often than step by step too (the padding row of its graphed bucket does not stop
     the loops), and the tokens, per-row counts and steps are those of step-by-step decoding. Loops come in a few
     sizes (powers of two), so few graphs."""
-    checks = []
-    move_on = decoding.BlockDecoder._move_on
-    monkeypatch.setattr(decoding.BlockDecoder, "_move_on", lambda self, *a: (checks.append(1), move_on(self, *a))[1])
+    checks = _count_host_checks(monkeypatch)
     model = tiny_model(seed=0)
     step_by_step = {k: v for k, v in kwargs.items() if k != "device_loop"}
     for ids, new in ((random_prompts(1, 5, seed=3), 40), (random_prompts(3, 6, seed=4), 17)):
@@ -225,14 +231,12 @@ def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
     model.release_decode_engine()
 
 
-def test_a_static_device_loop_stops_a_settled_row_at_the_next_step(monkeypatch):
+def test_a_static_device_loop_stops_a_row_with_the_step_that_settles_it(monkeypatch):
     """Static decoding with an EOS: every step but the first of a check may find the row settled (its EOS and the
     tokens before it committed), so with ``device_loop`` those run in the loop, tested on the device: one check
-    per block, and the row stops at the step after settling, as step-by-step decoding without graphs does (same
+    per block, and the row stops with the step that settles it, as step-by-step decoding without graphs does (same
     tokens, counts and steps), where replayed steps without the loop run its block to the end."""
-    checks = []
-    move_on = decoding.BlockDecoder._move_on
-    monkeypatch.setattr(decoding.BlockDecoder, "_move_on", lambda self, *a: (checks.append(1), move_on(self, *a))[1])
+    checks = _count_host_checks(monkeypatch)
     model = tiny_model(seed=0)
     common = dict(strategy="static", max_new_tokens=16, pad_token_id=0, return_dict_in_generate=True)
     shorter = 0
