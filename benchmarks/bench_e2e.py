@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
-from hf_integration.generation_settings import READ_BY  # noqa: E402
 
 # A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files.
 MostFrequent = namedtuple("MostFrequent", "size")
@@ -169,8 +168,8 @@ def parse_args(argv):
     p.add_argument("--skip", nargs="*", default=[], help="substrings of modes to leave out of those selected")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--tag", default=None, help="file name stem (default: e2e_<device>)")
-    p.add_argument("--device-loop", action="store_true", help="dynamic, remask and speculative modes run the steps "
-                   "that may have work in device loops (generate's device_loop, with CUDA graphs; on CUDA it "
+    p.add_argument("--device-loop", action="store_true", help="every mode runs the steps that may have work in "
+                   "device loops (generate's device_loop, with CUDA graphs; on CUDA it "
                    "needs torch >= 2.12)")
     return p.parse_args(argv)
 
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
         if isinstance(extra.get("draft_vocab"), MostFrequent):
             extra = {**extra, "draft_vocab": most_frequent_ids(manifest, tokenizer, extra["draft_vocab"].size, model,
                                                                counts)}
-        if args.device_loop and extra.get("strategy") in READ_BY["device_loop"]:
+        if args.device_loop:
             extra = {**extra, "device_loop": True, "cuda_graphs": True}
         completions, totals, seconds = run_mode(model, tokenizer, prompts, {**base, **extra}, args.batch_size)
         static = static or (completions, totals, seconds)

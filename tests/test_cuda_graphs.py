@@ -17,7 +17,7 @@ from tiny_models import random_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
+STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3), dict(strategy="direct", mrp_steps=2),
               dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4),
               dict(strategy="speculative", mrp_steps=2, draft_vocab=list(range(1, 67, 2))),  # rows in a buffer
               dict(strategy="speculative", mrp_steps=2, draft_candidates=4)]  # the seed's lists carried over
@@ -82,8 +82,8 @@ def test_graph_replay_equals_eager_triton_ops(kwargs, monkeypatch):
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=_name)
 def test_device_loop_equals_eager(kwargs, monkeypatch):
     """The steps after the surely busy ones, captured into conditional nodes (each run while no row has filled
-    its block, tested on the device), decode as eager decoding does: same tokens, counts and steps (static too: with
-    an EOS, its steps after a check's first run in the loop)."""
+    its block, tested on the device), decode as eager decoding does: same tokens, counts and steps (static and
+    direct too: with an EOS, their steps after a check's first run in the loop)."""
     _graphed_equals_eager(kwargs, monkeypatch, device_loop=True)
 
 

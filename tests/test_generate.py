@@ -185,9 +185,8 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     for b, r in enumerate(rows):
         ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, **kwargs)
-    # static and direct rows start their blocks together anyway (and direct runs no device loops)
+    # static and direct rows start their blocks together anyway
     moving = kwargs["strategy"] in READ_BY["per_row_blocks"]
-    loop = loop and kwargs["strategy"] in READ_BY["device_loop"]
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
     together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=not moving,
                               device_loop=not graphs and loop, **common)
@@ -303,8 +302,8 @@ def test_a_checkpoint_sets_strategy_settings_for_the_strategies_that_read_them(m
         # a copy of the model's own config (what a pipeline passes) asks for nothing the model does not set
         copied = copy.deepcopy(model.generation_config)
         assert torch.equal(model.generate(ids, generation_config=copied, max_new_tokens=8), plain["static"])
-        # nor do engine settings only some strategies read: a checkpoint's device_loop leaves direct calls alone
-        model.generation_config = GenerationConfig(device_loop=True)
+        # nor do engine settings only some strategies read: a checkpoint's per_row_blocks leaves direct calls alone
+        model.generation_config = GenerationConfig(per_row_blocks=False)
         assert torch.equal(model.generate(ids, max_new_tokens=8, strategy="direct"), plain["direct"])
     finally:
         model.generation_config = shipped
@@ -471,8 +470,6 @@ BAD_INPUTS = [
     (dict(strategy="dynamic", mrp_scale=0.5), ValueError, "mrp_scale=0.5 steers strategy 'direct' or"),
     (dict(mrp_mix="none"), ValueError, "mrp_mix='none' steers strategy"),
     (dict(strategy="direct", per_row_blocks=False), ValueError, "per_row_blocks=False steers strategy 'dynamic'"),
-    (dict(strategy="direct", device_loop=True), ValueError,
-     "device_loop=True steers strategy 'static' or 'dynamic' or 'remask' or 'speculative', not 'direct'"),
     (dict(frobnicate=True), TypeError, "frobnicate"),
     (dict(do_sample=1), TypeError, "do_sample must be a bool, got int"),
     (dict(strategy="dynamic", per_row_blocks="no"), TypeError, "per_row_blocks must be a bool, got str"),

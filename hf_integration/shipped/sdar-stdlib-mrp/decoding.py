@@ -249,37 +249,48 @@ class BlockDecoder:
 
         return settled
 
-    def steps(self, name: str, fn, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
-              carry: tuple[int, ...] = ()) -> None:
-        """``count`` steps ``fn(*inputs)`` that surely have work, each as :meth:`step` (with ``carry``, ``fn`` returns
-        one tensor per index in it, which replaces that input in place: the next step's seed), then, with
-        ``device_loop``, up to ``loop_slots`` steps that may have work in one graph, each run only while some row has
-        masks and no :meth:`watched` row has filled its block (a settled row has no masks: :meth:`settle`), tested on
-        the device; so the host checks the rows once a block fills, not after every step. ``inputs[0]`` is the block
+    def steps(self, kinds: tuple, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
+              carry: tuple[int, ...] = (), phase: int = 0) -> None:
+        """``count`` steps that surely have work, each as :meth:`step`, then, with ``device_loop``, up to ``loop_slots``
+        steps that may have work in one graph, each run only while some row has masks and no :meth:`watched` row has
+        filled its block (a settled row has no masks: :meth:`settle`), tested on the device; so the host checks the
+        rows once a block fills, not after every step. ``kinds``: ((name, fn), ...), the kinds of step in turn, the
+        first at index ``phase``; every ``fn(*inputs)`` takes the same inputs (with ``carry``, it returns one tensor
+        per index in it, which replaces that input in place: the next step's seed). ``inputs[0]`` is the block
         [B, T], ``inputs[1]`` its positions."""
-        for _ in range(count):
+        for i in range(count):
+            name, fn = kinds[(phase + i) % len(kinds)]
             _carry_over(inputs, carry, self.step(name, fn, *inputs, mutated=mutated))
         if not self.loop_slots:
             return
-        slots, loop_steps, settled_fn = self.loop_slots, self.engine.loop_steps, self._settling(fn)
+        slots, loop_steps = self.loop_slots, self.engine.loop_steps
+        settled = [self._settling(fn) for _, fn in kinds]
 
         def busy(block: torch.Tensor, watched: torch.Tensor):
             has_masks = self.masked(block).any(-1)
             return has_masks.any() & (has_masks | ~watched).all()
 
-        def body(go: torch.Tensor, watched: torch.Tensor, *inputs: torch.Tensor) -> None:
-            _carry_over(inputs, carry, settled_fn(*inputs))
-            loop_steps.add_(1)
-            go.copy_(busy(inputs[0], watched))
+        def body_of(fn):
+            def body(go: torch.Tensor, watched: torch.Tensor, *inputs: torch.Tensor) -> None:
+                _carry_over(inputs, carry, fn(*inputs))
+                loop_steps.add_(1)
+                go.copy_(busy(inputs[0], watched))
+
+            return body
+
+        bodies = [body_of(fn) for fn in settled]
+        first = (phase + count) % len(kinds)
 
         def loop(watched: torch.Tensor, *inputs: torch.Tensor) -> None:
             go = busy(inputs[0], watched)
-            for _ in range(slots):
-                run_if(go, body, go, watched, *inputs)
+            for j in range(slots):
+                run_if(go, bodies[(first + j) % len(kinds)], go, watched, *inputs)
 
         watched = torch.tensor(self.watched(), device=self.device)
         changed = tuple(i + 1 for i in (*mutated, *carry))
-        self.graphed(("loop", name, slots, self.settings_key), loop, watched, *inputs, mutated=changed, branches=True)
+        names = tuple(name for name, _ in kinds)
+        self.graphed(("loop", names, slots, first, self.settings_key), loop, watched, *inputs, mutated=changed,
+                     branches=True)
 
     def watched(self) -> list[bool]:
         """Per working row (host): whether the steps must stop once its block is done (no kept masks), for the
@@ -596,6 +607,7 @@ class BlockDecoder:
         B, T = block.shape
         counts = torch.cat([self.masked_kept(block, positions).sum(-1), self.engine.ends, positions[:, 0],
                             self.engine.loop_steps.view(1)]).tolist()
+        self.block_steps += counts[-1] - self.loop_steps  # the steps the device loops ran count in the block too
         self.masks_left, ends, starts, self.loop_steps = counts[:B], counts[B : 2 * B], counts[2 * B : -1], counts[-1]
         live = sum(1 for b in self.blocks_left if b)
         full = [i for i, m in enumerate(self.masks_left) if m == 0 and self.blocks_left[i]]
@@ -765,7 +777,7 @@ def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Te
     s = dec.settings
     step = scheduled_step(dec, dec.on_device("threshold") if s.strategy == "dynamic" else None)
     state = dec.row_state
-    dec.steps("denoise", step, block, positions, state["quota_base"], state["quota_extra"], state["steps_taken"],
+    dec.steps((("denoise", step),), block, positions, state["quota_base"], state["quota_extra"], state["steps_taken"],
               count=steps, mutated=(0, 4))
 
 

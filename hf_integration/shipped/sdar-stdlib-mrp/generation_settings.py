@@ -67,7 +67,6 @@ READ_BY = {
     "mrp_mix": MRP_STRATEGIES,
     "mrp_scale": MRP_STRATEGIES,
     "per_row_blocks": ("dynamic", "remask", "speculative"),  # static and direct rows move through blocks together
-    "device_loop": ("static", "dynamic", "remask", "speculative"),
 }
 
 
@@ -92,23 +91,22 @@ class GenerationSettings:
     which gives the tokens a forward over the whole sequence would.
     ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
     graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's
-    data flow, without the graph). ``device_loop`` (static, dynamic, remask, speculative; needs ``cuda_graphs`` and
-    on CUDA torch >= 2.12) runs the steps after those that surely have work inside one graph, each only while no
-    row has filled its block, tested on the device (CUDA-graph conditional nodes), so the host checks the rows
-    once a block fills instead of after every step (same output; a static row that an EOS settles stops with
-    that step, not at the block's end). ``packed_projections`` runs each layer's
-    q/k/v projections as one GEMM and its gate/up projections as another (the model's weights are laid out for
-    it once, in place: ``model.pack_projections()``); the same output up to the rounding of a differently
-    blocked GEMM (``False``: one GEMM per projection, to measure what packing saves). ``draft_vocab`` (speculative)
-    lets the drafts choose among some token ids only: an int N (the ids below N; BPE ids are in merge order, so
-    roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor, e.g. the most frequent tokens of
-    your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the lm_head instead of all of them
-    (the lm_head is most of a draft step's weights at large vocabularies); verification uses the whole vocabulary:
-    the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`). ``draft_candidates`` M
-    (speculative, 1 to 64) lets each draft choose among the M tokens the round's seed forward found most likely at
-    that position (listed by the same pass over the lm_head that picks the backbone's tokens), so a draft step reads
-    M rows of the lm_head per position instead of all of them (:mod:`.draft_candidates`); lossless like
-    ``draft_vocab``, with which it does not combine.
+    data flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the
+    steps after those that surely have work inside one graph, each only while no row has filled its block, tested
+    on the device (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after
+    every step (same output; a static or direct row that an EOS settles stops with that step, not at the block's
+    end). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up projections as
+    another (the model's weights are laid out for it once, in place: ``model.pack_projections()``); the same output
+    up to the rounding of a differently blocked GEMM (``False``: one GEMM per projection, to measure what packing
+    saves). ``draft_vocab`` (speculative) lets the drafts choose among some token ids only: an int N (the ids below
+    N; BPE ids are in merge order, so roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor,
+    e.g. the most frequent tokens of your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the
+    lm_head instead of all of them (the lm_head is most of a draft step's weights at large vocabularies);
+    verification uses the whole vocabulary: the output stays lossless, only the acceptance may drop
+    (:mod:`.draft_vocab`). ``draft_candidates`` M (speculative, 1 to 64) lets each draft choose among the M tokens
+    the round's seed forward found most likely at that position (listed by the same pass over the lm_head that picks
+    the backbone's tokens), so a draft step reads M rows of the lm_head per position instead of all of them
+    (:mod:`.draft_candidates`); lossless like ``draft_vocab``, with which it does not combine.
 
     Settings that only some strategies read (:data:`READ_BY`: ``threshold``, ``mrp_steps``, ``draft_vocab``, ...)
     are refused when a call asks for them (a value other than the default) with a strategy that does not read

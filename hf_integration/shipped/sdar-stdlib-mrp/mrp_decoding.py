@@ -67,17 +67,24 @@ def _drafted(states: torch.Tensor, iota: torch.Tensor):
     return pos.masked_fill(none, -1), tok.masked_fill(none, -1)
 
 
-def direct_mrp_step(dec: BlockDecoder):
-    """The step ``(block [B, T], positions [B, T], h_A [B, T, H], carry [B, T, H]) -> the next carry``: one
-    MRP step of the chain from h_A commits its most confident pick per row into ``block`` in place."""
+def direct_steps(dec: BlockDecoder) -> tuple:
+    """The two kinds of direct step, each ``(block [B, T], positions [B, T], h_A [B, T, H], carry [B, T, H]) ->
+    (h_A, carry)``, the chain's state after it: ``backbone`` commits the backbone's pick per row and starts a chain
+    from its h_A; ``mrp`` runs the chain's next MRP step from h_A and the carry and commits its most confident
+    pick per row; both into ``block`` in place."""
+    backbone_step = denoising_step(dec)
 
-    def step(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor):
+    def backbone(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor):
+        h_a = backbone_step(block, positions, _one_each(dec.masked(block)))
+        return h_a, MRPChain(dec, h_a, positions).carry
+
+    def mrp(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor):
         chain = MRPChain(dec, h_a, positions, carry)
         # one token a row: a row without masks has no picks (token -1), so it commits nothing
         dec.commit_picks(block, chain.step(block), positions, dec.masked(block), 1, mrp=True)
-        return chain.carry
+        return h_a, chain.carry
 
-    return step
+    return ("denoise", backbone), ("direct_mrp", mrp)
 
 
 def decode_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
@@ -86,18 +93,16 @@ def decode_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
     Every step commits exactly one token per row that has a mask, and the rows start their blocks together
     (an MRP step needs the backbone forward of its row's block): ``steps`` (the most masks of any row)
     fill every block, one host synchronisation per block, as static decoding (and a check where a row's last
-    block ends before the block does: the chain, h_A and its carry in ``row_state``, goes on over it)."""
-    K = dec.settings.mrp_steps
-    backbone_step, mrp_step = denoising_step(dec), direct_mrp_step(dec)
-    state = dec.row_state
-    for _ in range(steps):
-        if dec.block_steps % (K + 1) == 0:
-            state["h_a"] = dec.step("denoise", backbone_step, block, positions, _one_each(dec.masked(block)),
-                                    mutated=(0,))
-            state["carry"] = MRPChain(dec, state["h_a"], positions).carry
-        else:
-            state["carry"] = dec.step("direct_mrp", mrp_step, block, positions, state["h_a"], state["carry"],
-                                      mutated=(0,))
+    block ends before the block does, or after the first step when an EOS may settle a row: the chain, h_A and
+    its carry in ``row_state``, goes on over it; with ``device_loop`` the steps after it run in one graph)."""
+    K, state = dec.settings.mrp_steps, dec.row_state
+    backbone, mrp = direct_steps(dec)
+    if "h_a" not in state:  # every row opens its block with a backbone step, which sets both
+        B, T = block.shape
+        state["h_a"] = block.new_zeros((B, T, dec.model.config.hidden_size), dtype=dec.model.lm_head.weight.dtype)
+        state["carry"] = torch.zeros_like(state["h_a"])
+    dec.steps((backbone, *[mrp] * K), block, positions, state["h_a"], state["carry"], count=steps, mutated=(0,),
+              carry=(2, 3), phase=dec.block_steps % (K + 1))
 
 
 def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed: tuple, fresh: torch.Tensor):
@@ -201,7 +206,7 @@ def decode_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.
         state.update(zip(names, seed))
         state["fresh"].zero_()
         steps -= 1
-    dec.steps("speculate", speculation_round(dec), block, positions, state["seed_h"], state["fresh"],
+    dec.steps((("speculate", speculation_round(dec)),), block, positions, state["seed_h"], state["fresh"],
               *(state[name] for name in names[1:]), count=steps, mutated=(0, 3), carry=(2, 4, 5)[: len(names)])
 
 
@@ -251,7 +256,7 @@ def decode_remask(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
     (post-reveal ids: remask when the corrected confidence falls below tau) or "delta" (pre-reveal
     ids: remask when |C[pos, token]| > residual_delta). Each row keeps at least one reveal per step."""
     state = dec.row_state
-    dec.steps("remask", remask_step(dec), block, positions, state["quota_base"], state["quota_extra"],
+    dec.steps((("remask", remask_step(dec)),), block, positions, state["quota_base"], state["quota_extra"],
               state["steps_taken"], count=steps, mutated=(0, 4))
 
 
