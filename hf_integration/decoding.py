@@ -264,7 +264,6 @@ class BlockDecoder:
         if not self.loop_slots:
             return
         slots, loop_steps = self.loop_slots, self.engine.loop_steps
-        settled = [self._settling(fn) for _, fn in kinds]
 
         def busy(block: torch.Tensor, watched: torch.Tensor):
             has_masks = self.masked(block).any(-1)
@@ -278,7 +277,7 @@ class BlockDecoder:
 
             return body
 
-        bodies = [body_of(fn) for fn in settled]
+        bodies = [body_of(self._settling(fn)) for _, fn in kinds]
         first = (phase + count) % len(kinds)
 
         def loop(watched: torch.Tensor, *inputs: torch.Tensor) -> None:

@@ -69,20 +69,20 @@ def _drafted(states: torch.Tensor, iota: torch.Tensor):
 
 def direct_steps(dec: BlockDecoder) -> tuple:
     """The two kinds of direct step, each ``(block [B, T], positions [B, T], h_A [B, T, H], carry [B, T, H]) ->
-    (h_A, carry)``, the chain's state after it: ``backbone`` commits the backbone's pick per row and starts a chain
-    from its h_A; ``mrp`` runs the chain's next MRP step from h_A and the carry and commits its most confident
-    pick per row; both into ``block`` in place."""
+    None``, updating the block and the chain's state (h_A, carry) in place: ``backbone`` commits the backbone's
+    pick per row and starts a chain from its h_A; ``mrp`` runs the chain's next MRP step from h_A and the carry and
+    commits its most confident pick per row."""
     backbone_step = denoising_step(dec)
 
-    def backbone(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor):
-        h_a = backbone_step(block, positions, _one_each(dec.masked(block)))
-        return h_a, MRPChain(dec, h_a, positions).carry
+    def backbone(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor) -> None:
+        h_a.copy_(backbone_step(block, positions, _one_each(dec.masked(block))))
+        carry.copy_(MRPChain(dec, h_a, positions).carry)
 
-    def mrp(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor):
+    def mrp(block: torch.Tensor, positions: torch.Tensor, h_a: torch.Tensor, carry: torch.Tensor) -> None:
         chain = MRPChain(dec, h_a, positions, carry)
         # one token a row: a row without masks has no picks (token -1), so it commits nothing
         dec.commit_picks(block, chain.step(block), positions, dec.masked(block), 1, mrp=True)
-        return h_a, chain.carry
+        carry.copy_(chain.carry)
 
     return ("denoise", backbone), ("direct_mrp", mrp)
 
@@ -101,8 +101,8 @@ def decode_direct(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tenso
         B, T = block.shape
         state["h_a"] = block.new_zeros((B, T, dec.model.config.hidden_size), dtype=dec.model.lm_head.weight.dtype)
         state["carry"] = torch.zeros_like(state["h_a"])
-    dec.steps((backbone, *[mrp] * K), block, positions, state["h_a"], state["carry"], count=steps, mutated=(0,),
-              carry=(2, 3), phase=dec.block_steps % (K + 1))
+    dec.steps((backbone, *[mrp] * K), block, positions, state["h_a"], state["carry"], count=steps,
+              mutated=(0, 2, 3), phase=dec.block_steps % (K + 1))
 
 
 def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed: tuple, fresh: torch.Tensor):
