@@ -1,16 +1,25 @@
-"""End-to-end decoding benchmark on held-out code: every strategy against static one-token-a-step decoding.
+"""End-to-end decoding benchmark: every strategy against static one-token-a-step decoding, on held-out code or
+on your own prompts.
 
-Prompts are function signatures plus their first body line, taken from the held-out standard-library files
-recorded with the model (``stdlib_manifest.json``). For each mode the script reports tokens per backbone
+By default the prompts are function signatures plus their first body line, taken from the held-out
+standard-library files recorded with the model (``stdlib_manifest.json``). ``--prompt-file`` takes your own
+instead: JSONL, one record a line, ``{"prompt": ...}`` (sent through the chat template as a user message with
+``--chat``), ``{"messages": [{"role": ..., "content": ...}, ...]}`` (always rendered by the chat template, the
+assistant's turn opened; a last assistant turn, the reference answer, is left out) or ``{"text": ...}`` (as it is);
+other keys (an answer to score against) are ignored. For each mode the script reports tokens per backbone
 forward (TPF), backbone and MRP forwards, batch steps (forwards over the whole batch: rows move on block by
 block on their own, so a batch takes about as many as its slowest row), tokens/s, speedup over static, whether
-each completion is identical to the static one, and quality: token agreement with the static output, the
-share of completions that parse with ``ast.parse`` once the function is closed, and (stricter) the share
-whose whole completion parses with only its last, cut line dropped. On CUDA each mode first runs one untimed call
-(kernel compilation, CUDA-graph capture); the timed calls replay the captured steps.
+each completion is identical to the static one, and quality: token agreement with the static output and, for the
+held-out code, the share of completions that parse with ``ast.parse`` once the function is closed, and
+(stricter) the share whose whole completion parses with only its last, cut line dropped. Every completion is
+saved too (``<tag>_completions.jsonl``: mode, prompt index, prompt and completion text), to score with your own
+checks. Rows stop at the checkpoint's EOS. On CUDA each mode first runs one untimed call (kernel compilation,
+CUDA-graph capture); the timed calls replay the captured steps.
 
     python benchmarks/bench_e2e.py                       # the shipped model, results to benchmarks/results/
     python benchmarks/bench_e2e.py --model DIR --prompts 8 --max-new-tokens 32 --out /tmp/e2e
+    python benchmarks/bench_e2e.py --model DIR --prompt-file questions.jsonl --chat --max-new-tokens 256 \\
+        --modes "speculative K=3 mrp" "dynamic tau=0.9" --out /tmp/e2e
     python benchmarks/bench_e2e.py --device-loop --modes dynamic speculative --tag e2e_gpu_device_loop
 """
 
@@ -33,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
+from hf_integration.cli import SHIPPED_MODEL, chat_ids, load, user_turn  # noqa: E402
 
 # A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files.
 MostFrequent = namedtuple("MostFrequent", "size")
@@ -85,6 +94,56 @@ def heldout_prompts(manifest_path: Path, limit: int, max_lines: int = 2) -> list
     return prompts[:limit]
 
 
+def file_prompts(path: Path, tokenizer, chat: bool, system: str | None, model: str) -> list[list[int]]:
+    """The token ids of each prompt of a JSONL file (the record forms: the module docstring); ``chat``: send
+    ``prompt`` records through the chat template as a user message after ``system``'s, if given (``messages``
+    records always go through it; their own system message wins)."""
+    prompts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--prompt-file {path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"{where}: not valid JSON ({err.msg})") from None
+        if not isinstance(rec, dict):
+            raise SystemExit(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        if "messages" in rec:
+            messages = rec["messages"]
+            if not (isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+                raise SystemExit(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+            if messages[-1]["role"] == "assistant":
+                messages = messages[:-1]  # the reference answer: the model writes its own
+            if system is not None and messages and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": system}, *messages]
+            prompts.append(chat_ids(tokenizer, messages, model))
+        elif isinstance(rec.get("prompt"), str):
+            prompts.append(chat_ids(tokenizer, user_turn(rec["prompt"], system), model) if chat
+                           else tokenizer(rec["prompt"]).input_ids)
+        elif isinstance(rec.get("text"), str):
+            prompts.append(tokenizer(rec["text"]).input_ids)
+        else:
+            raise SystemExit(f"{where}: a record needs a 'prompt' or 'text' string or a 'messages' list "
+                             f"(got keys {sorted(rec)})")
+        if not prompts[-1]:
+            raise SystemExit(f"{where}: the prompt is empty")
+    return prompts
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one left-padded batch: (input_ids, attention_mask), each int64 [len(rows), longest]."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def closes_and_parses(prompt: str, completion: str) -> bool:
     """Whether prompt + completion parses once cut where the function ends (first line back at column 0)
     and with the last, possibly unfinished, line dropped."""
@@ -127,14 +186,12 @@ def most_frequent_ids(manifest: Path, tokenizer, size: int, model, counts: dict)
     return top_ids(counts["train"], size, model.config.vocab_size, exclude=[model.config.mask_token_id])
 
 
-def run_mode(model, tokenizer, prompts: list[str], settings: dict, batch_size: int):
-    """Returns per-prompt completions (token lists) and summed stats, plus wall seconds."""
+def run_mode(model, prompts: list[list[int]], settings: dict, batch_size: int):
+    """prompts: token ids each. Returns per-prompt completions (token lists) and summed stats, plus wall seconds."""
     completions, totals, seconds = [], {}, 0.0
-    tokenizer.padding_side = "left"
+    pad_id = model.generation_config.pad_token_id or 0  # any id: the attention mask hides padding
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True)
-        ids, mask = enc.input_ids.to(model.device), enc.attention_mask.to(model.device)
+        ids, mask = left_padded(prompts[start : start + batch_size], pad_id, model.device)
         if ids.is_cuda:
             if start == 0:  # untimed: compiles the kernels and captures this mode's CUDA graphs
                 model.generate(ids, attention_mask=mask, **settings)
@@ -159,7 +216,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(SHIPPED_MODEL))
     p.add_argument("--manifest", type=Path, help="default: MODEL/stdlib_manifest.json")
-    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--prompts", type=int, default=24, help="how many prompts at most (default: 24)")
+    p.add_argument("--prompt-file", type=Path, help="your own prompts: JSONL records {prompt}, {messages} or {text} "
+                   "(default: held-out code of the model's stdlib_manifest.json)")
+    p.add_argument("--chat", action="store_true", help="send --prompt-file's prompt records through the tokenizer's "
+                   "chat template as a user message")
+    p.add_argument("--system", help="with --chat: a system message before each prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -171,7 +233,12 @@ def parse_args(argv):
     p.add_argument("--device-loop", action="store_true", help="every mode runs the steps that may have work in "
                    "device loops (generate's device_loop, with CUDA graphs; on CUDA it "
                    "needs torch >= 2.12)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.chat or args.system is not None) and args.prompt_file is None:
+        p.error("--chat and --system apply to the prompt records of --prompt-file")
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat")
+    return args
 
 
 def main(argv=None) -> int:
@@ -179,26 +246,37 @@ def main(argv=None) -> int:
 
     tokenizer, model = load(args.model, args.device, args.dtype)
     manifest = args.manifest or Path(args.model) / "stdlib_manifest.json"
-    prompts = heldout_prompts(manifest, args.prompts)
-    if not prompts:
-        raise SystemExit(f"no held-out prompts found from {manifest}")
+    code = args.prompt_file is None  # held-out code, whose completions are checked to parse
+    if code:
+        prompts = [tokenizer(p).input_ids for p in heldout_prompts(manifest, args.prompts)]
+        if not prompts:
+            raise SystemExit(f"no held-out prompts found from {manifest}")
+    else:
+        prompts = file_prompts(args.prompt_file, tokenizer, args.chat, args.system, args.model)[: args.prompts]
+        if not prompts:
+            raise SystemExit(f"--prompt-file {args.prompt_file}: no prompts")
+    texts_in = [tokenizer.decode(p) for p in prompts]
     modes = [m for m in MODES if (not args.modes or any(s in m[0] for s in args.modes))
              and not any(s in m[0] for s in args.skip)]
     if modes[0][0] != "static":
         modes.insert(0, MODES[0])
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    base = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos)
+    if not manifest.exists() and any(isinstance(m[1].get("draft_vocab"), MostFrequent) for m in modes):
+        print(f"left out the 'most frequent ids' modes: they count the training files of {manifest}, not found")
+        modes = [m for m in modes if not isinstance(m[1].get("draft_vocab"), MostFrequent)]
+    base = dict(max_new_tokens=args.max_new_tokens)  # rows stop at the checkpoint's EOS
 
-    rows, static, counts = [], None, {}
+    rows, static, counts, saved = [], None, {}, []
     for name, extra in modes:
         if isinstance(extra.get("draft_vocab"), MostFrequent):
             extra = {**extra, "draft_vocab": most_frequent_ids(manifest, tokenizer, extra["draft_vocab"].size, model,
                                                                counts)}
         if args.device_loop:
             extra = {**extra, "device_loop": True, "cuda_graphs": True}
-        completions, totals, seconds = run_mode(model, tokenizer, prompts, {**base, **extra}, args.batch_size)
+        completions, totals, seconds = run_mode(model, prompts, {**base, **extra}, args.batch_size)
         static = static or (completions, totals, seconds)
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        saved += [{"mode": name, "prompt_index": i, "prompt": p, "completion": t}
+                  for i, (p, t) in enumerate(zip(texts_in, texts))]
         agree = [sum(a == b for a, b in zip(c, s)) / len(c) for c, s in zip(completions, static[0])]
         row = {
             "mode": name,
@@ -213,22 +291,24 @@ def main(argv=None) -> int:
             "speedup_vs_static": (totals["tokens_committed"] / seconds) / (static[1]["tokens_committed"] / static[2]),
             "identical_to_static": sum(c == s for c, s in zip(completions, static[0])) / len(prompts),
             "agreement_with_static": sum(agree) / len(agree),
-            "parses": sum(closes_and_parses(pr, t) for pr, t in zip(prompts, texts)) / len(prompts),
-            "parses_whole": sum(whole_completion_parses(pr, t) for pr, t in zip(prompts, texts)) / len(prompts),
+            "parses": sum(map(closes_and_parses, texts_in, texts)) / len(prompts) if code else None,
+            "parses_whole": sum(map(whole_completion_parses, texts_in, texts)) / len(prompts) if code else None,
             "tokens_remasked": totals["tokens_remasked"],
         }
         rows.append(row)
         print(f"{name:<26} TPF {row['tpf']:5.2f}  tok/s {row['tokens_per_s']:7.1f}  x{row['speedup_vs_static']:.2f}  "
-              f"identical {row['identical_to_static']:.0%}  agree {row['agreement_with_static']:.0%}  "
-              f"parses {row['parses']:.0%} / whole {row['parses_whole']:.0%}", flush=True)
+              f"identical {row['identical_to_static']:.0%}  agree {row['agreement_with_static']:.0%}"
+              + (f"  parses {row['parses']:.0%} / whole {row['parses_whole']:.0%}" if code else ""), flush=True)
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     meta = {"model": str(args.model), "device": device_name, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "torch": torch.__version__, "prompts": len(prompts),
+            "prompt_source": str(args.prompt_file) if args.prompt_file else f"held-out code ({manifest.name})",
+            "chat": args.chat, "max_new_tokens": args.max_new_tokens,
             "batch_size": args.batch_size, "device_loop": args.device_loop, "commit": commit,
-            "example_prompt": prompts[0],
+            "example_prompt": texts_in[0],
             "example_static_completion": tokenizer.decode(static[0][0], skip_special_tokens=True)}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.tag or f"e2e_{'gpu' if args.device.startswith('cuda') else 'cpu'}"
@@ -238,19 +318,24 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     (args.out / f"{stem}.md").write_text(markdown_table(rows, meta))
+    (args.out / f"{stem}_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in saved))
     plot(rows, args.out / f"{stem}.png", meta)
-    print(f"wrote {args.out / stem}.{{json,csv,md,png}}")
+    print(f"wrote {args.out / stem}.{{json,csv,md,png}} and {stem}_completions.jsonl")
     return 0
 
 
 def markdown_table(rows: list[dict], meta: dict) -> str:
-    head = ("| mode | TPF | backbone fwd | MRP fwd | batch steps | tok/s | speedup | identical to static | agreement "
-            "| parses (function closed) | parses (whole completion) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    code = rows[0]["parses"] is not None
+    columns = ["mode", "TPF", "backbone fwd", "MRP fwd", "batch steps", "tok/s", "speedup", "identical to static",
+               "agreement"] + (["parses (function closed)", "parses (whole completion)"] if code else [])
+    head = f"| {' | '.join(columns)} |\n|{'---|' * len(columns)}\n"
     body = "".join(f"| {r['mode']} | {r['tpf']:.2f} | {r['backbone_forwards']} | {r['mrp_forwards']} | "
                    f"{r['batch_steps']} | "
                    f"{r['tokens_per_s']:.1f} | {r['speedup_vs_static']:.2f}x | {r['identical_to_static']:.0%} | "
-                   f"{r['agreement_with_static']:.0%} | {r['parses']:.0%} | {r['parses_whole']:.0%} |\n" for r in rows)
-    return (f"{meta['prompts']} held-out prompts, {meta['max_new_tokens']} new tokens, batch {meta['batch_size']}, "
+                   f"{r['agreement_with_static']:.0%} |"
+                   + (f" {r['parses']:.0%} | {r['parses_whole']:.0%} |" if code else "") + "\n" for r in rows)
+    return (f"{meta['prompts']} prompts ({meta['prompt_source']}{', chat template' if meta['chat'] else ''}), "
+            f"{meta['max_new_tokens']} new tokens, batch {meta['batch_size']}, "
             f"{meta['device']} ({meta['threads']} threads), torch {meta['torch']}, commit {meta['commit']}\n\n"
             + head + body)
 
@@ -272,7 +357,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
         ax.scatter([r["tpf"] for r in pts], [r["agreement_with_static"] for r in pts], c=color, label=family)
     ax.set_xlabel("tokens per backbone forward (TPF)")
     ax.set_ylabel("agreement with static decoding")
-    ax.set_title(f"Quality vs TPF, {meta['prompts']} held-out prompts ({meta['device']})", fontsize=9)
+    ax.set_title(f"Quality vs TPF, {meta['prompts']} prompts: {meta['prompt_source']} ({meta['device']})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

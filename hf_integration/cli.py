@@ -130,14 +130,21 @@ def encode(tokenizer, prompt: str, args: argparse.Namespace) -> torch.Tensor:
             print("note: this model's tokenizer has a chat template; --chat sends the prompt through it",
                   file=sys.stderr)
         return tokenizer(prompt, return_tensors="pt").input_ids
+    return torch.tensor([chat_ids(tokenizer, user_turn(prompt, args.system), args.model)])
+
+
+def user_turn(prompt: str, system: str | None) -> list[dict]:
+    """``prompt`` as a conversation's user message, after ``system`` as its system message (when not None)."""
+    return ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": prompt}]
+
+
+def chat_ids(tokenizer, messages: list[dict], model: str) -> list[int]:
+    """The token ids of ``messages`` ({role, content} dicts) rendered by the tokenizer's chat template with the
+    assistant's turn opened (:class:`UsageError` naming ``model`` when its tokenizer has no template)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise UsageError(f"--chat needs a tokenizer with a chat template, and {args.model}'s has none (drop --chat to "
+        raise UsageError(f"--chat needs a tokenizer with a chat template, and {model}'s has none (drop --chat to "
                          "complete the prompt as plain text)")
-    messages = [{"role": "user", "content": prompt}]
-    if args.system is not None:
-        messages.insert(0, {"role": "system", "content": args.system})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                         return_tensors="pt").input_ids
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 def run_one(model, ids: torch.Tensor, settings: dict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import hf_integration
-from hf_integration.cli import SHIPPED_MODEL
+from hf_integration.cli import SHIPPED_MODEL, UsageError
 from tiny_models import tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -197,9 +198,8 @@ def test_mrp_generate_compare_gives_each_strategy_the_options_it_reads(options, 
     cli.check_settings(tiny_model(seed=0, block_size=8), torch.zeros(1, 4, dtype=torch.long), runs)
 
 
-@pytest.mark.slow
-def test_e2e_benchmark_smoke_on_a_tiny_random_model(tmp_path):
-    """The benchmark script runs on a tiny random model (with the shipped tokenizer and manifest)."""
+def _tiny_checkpoint(folder: Path, files=("tokenizer.json", "tokenizer_config.json", "stdlib_manifest.json")) -> Path:
+    """A tiny random SDAR+MRP checkpoint with the shipped model's vocabulary and ``files`` of the shipped folder."""
     from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
 
     shipped = json.loads((SHIPPED_MODEL / "config.json").read_text())
@@ -207,11 +207,17 @@ def test_e2e_benchmark_smoke_on_a_tiny_random_model(tmp_path):
                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                            block_size=4, mask_token_id=shipped["mask_token_id"], num_nextn_predict_layers=1,
                            eos_token_id=shipped.get("eos_token_id"), max_position_embeddings=1024)
-    model_dir = tmp_path / "tiny"
     torch.manual_seed(0)
-    SDARMRPForCausalLM(config).save_pretrained(model_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "stdlib_manifest.json"):
-        (model_dir / name).write_bytes((SHIPPED_MODEL / name).read_bytes())
+    SDARMRPForCausalLM(config).save_pretrained(folder)
+    for name in files:
+        (folder / name).write_bytes((SHIPPED_MODEL / name).read_bytes())
+    return folder
+
+
+@pytest.mark.slow
+def test_e2e_benchmark_smoke_on_a_tiny_random_model(tmp_path):
+    """The benchmark script runs on a tiny random model (with the shipped tokenizer and manifest)."""
+    model_dir = _tiny_checkpoint(tmp_path / "tiny")
     out = _run(["benchmarks/bench_e2e.py", "--model", str(model_dir), "--prompts", "3", "--max-new-tokens", "8",
                 "--modes", "static", "speculative K=2 mrp", "remask tau tau=0.5", "--out", str(tmp_path / "res")])
     assert "speculative K=2 mrp" in out
@@ -221,6 +227,70 @@ def test_e2e_benchmark_smoke_on_a_tiny_random_model(tmp_path):
     assert 0 < spec["verify_rounds"] == sum(spec["accepted_lengths"]) < spec["backbone_forwards"]  # + openings
     assert next(r for r in rows if r["mode"] == "static")["verify_rounds"] == 0
     assert (tmp_path / "res" / "e2e_cpu.png").exists() and (tmp_path / "res" / "e2e_cpu.md").exists()
+
+
+@pytest.mark.slow
+def test_e2e_benchmark_runs_your_own_prompts_through_the_chat_template(tmp_path):
+    """``--prompt-file`` with ``--chat``: a prompt record goes through the template as a user message after the
+    --system message, a conversation keeps its own system message and loses its reference answer, a text record is
+    read as it is; every completion is saved; without the manifest the most-frequent-ids modes are left out, and
+    the code-parsing columns are absent."""
+    from transformers import AutoTokenizer
+
+    from training.tokenizer import CHAT_TEMPLATE
+
+    model_dir = _tiny_checkpoint(tmp_path / "tiny", files=("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    records = [{"prompt": "def mean(values):", "answer": "ignored"},
+               {"messages": [{"role": "system", "content": "answer in code"}, {"role": "user", "content": "sort"},
+                             {"role": "assistant", "content": "REFERENCE"}]},
+               {"text": "import os\n"}]
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("\n".join(json.dumps(r) for r in records[:2]) + "\n\n" + json.dumps(records[2]) + "\n")
+    out = _run(["benchmarks/bench_e2e.py", "--model", str(model_dir), "--prompt-file", str(prompt_file), "--chat",
+                "--system", "be brief", "--max-new-tokens", "8", "--modes", "static", "speculative K=2 mrp",
+                "most frequent", "--out", str(tmp_path / "res"), "--tag", "mine"])
+    assert "left out the 'most frequent ids' modes" in out and "parses" not in out
+    result = json.loads((tmp_path / "res" / "mine.json").read_text())
+    modes = [r["mode"] for r in result["rows"]]
+    assert modes == ["static", "speculative K=2 mrp"]  # "most frequent" selected two modes, both left out
+    assert all(r["parses"] is None for r in result["rows"])
+    assert "parses" not in (tmp_path / "res" / "mine.md").read_text()
+    assert result["rows"][1]["identical_to_static"] == 1.0 and result["meta"]["prompts"] == 3
+    saved = [json.loads(line) for line in (tmp_path / "res" / "mine_completions.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r["prompt_index"]) for r in saved] == [(m, i) for m in modes for i in range(3)]
+    prompts = [r["prompt"] for r in saved[:3]]
+    assert prompts[0] == "<|system|>\nbe brief\n<|user|>\ndef mean(values):\n<|assistant|>\n"
+    assert prompts[1] == "<|system|>\nanswer in code\n<|user|>\nsort\n<|assistant|>\n"
+    assert prompts[2] == "import os\n"
+
+
+@pytest.mark.parametrize("line, error", [
+    ("{not json", "prompts.jsonl:2: not valid JSON"),
+    ("[1, 2]", "prompts.jsonl:2: expected a JSON object, got list"),
+    ('{"question": "why"}', "prompts.jsonl:2: a record needs a 'prompt' or 'text' string or a 'messages' list "
+                            "(got keys ['question'])"),
+    ('{"messages": [{"role": "user"}]}', "prompts.jsonl:2: 'messages' must be a non-empty list"),
+    ('{"text": ""}', "prompts.jsonl:2: the prompt is empty"),
+])
+def test_e2e_benchmark_names_the_line_of_a_bad_prompt_record(tmp_path, line, error):
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", REPO_ROOT / "benchmarks" / "bench_e2e.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "x = 1"}\n' + line + "\n")
+    with pytest.raises(SystemExit, match=re.escape(error)):
+        bench.file_prompts(path, tokenizer, chat=False, system=None, model="m")
+    path.write_text('{"prompt": "x = 1"}\n')
+    with pytest.raises(UsageError, match="--chat needs a tokenizer with a chat template"):
+        bench.file_prompts(path, tokenizer, chat=True, system=None, model="m")
 
 
 def test_line_completion_benchmark_ends_rows_with_their_line(tmp_path):
