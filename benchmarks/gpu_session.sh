@@ -4,12 +4,16 @@
 # needs CUDA, then the model-op kernel tests (forward, then the backward kernels training runs, and the KD loss's
 # TF32 and bf16 GEMMs and its KL kernels).
 #   bash benchmarks/gpu_session.sh OUT_DIR
+# A second call, when the session has device time left (at most 3 minutes: the training steps' limits), runs
+# training on the GPU as a whole (compiled FlexAttention, bf16 autocast, the backward kernels; no issue's target):
+#   bash benchmarks/gpu_session.sh OUT_DIR "training_tests training"
 # Each step has its own time limit and log; a failing step does not stop the others. Results and logs
 # are packed into OUT_DIR/gpu_results.tar.gz (unpack into benchmarks/results/ and commit what ran);
 # benchmarks/targets.py then lists each issue target as met, missed or not measured.
 set -uo pipefail
 OUT="${1:?usage: bash benchmarks/gpu_session.sh OUT_DIR}"
 RES="$OUT/results"
+STEPS=" ${2:-decode_tests engine decode_kernels e2e lm_head model_op_tests} "  # the steps this call runs
 mkdir -p "$RES"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
@@ -19,6 +23,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
+  [[ "$STEPS" == *" $name "* ]] || return 0
   echo "=== $name (limit ${limit}s)"
   local start=$SECONDS
   timeout "$limit" "$@" >"$RES/$name.log" 2>&1
@@ -52,7 +57,13 @@ step model_op_tests 50 python3 -m pytest -v -p no:cacheprovider tests/test_lm_he
   tests/test_candidate_confidence.py tests/test_norm_ops.py tests/test_cached_attention.py \
   tests/test_norm_ops_backward.py tests/test_kd_loss.py::test_cuda_precisions \
   tests/test_softmax_kl.py::test_kernel_at_a_real_vocabulary
+# The second call's: training's CUDA tests (FlexAttention's loss and gradients against SDPA's, bf16-valued frozen
+# projections kept in bf16), then a few steps of mrp-train mrp and backbone at the shipped model's shapes.
+step training_tests 60 python3 -m pytest -v -p no:cacheprovider \
+  tests/test_training_losses.py::test_flex_attention_gives_the_sdpa_loss \
+  tests/test_training_loop.py::test_cuda_mrp_training_keeps_bf16_valued_projections_in_bf16_then_restores_them
+step training 120 python3 benchmarks/bench_training.py --out "$RES"
 # The issues' targets against what was measured (CPU only, seconds): also in results/targets.md.
 python3 benchmarks/targets.py "$RES"
 tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results
-cat "$RES/steps.txt"
+cat "$RES/steps.txt" 2>/dev/null || echo "no step ran (this call selected:$STEPS)"

@@ -14,6 +14,9 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+# Fresh examples on each run (the tests' own max_examples still apply): a search for rare failures,
+# HYPOTHESIS_PROFILE=fuzz python -m pytest tests/test_generate.py --hypothesis-seed=$RANDOM
+settings.register_profile("fuzz", deadline=None, derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
