@@ -35,7 +35,8 @@ FIELDS = ["mode", "steps", "seq_len", "micro_batch_size", "device", "ops", "atte
           "kd_precision", "loss_first", "loss_last", "eval_loss", "eval_pick_agreement", "tokens_per_s",
           "first_step_s", "wall_s", "peak_memory_gb"]
 # The backbone's architecture flags, read from the model's config.json (the shipped model's: reproduce.sh's).
-ARCHITECTURE = {"block_size": "--block-size", "hidden_size": "--hidden-size", "intermediate_size": "--intermediate-size",
+ARCHITECTURE = {"block_size": "--block-size", "hidden_size": "--hidden-size",
+                "intermediate_size": "--intermediate-size",
                 "num_hidden_layers": "--num-layers", "num_attention_heads": "--num-heads",
                 "num_key_value_heads": "--num-kv-heads", "head_dim": "--head-dim",
                 "max_position_embeddings": "--max-position-embeddings"}
@@ -85,7 +86,8 @@ def summarise(mode: str, args: argparse.Namespace, metrics: Path, wall_s: float,
     head = max(1, len(losses) // 4)
     return {"mode": mode, "steps": len(steps), "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
             "device": setup["device"], "ops": setup["ops"], "attention": setup["attention"],
-            "bf16_autocast": setup["bf16_autocast"], "kd_precision": setup.get("kd_precision") if mode == "mrp" else None,
+            "bf16_autocast": setup["bf16_autocast"],
+            "kd_precision": setup.get("kd_precision") if mode == "mrp" else None,
             "loss_first": statistics.mean(losses[:head]), "loss_last": statistics.mean(losses[-head:]),
             "eval_loss": evaluation["eval_loss"], "eval_pick_agreement": evaluation.get("eval_pick_agreement"),
             "tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps[args.warmup:]),
