@@ -32,7 +32,6 @@ import json
 import platform
 import subprocess
 import sys
-import sysconfig
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_integration.cli import SHIPPED_MODEL, chat_ids, load, user_turn  # noqa: E402
+from training.stdlib_corpus import manifest_root  # noqa: E402
 
 # A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files.
 MostFrequent = namedtuple("MostFrequent", "size")
@@ -70,7 +70,7 @@ def heldout_prompts(manifest_path: Path, limit: int, max_lines: int = 2) -> list
     """``def`` line(s) and the first body line of functions from the held-out files, dedented; only
     functions whose first statement fits on one line, so that every prompt is complete code."""
     manifest = json.loads(manifest_path.read_text())
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = Path(manifest_root(manifest))
     prompts: list[str] = []
     for rel in manifest["heldout"]:
         path = root / rel

@@ -137,6 +137,28 @@ def test_stdlib_files_leave_out_tests_and_other_files_and_a_tiny_list_holds_one_
         assert len(held) == 1 and sorted(train + held) == files
 
 
+def test_a_manifest_from_another_machine_reads_this_pythons_files_of_its_names(tmp_path, capsys):
+    """The shipped model's manifest records this machine's stdlib folder; elsewhere (another Python) the files of the
+    same names are read from the running Python's, those it lacks left out with a note, and a split left empty is a
+    ConfigError naming the fix."""
+    from training.config import ConfigError
+    from training.stdlib_corpus import manifest_records, stdlib_root
+
+    manifest = {"python_version": "3.0.1", "stdlib_root": str(tmp_path / "gone"),
+                "train": ["os.py", "no_such_module.py"], "heldout": ["json/decoder.py"]}
+    train, held = manifest_records(manifest)
+    with open(os.path.join(stdlib_root(), "os.py"), encoding="utf-8") as f:
+        assert train == [{"text": f.read()}]
+    assert len(held) == 1 and "class JSONDecoder" in held[0]["text"]
+    err = capsys.readouterr().err
+    assert f"recorded at {tmp_path / 'gone'} (Python 3.0.1)" in err and stdlib_root() in err
+    assert "1 of the stdlib manifest's 3 files are not in" in err and "no_such_module.py" in err
+    (tmp_path / "here").mkdir()  # the recorded folder exists but holds none of the held-out files
+    (tmp_path / "here" / "os.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="none of the stdlib manifest's heldout files is in .*--stdlib-manifest"):
+        manifest_records({**manifest, "stdlib_root": str(tmp_path / "here")})
+
+
 def test_chat_template_is_used_when_present(tok, corpus):
     import copy
 

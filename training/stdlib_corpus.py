@@ -20,6 +20,8 @@ import os
 import sys
 import sysconfig
 
+from .config import ConfigError
+
 EXCLUDED_DIRS = frozenset({
     "test", "tests", "idle_test", "idlelib", "__pycache__", "site-packages", "dist-packages",
     "turtledemo", "_bundled", "__phello__",
@@ -107,18 +109,49 @@ def load_manifest(path: str) -> dict:
         return json.load(f)
 
 
-def manifest_records(manifest: dict) -> tuple[list[dict], list[dict]]:
-    """``(train, heldout)`` records ``{"text": source}`` for :func:`training.data.build_datasets`."""
+def manifest_root(manifest: dict) -> str:
+    """Where a manifest's files are read: the stdlib root it recorded or, on a machine without that folder (another
+    machine, another Python), this Python's own (a note on stderr says so), whose files of the same names stand in
+    for them (the split, by name, is kept: a held-out file stays held out)."""
     root = manifest["stdlib_root"]
+    if os.path.isdir(root):
+        return root
+    here = stdlib_root()
+    print(f"note: the stdlib manifest's files were recorded at {root} (Python {manifest.get('python_version')}), "
+          f"which this machine lacks: reading the files of those names from {here} (Python "
+          f"{sys.version.split()[0]})", file=sys.stderr)
+    return here
+
+
+def manifest_records(manifest: dict) -> tuple[list[dict], list[dict]]:
+    """``(train, heldout)`` records ``{"text": source}`` for :func:`training.data.build_datasets`, read from
+    :func:`manifest_root`; a file it lacks is left out (a note on stderr counts them), and a split left with no file
+    raises a ``ConfigError``."""
+    root = manifest_root(manifest)
+    missing: list[str] = []
 
     def read(rels):
         out = []
         for r in rels:
-            with open(os.path.join(root, r), encoding="utf-8") as f:
+            path = os.path.join(root, r)
+            if not os.path.isfile(path):
+                missing.append(r)
+                continue
+            with open(path, encoding="utf-8") as f:
                 out.append({"text": f.read()})
         return out
 
-    return read(manifest["train"]), read(manifest["heldout"])
+    train, held = read(manifest["train"]), read(manifest["heldout"])
+    if missing:
+        print(f"note: {len(missing)} of the stdlib manifest's {len(manifest['train']) + len(manifest['heldout'])} "
+              f"files are not in {root}, left out: {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}",
+              file=sys.stderr)
+    for name, records in (("train", train), ("heldout", held)):
+        if not records:
+            raise ConfigError(f"none of the stdlib manifest's {name} files is in {root}: rebuild the manifest on this "
+                              "machine (python -m training.stdlib_corpus --out stdlib_manifest.json) and pass it "
+                              "with --stdlib-manifest")
+    return train, held
 
 
 def main(argv: list[str] | None = None) -> None:
