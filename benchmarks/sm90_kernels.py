@@ -114,29 +114,33 @@ def _decisions() -> list[Variant]:
     return out
 
 
-def _cached_attention() -> list[Variant]:
+def attention_variant(dt: str, seg: bool, d: int, group: int, splits: int, ragged: bool, block_n: int | None = None,
+                      num_stages: int | None = None) -> Variant:
+    """The cached-attention kernel for ``dt`` ("*bf16", ...) keys, head dim ``d`` and ``group`` query heads a
+    key/value head, with key/value tiles of ``block_n`` slots (default: the launcher's) in ``num_stages``."""
     attention = importlib.import_module("mrp_triton.cached_attention")
     strides = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "sc_b", "sc_h", "sc_t",
                "sp_b", "sp_t", "spl_b", "spl_t", "so_b", "so_h", "so_t")
     consts = ("GROUP", "GROUP_P2", "ONE_SPLIT", "HAS_SEG", "RAGGED", "DOT_FP32", "IEEE", "BLOCK_M", "BLOCK_N",
               "BLOCK_D")
-    out = []
-    for dt, seg, d, group, splits, ragged in (("*bf16", False, 128, 2, 1, False), ("*bf16", True, 128, 2, 6, False),
-                                              ("*bf16", False, 128, 4, 8, False), ("*fp16", False, 64, 3, 1, False),
-                                              ("*fp32", True, 128, 2, 2, False), ("*bf16", False, 128, 2, 1, True),
-                                              ("*bf16", True, 128, 2, 6, True)):
-        sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "ck_ptr": dt, "cv_ptr": dt, "len_ptr": "*i64", "pos_ptr": "*i64",
-               "seg_ptr": "*i64", "place_ptr": "*i64", "o_ptr": dt, "part_ptr": "*fp32", "ml_ptr": "*fp32",
-               **{s: "i64" for s in strides}, "T": "i32", "Hq": "i32", "Hkv": "i32", "HEAD_DIM": "i32",
-               "block_size": "i32", "scale": "fp32", "splits": "i32", **{c: "constexpr" for c in consts}}
-        out.append(Variant(f"cached_attention {dt[1:]} seg={seg} D={d} group={group} splits={splits} ragged={ragged}",
-                           "cached_attention", "_cached_attention_kernel", sig,
-                           {"GROUP": group, "GROUP_P2": 1 << (group - 1).bit_length(), "ONE_SPLIT": splits == 1,
-                            "HAS_SEG": seg, "RAGGED": ragged, "DOT_FP32": False, "IEEE": dt == "*fp32",
-                            "BLOCK_M": attention._BLOCK_M, "BLOCK_N": attention._BLOCK_N, "BLOCK_D": d},
-                           attention._NUM_WARPS,
-                           divisible=_ptrs_divisible(sig, *(s for s in strides if s not in ("sp_t", "spl_t")),
-                                                     "HEAD_DIM")))
+    sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "ck_ptr": dt, "cv_ptr": dt, "len_ptr": "*i64", "pos_ptr": "*i64",
+           "seg_ptr": "*i64", "place_ptr": "*i64", "o_ptr": dt, "part_ptr": "*fp32", "ml_ptr": "*fp32",
+           **{s: "i64" for s in strides}, "T": "i32", "Hq": "i32", "Hkv": "i32", "HEAD_DIM": "i32",
+           "block_size": "i32", "scale": "fp32", "splits": "i32", **{c: "constexpr" for c in consts}}
+    return Variant(f"cached_attention {dt[1:]} seg={seg} D={d} group={group} splits={splits} ragged={ragged}",
+                   "cached_attention", "_cached_attention_kernel", sig,
+                   {"GROUP": group, "GROUP_P2": 1 << (group - 1).bit_length(), "ONE_SPLIT": splits == 1,
+                    "HAS_SEG": seg, "RAGGED": ragged, "DOT_FP32": False, "IEEE": dt == "*fp32",
+                    "BLOCK_M": attention._BLOCK_M, "BLOCK_N": block_n or attention._BLOCK_N, "BLOCK_D": d},
+                   attention._NUM_WARPS, num_stages,
+                   divisible=_ptrs_divisible(sig, *(s for s in strides if s not in ("sp_t", "spl_t")), "HEAD_DIM"))
+
+
+def _cached_attention() -> list[Variant]:
+    out = [attention_variant(*case) for case in (("*bf16", False, 128, 2, 1, False), ("*bf16", True, 128, 2, 6, False),
+                                                 ("*bf16", False, 128, 4, 8, False), ("*fp16", False, 64, 3, 1, False),
+                                                 ("*fp32", True, 128, 2, 2, False), ("*bf16", False, 128, 2, 1, True),
+                                                 ("*bf16", True, 128, 2, 6, True))]
     sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "place_ptr": "*i64", "o_ptr": "*bf16", "spl_b": "i64",
            "spl_t": "i64", "so_b": "i64", "so_h": "i64", "so_t": "i64", "T": "i32", "Hq": "i32", "HEAD_DIM": "i32",
            "splits": "i32", "RAGGED": "constexpr", "SPLITS_P2": "constexpr", "BLOCK_D": "constexpr"}
@@ -294,8 +298,8 @@ def variants() -> list[Variant]:
     return _confidence() + _decisions() + _cached_attention() + _lm_head() + _model_ops() + _softmax_kl()
 
 
-def compile_variant(v: Variant):
-    """The kernel compiled for sm_90 (needs Triton's NVIDIA backend, not a GPU; the interpreter must be off)."""
+def compile_variant(v: Variant, arch: int = 90):
+    """The kernel compiled for sm_``arch`` (needs Triton's NVIDIA backend, not a GPU; the interpreter must be off)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -304,7 +308,7 @@ def compile_variant(v: Variant):
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in v.divisible}
     options = {"num_warps": v.num_warps, **({} if v.num_stages is None else {"num_stages": v.num_stages})}
     source = ASTSource(fn=fn, signature=v.signature, constexprs=v.constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def report(v: Variant, compiled) -> dict:

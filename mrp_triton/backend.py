@@ -21,6 +21,7 @@ import torch
 BACKENDS = ("reference", "triton")
 _override: list[str] = []
 _SM_COUNT: dict[int, int] = {}
+_SHARED: dict[int, int] = {}
 
 
 def _check(name: str, source: str) -> str:
@@ -95,3 +96,31 @@ def num_sms(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may use on a CUDA device (cached; what Triton checks a launch against);
+    None elsewhere (the interpreter has no limit). Launchers with pipelined tiles fit their stages to it: a table
+    tuned on an H200 (227 KiB a program) would ask more than an sm_86 / sm_89 GPU holds (99 KiB: RTX 30xx / 40xx,
+    A10, L4, L40S) and fail to launch there."""
+    if device.type != "cuda":
+        return None
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SHARED:
+        from triton.runtime import driver
+
+        _SHARED[i] = driver.active.utils.get_device_properties(i)["max_shared_mem"]
+    return _SHARED[i]
+
+
+def fit_stages(wanted: int, stage_bytes: int, fixed_bytes: int, limit: int | None) -> int | None:
+    """The most pipeline stages, at most ``wanted``, whose tiles fit ``limit`` bytes (None: no limit, ``wanted``):
+    ``stage_bytes`` a stage's buffers, counted for every stage (Triton keeps one fewer before sm_90 and for loops it
+    does not pipeline through TMA: an upper bound), plus ``fixed_bytes`` and a 4 KiB margin for what else the
+    kernel keeps there. None when not even one stage fits."""
+    if limit is None:
+        return wanted
+    for stages in range(wanted, 0, -1):
+        if stages * stage_bytes + fixed_bytes + 4096 <= limit:
+            return stages
+    return None

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_kernel_device
-from .backend import interpreter_on, num_sms, select_backend
+from .backend import fit_stages, interpreter_on, num_sms, select_backend, shared_memory_limit
 from .reference.cached_attention import cached_attention as cached_attention_reference
 
 _BLOCK_M = 16
@@ -227,9 +227,10 @@ def _check(q, k, v, cache_k, cache_v, lengths, positions, segments, places) -> N
 def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                             cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
                             segments: torch.Tensor | None = None, places: torch.Tensor | None = None,
-                            splits: int | None = None) -> torch.Tensor:
+                            splits: int | None = None, shared_limit: int | None = None) -> torch.Tensor:
     """Triton launcher of :func:`cached_attention` (same arguments and result). ``splits``: pieces each row's
-    committed slots are cut into (default: :func:`_splits`; tests and benchmarks set it)."""
+    committed slots are cut into (default: :func:`_splits`; tests and benchmarks set it); ``shared_limit``: the
+    shared memory a program may use, which the key/value tiles are fitted to (default: the GPU's; tests set it)."""
     _check(q, k, v, cache_k, cache_v, lengths, positions, segments, places)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
@@ -253,6 +254,8 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     place = places if places is not None else lengths  # a dummy pointer when not ragged
     place_strides = places.stride() if places is not None else (0, 0)
     group, block_d = Hq // Hkv, max(16, triton.next_power_of_2(D))
+    block_n, stages = _tiles(q.dtype, block_d, triton.next_power_of_2(group),
+                             shared_limit if shared_limit is not None else shared_memory_limit(q.device))
     part = ml = out  # dummy pointers with one split
     if splits > 1:
         part = torch.empty((B * Hq * T * splits, block_d), dtype=torch.float32, device=q.device)
@@ -267,12 +270,29 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         T, Hq, Hkv, D, block_size, D ** -0.5, splits,
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), ONE_SPLIT=splits == 1, HAS_SEG=segments is not None,
         RAGGED=places is not None, DOT_FP32=interp and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=_NUM_WARPS)
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=stages)
     if splits > 1:
         _merge_splits_kernel[(B * Hq * T,)](part, ml, place, out, *place_strides, so_b, out.stride(1), out.stride(2),
                                             T, Hq, D, splits, RAGGED=places is not None,
                                             SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1)
     return out
+
+
+def _tiles(dtype: torch.dtype, block_d: int, group_p2: int, shared_limit: int | None) -> tuple[int, int]:
+    """(BLOCK_N, num_stages) of the key/value loop: _BLOCK_N slots a tile in Triton's default 3 stages, or, on a GPU
+    whose shared memory a program (``shared_limit``) holds less, fewer stages, then narrower tiles (at least two
+    stages while a tile of 16 slots allows it). Besides a stage's key and value tiles, a program keeps its queries
+    and their fp32 scores (group_p2 x _BLOCK_M rows) there."""
+    elem = dtype.itemsize
+    fallback = None  # the widest tile that fits one stage
+    for block_n in (_BLOCK_N, _BLOCK_N // 2, _BLOCK_N // 4):
+        stages = fit_stages(3, 2 * block_n * block_d * elem, group_p2 * _BLOCK_M * (block_d * elem + block_n * 4),
+                            shared_limit)
+        if stages is not None and stages >= 2:
+            return block_n, stages
+        if stages is not None and fallback is None:
+            fallback = (block_n, stages)
+    return fallback or (_BLOCK_N // 4, 1)
 
 
 def _splits(programs: int, width: int, device: torch.device) -> int:

@@ -65,7 +65,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import check_skip_rows, check_top_m
-from .backend import interpreter_on, select_backend
+from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 from .reference.lm_head_confidence import top_by_value
 
@@ -220,9 +220,23 @@ def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr,
     tl.store(prob_ptr + row, tl.exp(M - lse))
 
 
-def _config(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
+def _config(N: int, V: int, H: int, dtype: torch.dtype, shared_limit: int | None = None) -> dict:
     """Tile sizes: {BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages, tiles_per_split}
-    (an override may also set BLOCK_S, the merge kernel's chunk of splits, rows_major, tma and flatten)."""
+    (an override may also set BLOCK_S, the merge kernel's chunk of splits, rows_major, tma and flatten).
+    ``shared_limit``: the GPU's shared memory a program (:func:`~mrp_triton.backend.shared_memory_limit`); the table's
+    stages (tuned on an H200) are cut to what it holds, and where two do not fit, the K tile is halved first."""
+    config = _table(N, V, H, dtype)
+    elem = 4 if dtype == torch.float32 else 2
+    while True:
+        stage_bytes = (config["BLOCK_N"] + config["BLOCK_V"]) * config["BLOCK_K"] * elem  # a row tile, a weight tile
+        stages = fit_stages(config["num_stages"], stage_bytes, 0, shared_limit)
+        if (stages or 0) >= min(2, config["num_stages"]) or config["BLOCK_K"] <= 16:
+            return {**config, "num_stages": stages or 1}
+        config["BLOCK_K"] //= 2
+
+
+def _table(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
+    """The tile table: interpreter, fp32, and the configs measured on an H200 for bf16 / fp16."""
     block_n = min(max(16, triton.next_power_of_2(N)), 128)
     if interpreter_on():
         # the interpreter runs one numpy call per op per program: few, large programs
@@ -302,7 +316,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
         top_ids = torch.empty((N, top_m), dtype=torch.int64, device=hidden.device)
     if N == 0:
         return (tokens, probs, lse, top_logits, top_ids) if top_m else (tokens, probs, lse)
-    cfg = dict(_config(N, V, H, weight.dtype))
+    cfg = _config(N, V, H, weight.dtype, shared_memory_limit(hidden.device))
     if config:
         cfg.update(config)
     if top_m:

@@ -63,3 +63,16 @@ def test_autocast_forward_runs_on_the_kernels():
     greedy = model.generate(ids, max_new_tokens=8, strategy="speculative")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(model.generate(ids, max_new_tokens=8, strategy="speculative"), greedy)
+
+
+def test_fit_stages_keeps_what_fits_a_gpus_shared_memory():
+    """Each stage counted with its buffers, plus the fixed bytes and a 4 KiB margin; no limit (the interpreter):
+    the stages asked for; not even one stage: None. Off CUDA there is no limit."""
+    from mrp_triton.backend import fit_stages, shared_memory_limit
+
+    assert fit_stages(4, 48 * 1024, 0, None) == 4
+    assert fit_stages(4, 48 * 1024, 0, 232448) == 4  # an H200's 227 KiB: 196 KiB
+    assert fit_stages(4, 48 * 1024, 0, 101376) == 1  # an RTX 4090's 99 KiB: two stages would need 100 KiB
+    assert fit_stages(4, 32 * 1024, 8 * 1024, 101376) == 2
+    assert fit_stages(3, 96 * 1024, 0, 101376) is None
+    assert shared_memory_limit(torch.device("cpu")) is None

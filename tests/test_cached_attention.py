@@ -73,6 +73,25 @@ def test_kernel_matches_reference(p, splits):
     torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
 
 
+@settings(max_examples=15, deadline=None)
+@given(p=problems(), limit=st.sampled_from([20000, 8000]), splits=st.sampled_from([1, 3]))
+def test_tiles_fitted_to_a_small_shared_memory_match_reference(p, limit, splits):
+    """On a GPU whose shared memory holds less than two stages of 64-slot key/value tiles, the launcher takes
+    narrower tiles (``_tiles``: 32 or 16 slots): they give the reference's attention too."""
+    from mrp_triton.cached_attention import _tiles
+
+    tiles = _tiles(p["dtype"], max(16, 1 << (p["D"] - 1).bit_length()), 1 << (p["Hq"] // p["Hkv"] - 1).bit_length(),
+                   limit)
+    assert tiles != (64, 3) and (tiles[0] == 16 or limit > 8000), tiles  # the table's 64 slots in 3 stages: no fit
+    q, k, v, ck, cv = _tensors(p)
+    args = (p["lengths"].to(DEV), p["positions"].to(DEV), p["block"],
+            None if p["segments"] is None else p["segments"].to(DEV))
+    with poisoned_allocations():
+        out = cached_attention_triton(q, k, v, ck, cv, *args, splits=splits, shared_limit=limit)
+    expect = ref.cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args)
+    torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
+
+
 @settings(max_examples=25, deadline=None)
 @given(p=problems(), splits=st.sampled_from([None, 1, 3]), data=st.data())
 def test_ragged_kernel_matches_reference(p, splits, data):

@@ -11,6 +11,7 @@ spills.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,16 +28,7 @@ STREAMING = ("confidence bf16", "confidence fp16", "confidence fp32", "rms_norm"
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict]:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(r.stdout.splitlines()[-1])
+    return _run_compiles()
 
 
 def test_every_variant_compiles_for_sm90(reports):
@@ -76,9 +68,83 @@ def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
     assert all(r["tma"] == ("tma=True" in name) for name, r in partials.items()), partials
 
 
+# Shared memory a program may use (bytes; what Triton checks a launch against): sm_80 (A100), sm_86 / sm_89 (RTX
+# 30xx / 40xx, A10, L4, L40S: the same 99 KiB), sm_90 (H100 / H200).
+SHARED_LIMITS = {80: 166912, 86: 101376, 90: 232448}
+
+
+def _run_compiles(*args: str) -> dict:
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, timeout=900,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def test_the_tiles_a_launch_picks_fit_each_gpus_shared_memory():
+    """lm_head_confidence and cached_attention fit their pipelined tiles to the GPU's shared memory: what they pick
+    for each limit, compiled for that GPU, asks no more than it holds (the H200-tuned tables ask up to 192 KiB, which
+    an sm_86 / sm_89 GPU would refuse to launch), and on an H200 they pick the tables' bf16 tiles unchanged."""
+    fitted = _run_compiles("fit")
+    assert len(fitted) >= 20
+    over = {name: f for name, f in fitted.items() if f["shared"] > f["limit"]}
+    assert not over, over
+    assert all(f["stages"] >= 2 for f in fitted.values() if "bf16" in f["name"]), fitted
+
+
+def _fitted_variants() -> list[tuple[int, object]]:
+    """(arch, variant) of what the launchers pick at each of SHARED_LIMITS: the LM-head tiles of decoding's row counts
+    at two hidden sizes (with a verify forward's top-16 lists: the most shared memory), the attention tiles of
+    several head groups, bf16 and fp32 (one variant per distinct config and arch)."""
+    import torch
+
+    import sm90_kernels
+    from mrp_triton.cached_attention import _tiles
+    from mrp_triton.lm_head_confidence import _config, _table
+
+    out, seen = [], set()
+    for arch, limit in SHARED_LIMITS.items():
+        for n in (16, 32, 64, 128):
+            for h in (2048, 4096):
+                config = _config(n, 151936, h, torch.bfloat16, limit)
+                if arch == 90:
+                    assert config == _table(n, 151936, h, torch.bfloat16), (n, h)
+                key = ("lm_head", arch, tuple(sorted(config.items())))
+                if key not in seen:
+                    seen.add(key)
+                    out.append((arch, sm90_kernels.lm_head_variant(
+                        f"lm_head_confidence bf16 top_m=16 N={n} H={h} sm_{arch}", {**config, "top_m": 16})))
+        for dt, d, group in (("bf16", 128, 1), ("bf16", 128, 2), ("bf16", 128, 4), ("bf16", 128, 8), ("bf16", 64, 8),
+                             ("fp32", 128, 2)):
+            block_n, stages = _tiles(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dt]), d,
+                                     1 << (group - 1).bit_length(), limit)
+            if arch == 90 and dt == "bf16":
+                assert (block_n, stages) == (64, 3), (d, group)
+            key = ("attention", arch, dt, d, group, block_n, stages)
+            if key not in seen:
+                seen.add(key)
+                v = sm90_kernels.attention_variant(f"*{dt}", False, d, group, 1, False, block_n, stages)
+                out.append((arch, dataclasses.replace(v, name=f"{v.name} {block_n}x{stages} sm_{arch}")))
+    return out
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sm90_kernels
 
-    found = {v.name: sm90_kernels.report(v, sm90_kernels.compile_variant(v)) for v in sm90_kernels.variants()}
-    print(json.dumps(found))
+    if sys.argv[1:] == ["fit"]:
+        found = {}
+        for arch, v in _fitted_variants():
+            compiled = sm90_kernels.compile_variant(v, arch)
+            found[v.name] = {"name": v.name, "shared": compiled.metadata.shared, "limit": SHARED_LIMITS[arch],
+                             "stages": v.num_stages}
+        print(json.dumps(found))
+    else:
+        found = {v.name: sm90_kernels.report(v, sm90_kernels.compile_variant(v)) for v in sm90_kernels.variants()}
+        print(json.dumps(found))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kernel_utils import DEV, DTYPES, poisoned_allocations
 from mrp_triton import lm_head_confidence
-from mrp_triton.lm_head_confidence import _kept_first_kernel, lm_head_confidence_triton
+from mrp_triton.lm_head_confidence import _config, _kept_first_kernel, _table, lm_head_confidence_triton
 from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
 from mrp_triton.reference.lm_head_confidence import top_by_value
 
@@ -214,6 +214,28 @@ def test_random_logits_close_to_reference(N, H, V, dtype, with_base, seed):
     z[:, V // 2] = float("-inf")
     picked = z.gather(1, out[0][:, None]).squeeze(1)
     torch.testing.assert_close(picked, z.max(-1).values, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_k", [32, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiles_fitted_to_a_small_shared_memory_match_reference(block_k, dtype):
+    """Where a GPU's shared memory holds less than the table's tiles, ``_config`` halves the K tile (here down to
+    ``block_k``, at a limit that holds just that): those tiles give the reference's picks too (odd sizes; K tiles
+    that do not divide the hidden size)."""
+    N, H, V = 13, 45, 301
+    table = _table(N, V, H, dtype)
+    assert table["num_stages"] == 1 and table["BLOCK_K"] > block_k  # the interpreter's table: one stage
+    limit = (table["BLOCK_N"] + table["BLOCK_V"]) * block_k * dtype.itemsize + 4096
+    config = _config(N, V, H, dtype, limit)
+    assert config["BLOCK_K"] == block_k
+    g = torch.Generator().manual_seed(block_k)
+    hidden, weight = _ints((N, H), -2, 2, dtype, g), _ints((V, H), -2, 2, dtype, g)
+    skip = torch.arange(N, device=DEV) % 3 == 1
+    for top_m in (0, 5):
+        kw = dict(mask_token_id=7, skip_rows=skip, top_m=top_m)
+        with poisoned_allocations():
+            out = lm_head_confidence_triton(hidden, weight, config=config, **kw)
+        _check(out, lm_head_confidence_reference(hidden, weight, **kw))
 
 
 @pytest.mark.triton
