@@ -226,7 +226,7 @@ def _config(N: int, V: int, H: int, dtype: torch.dtype, shared_limit: int | None
     ``shared_limit``: the GPU's shared memory a program (:func:`~mrp_triton.backend.shared_memory_limit`); the table's
     stages (tuned on an H200) are cut to what it holds, and where two do not fit, the K tile is halved first."""
     config = _table(N, V, H, dtype)
-    elem = 4 if dtype == torch.float32 else 2
+    elem = dtype.itemsize
     while True:
         stage_bytes = (config["BLOCK_N"] + config["BLOCK_V"]) * config["BLOCK_K"] * elem  # a row tile, a weight tile
         stages = fit_stages(config["num_stages"], stage_bytes, 0, shared_limit)
