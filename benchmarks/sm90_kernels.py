@@ -298,8 +298,9 @@ def variants() -> list[Variant]:
     return _confidence() + _decisions() + _cached_attention() + _lm_head() + _model_ops() + _softmax_kl()
 
 
-def compile_variant(v: Variant, arch: int = 90):
-    """The kernel compiled for sm_``arch`` (needs Triton's NVIDIA backend, not a GPU; the interpreter must be off)."""
+def compile_variant(v: Variant, arch: int | str = 90):
+    """The kernel compiled for sm_``arch`` (an int), or for the AMD GPU ``arch`` names ("gfx942": MI300); needs
+    Triton's NVIDIA (or AMD) backend, not a GPU; the interpreter must be off."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -308,7 +309,8 @@ def compile_variant(v: Variant, arch: int = 90):
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in v.divisible}
     options = {"num_warps": v.num_warps, **({} if v.num_stages is None else {"num_stages": v.num_stages})}
     source = ASTSource(fn=fn, signature=v.signature, constexprs=v.constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    target = GPUTarget("cuda", arch, 32) if isinstance(arch, int) else GPUTarget("hip", arch, 64)
+    return triton.compile(source, target=target, options=options)
 
 
 def report(v: Variant, compiled) -> dict:

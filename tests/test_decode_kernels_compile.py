@@ -12,6 +12,7 @@ spills.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -69,15 +70,14 @@ def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
 
 
 # Shared memory a program may use (bytes; what Triton checks a launch against): sm_80 (A100), sm_86 / sm_89 (RTX
-# 30xx / 40xx, A10, L4, L40S: the same 99 KiB), sm_90 (H100 / H200).
-SHARED_LIMITS = {80: 166912, 86: 101376, 90: 232448}
+# 30xx / 40xx, A10, L4, L40S: the same 99 KiB), sm_90 (H100 / H200), and AMD's gfx942 (MI300: 64 KiB of LDS).
+SHARED_LIMITS = {80: 166912, 86: 101376, 90: 232448, "gfx942": 65536}
 
 
-def _run_compiles(*args: str) -> dict:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("triton without its NVIDIA backend")
+def _run_compiles(*args: str, backend: str = "nvidia") -> dict:
+    """What this file run as a script with ``args`` prints: the compiles of one test, with the interpreter off."""
+    if importlib.util.find_spec(f"triton.backends.{backend}") is None:
+        pytest.skip(f"triton without its {backend} backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -90,12 +90,23 @@ def _run_compiles(*args: str) -> dict:
 def test_the_tiles_a_launch_picks_fit_each_gpus_shared_memory():
     """lm_head_confidence and cached_attention fit their pipelined tiles to the GPU's shared memory: what they pick
     for each limit, compiled for that GPU, asks no more than it holds (the H200-tuned tables ask up to 192 KiB, which
-    an sm_86 / sm_89 GPU would refuse to launch), and on an H200 they pick the tables' bf16 tiles unchanged."""
+    an sm_86 / sm_89 GPU or an MI300 would refuse to launch), and on an H200 they pick the tables' bf16 tiles
+    unchanged."""
     fitted = _run_compiles("fit")
     assert len(fitted) >= 20
     over = {name: f for name, f in fitted.items() if f["shared"] > f["limit"]}
     assert not over, over
     assert all(f["stages"] >= 2 for f in fitted.values() if "bf16" in f["name"]), fitted
+
+
+def test_every_variant_but_the_tma_tiles_compiles_for_an_mi300():
+    """AMD's backend (gfx942) compiles every kernel variant but the LM-head tiles that fetch the weight through
+    NVIDIA's TMA copy engine (a config only a sweep sets)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sm90_kernels
+
+    compiled = _run_compiles("gfx942", backend="amd")
+    assert sorted(compiled) == sorted(v.name for v in sm90_kernels.variants() if "tma=True" not in v.name)
 
 
 def _fitted_variants() -> list[tuple[int, object]]:
@@ -110,6 +121,8 @@ def _fitted_variants() -> list[tuple[int, object]]:
 
     out, seen = [], set()
     for arch, limit in SHARED_LIMITS.items():
+        if isinstance(arch, str) and importlib.util.find_spec("triton.backends.amd") is None:
+            continue  # a Triton built without AMD's backend
         for n in (16, 32, 64, 128):
             for h in (2048, 4096):
                 config = _config(n, 151936, h, torch.bfloat16, limit)
@@ -119,7 +132,7 @@ def _fitted_variants() -> list[tuple[int, object]]:
                 if key not in seen:
                     seen.add(key)
                     out.append((arch, sm90_kernels.lm_head_variant(
-                        f"lm_head_confidence bf16 top_m=16 N={n} H={h} sm_{arch}", {**config, "top_m": 16})))
+                        f"lm_head_confidence bf16 top_m=16 N={n} H={h} {arch}", {**config, "top_m": 16})))
         for dt, d, group in (("bf16", 128, 1), ("bf16", 128, 2), ("bf16", 128, 4), ("bf16", 128, 8), ("bf16", 64, 8),
                              ("fp32", 128, 2)):
             block_n, stages = _tiles(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dt]), d,
@@ -130,7 +143,7 @@ def _fitted_variants() -> list[tuple[int, object]]:
             if key not in seen:
                 seen.add(key)
                 v = sm90_kernels.attention_variant(f"*{dt}", False, d, group, 1, False, block_n, stages)
-                out.append((arch, dataclasses.replace(v, name=f"{v.name} {block_n}x{stages} sm_{arch}")))
+                out.append((arch, dataclasses.replace(v, name=f"{v.name} {block_n}x{stages} {arch}")))
     return out
 
 
@@ -138,7 +151,11 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sm90_kernels
 
-    if sys.argv[1:] == ["fit"]:
+    if sys.argv[1:] == ["gfx942"]:
+        found = {v.name: sm90_kernels.compile_variant(v, "gfx942").metadata.shared
+                 for v in sm90_kernels.variants() if "tma=True" not in v.name}
+        print(json.dumps(found))
+    elif sys.argv[1:] == ["fit"]:
         found = {}
         for arch, v in _fitted_variants():
             compiled = sm90_kernels.compile_variant(v, arch)
