@@ -6,7 +6,8 @@ of ``benchmarks/sm90_kernels.py`` (as a launch at real shapes specialises it) to
 ptxas, in a subprocess with the interpreter off, and reads what ``sm90_kernels.report`` finds: the streaming
 kernels load their rows as 16-byte vectors (a 2-byte load per element would cap them far below the memory
 bandwidth), the fused LM-head tiles are pipelined into wgmma (through TMA where their config asks), and nothing
-spills.
+spills. Then the tiles the launchers fit to other GPUs' shared memory (sm_80, sm_86 / sm_89, AMD's MI300) compile
+within it, and AMD's backend compiles every variant too.
 """
 
 from __future__ import annotations
