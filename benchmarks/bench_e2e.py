@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hf_integration.cli import SHIPPED_MODEL, chat_ids, load, user_turn  # noqa: E402
+from training.data import is_conversation  # noqa: E402
 from training.stdlib_corpus import manifest_root  # noqa: E402
 
 # A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files.
@@ -111,9 +112,7 @@ def file_prompts(path: Path, tokenizer, chat: bool, system: str | None, model: s
             raise SystemExit(f"{where}: expected a JSON object, got {type(rec).__name__}")
         if "messages" in rec:
             messages = rec["messages"]
-            if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
+            if not (is_conversation(messages) and messages):
                 raise SystemExit(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
             if messages[-1]["role"] == "assistant":
                 messages = messages[:-1]  # the reference answer: the model writes its own

@@ -32,6 +32,8 @@ bf16 is broken, so tiles are cast to fp32 there. float64 always runs the referen
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -278,6 +280,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out
 
 
+@functools.cache  # called at every launch (each layer of each step), with a few distinct arguments
 def _tiles(dtype: torch.dtype, block_d: int, group_p2: int, shared_limit: int | None) -> tuple[int, int]:
     """(BLOCK_N, num_stages) of the key/value loop: _BLOCK_N slots a tile in Triton's default 3 stages, or, on a GPU
     whose shared memory a program (``shared_limit``) holds less, fewer stages, then narrower tiles (at least two

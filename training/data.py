@@ -86,6 +86,12 @@ def read_records(paths: Sequence[str], flag: str = "--data") -> list[dict]:
     return records
 
 
+def is_conversation(messages) -> bool:
+    """Whether ``messages`` is a list of ``{"role": str, "content": str}`` dicts (a ``messages`` record's value)."""
+    return isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+
+
 def _check_record(rec, where: str) -> None:
     if not isinstance(rec, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
@@ -96,10 +102,7 @@ def _check_record(rec, where: str) -> None:
         if not isinstance(rec["prompt"], str) or not isinstance(rec["response"], str):
             raise ConfigError(f"{where}: 'prompt' and 'response' must be strings")
     elif "messages" in rec:
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
-        ):
+        if not is_conversation(rec["messages"]):
             raise ConfigError(f"{where}: 'messages' must be a list of {{role, content}} strings")
     else:
         raise ConfigError(f"{where}: a record needs 'text', 'prompt'+'response' or 'messages' (got keys {sorted(rec)})")
