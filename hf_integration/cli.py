@@ -5,6 +5,7 @@ Examples::
     mrp-generate "def fibonacci(n):"                     # speculative MRP decoding, K = 3
     mrp-generate --prompt-file snippet.py --strategy remask --threshold 0.5
     mrp-generate "import os" --compare                  # every strategy on one prompt, as a table
+    mrp-generate "import os" --show-steps               # then which tokens each decoding step revealed
     mrp-generate "def add(a, b):" --stop $'\\n\\n'       # stop at the first blank line
     mrp-generate --model JetLM/SDAR-1.7B-Chat --strategy dynamic --chat "Name three sorting algorithms."
 """
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
     p.add_argument("--compare", action="store_true", help="run static, dynamic, direct, speculative and remask")
+    p.add_argument("--show-steps", action="store_true", help="after the completion, list each decoding step's "
+                   "tokens: the order in which decoding revealed them (generate(output_reveal_steps=True))")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, "
                    "bfloat16 on CUDA")
@@ -148,14 +151,24 @@ def chat_ids(tokenizer, messages: list[dict], model: str) -> list[int]:
 
 
 def run_one(model, ids: torch.Tensor, settings: dict):
-    """Generate once; returns (new token ids [n], stats dict, seconds)."""
+    """Generate once; returns (generate()'s output with ``return_dict_in_generate``, seconds)."""
     if ids.is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(ids, return_dict_in_generate=True, **settings)
     if ids.is_cuda:
         torch.cuda.synchronize()
-    return out.sequences[0, ids.shape[1]:], out.stats.as_dict(), time.perf_counter() - start
+    return out, time.perf_counter() - start
+
+
+def steps_text(tokenizer, new: torch.Tensor, reveal_steps: torch.Tensor) -> str:
+    """One line per decoding step of a completion: the step and the tokens it revealed for good, each as its place
+    among the new tokens and its text. new, reveal_steps: [n] (the output's new positions; a step 0 is padding)."""
+    lines = []
+    for step in sorted(set(reveal_steps.tolist()) - {0}):
+        places = (reveal_steps == step).nonzero().flatten().tolist()
+        lines.append(f"step {step:>3}: " + "  ".join(f"{i}:{tokenizer.decode(new[i : i + 1])!r}" for i in places))
+    return "\n".join(lines)
 
 
 def compare_settings(base: dict) -> list[dict]:
@@ -188,7 +201,8 @@ def compare_table(model, ids: torch.Tensor, runs: list[dict]) -> str:
         strategy = settings["strategy"]
         if ids.is_cuda:
             run_one(model, ids, settings)
-        new, stats, seconds = run_one(model, ids, settings)
+        out, seconds = run_one(model, ids, settings)
+        new, stats = out.sequences[0, ids.shape[1]:], out.stats.as_dict()
         reference = new if reference is None else reference
         agree = (new == reference).double().mean().item()
         tokens = stats["tokens_committed"][0]
@@ -210,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--system needs --chat")
     if args.compare and args.strategy is not None:
         parser.error("--compare runs every strategy: drop --strategy")
+    if args.compare and args.show_steps:
+        parser.error("--show-steps lists one strategy's steps: drop --compare (or --show-steps)")
     args.strategy = args.strategy or "speculative"
     try:
         return generate_and_print(args, prompt)
@@ -243,13 +259,18 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
     if not args.chat:
         print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    new, stats, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer})
+    out, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer,
+                                        "output_reveal_steps": args.show_steps})
+    stats = out.stats.as_dict()
     # the count may hold a few of the last block's positions past --max-new-tokens (committed on the way, not printed)
     print(f"\n[{args.strategy}] {stats['tokens_committed'][0]} tokens committed, "
           f"{stats['backbone_forwards'][0]} backbone forwards, {stats['mrp_forwards'][0]} MRP forwards, "
           f"{stats['tokens_per_forward'][0]:.2f} tokens/forward, "
           f"{seconds:.2f} s" + (" (with Triton compilation and CUDA-graph capture: --compare times the steady state)"
                                 if ids.is_cuda else ""), file=sys.stderr)
+    if args.show_steps:
+        P = ids.shape[1]
+        print(steps_text(tokenizer, out.sequences[0, P:], out.reveal_steps[0, P:]))
     return 0
 
 

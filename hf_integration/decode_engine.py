@@ -7,7 +7,8 @@ once it has committed one), the per-row stats and the steps device loops have ru
 call's sampling seed (``seed_key``), EOS ids (``is_eos``) and the settings read on the device (``on_device``:
 temperature, top-k, top-p, thresholds, denoising steps), so one set of captured steps serves every value. Like the
 cache, it lives in buffers whose storage never moves: ``rows``, ``counter``, ``starts`` and ``ends`` are views of
-the first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats are indexed by
+the first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats (and, for
+``output_reveal_steps``, each row's decoding steps and the step that revealed each of its positions) are indexed by
 original row. So steps captured in CUDA graphs may read and update it,
 and a graphed engine is kept on the model for the next call of the same shapes.
 """
@@ -105,6 +106,10 @@ class DecodeEngine:
         self._ends = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self.is_eos = torch.zeros(config.vocab_size, dtype=torch.bool, device=s.device)  # bool [V], by token id
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
+        # output_reveal_steps: by original row, the decoding steps it has taken [B] and the step that revealed each
+        # position [B, max_len]
+        self.decoding_steps = torch.zeros(s.batch, dtype=torch.long, device=s.device)
+        self.reveal_steps = torch.zeros((s.batch, s.max_len), dtype=torch.long, device=s.device)
         self.loop_steps = torch.zeros((), dtype=torch.long, device=s.device)
         self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
         self.draft_rows: dict = {}  # the lm_head rows of each listed draft vocabulary (draft_vocab.draft_head)
@@ -138,6 +143,8 @@ class DecodeEngine:
         self._rows.copy_(torch.arange(self.shape.batch, device=self._rows.device))
         self._counter.zero_()
         self.stats.zero_()
+        self.decoding_steps.zero_()
+        self.reveal_steps.zero_()
         self.loop_steps.zero_()
         self._use_rows(self.shape.batch)
 

@@ -70,11 +70,15 @@ class SDARGenerateOutput(ModelOutput):
     """sequences: [B, P + max_new_tokens]; stats: :class:`DecodeStats` (per row); batch_steps: the decoding
     steps the batch ran, each one forward over the rows still decoding (denoising, verify round or direct
     MRP step; the prefill and commit-only forwards not counted): what the call costs when a forward costs
-    about the same for any number of rows, as on a GPU at small batch."""
+    about the same for any number of rows, as on a GPU at small batch. reveal_steps (``output_reveal_steps``):
+    int64 [B, P + max_new_tokens], laid out as ``sequences``: at each new token the row's decoding step that
+    revealed it for good (1, 2, ...: the row's denoising steps, speculative rounds and direct MRP steps, counted
+    over the whole call), 0 at prompt and padding positions."""
 
     sequences: torch.Tensor | None = None
     stats: DecodeStats | None = None
     batch_steps: int | None = None
+    reveal_steps: torch.Tensor | None = None
 
 
 class BlockDecoder:
@@ -241,13 +245,33 @@ class BlockDecoder:
                             mutated=tuple(i + len(commit) for i in mutated))
 
     def _settling(self, fn):
-        """``fn``, a step over inputs (block, positions, ...), followed by :meth:`settle` of its block."""
+        """``fn``, a step over inputs (block, positions, ...), followed by :meth:`settle` of its block (and, with
+        ``output_reveal_steps``, by :meth:`note_reveals`)."""
+        reveals = self.settings.output_reveal_steps
+
         def settled(*inputs: torch.Tensor):
+            block, positions = inputs[0], inputs[1]
+            before = self.masked_kept(block, positions) if reveals else None
             output = fn(*inputs)
-            self.settle(inputs[0], inputs[1])
+            self.settle(block, positions)
+            if before is not None:
+                self.note_reveals(block, positions, before)
             return output
 
         return settled
+
+    def note_reveals(self, block: torch.Tensor, positions: torch.Tensor, before: torch.Tensor) -> None:
+        """After a step (on the device): count it as a decoding step of the rows that had kept masks ``before`` it
+        (bool [B', T]; :meth:`masked_kept`) and note it as the reveal step of each such position it unmasked in
+        ``block`` [B', T] (at ``positions``), in the engine's ``decoding_steps`` and ``reveal_steps``. A position that
+        a later step reveals again (after a remask) is noted again; positions that a settled row drops are dropped
+        from the output with it."""
+        engine = self.engine
+        engine.decoding_steps[self.rows] += before.any(-1).long()
+        rows = self.rows[:, None].expand_as(positions)
+        step = engine.decoding_steps[self.rows][:, None].expand_as(positions)
+        revealed = before & (block != self.mask_id)
+        engine.reveal_steps[rows, positions] = torch.where(revealed, step, engine.reveal_steps[rows, positions])
 
     def steps(self, kinds: tuple, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
               carry: tuple[int, ...] = (), phase: int = 0) -> None:

@@ -82,9 +82,11 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     with one_call_at_a_time(model), torch.autocast(device.type, enabled=False):
         decoder = BlockDecoder(model, prompts, settings)
         x = decoder.run(DECODING[settings.strategy])
-        sequences = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
-                                     decoder.mask_id, decoder.new_tokens_kept)
+        sequences, kept = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
+                                           decoder.mask_id, decoder.new_tokens_kept)
         if settings.return_dict_in_generate:
+            reveal_steps = prompts.lay_out(decoder.engine.reveal_steps, kept, settings.max_new_tokens, pad=0,
+                                           prompt=False) if settings.output_reveal_steps else None
             return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
-                                      batch_steps=decoder.batch_steps)
+                                      batch_steps=decoder.batch_steps, reveal_steps=reveal_steps)
     return sequences

@@ -31,8 +31,8 @@ REMASK_RULES = ("tau", "delta")
 MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
 # Settings that take True or False only (a string such as "no" would read as True).
-FLAGS = ("do_sample", "return_dict_in_generate", "progress", "fuse_commit", "per_row_blocks", "use_cache",
-         "device_loop", "packed_projections")
+FLAGS = ("do_sample", "return_dict_in_generate", "output_reveal_steps", "progress", "fuse_commit", "per_row_blocks",
+         "use_cache", "device_loop", "packed_projections")
 DEFAULT_MAX_NEW_TOKENS = 64
 # GenerationConfig fields that do not steer decoding (bookkeeping, or the model's own ids and block size).
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
@@ -87,6 +87,9 @@ class GenerationSettings:
     tokens after the one completing it become padding; ``progress`` shows a bar over blocks; ``streamer`` (one
     prompt at a time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
     prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
+    ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per output position, the row's decoding
+    step that revealed its token for good (1 for the row's first step; 0 at prompt and padding positions): the
+    order in which decoding filled each block.
     ``use_cache`` is accepted as transformers' ``generate`` takes it: decoding always runs on its KV cache,
     which gives the tokens a forward over the whole sequence would.
     ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
@@ -127,6 +130,7 @@ class GenerationSettings:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     return_dict_in_generate: bool = False
+    output_reveal_steps: bool = False
     mrp_steps: int = 3
     draft_schedule: str = "mrp"
     draft_vocab: int | Sequence[int] | torch.Tensor | None = None  # validated: an int or a sorted tuple of ids
@@ -263,6 +267,9 @@ class GenerationSettings:
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.output_reveal_steps and not self.return_dict_in_generate:
+            raise ValueError("output_reveal_steps=True returns the steps in the output's .reveal_steps: pass "
+                             "return_dict_in_generate=True too")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool or None (on for a CUDA model), got "
                             f"{type(self.cuda_graphs).__name__}")

@@ -92,25 +92,35 @@ class PromptBatch:
                            left_padded=[left for left in self.left_padded for _ in range(copies)])
 
     def assemble(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
-                 mask_id: int, new_tokens_kept: dict[int, int]) -> torch.Tensor:
-        """Decoded layout x [B, total] -> output [B, P + max_new_tokens].
+                 mask_id: int, new_tokens_kept: dict[int, int]) -> tuple[torch.Tensor, list[int]]:
+        """Decoded layout x [B, total] -> output [B, P + max_new_tokens], and per row the new tokens it keeps.
 
         Row b keeps its padding side; tokens after its first EOS, and after its first
         ``new_tokens_kept[b]`` new tokens (a stop string ended it), become ``pad_id``."""
-        B, P = self.ids.shape
-        out = torch.full((B, P + max_new_tokens), pad_id, dtype=torch.long, device=x.device)
+        kept = []
         for b, n in enumerate(self.lens):
-            new = x[b, n : n + max_new_tokens].clone()
-            new[new_tokens_kept.get(b, max_new_tokens):] = pad_id
+            new = x[b, n : n + max_new_tokens]
+            count = min(new_tokens_kept.get(b, max_new_tokens), max_new_tokens)
             if eos_ids:
-                is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
+                is_eos = torch.isin(new[:count], torch.tensor(eos_ids, device=new.device))
                 if is_eos.any():
-                    first = int(is_eos.nonzero()[0])
-                    new[first + 1 :] = pad_id
-            if (new == mask_id).any():
+                    count = int(is_eos.nonzero()[0]) + 1
+            if (new[:count] == mask_id).any():
                 raise RuntimeError(f"row {b} still holds mask tokens after decoding: the model produced no "
                                    "finite logits for some position")
+            kept.append(count)
+        return self.lay_out(x, kept, max_new_tokens, pad_id), kept
+
+    def lay_out(self, x: torch.Tensor, kept: list[int], max_new_tokens: int, pad: int,
+                prompt: bool = True) -> torch.Tensor:
+        """Per-position values of the decoded layout x [B, total] -> [B, P + max_new_tokens], as the output lays out
+        tokens: row b's prompt (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new positions, ``pad``
+        elsewhere, on the row's padding side."""
+        B, P = self.ids.shape
+        out = torch.full((B, P + max_new_tokens), pad, dtype=x.dtype, device=x.device)
+        for b, (n, count) in enumerate(zip(self.lens, kept)):
             start = P - n if self.left_padded[b] else 0
-            out[b, start : start + n] = self.ids[b, :n]
-            out[b, start + n : start + n + max_new_tokens] = new
+            if prompt:
+                out[b, start : start + n] = self.ids[b, :n]
+            out[b, start + n : start + n + count] = x[b, n : n + count]
         return out

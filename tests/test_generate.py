@@ -25,17 +25,21 @@ def model():
     return tiny_model(seed=0)
 
 
-def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None):
+def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None,
+                        reveal_steps: torch.Tensor | None = None):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
     the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
-    forwards it ran are appended to ``forwards``."""
+    forwards it ran are appended to ``forwards``, and the step (1, 2, ...) that revealed each position is written
+    into ``reveal_steps`` [P + max_new]."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
     x[0, :P] = prompt
+    step = 0
     for start in range(P // block * block, end, block):
         while (x[0, start : min(start + block, P + max_new)] == MASK_ID).any():
+            step += 1
             if forwards is not None:
                 forwards.append(start)
             logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
@@ -45,6 +49,8 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
             conf = torch.where(x[0, start : start + block] == MASK_ID, conf, torch.full_like(conf, -1.0))
             pos = int(conf.argmax())
             x[0, start + pos] = tok[pos]
+            if reveal_steps is not None and start + pos < P + max_new:
+                reveal_steps[start + pos] = step
     return x[0, : P + max_new]
 
 
@@ -58,6 +64,54 @@ def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new):
     assert torch.equal(out.sequences[0], naive_static_decode(model, prompt, max_new, model.config.block_size,
                                                              forwards))
     assert out.stats.backbone_forwards.tolist() == [len(forwards)]
+
+
+@pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (2, 7)])
+def test_reveal_steps_give_the_order_in_which_the_oracle_reveals(model, prompt_len, max_new):
+    """output_reveal_steps: the step that revealed each new token is the uncached oracle's (one token a step, the
+    most confident masked position first; the last block's positions past the last new token count steps but are
+    not output); prompt positions hold 0. Steps replayed (cuda_graphs on a CPU model) note the same."""
+    prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
+    expected = torch.zeros(prompt_len + max_new, dtype=torch.long)
+    tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected)
+    for graphs in (False, True):
+        out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True,
+                             output_reveal_steps=True, cuda_graphs=graphs)
+        assert torch.equal(out.sequences[0], tokens)
+        assert out.reveal_steps.tolist() == [expected.tolist()], graphs
+
+
+REVEALING = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3), dict(strategy="direct", mrp_steps=2),
+             dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4)]
+
+
+@pytest.mark.parametrize("kwargs", REVEALING, ids=lambda k: k["strategy"])
+def test_reveal_steps_count_every_step_and_follow_the_blocks(model, kwargs):
+    """Whole blocks of new tokens (prompts of one and two blocks, 3 blocks of new tokens): each of a row's steps
+    reveals at least one token for good, save remask's, whose reveals a later step may take back (its steps noted are
+    among its forwards, the last one among them); each step lies in one block, so a block's steps all come after
+    the block before's; every step runs one backbone forward (direct: or one MRP forward). Tokens and counts are
+    those of the same call without reveal steps."""
+    T = model.config.block_size
+    ids = random_prompts(2, 2 * T, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :T] = 0
+    common = dict(attention_mask=mask, max_new_tokens=3 * T, eos_token_id=[], return_dict_in_generate=True, **kwargs)
+    out = model.generate(ids, output_reveal_steps=True, **common)
+    plain = model.generate(ids, **common)
+    assert torch.equal(out.sequences, plain.sequences) and plain.reveal_steps is None
+    steps = out.stats.backbone_forwards + (out.stats.mrp_forwards if kwargs["strategy"] == "direct" else 0)
+    for b in range(2):
+        assert not out.reveal_steps[b, : 2 * T].any()  # prompt (and left padding)
+        new = out.reveal_steps[b, 2 * T:].view(3, T)
+        assert (new >= 1).all()
+        assert all(new[i].max() < new[i + 1].min() for i in range(2))
+        if kwargs["strategy"] == "remask":
+            assert new.max() == steps[b] and set(new.flatten().tolist()) <= set(range(1, steps[b] + 1))
+        else:
+            assert sorted(set(new.flatten().tolist())) == list(range(1, steps[b] + 1))
+        if kwargs["strategy"] == "static":
+            assert sorted(new.flatten().tolist()) == list(range(1, 3 * T + 1))
 
 
 def test_cached_denoising_forward_equals_uncached_logits(model):
@@ -171,26 +225,30 @@ SAMPLING = [dict(strategy="speculative", mrp_steps=2, do_sample=True, temperatur
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.integers(1, 13), min_size=2, max_size=4), kwargs=st.sampled_from(STRATEGIES + SAMPLING),
        max_new=st.integers(1, 13), eos=st.integers(0, MASK_ID - 4), graphs=st.booleans(), loop=st.booleans(),
-       seed=st.integers(0, 10**4))
-def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, graphs, loop, seed):
+       reveal=st.booleans(), seed=st.integers(0, 10**4))
+def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, graphs, loop, reveal, seed):
     """Drawn prompt lengths, strategy, new tokens and EOS token (rows stop at different blocks): rows moving on
     per row (steps replayed or not) and rows starting blocks together (the other way; the replayed call with or
-    without a device loop) give the same tokens and per-row counts, and with greedy decoding each row of the
-    (left-padded) batch gives exactly what it gives alone. (Sampling noise is keyed by the row's index in the
-    batch, so a sampled row alone is another draw.)"""
+    without a device loop) give the same tokens, per-row counts and (drawn: ``output_reveal_steps``) reveal steps,
+    and with greedy decoding each row of the (left-padded) batch gives exactly what it gives alone. (Sampling noise
+    is keyed by the row's index in the batch, so a sampled row alone is another draw.)"""
     rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
     P = max(lens)
     ids = torch.zeros((len(rows), P), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, r in enumerate(rows):
         ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
-    common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, **kwargs)
+    common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
+                  output_reveal_steps=reveal, **kwargs)
     # static and direct rows start their blocks together anyway
     moving = kwargs["strategy"] in READ_BY["per_row_blocks"]
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
     together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=not moving,
                               device_loop=not graphs and loop, **common)
     assert torch.equal(out.sequences, together.sequences)
+    assert (out.reveal_steps is None) != reveal
+    if reveal:
+        assert torch.equal(out.reveal_steps, together.reveal_steps)
     for name, value in vars(out.stats).items():
         assert torch.equal(getattr(together.stats, name), value), name
     if kwargs.get("do_sample"):
@@ -198,6 +256,8 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     for b, r in enumerate(rows):
         alone = model.generate(r[None], **common)
         assert torch.equal(out.sequences[b, P - len(r):], alone.sequences[0]), b
+        if reveal:
+            assert torch.equal(out.reveal_steps[b, P - len(r):], alone.reveal_steps[0]), b
         for name in ("backbone_forwards", "mrp_forwards", "tokens_committed", "tokens_remasked"):
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
 
@@ -496,6 +556,8 @@ BAD_INPUTS = [
     (dict(strategy="speculative", draft_vocab=[3, 3, 4]), ValueError, "draft_vocab lists 1 token id"),
     (dict(strategy="speculative", draft_vocab=[3, 99]), ValueError, "draft_vocab holds ids outside"),
     (dict(strategy="dynamic", device_loop=True), ValueError, "device_loop=True .* needs cuda_graphs"),
+    (dict(output_reveal_steps=True), ValueError, "output_reveal_steps=True .*: pass return_dict_in_generate=True"),
+    (dict(output_reveal_steps=1, return_dict_in_generate=True), TypeError, "output_reveal_steps must be a bool"),
 ]
 
 
@@ -1015,6 +1077,17 @@ def test_stop_strings_cut_the_stream_too(model):
                          streamer=streamer)
     assert sum(streamer.puts[1:], []) == free[:keep] == out[0, 4:4 + keep].tolist()
     assert (out[0, 4 + keep:] == pad).all() and keep < 16
+
+
+def test_a_stop_string_cut_pads_with_the_mask_token_when_the_model_has_no_pad_or_eos(model):
+    """Without a pad or EOS id (the tiny config has neither) padding falls back to the mask token: a row a stop
+    string cut is padded with it, not mistaken for a row left undecoded."""
+    tok = LetterTokenizer()
+    ids = random_prompts(1, 4, seed=41)
+    free = model.generate(ids, max_new_tokens=16)[0, 4:].tolist()
+    keep = tok.decode(free).find(tok.decode(free[5:7])) + 2
+    out = model.generate(ids, max_new_tokens=16, stop_strings=tok.decode(free[5:7]), tokenizer=tok)
+    assert out[0, 4:4 + keep].tolist() == free[:keep] and (out[0, 4 + keep:] == MASK_ID).all()
 
 
 def test_tokens_to_keep_ends_with_the_token_that_completes_a_stop_string():

@@ -149,6 +149,24 @@ def test_mrp_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path, 
     assert "--system needs --chat" in capsys.readouterr().err
 
 
+def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
+    """--show-steps prints, after the completion, one line per decoding step with the places (among the new tokens)
+    and texts of the tokens it revealed: with static decoding one token a step, every place once (the steps that
+    revealed only the last block's positions past the last new token are not listed); with --compare it is
+    refused."""
+    from hf_integration import cli
+
+    assert cli.main(["def f(x):", "--max-new-tokens", "8", "--strategy", "static", "--show-steps"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    steps = [int(line.split(":")[0].split()[1]) for line in lines]
+    assert len(lines) == 8 and steps == sorted(set(steps))
+    places = [int(line.split(": ")[1].split(":")[0]) for line in lines]
+    assert sorted(places) == list(range(8))
+    with pytest.raises(SystemExit):
+        cli.main(["def f(x):", "--compare", "--show-steps"])
+    assert "--show-steps lists one strategy's steps: drop --compare" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "{tmp}/missing"], "--model: '{tmp}/missing' is neither a checkpoint folder nor a Hub repo"),
     (["--model", "{tmp}"], "--model: '{tmp}' is neither a checkpoint folder"),  # a folder without a checkpoint

@@ -91,7 +91,8 @@ DEVICE_LOOPS = [dict(strategy="dynamic", threshold=0.3, device_loop=True),
 
 @pytest.mark.parametrize("kwargs", STRATEGIES + DEVICE_LOOPS + [
     dict(strategy="static", eos_token_id=1, device_loop=True),
-    dict(strategy="direct", mrp_steps=2, eos_token_id=1, device_loop=True)],
+    dict(strategy="direct", mrp_steps=2, eos_token_id=1, device_loop=True),
+    dict(strategy="remask", threshold=0.4, output_reveal_steps=True, device_loop=True)],
                          ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     """Each step the decoder hands to StepGraphs (forwards, whole denoising / verify / remask steps) is
@@ -151,6 +152,8 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     assert torch.equal(graphed.sequences, plain.sequences)
     for name, value in vars(plain.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
+    if kwargs.get("output_reveal_steps"):
+        assert torch.equal(graphed.reveal_steps, plain.reveal_steps)
 
 
 def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(monkeypatch):
