@@ -20,11 +20,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3), dict(strategy="direct", mrp_steps=2),
               dict(strategy="speculative", mrp_steps=3), dict(strategy="remask", threshold=0.4),
               dict(strategy="speculative", mrp_steps=2, draft_vocab=list(range(1, 67, 2))),  # rows in a buffer
-              dict(strategy="speculative", mrp_steps=2, draft_candidates=4)]  # the seed's lists carried over
+              dict(strategy="speculative", mrp_steps=2, draft_candidates=4),  # the seed's lists carried over
+              dict(strategy="remask", threshold=0.4, output_reveal_steps=True)]  # written by each captured step
 
 
 def _name(kwargs: dict) -> str:
-    return " ".join([kwargs["strategy"], *(k for k in ("draft_vocab", "draft_candidates") if k in kwargs)])
+    return " ".join([kwargs["strategy"], *(k for k in ("draft_vocab", "draft_candidates", "output_reveal_steps")
+                                           if k in kwargs)])
 
 
 def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
@@ -62,6 +64,8 @@ def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
         assert graphed.batch_steps >= eager.batch_steps
     for name, value in vars(eager.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
+    if kwargs.get("output_reveal_steps"):
+        assert torch.equal(graphed.reveal_steps, eager.reveal_steps)
 
 
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=_name)
