@@ -8,6 +8,11 @@ committed, and a digest of the completions (lossless modes give static's).
 
     python benchmarks/line_completion.py                 # the shipped model, results to benchmarks/results/
     python benchmarks/line_completion.py --prompts 4 --max-new-tokens 16 --out /tmp/lines
+    python benchmarks/line_completion.py --replayed      # the steps a CUDA model's replayed graphs run
+
+``--replayed`` decodes as a CUDA model does by default (``cuda_graphs=True``: on a CPU the recorded step functions
+are replayed, with the host checks of replayed steps), so its batch steps are the forwards a GPU runs; the counts
+are the same on any machine.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--replayed", action="store_true", help="replay the steps as CUDA graphs do (cuda_graphs=True)")
     args = p.parse_args(argv)
 
     tokenizer, model = load(args.model, "cpu", None)
@@ -60,7 +66,7 @@ def main(argv=None) -> int:
         for prompt in prompts:
             ids = tokenizer([prompt], return_tensors="pt").input_ids
             out = model.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=newline, pad_token_id=0,
-                                 return_dict_in_generate=True, **extra)
+                                 return_dict_in_generate=True, cuda_graphs=args.replayed, **extra)
             for key in ("backbone_forwards", "mrp_forwards", "tokens_committed"):
                 row[key] += int(getattr(out.stats, key).sum())
             row["batch_steps"] += out.batch_steps
@@ -71,10 +77,12 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     meta = dict(model=str(args.model), device=platform.processor() or "cpu", torch=torch.__version__,
-                prompts=len(prompts), max_new_tokens=args.max_new_tokens, commit=commit, example_prompt=prompts[0])
+                prompts=len(prompts), max_new_tokens=args.max_new_tokens, replayed=args.replayed, commit=commit,
+                example_prompt=prompts[0])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "line_completion_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {args.out / 'line_completion_cpu.json'}")
+    path = args.out / f"line_completion_cpu{'_replayed' if args.replayed else ''}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {path}")
     return 0
 
 

@@ -314,9 +314,17 @@ def test_e2e_benchmark_names_the_line_of_a_bad_prompt_record(tmp_path, line, err
 def test_line_completion_benchmark_ends_rows_with_their_line(tmp_path):
     """The shipped model completes each cut line; speculative gives static's completions, and a static row alone
     stops at the step that commits its line's end (on a CPU model the host checks after every step): each step a
-    forward doing work."""
-    _run(["benchmarks/line_completion.py", "--prompts", "3", "--max-new-tokens", "16", "--out", str(tmp_path)])
-    rows = {r["mode"]: r for r in json.loads((tmp_path / "line_completion_cpu.json").read_text())["rows"]}
-    assert set(rows) == {"static", "dynamic tau=0.9", "speculative K=3", "remask tau=0.9"}
-    assert rows["speculative K=3"]["completions_md5"] == rows["static"]["completions_md5"]
-    assert rows["static"]["batch_steps"] == rows["static"]["backbone_forwards"] > 0
+    forward doing work. With steps replayed as on a GPU (--replayed) the completions and forwards are the same, and a
+    row runs at most one step past the one that settles it."""
+    for replayed in ([], ["--replayed"]):
+        _run(["benchmarks/line_completion.py", "--prompts", "3", "--max-new-tokens", "16", "--out", str(tmp_path),
+              *replayed])
+    plain, replayed = ({r["mode"]: r for r in json.loads((tmp_path / f"line_completion_cpu{suffix}.json").read_text())
+                        ["rows"]} for suffix in ("", "_replayed"))
+    assert set(plain) == {"static", "dynamic tau=0.9", "speculative K=3", "remask tau=0.9"}
+    assert plain["speculative K=3"]["completions_md5"] == plain["static"]["completions_md5"]
+    assert plain["static"]["batch_steps"] == plain["static"]["backbone_forwards"] > 0
+    for mode, row in plain.items():
+        assert {k: v for k, v in replayed[mode].items() if k != "batch_steps"} == \
+            {k: v for k, v in row.items() if k != "batch_steps"}, mode
+        assert row["batch_steps"] <= replayed[mode]["batch_steps"] <= row["batch_steps"] + 3, mode

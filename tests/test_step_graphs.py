@@ -244,7 +244,8 @@ def test_a_device_loop_stops_a_row_of_rows_moving_together_with_the_step_that_se
     and the tokens before it committed), so with ``device_loop`` those run in the loop, tested on the device (direct:
     backbone and MRP steps in their turn, from wherever the check left off): one check per block, and the row stops
     with the step that settles it, as step-by-step decoding without graphs does (same tokens, counts and steps),
-    where replayed steps without the loop run its block to the end."""
+    where replayed steps without the loop stop one step after it (the host reads whether a step left work one step
+    late, so that the read never idles the device), not at the block's end."""
     checks = _count_host_checks(monkeypatch)
     model = tiny_model(seed=0)
     common = dict(max_new_tokens=16, pad_token_id=0, return_dict_in_generate=True, **kwargs)
@@ -261,7 +262,7 @@ def test_a_device_loop_stops_a_row_of_rows_moving_together_with_the_step_that_se
             assert torch.equal(loop.sequences, plain.sequences) and torch.equal(replayed.sequences, plain.sequences)
             for name, value in vars(plain.stats).items():
                 assert torch.equal(getattr(loop.stats, name), value), name
-            assert loop.batch_steps == plain.batch_steps <= replayed.batch_steps, (n, k)
+            assert loop.batch_steps == plain.batch_steps <= replayed.batch_steps <= plain.batch_steps + 1, (n, k)
             assert len(checks) == -(-(n + k + 1) // 4) - n // 4, (n, k)  # once per block, to the EOS's (blocks of 4)
             shorter += replayed.batch_steps - loop.batch_steps
     assert shorter > 0
