@@ -25,7 +25,7 @@ from mrp_triton.reference.confidence import seed_hash
 from .generation_settings import ON_THE_DEVICE, GenerationSettings
 from .kv_cache import StaticKVCache
 from .modeling_sdar import rotary_cos_sin
-from .step_graphs import StepGraphs
+from .step_graphs import LaggedFlags, StepGraphs
 
 
 @dataclass
@@ -100,6 +100,7 @@ class DecodeEngine:
         self.cache = StaticKVCache(s.slots, s.batch, s.max_len, s.kv_heads, s.head_dim, s.dtype, s.device,
                                    full_width=graphed)
         self.graphs = StepGraphs(capture=s.device.type == "cuda") if graphed else None
+        self.lagged_flags = LaggedFlags(s.device)  # the host's lagged reads of replayed steps' work flags
         self._rows = torch.arange(s.batch, device=s.device)
         self._counter = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self._starts = torch.zeros(s.batch, dtype=torch.long, device=s.device)

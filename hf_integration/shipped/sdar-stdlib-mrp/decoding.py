@@ -144,6 +144,10 @@ class BlockDecoder:
         self.steps_launched = 0  # steps launched one by one
         self.loop_steps = 0  # steps run inside device loops (read back at each check of the rows)
         self.loop_slots = 0  # steps the next device loop may run (0: no loop)
+        # Replayed steps without a device loop, when an EOS may settle a row before the schedule's check: the host
+        # reads after each step whether the step before it left work (LaggedFlags), and stops there.
+        self.lagged_checks = self.graphs is not None and not settings.device_loop and bool(settings.eos_ids)
+        self.lagged_flags = self.engine.lagged_flags
         self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
         self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop string ended it)
         self.stream = None if settings.streamer is None else BlockStream(
@@ -278,20 +282,28 @@ class BlockDecoder:
         """``count`` steps that surely have work, each as :meth:`step`, then, with ``device_loop``, up to ``loop_slots``
         steps that may have work in one graph, each run only while some row has masks and no :meth:`watched` row has
         filled its block (a settled row has no masks: :meth:`settle`), tested on the device; so the host checks the
-        rows once a block fills, not after every step. ``kinds``: ((name, fn), ...), the kinds of step in turn, the
+        rows once a block fills, not after every step. Replayed steps without a device loop, where an EOS may settle
+        a row (``lagged_checks``: then only the first of the ``count`` surely has work), test the same after each step
+        and the host reads it a step late (:class:`LaggedFlags`): the steps stop one step after the one that left
+        no work, the device never idle for the read. ``kinds``: ((name, fn), ...), the kinds of step in turn, the
         first at index ``phase``; every ``fn(*inputs)`` takes the same inputs (with ``carry``, it returns one tensor
         per index in it, which replaces that input in place: the next step's seed). ``inputs[0]`` is the block
         [B, T], ``inputs[1]`` its positions."""
+        lagged = self.lagged_flags if self.lagged_checks and count > 1 else None
+        if lagged is not None:
+            lagged.start(count)
+            watched = torch.tensor(self.watched(), device=self.device)
         for i in range(count):
             name, fn = kinds[(phase + i) % len(kinds)]
             _carry_over(inputs, carry, self.step(name, fn, *inputs, mutated=mutated))
+            if lagged is not None:
+                lagged.push(self._busy(inputs[0], watched))
+                if i and not lagged.read(i - 1):
+                    return  # the step before this one left the rows as only the host may move them on
         if not self.loop_slots:
             return
         slots, loop_steps = self.loop_slots, self.engine.loop_steps
-
-        def busy(block: torch.Tensor, watched: torch.Tensor):
-            has_masks = self.masked(block).any(-1)
-            return has_masks.any() & (has_masks | ~watched).all()
+        busy = self._busy
 
         def body_of(fn):
             def body(go: torch.Tensor, watched: torch.Tensor, *inputs: torch.Tensor) -> None:
@@ -314,6 +326,12 @@ class BlockDecoder:
         names = tuple(name for name, _ in kinds)
         self.graphed(("loop", names, slots, first, self.settings_key), loop, watched, *inputs, mutated=changed,
                      branches=True)
+
+    def _busy(self, block: torch.Tensor, watched: torch.Tensor) -> torch.Tensor:
+        """0-d bool: whether the next step has work the host need not see first: some row of ``block`` [B', T] has
+        masks, and every ``watched`` (bool [B']) row still has some."""
+        has_masks = self.masked(block).any(-1)
+        return has_masks.any() & (has_masks | ~watched).all()
 
     def watched(self) -> list[bool]:
         """Per working row (host): whether the steps must stop once its block is done (no kept masks), for the

@@ -97,8 +97,8 @@ class GenerationSettings:
     data flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the
     steps after those that surely have work inside one graph, each only while no row has filled its block, tested
     on the device (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after
-    every step (same output; a static or direct row that an EOS settles stops with that step, not at the block's
-    end). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up projections as
+    every step (same output; a static, direct or speculative row that an EOS settles stops with that step, not one
+    step later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up projections as
     another (the model's weights are laid out for it once, in place: ``model.pack_projections()``); the same output
     up to the rounding of a differently blocked GEMM (``False``: one GEMM per projection, to measure what packing
     saves). ``draft_vocab`` (speculative) lets the drafts choose among some token ids only: an int N (the ids below

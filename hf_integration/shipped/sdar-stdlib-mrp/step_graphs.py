@@ -20,6 +20,8 @@ tensor it was not given (a closure over the first call's positions, a buffer tha
 A step may hold work that runs only when a device flag says so (:func:`run_if`): in a captured graph a
 conditional node (CUDA 12.4+, exposed by torch 2.12+) tests the flag on the device, so a graph can run
 "up to n more steps, while there is work" without asking the host; elsewhere the host tests the flag.
+Without conditional nodes the host may still read such a flag a step late (:class:`LaggedFlags`), which stops
+the steps one step after the work, without idling the device.
 """
 
 from __future__ import annotations
@@ -49,6 +51,40 @@ def run_if(flag: torch.Tensor, body: Callable, *args: torch.Tensor) -> None:
             graph.end_capture_to_conditional_node()
     elif bool(flag):
         body(*args)
+
+
+class LaggedFlags:
+    """Device flags (0-d bool tensors, one a step) that the host reads a step late, so reading one does not leave the
+    device idle: on CUDA each pushed flag is copied into pinned host memory behind the work queued so far and an event
+    marks the copy, so reading flag i waits for step i only, while the steps launched after it keep the device busy.
+    Elsewhere (a CPU model, where a read costs no idle device) a read is the flag's value."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(0, dtype=torch.bool)
+        self.flags: list = []  # per pushed flag: its event (CUDA) or the flag itself
+
+    def start(self, count: int) -> None:
+        """Forget the flags pushed so far; up to ``count`` will be pushed."""
+        if self.cuda and self.host.shape[0] < count:
+            self.host = torch.zeros(count, dtype=torch.bool, pin_memory=True)
+        self.flags.clear()
+
+    def push(self, flag: torch.Tensor) -> None:
+        if not self.cuda:
+            self.flags.append(flag)
+            return
+        self.host[len(self.flags)].copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.flags.append(event)
+
+    def read(self, i: int) -> bool:
+        """The value of the i-th flag pushed since :meth:`start` (waiting for the work before it)."""
+        if not self.cuda:
+            return bool(self.flags[i])
+        self.flags[i].synchronize()
+        return bool(self.host[i])
 
 
 def _copy_back(inputs, static_inputs, mutated) -> None:
