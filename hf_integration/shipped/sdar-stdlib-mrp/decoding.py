@@ -72,8 +72,8 @@ class SDARGenerateOutput(ModelOutput):
     MRP step; the prefill and commit-only forwards not counted): what the call costs when a forward costs
     about the same for any number of rows, as on a GPU at small batch. reveal_steps (``output_reveal_steps``):
     int64 [B, P + max_new_tokens], laid out as ``sequences``: at each new token the row's decoding step that
-    revealed it for good (1, 2, ...: the row's denoising steps, speculative rounds and direct MRP steps, counted
-    over the whole call), 0 at prompt and padding positions."""
+    revealed it for good (1, 2, ...: the row's denoising steps, speculative rounds, direct backbone and MRP steps,
+    counted over the whole call), 0 at prompt and padding positions."""
 
     sequences: torch.Tensor | None = None
     stats: DecodeStats | None = None
