@@ -44,7 +44,10 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     decoding (no confidence exceeds 1) with the host checking the row after every step, as dynamic, remask and
     speculative decoding do once a block may be full; ``ratio`` = per-step time over the graphed static step:
     what those checks cost. Where torch captures conditional nodes (>= 2.12; and in ``--smoke``) a second row
-    with ``device_loop=True``: the steps after a block's first in one graph, one check per block.
+    with ``device_loop=True``: the steps after a block's first in one graph, one check per block. And
+    ``cuda_graph, lagged reads``: graphed static decoding given an EOS id (the last non-mask id, which random
+    weights hardly ever pick; the steps counted are those run), so the host reads after each step, a step late,
+    whether the step before left work: ``ratio`` over the graphed static step is what those reads cost.
 ``attention``
     One layer's attention of a decoding forward at the model's head shapes: ``mrp_triton.cached_attention``
     (Triton: reads each row's committed slots in place) vs its reference (``sdpa_cat``: concatenate the
@@ -412,6 +415,15 @@ def _host_check_rows(record, model, ids, reps, cuda, shape, static_step, static_
     capture conditional nodes) the steps after a block's first run in one graph, one check per block."""
     from hf_integration.step_graphs import conditional_nodes_supported
 
+    config = model.config
+    rare = next(i for i in range(config.vocab_size - 1, -1, -1) if i != config.mask_token_id)
+    out, _, times = _timed_generate(model, ids, reps, cuda, strategy="static", cuda_graphs=True,
+                                    **{**kwargs, "eos_token_id": rare})
+    q = _per_step(times, out.batch_steps)
+    record("host_checks", shape.replace("dynamic tau=1", f"static eos={rare}"), "cuda_graph, lagged reads", q,
+           ratio=q[0] / static_step, ratio_to="static step (graphed)",
+           tokens_per_s=int(out.stats.tokens_committed.sum()) / statistics.median(times),
+           note="the host reads after each step whether the step before left work")
     loops = [False] + ([True] if conditional_nodes_supported() or not cuda else [])
     for device_loop in loops:
         out, _, times = _timed_generate(model, ids, reps, cuda, strategy="dynamic", threshold=1.0, cuda_graphs=True,

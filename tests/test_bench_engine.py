@@ -31,6 +31,7 @@ def test_bench_engine_smoke(tmp_path):
                      ("decode", "eager"), ("decode", "cuda_graph"), ("decode", "cuda_graph, first call"),
                      ("speculative_estimate", "cuda_graph"),
                      ("host_checks", "cuda_graph"), ("host_checks", "cuda_graph, device_loop"),
+                     ("host_checks", "cuda_graph, lagged reads"),
                      ("attention", "sdpa_cat"), ("attention", "triton"), ("attention", "triton_one_split")}
     for batch in (1, 2):
         shapes = {r["shape"] for r in rows if r["kernel"] in ("step", "whole_step") and r["provider"] == "cuda_graph"}
