@@ -404,15 +404,18 @@ def _decode_rows(record, model, B, prefix, new_tokens, T, reps, cuda, tag, step_
                              ratio=tps / eager_tps, ratio_to="eager tokens/s", floor_us=step_floor, tokens_per_s=tps,
                              note="per step; target >= 8x eager" if graphs else "per step")
     if B == 1:  # static_step and out: the graphed call's (the last provider)
-        _host_check_rows(record, model, ids, reps, cuda, f"{tag} dynamic tau=1 {prefix}+{new_tokens}", static_step,
-                         out.batch_steps, **kwargs)
+        _host_check_rows(record, model, ids, reps, cuda, tag, f"{prefix}+{new_tokens}", static_step, out.batch_steps,
+                         **kwargs)
 
 
-def _host_check_rows(record, model, ids, reps, cuda, shape, static_step, static_steps, **kwargs) -> None:
-    """Graphed dynamic decoding at threshold 1: the steps of static one-token-a-step decoding (no confidence
+def _host_check_rows(record, model, ids, reps, cuda, tag, lengths, static_step, static_steps, **kwargs) -> None:
+    """Graphed static decoding given an EOS id that random weights hardly ever pick: the host reads after each step,
+    a step late, whether the step before left work (per step run, over the graphed static step: what those reads
+    cost). Graphed dynamic decoding at threshold 1: the steps of static one-token-a-step decoding (no confidence
     exceeds 1), but the host checks the row after every step (a dynamic step may fill the block), so its
     per-step time over the static one's is what those checks cost; with ``device_loop`` (where torch can
-    capture conditional nodes) the steps after a block's first run in one graph, one check per block."""
+    capture conditional nodes) the steps after a block's first run in one graph, one check per block. Shapes:
+    ``tag``, the decoding, ``lengths`` (prompt+new tokens)."""
     from hf_integration.step_graphs import conditional_nodes_supported
 
     config = model.config
@@ -420,7 +423,7 @@ def _host_check_rows(record, model, ids, reps, cuda, shape, static_step, static_
     out, _, times = _timed_generate(model, ids, reps, cuda, strategy="static", cuda_graphs=True,
                                     **{**kwargs, "eos_token_id": rare})
     q = _per_step(times, out.batch_steps)
-    record("host_checks", shape.replace("dynamic tau=1", f"static eos={rare}"), "cuda_graph, lagged reads", q,
+    record("host_checks", f"{tag} static eos={rare} {lengths}", "cuda_graph, lagged reads", q,
            ratio=q[0] / static_step, ratio_to="static step (graphed)",
            tokens_per_s=int(out.stats.tokens_committed.sum()) / statistics.median(times),
            note="the host reads after each step whether the step before left work")
@@ -430,7 +433,8 @@ def _host_check_rows(record, model, ids, reps, cuda, shape, static_step, static_
                                         device_loop=device_loop, **kwargs)
         assert out.batch_steps == static_steps, (out.batch_steps, static_steps)  # one token a step, as static
         q = _per_step(times, static_steps)
-        record("host_checks", shape, "cuda_graph, device_loop" if device_loop else "cuda_graph", q,
+        provider = "cuda_graph, device_loop" if device_loop else "cuda_graph"
+        record("host_checks", f"{tag} dynamic tau=1 {lengths}", provider, q,
                ratio=q[0] / static_step, ratio_to="static step (graphed)",
                tokens_per_s=kwargs["max_new_tokens"] / statistics.median(times),
                note="one host check a block" if device_loop else "a host check after every step")

@@ -147,7 +147,6 @@ class BlockDecoder:
         # Replayed steps without a device loop, when an EOS may settle a row before the schedule's check: the host
         # reads after each step whether the step before it left work (LaggedFlags), and stops there.
         self.lagged_checks = self.graphs is not None and not settings.device_loop and bool(settings.eos_ids)
-        self.lagged_flags = self.engine.lagged_flags
         self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
         self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop string ended it)
         self.stream = None if settings.streamer is None else BlockStream(
@@ -271,11 +270,12 @@ class BlockDecoder:
         a later step reveals again (after a remask) is noted again; positions that a settled row drops are dropped
         from the output with it."""
         engine = self.engine
-        engine.decoding_steps[self.rows] += before.any(-1).long()
+        step = engine.decoding_steps[self.rows] + before.any(-1).long()
+        engine.decoding_steps[self.rows] = step
         rows = self.rows[:, None].expand_as(positions)
-        step = engine.decoding_steps[self.rows][:, None].expand_as(positions)
         revealed = before & (block != self.mask_id)
-        engine.reveal_steps[rows, positions] = torch.where(revealed, step, engine.reveal_steps[rows, positions])
+        noted = engine.reveal_steps[rows, positions]
+        engine.reveal_steps[rows, positions] = torch.where(revealed, step[:, None], noted)
 
     def steps(self, kinds: tuple, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
               carry: tuple[int, ...] = (), phase: int = 0) -> None:
@@ -289,7 +289,7 @@ class BlockDecoder:
         first at index ``phase``; every ``fn(*inputs)`` takes the same inputs (with ``carry``, it returns one tensor
         per index in it, which replaces that input in place: the next step's seed). ``inputs[0]`` is the block
         [B, T], ``inputs[1]`` its positions."""
-        lagged = self.lagged_flags if self.lagged_checks and count > 1 else None
+        lagged = self.engine.lagged_flags if self.lagged_checks and count > 1 else None
         if lagged is not None:
             lagged.start(count)
             watched = torch.tensor(self.watched(), device=self.device)
