@@ -22,6 +22,7 @@ import torch
 from transformers import TextStreamer
 
 from .generation_settings import DRAFT_SCHEDULES, READ_BY, REMASK_RULES, STRATEGIES, GenerationSettings
+from .prompts import PromptBatch
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
 COMPARE = [
@@ -183,11 +184,16 @@ def compare_settings(base: dict) -> list[dict]:
 
 
 def check_settings(model, ids: torch.Tensor, runs: list[dict]) -> None:
-    """Resolve each run's generate() settings as generate() will (:class:`UsageError` with their message when they
-    are refused), before anything is decoded."""
+    """Check the prompt and resolve each run's generate() settings as generate() will, with the layout they give
+    (:class:`UsageError` with their message when they are refused), before anything is decoded."""
+    try:
+        prompts = PromptBatch.from_inputs(model.config, ids, None)
+    except ValueError as err:
+        raise UsageError(f"the prompt: {err}") from err
     for settings in runs:
         try:
-            GenerationSettings.resolve(model, None, settings, prompt_width=ids.shape[1])
+            resolved = GenerationSettings.resolve(model, None, settings, prompt_width=ids.shape[1])
+            prompts.block_ends(resolved.max_new_tokens, resolved.block_length, model.config.max_position_embeddings)
         except (ValueError, TypeError) as err:
             raise UsageError(f"--strategy {settings['strategy']}: {err}") from err
 
@@ -215,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.prompt_file is not None:
-        prompt = args.prompt_file.read_text()
+        try:
+            prompt = args.prompt_file.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            parser.error(f"--prompt-file: {err}")
     elif args.prompt is not None:
         prompt = args.prompt
     else:

@@ -74,6 +74,8 @@ class SDARMRPConfig(PretrainedConfig):
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.num_mrp_heads = num_mrp_heads
         self.mrp_init_std = mrp_init_std
+        if float(kwargs.pop("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(_PARTIAL_ROPE)
         self.rope_parameters = _standard_rope(rope_parameters, rope_scaling, rope_theta)
         # Drop keys that transformers would otherwise re-interpret after us.
         kwargs.pop("rope_scaling", None)
@@ -117,6 +119,10 @@ class SDARMRPConfig(PretrainedConfig):
             raise ValueError(f"config.num_mrp_heads={self.num_mrp_heads}: only one MRP head is supported")
 
 
+_PARTIAL_ROPE = ("partial_rotary_factor other than 1 is not supported: RoPE rotates the whole head_dim in SDAR "
+                 "(and Qwen3); remove it from the config")
+
+
 def _standard_rope(rope_parameters: dict | None, rope_scaling: dict | None, rope_theta: float | None) -> dict:
     """Merge the old (``rope_theta`` + ``rope_scaling``) and new (``rope_parameters``) spellings into
     ``{"rope_type": ..., "rope_theta": ..., ["factor": ...]}``."""
@@ -134,6 +140,8 @@ def _standard_rope(rope_parameters: dict | None, rope_scaling: dict | None, rope
         raise ValueError(f"rope type {params['rope_type']!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
     if params["rope_type"] == "linear" and float(params.get("factor", 0)) <= 0:
         raise ValueError("linear rope scaling needs a positive 'factor'")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(_PARTIAL_ROPE)
     if not float(params["rope_theta"]) > 0:
         raise ValueError(f"rope_theta must be > 0, got {params['rope_theta']}")
     return params

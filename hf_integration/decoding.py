@@ -91,12 +91,8 @@ class BlockDecoder:
         self.block = T = settings.block_length
         device = prompts.ids.device
         self.device = device
-        ends = [(n + settings.max_new_tokens + T - 1) // T * T for n in prompts.lens]
+        ends = prompts.block_ends(settings.max_new_tokens, T, config.max_position_embeddings)
         total = max(ends)
-        if total > config.max_position_embeddings:
-            raise ValueError(f"prompt + max_new_tokens reaches position {total} (rounded up to whole blocks of "
-                             f"{self.block}) but the model has max_position_embeddings="
-                             f"{config.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
         graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
         if settings.device_loop and not graphed:
             raise ValueError("device_loop=True runs a block's steps inside one CUDA graph: it needs cuda_graphs "

@@ -21,7 +21,7 @@ from .modeling_sdar import SDARDecoderLayer, SDARRMSNorm, run_decoder_layers
 
 
 class MRPLayers(nn.Module):
-    def __init__(self, config: SDARMRPConfig):
+    def __init__(self, config: SDARMRPConfig, num_layers: int):
         super().__init__()
         self.config = config
         h = config.hidden_size
@@ -30,16 +30,17 @@ class MRPLayers(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         first_slot = config.num_hidden_layers
         self.layers = nn.ModuleList(SDARDecoderLayer(config, first_slot + d)
-                                    for d in range(config.num_nextn_predict_layers))
+                                    for d in range(num_layers))
         self.norm = SDARRMSNorm(h, config.rms_norm_eps)
 
 
 class MRPModule(nn.Module):
-    """One MRP head; ``self.model`` carries the checkpoint's parameter names."""
+    """One MRP head of ``num_layers`` decoder layers (default: ``config.num_nextn_predict_layers``);
+    ``self.model`` carries the checkpoint's parameter names."""
 
-    def __init__(self, config: SDARMRPConfig):
+    def __init__(self, config: SDARMRPConfig, num_layers: int | None = None):
         super().__init__()
-        self.model = MRPLayers(config)
+        self.model = MRPLayers(config, config.num_nextn_predict_layers if num_layers is None else num_layers)
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, embed_weight: torch.Tensor,
                 position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -49,12 +49,12 @@ def _adjacent(params: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-@torch.no_grad()
 def pack_linears(linears: Sequence[nn.Linear]) -> bool:
     """Lay the weights (and biases) of ``linears``, which read the same input, out one after another in one
     storage, so that :func:`packed_linears` runs them as one GEMM. Each parameter keeps its identity, name,
     shape and values (only its ``.data`` moves into the new storage): optimizers, state dicts and
-    ``save_pretrained`` see no change. Already packed: nothing moves. Returns whether they are packed; False
+    ``save_pretrained`` see no change, also when this runs under ``torch.inference_mode`` (the new storage is a
+    normal tensor, so training may follow). Already packed: nothing moves. Returns whether they are packed; False
     (nothing moved) when their parameters live on the meta device or differ in dtype or device."""
     groups = [[lin.weight for lin in linears]]
     if linears[0].bias is not None:
@@ -64,9 +64,10 @@ def pack_linears(linears: Sequence[nn.Linear]) -> bool:
             return False
     for group in groups:
         if not _adjacent(group):
-            packed = torch.cat([p.detach() for p in group])
-            for p, part in zip(group, packed.split([p.shape[0] for p in group])):
-                p.data = part
+            with torch.inference_mode(False), torch.no_grad():
+                packed = torch.cat([p.detach() for p in group])
+                for p, part in zip(group, packed.split([p.shape[0] for p in group])):
+                    p.data = part
     return True
 
 

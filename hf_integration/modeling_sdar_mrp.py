@@ -107,6 +107,29 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
+def _mrp_head_keys(state_dict: dict[str, torch.Tensor], strict: bool) -> dict[str, torch.Tensor]:
+    """The MRP head's entries of ``state_dict``, keyed as the head names them (``model.*``): a whole checkpoint's
+    ``mrp_modules.0.*`` (or legacy ``mtp_modules.0.*``) entries when it has any, its other keys (the backbone's)
+    left out; else every entry, each of which must then start with ``model.`` when ``strict``."""
+    (legacy, current), = LEGACY_MRP_KEYS.items()
+    named = [(re.sub(legacy, current, key), value) for key, value in state_dict.items()]
+    whole = any(key.startswith(current) for key, _ in named)
+    head = {}
+    for key, value in named:
+        if whole and not key.startswith(current):
+            continue
+        if key.startswith(MRP_PREFIX):
+            key = key[len(MRP_PREFIX):]
+        elif strict and not whole and not key.startswith("model."):
+            raise ValueError(f"load_mrp_state_dict: key {key!r} does not belong to an MRP head (its keys start "
+                             f"with 'model.', or with {MRP_PREFIX!r} in a whole checkpoint)")
+        if key in head:
+            raise ValueError(f"load_mrp_state_dict: the MRP head's key {key!r} is given twice (as mrp_modules.* "
+                             "and as legacy mtp_modules.*); pass one of them")
+        head[key] = value
+    return head
+
+
 class SDARMRPPreTrainedModel(PreTrainedModel):
     config_class = SDARMRPConfig
     base_model_prefix = "model"
@@ -134,7 +157,6 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         self.model = SDARModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mrp_modules = nn.ModuleList([MRPModule(config)] if config.has_mrp else [])
-        self.mrp_loaded = config.has_mrp
         self._decode_engine = None  # (key, StaticKVCache, StepGraphs) of the last graphed generate call
         self.post_init()
 
@@ -218,7 +240,7 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
     # ---------------------------------------------------------------------------------------- MRP
     @property
     def has_mrp(self) -> bool:
-        return len(self.mrp_modules) > 0 and self.mrp_loaded
+        return len(self.mrp_modules) > 0
 
     def require_mrp(self, what: str) -> None:
         if not self.has_mrp:
@@ -233,33 +255,50 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         return self.mrp_modules.parameters()
 
     def add_mrp_head(self, num_layers: int = 3) -> MRPModule:
-        """Attach a freshly initialised D-layer MRP head to a backbone-only model."""
+        """Attach a freshly initialised D-layer MRP head to the model (replacing any head it has)."""
+        return self._attach_mrp_head(self._new_mrp_head(num_layers))
+
+    def _new_mrp_head(self, num_layers: int) -> MRPModule:
+        """A freshly initialised head of ``num_layers`` layers on the lm_head's device and dtype, not attached."""
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        self.config.num_nextn_predict_layers = num_layers
-        head = MRPModule(self.config).to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
+        head = MRPModule(self.config, num_layers).to(device=self.lm_head.weight.device,
+                                                     dtype=self.lm_head.weight.dtype)
         head.apply(self._init_weights)
         self._init_weights(head)
-        self.mrp_modules = nn.ModuleList([head])
-        self.mrp_loaded = True
+        return head
+
+    def _attach_mrp_head(self, head: MRPModule | None) -> MRPModule | None:
+        """Make ``head`` the model's MRP head (None: the model has none), the config saying how many layers."""
+        self.mrp_modules = nn.ModuleList([head] if head is not None else [])
+        self.config.num_nextn_predict_layers = len(head.model.layers) if head is not None else 0
         return head
 
     def load_mrp_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
-        """Load a separately trained MRP head. Keys may carry the ``mrp_modules.0.`` / ``mtp_modules.0.``
-        prefix of a full checkpoint or start at ``model.``; non-MRP keys are rejected when strict."""
-        if not self.mrp_modules:
-            layers = {int(m.group(1)) for k in state_dict if (m := re.search(r"model\.layers\.(\d+)\.", k))}
-            self.add_mrp_head(max(layers) + 1 if layers else 1)
-        renamed = {}
-        for key, value in state_dict.items():
-            key = re.sub(r"^mtp_modules\.", "mrp_modules.", key)
-            if key.startswith(MRP_PREFIX):
-                key = key[len(MRP_PREFIX):]
-            elif strict and not key.startswith("model."):
-                raise ValueError(f"load_mrp_state_dict: key {key!r} does not belong to an MRP head")
-            renamed[key] = value
-        result = self.mrp_modules[0].load_state_dict(renamed, strict=strict)
-        self.mrp_loaded = True
+        """Load a separately trained MRP head: the keys of the head alone (``model.*``), or a whole checkpoint's
+        state dict, whose ``mrp_modules.0.`` / ``mtp_modules.0.`` keys are then the head's and the rest (the
+        backbone's) are left out. A model without a head gets one with as many layers as the keys name.
+
+        Nothing changes unless every key fits: with ``strict``, the head's keys must be exactly the head's
+        parameters; in any case a key of the wrong shape, or one given twice, raises a ``ValueError``."""
+        renamed = _mrp_head_keys(state_dict, strict)
+        head = self.mrp_modules[0] if self.mrp_modules else None
+        if head is None:
+            layers = {int(m.group(1)) for k in renamed if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+            head = self._new_mrp_head(max(layers) + 1 if layers else 1)
+        expected = head.state_dict()
+        missing = sorted(set(expected) - set(renamed))
+        unexpected = sorted(set(renamed) - set(expected))
+        if strict and (missing or unexpected):
+            raise ValueError(f"load_mrp_state_dict: the state dict does not fit this {len(head.model.layers)}-layer "
+                             f"MRP head (missing: {missing[:4]}, unexpected: {unexpected[:4]}); pass the head's "
+                             "keys, or strict=False to load the ones that fit")
+        wrong = [f"{k}: {tuple(renamed[k].shape)} for {tuple(expected[k].shape)}" for k in renamed
+                 if k in expected and renamed[k].shape != expected[k].shape]
+        if wrong:
+            raise ValueError(f"load_mrp_state_dict: shapes do not fit this model's MRP head: {wrong[:4]}")
+        result = head.load_state_dict(renamed, strict=strict)
+        self._attach_mrp_head(head)
         return result
 
     # ------------------------------------------------------------------------------------- loading
@@ -280,10 +319,11 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
             logger.warning(f"{pretrained_model_name_or_path} has no MRP head: strategies 'static' and "
                            "'dynamic' work; MRP strategies will raise until an MRP head is loaded.")
         elif missing_mrp:
-            model.mrp_loaded = False
+            model._attach_mrp_head(None)  # no randomly initialised head to decode with or to save
             logger.warning(f"{pretrained_model_name_or_path}: the config asks for an MRP head but "
-                           f"{len(missing_mrp)} mrp_modules.* weights are missing from the checkpoint; MRP "
-                           "decoding is disabled (static and dynamic work).")
+                           f"{len(missing_mrp)} mrp_modules.* weights are missing from the checkpoint; the head is "
+                           "left out (config.num_nextn_predict_layers = 0), so MRP decoding is disabled (static "
+                           "and dynamic work) and save_pretrained writes the backbone alone.")
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -30,7 +30,8 @@ def test_speculative_with_draft_candidates_equals_static(seed, batch, k, max_new
     model = tiny_model(seed=seed % 5, block_size=8)
     prompts = random_prompts(batch, 6, seed=seed)
     top_k, top_p = filters
-    kwargs = dict(max_new_tokens=max_new, do_sample=do_sample, seed=seed, temperature=1.2, top_k=top_k, top_p=top_p)
+    sampling = dict(temperature=1.2, top_k=top_k, top_p=top_p) if do_sample else {}
+    kwargs = dict(max_new_tokens=max_new, do_sample=do_sample, seed=seed, **sampling)
     static = model.generate(prompts, **kwargs)
     spec = model.generate(prompts, strategy="speculative", mrp_steps=k, draft_candidates=m, draft_schedule=schedule,
                           mrp_mix=mix, **kwargs)

@@ -93,7 +93,8 @@ def test_speculative_with_listed_draft_ids_equals_static(seed, batch, k, max_new
     """Lossless with any listed draft vocabulary, greedy and sampled (draft and target share the noise)."""
     model = tiny_model(seed=seed % 5, block_size=8)
     prompts = random_prompts(batch, 6, seed=seed)
-    kwargs = dict(max_new_tokens=max_new, do_sample=do_sample, seed=seed, temperature=1.2)
+    sampling = dict(temperature=1.2) if do_sample else {}
+    kwargs = dict(max_new_tokens=max_new, do_sample=do_sample, seed=seed, **sampling)
     static = model.generate(prompts, **kwargs)
     spec = model.generate(prompts, strategy="speculative", mrp_steps=k, draft_vocab=list(ids), **kwargs)
     assert torch.equal(spec, static)

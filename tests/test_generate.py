@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 
@@ -457,10 +458,12 @@ def test_block_length_other_than_config(model):
     assert fewer.stats.as_dict()["backbone_forwards"][0] < forwards[0]
 
 
-def test_max_length_counts_the_prompt_width_and_yields_to_max_new_tokens(model):
+def test_max_length_counts_the_prompt_width_and_yields_to_max_new_tokens(model, caplog):
     ids = random_prompts(2, 5, seed=3)
     assert torch.equal(model.generate(ids, max_length=12), model.generate(ids, max_new_tokens=7))
-    assert model.generate(ids, max_length=12, max_new_tokens=3).shape == (2, 8)  # as in transformers
+    with caplog.at_level(logging.WARNING):
+        assert model.generate(ids, max_length=12, max_new_tokens=3).shape == (2, 8)  # as in transformers
+    assert "both max_new_tokens=3 and max_length=12 were given: max_new_tokens wins" in caplog.text
     assert model.generate(ids).shape == (2, 5 + 64)  # neither given: 64 new tokens
 
 
@@ -504,6 +507,14 @@ BAD_INPUTS = [
     (dict(strategy="dynamic", threshold=1.5), ValueError, "threshold"),
     (dict(denoising_steps=0), ValueError, "denoising_steps"),
     (dict(denoising_steps=5), ValueError, "denoising_steps"),
+    (dict(denoising_steps="2"), TypeError, "denoising_steps must be an int, got str"),
+    (dict(denoising_steps=2.0), TypeError, "denoising_steps must be an int, got float"),
+    (dict(denoising_steps=True), TypeError, "denoising_steps must be an int, got bool"),
+    (dict(generation_config={"max_new_tokens": 3}), TypeError,
+     "generation_config must be a transformers.GenerationConfig, got dict"),
+    (dict(attention_mask=GenerationConfig(max_new_tokens=3)), TypeError,
+     "attention_mask got a GenerationConfig: pass it as generation_config="),
+    (dict(temperature=0.5), ValueError, "temperature=0.5 steers sampling, which this call does not do"),
     (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
     (dict(do_sample=True, temperature=float("inf")), ValueError, "temperature must be a finite float"),
     (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
@@ -812,14 +823,25 @@ def test_graphed_sampling_reads_seed_temperature_top_k_and_top_p_from_buffers(mo
 
 
 def test_greedy_calls_ignore_sampling_settings_in_the_graph_key(model):
-    """A greedy call that sets top_k / top_p / temperature (as a checkpoint's generation config may) computes
-    what one without them does, and replays its graphs."""
+    """A checkpoint's generation config may set top_k / top_p / temperature without sampling: a greedy call then
+    computes what one without them does, and replays its graphs. A call that asks for them itself without
+    do_sample is refused (they would change nothing)."""
     ids = random_prompts(2, 6, seed=41)
     kw = dict(max_new_tokens=10, eos_token_id=[], cuda_graphs=True)
     plain = model.generate(ids, **kw)
     captured = set(model._decode_engine[1].graphs.graphs)
-    assert torch.equal(model.generate(ids, top_k=5, top_p=0.5, temperature=0.3, **kw), plain)
+    shipped = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(top_k=5, top_p=0.5, temperature=0.3)
+        assert torch.equal(model.generate(ids, **kw), plain)
+    finally:
+        model.generation_config = shipped
     assert set(model._decode_engine[1].graphs.graphs) == captured
+    for sampling in (dict(top_k=5), dict(top_p=0.5, temperature=0.3)):
+        with pytest.raises(ValueError, match=f"{next(iter(sampling))}=.* steers? sampling.*do_sample=True"):
+            model.generate(ids, **sampling, **kw)
+        with pytest.raises(ValueError, match="steers? sampling"):
+            model.generate(ids, generation_config=GenerationConfig(**sampling), **kw)
 
 
 def test_top_k_0_is_no_cut_as_in_transformers(model):
@@ -906,6 +928,26 @@ def test_graphed_calls_reuse_one_engine(model):
     assert model._decode_engine is not engine and torch.equal(other, expected[:1])
     model.release_decode_engine()
     assert model._decode_engine is None
+
+
+def test_a_call_inside_inference_mode_leaves_no_inference_tensors_behind():
+    """generate under ``torch.inference_mode`` keeps nothing that later code may not update in place: the engine
+    it keeps (KV cache, recorded steps) serves a call outside inference mode, and the weights it packs train.
+    Gradients stay off inside the call either way."""
+    model = tiny_model(seed=2, dtype=torch.float32)
+    ids = random_prompts(2, 6, seed=7)
+    grad_modes = []
+    model.model.norm.register_forward_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
+    for strategy in ("static", "speculative"):
+        with torch.inference_mode():
+            inside = model.generate(ids, max_new_tokens=8, strategy=strategy, cuda_graphs=True)
+        assert torch.equal(model.generate(ids, max_new_tokens=8, strategy=strategy, cuda_graphs=True), inside)
+    assert grad_modes and not any(grad_modes)
+    assert not any(p.is_inference() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
 
 
 @pytest.mark.triton

@@ -56,6 +56,8 @@ def test_plain_sdar_config_gets_defaults_and_new_rope_spelling():
     (dict(num_attention_heads=6, num_key_value_heads=4), "must be a multiple of num_key_value_heads"),
     (dict(head_dim=7), "head_dim must be even"),
     (dict(block_size=0), "block_size must be >= 1"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
 ])
 def test_config_rejects_bad_values(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -156,6 +158,11 @@ def test_checkpoint_without_mrp_weights_warns_then_refuses_mrp_decoding(tmp_path
         assert model.generate(ids, max_new_tokens=4).shape == (1, 9)
         with pytest.raises(ValueError, match="needs MRP weights"):
             model.generate(ids, max_new_tokens=4, strategy="speculative")
+        # No randomly initialised head is kept: saving writes the backbone alone, which reloads as one.
+        model.save_pretrained(tmp_path / f"{name}_resaved")
+        assert not any(k.startswith("mrp_modules.") for k in load_file(tmp_path / f"{name}_resaved/model.safetensors"))
+        resaved = SDARMRPForCausalLM.from_pretrained(tmp_path / f"{name}_resaved")
+        assert not resaved.has_mrp and resaved.config.num_nextn_predict_layers == 0
 
 
 def test_plain_backbone_plus_separate_mrp_state_dict_combine(tmp_path):
@@ -170,6 +177,54 @@ def test_plain_backbone_plus_separate_mrp_state_dict_combine(tmp_path):
     assert torch.equal(backbone.generate(ids, **kwargs), full.generate(ids, **kwargs))
     with pytest.raises(ValueError, match="does not belong"):
         backbone.load_mrp_state_dict({"lm_head.weight": torch.zeros(1)})
+
+
+def test_load_mrp_state_dict_takes_a_whole_checkpoint_head_keys_first_or_last():
+    """The head's keys of a whole state dict are loaded and the backbone's left out, whichever come first (bare
+    ``model.layers.*`` keys of the backbone never fill the head's layers)."""
+    full = tiny_model(seed=3)
+    state = full.state_dict()
+    head = {k: v for k, v in state.items() if k.startswith("mrp_modules.")}
+    for order in (state, {**head, **state}, {**{k: v for k, v in state.items() if k not in head}, **head}):
+        for strict in (True, False):
+            model = SDARMRPForCausalLM(tiny_config(num_nextn_predict_layers=0)).double()
+            model.load_mrp_state_dict(order, strict=strict)
+            got = {k: v for k, v in model.state_dict().items() if k.startswith("mrp_modules.")}
+            assert got.keys() == head.keys() and all(torch.equal(got[k], head[k]) for k in head)
+            assert model.config.num_nextn_predict_layers == full.config.num_nextn_predict_layers
+    twice = {**head, **{k.replace("mrp_modules.", "mtp_modules."): v for k, v in head.items()}}
+    with pytest.raises(ValueError, match="given twice"):
+        SDARMRPForCausalLM(tiny_config(num_nextn_predict_layers=0)).load_mrp_state_dict(twice)
+
+
+@pytest.mark.parametrize("case", ["wrong_hidden", "missing_layer", "unexpected_key"])
+def test_a_refused_mrp_state_dict_leaves_the_model_as_it_was(case):
+    """A head that does not fit raises a ValueError naming the keys, and changes nothing: a plain backbone stays
+    without a head (no random one to decode with), a model's own head keeps its weights and its config."""
+    head = {k[len("mrp_modules.0."):]: v for k, v in tiny_model(seed=3).state_dict().items()
+            if k.startswith("mrp_modules.")}
+    if case == "wrong_hidden":
+        head = {k: torch.zeros(*(2 * n for n in v.shape)) for k, v in head.items()}
+        message = "shapes do not fit"
+    elif case == "missing_layer":
+        head = {k: v for k, v in head.items() if not k.startswith("model.layers.0.")}
+        message = "missing"
+    else:
+        head["model.extra.weight"] = torch.zeros(1)
+        message = "unexpected"
+    plain = SDARMRPForCausalLM(tiny_config(num_nextn_predict_layers=0)).double()
+    with pytest.raises(ValueError, match=message):
+        plain.load_mrp_state_dict(head)
+    assert not plain.has_mrp and plain.config.num_nextn_predict_layers == 0
+    with pytest.raises(ValueError, match="needs MRP weights"):
+        plain.generate(random_prompts(1, 4), max_new_tokens=4, strategy="direct")
+    model = tiny_model(seed=1)
+    before = {k: v.clone() for k, v in model.mrp_modules.state_dict().items()}
+    layers = model.config.num_nextn_predict_layers
+    with pytest.raises(ValueError, match=message):
+        model.load_mrp_state_dict(head)
+    after = model.mrp_modules.state_dict()
+    assert model.config.num_nextn_predict_layers == layers and all(torch.equal(after[k], before[k]) for k in before)
 
 
 @pytest.mark.parametrize("tied", [False, True])

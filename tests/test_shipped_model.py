@@ -177,6 +177,9 @@ def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
     (["--strategy", "static", "--threshold", "0.5"],
      "--strategy static: threshold=0.5 steers strategy 'dynamic' or 'remask', not 'static': drop it"),
     (["--device", "cuda"], "--device cuda: this torch sees no CUDA GPU"),
+    (["--max-new-tokens", "5000"], "--strategy speculative: prompt + max_new_tokens reaches position 5008"),
+    (["--top-k", "5"], "--strategy speculative: top_k=5 steers sampling, which this call does not do"),
+    (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file: [Errno 2] No such file or directory"),
 ])
 def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, message, tmp_path, monkeypatch, capsys):
     """Bad options end mrp-generate with exit status 2 and one line naming the option, before anything is decoded."""
@@ -190,6 +193,17 @@ def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, me
     err = capsys.readouterr().err  # after the weights' loading bar, if it got that far
     last = err.strip().splitlines()[-1]
     assert exit_.value.code == 2 and last.startswith("mrp-generate: error: " + message.format(tmp=tmp_path)), err
+    assert "Traceback" not in err
+
+
+def test_mrp_generate_refuses_an_empty_prompt(monkeypatch, capsys):
+    from hf_integration import cli
+
+    monkeypatch.setattr(cli, "run_one", lambda *a: pytest.fail("decoded an empty prompt"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([""])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "mrp-generate: error: the prompt: input_ids is empty" in err
     assert "Traceback" not in err
 
 

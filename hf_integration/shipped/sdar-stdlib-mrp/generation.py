@@ -7,6 +7,7 @@ import threading
 import weakref
 
 import torch
+from transformers import GenerationConfig
 
 from .decoding import DYNAMIC, STATIC, BlockDecoder, SDARGenerateOutput
 from .generation_settings import GenerationSettings
@@ -67,6 +68,9 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if input_ids is None:
         raise TypeError("generate() needs input_ids, the prompt's token ids [batch, prompt_len] (inputs_embeds is "
                         "not supported: decoding embeds the ids it writes)")
+    if isinstance(attention_mask, GenerationConfig):  # transformers' generate(inputs, generation_config) order
+        raise TypeError("attention_mask got a GenerationConfig: pass it as generation_config=... (this generate "
+                        "takes input_ids, attention_mask, generation_config in that order)")
     device = _one_device(model)
     if isinstance(input_ids, torch.Tensor) and input_ids.device != device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
@@ -78,8 +82,11 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(f"streamer streams one prompt at a time (as transformers' streamers do), got a batch of "
                          f"{len(prompts.lens)}; generate the rows one by one or drop streamer")
     # Decoding runs in the model's dtype (load it in bf16 for bf16 decoding): an enclosing autocast would hand the
-    # static KV cache keys of another dtype.
-    with one_call_at_a_time(model), torch.autocast(device.type, enabled=False):
+    # static KV cache keys of another dtype. It runs outside inference mode, gradients off (leaving inference mode
+    # turns them on): the engine a call keeps for the next (KV cache, captured steps) and the packed weights must be
+    # normal tensors, which a call outside inference mode, or training, then updates in place.
+    with one_call_at_a_time(model), torch.autocast(device.type, enabled=False), \
+            torch.inference_mode(False), torch.no_grad():
         decoder = BlockDecoder(model, prompts, settings)
         x = decoder.run(DECODING[settings.strategy])
         sequences, kept = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,

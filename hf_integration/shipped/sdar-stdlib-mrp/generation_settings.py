@@ -37,6 +37,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # GenerationConfig fields that do not steer decoding (bookkeeping, or the model's own ids and block size).
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
+SAMPLING = ("temperature", "top_k", "top_p")  # what only sampled decoding reads
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
 # Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
@@ -183,6 +184,10 @@ class GenerationSettings:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"generate() got unknown keyword argument(s) {unknown}; accepted: {sorted(names)}")
+        if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+            raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
+                            f"{type(generation_config).__name__}; build one (GenerationConfig(**settings)) or pass "
+                            "the settings as keywords")
         values: dict = {}
         sources = (getattr(model, "generation_config", None), generation_config)
         own, passed = ({} if source is None else source.to_diff_dict() for source in sources)
@@ -206,9 +211,23 @@ class GenerationSettings:
         asked = {k for k, v in kwargs.items() if v is not None} | {k for k, v in passed.items()
                                                                   if k not in own or own[k] != v}
         settings._drop_unread(asked)
+        if {"max_new_tokens", "max_length"} <= asked:
+            logger.warning_once(f"both max_new_tokens={settings.max_new_tokens} and max_length={settings.max_length} "
+                                "were given: max_new_tokens wins (as in transformers)")
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
+        settings._check_sampling(asked)
         return settings
+
+    def _check_sampling(self, asked: set[str]) -> None:
+        """Raise if the call asked for a sampling setting (``temperature``, ``top_k``, ``top_p``) without sampling,
+        which would change nothing (greedy decoding reads none of them)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = [f"{name}={getattr(self, name)!r}" for name in SAMPLING if name in asked
+                 and getattr(self, name) is not None and getattr(self, name) != defaults[name]]
+        if given and not self.do_sample:
+            raise ValueError(f"{', '.join(given)} {'steers' if len(given) == 1 else 'steer'} sampling, which this "
+                             "call does not do: pass do_sample=True (or drop them)")
 
     def _drop_unread(self, asked: set[str]) -> None:
         """Reset the settings this call's strategy does not read (:data:`READ_BY`) to their defaults; raise if the
@@ -257,7 +276,8 @@ class GenerationSettings:
         if self.num_return_sequences > 1 and not self.do_sample:
             raise ValueError(f"num_return_sequences={self.num_return_sequences} without sampling gives identical "
                              "copies: set do_sample=True (or num_return_sequences=1)")
-        if not 1 <= self.denoising_steps <= self.block_length:
+        _int_at_least("denoising_steps", self.denoising_steps, 1)
+        if self.denoising_steps > self.block_length:
             raise ValueError(f"denoising_steps={self.denoising_steps} must be in 1..block_length "
                              f"({self.block_length})")
         if self.strategy not in STRATEGIES:

@@ -74,6 +74,16 @@ class PromptBatch:
             left.append(bool(where[0] > 0))
         return cls(ids=ids, lens=lens, left_padded=left)
 
+    def block_ends(self, max_new_tokens: int, block: int, max_position_embeddings: int) -> list[int]:
+        """Per row, the end of its last block: its prompt and ``max_new_tokens`` rounded up to whole blocks.
+        Raises a ValueError when a row's end passes ``max_position_embeddings``."""
+        ends = [(n + max_new_tokens + block - 1) // block * block for n in self.lens]
+        if max(ends) > max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens reaches position {max(ends)} (rounded up to whole blocks of "
+                             f"{block}) but the model has max_position_embeddings={max_position_embeddings}; "
+                             "shorten the prompt or lower max_new_tokens")
+        return ends
+
     def with_padding_rows(self, rows: int) -> "PromptBatch":
         """This batch and ``rows`` more one-token rows (row 0's first token) after it."""
         if rows == 0:
