@@ -52,7 +52,7 @@ def _model(env, mode, seed=0):
     from training.models import prepare_mrp_model
 
     torch.manual_seed(seed)
-    return prepare_mrp_model(env["backbone"], 1)
+    return prepare_mrp_model(env["backbone"], 1)[0]
 
 
 def _weights(model):
@@ -304,6 +304,26 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
         run(["eval", "--model", str(bb), "--data", env["paths"]["pairs"], "--seq-len", str(T)])
     with pytest.raises(ConfigError, match="give the held-out data"):
         run(["eval", "--model", str(mrp)])
+    with pytest.raises(ConfigError, match=r"--stdlib: no manifest at .*--stdlib-manifest FILE"):
+        run(["eval", "--model", str(mrp), "--stdlib"])  # a head trained on --data records no stdlib split
+    # Training a model's head on: the head's own depth and weights (flags that would change them are refused), the
+    # record says so, and the folder's generation config (here a draft vocabulary) carries over.
+    assert json.load(open(mrp / "training_config.json"))["mrp_init"] == "normal"
+    gen = json.load(open(mrp / "generation_config.json"))
+    (mrp / "generation_config.json").write_text(json.dumps({**gen, "draft_vocab": [2, 3, 4]}))
+    on = ["mrp", "--model", str(mrp), "--data", env["paths"]["pairs"], "--seq-len", str(T), "--micro-batch-size",
+          "2", "--max-steps", "1", "--no-progress"]
+    for flags, message in ((["--mrp-layers", "2"], "--mrp-layers 2: --model .* has a 1-layer MRP head"),
+                           (["--mrp-init", "normal"], "--mrp-init normal initialises a new head")):
+        with pytest.raises(ConfigError, match=message):
+            run([*on, "--out", str(tmp_path / "refused"), *flags])
+    run([*on, "--out", str(tmp_path / "more"), "--mrp-layers", "1"])
+    record = json.load(open(tmp_path / "more" / "training_config.json"))
+    assert (record["num_mrp_layers"], record["mrp_init"]) == (1, "continued")
+    assert json.load(open(tmp_path / "more" / "generation_config.json"))["draft_vocab"] == [2, 3, 4]
+    # --resume restores the optimizer's settings: another --lr is refused, not silently replaced
+    with pytest.raises(ConfigError, match="--resume: the checkpoint was made with --lr 0.01, this run has --lr 0.005"):
+        run(_cli_args(env, bb, "--max-steps", "3", "--resume", "--lr", "5e-3"))
 
 
 def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatch):
@@ -500,6 +520,25 @@ def test_fresh_run_refuses_out_with_checkpoints(env, tmp_path):
     train(_cfg(tmp_path, max_steps=2, save_every=1), _model(env, "backbone"), env["train"])
     with pytest.raises(ConfigError, match="--resume"):
         train(_cfg(tmp_path, max_steps=2, save_every=1), _model(env, "backbone"), env["train"])
+
+
+def test_a_fresh_backbone_run_refuses_a_run_folder_before_writing_its_tokenizer(env, tmp_path):
+    """The refusal comes before a new tokenizer is trained into OUT/tokenizer, so the other run stays resumable."""
+    from training.cli import run
+
+    args = [a for a in _cli_args(env, tmp_path / "b", "--max-steps", "1") if a not in ("--tokenizer", env["tok_dir"])]
+    run([*args, "--vocab-size", "300"])
+    tokenizer = (tmp_path / "b" / "tokenizer" / "tokenizer.json").read_bytes()
+    with pytest.raises(ConfigError, match="already holds checkpoints of another run; pass --resume"):
+        run([*args, "--vocab-size", "280"])
+    assert (tmp_path / "b" / "tokenizer" / "tokenizer.json").read_bytes() == tokenizer
+
+
+def test_resume_without_a_checkpoint_starts_the_metrics_afresh(env, tmp_path):
+    for resume in (False, True):
+        train(_cfg(tmp_path, max_steps=2, save_every=0, resume=resume), _model(env, "backbone"), env["train"])
+    steps = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl") if '"loss"' in x]
+    assert steps == [1, 2]
 
 
 @pytest.mark.triton

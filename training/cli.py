@@ -72,12 +72,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
 
 
-def _stdlib_args(p: argparse.ArgumentParser, default_manifest: str) -> argparse._ArgumentGroup:
+def _stdlib_args(p: argparse.ArgumentParser, default_manifest: str, writes: bool = True) -> argparse._ArgumentGroup:
+    """--stdlib and --stdlib-manifest (``writes``: a training command, which writes the manifest if it is missing)."""
     g = p.add_argument_group("corpus / tokenizer")
     g.add_argument("--stdlib", action="store_true",
-                   help="train on the CPython standard library's .py files (file-level split; see --stdlib-manifest)")
+                   help="the CPython standard library's .py files (file-level split; see --stdlib-manifest)")
     g.add_argument("--stdlib-manifest", default=None,
-                   help=f"read (if it exists) or write this manifest; default {default_manifest}")
+                   help=f"{'read (if it exists) or write' if writes else 'read'} this manifest; default "
+                   f"{default_manifest}")
     return g
 
 
@@ -117,12 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="backbone folder (save_pretrained) or Hub repo id; its tokenizer is "
                    "used unless --tokenizer")
     g.add_argument("--block-size", type=int, default=None, help="default: the model config's block_size")
-    g.add_argument("--mrp-layers", type=int, default=3, help="D decoder layers of a new head")
+    g.add_argument("--mrp-layers", type=int, default=None,
+                   help=f"D decoder layers of a new head (default {TrainConfig.num_mrp_layers}; a --model with a head "
+                   "trains that head on)")
     g.add_argument("--unroll-k", type=int, default=1, help="K successive reveals per sample")
     g.add_argument("--mrp-loss", choices=("kd_diff_sum", "direct"), default="kd_diff_sum")
     _kd_precision_arg(g)
-    g.add_argument("--mrp-init", choices=("default", "normal"), default="default",
-                   help="'normal': N(0, --mrp-init-std) for the head's matrices (authors' recipe: 0.2)")
+    g.add_argument("--mrp-init", choices=("default", "normal"), default=None,
+                   help="a new head's init: 'default' (the model's), or 'normal': N(0, --mrp-init-std) for the head's "
+                   "matrices (authors' recipe: 0.2)")
     g.add_argument("--mrp-init-std", type=float, default=0.2)
 
     e = sub.add_parser("eval", help="held-out KD loss and draft agreement of a model's MRP head (no training)",
@@ -133,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=int, default=None,
                    help="default: the head's training length (MODEL/training_config.json), else "
                    f"{EVAL_DEFAULTS['seq_len']}")
-    g = _stdlib_args(e, "MODEL/stdlib_manifest.json")
+    g = _stdlib_args(e, "MODEL/stdlib_manifest.json", writes=False)
     g.description = "--stdlib evaluates the manifest's held-out files"
     g = e.add_argument_group("evaluation")
     g.add_argument("--model", required=True, help="a model folder or Hub repo id with an MRP head (its tokenizer "
@@ -155,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = v.add_argument_group("data")
     g.add_argument("--data", nargs="+", default=[], metavar="PATH", help="text files, JSONL or folders (all counted)")
-    g = _stdlib_args(v, "MODEL/stdlib_manifest.json")
+    g = _stdlib_args(v, "MODEL/stdlib_manifest.json", writes=False)
     g.description = "--stdlib counts the manifest's training files"
     g = v.add_argument_group("vocabulary")
     g.add_argument("--model", required=True, help="a model folder or Hub repo id (its tokenizer and config are used)")
@@ -165,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--into-generation-config", action="store_true", help="also write the ids as draft_vocab into "
                    "the --model folder's generation_config.json: its speculative calls then draft among them")
     return ap
+
+
+def _given(args, name: str, default):
+    """``args.name`` when the command has the option and it was given, else ``default``."""
+    value = getattr(args, name, None)
+    return default if value is None else value
 
 
 def _config(args, block_size: int) -> TrainConfig:
@@ -180,7 +191,8 @@ def _config(args, block_size: int) -> TrainConfig:
         device=args.device,
         unroll_k=getattr(args, "unroll_k", 1), mrp_loss=getattr(args, "mrp_loss", "kd_diff_sum"),
         kd_precision=getattr(args, "kd_precision", TrainConfig().kd_precision),
-        num_mrp_layers=getattr(args, "mrp_layers", 3), mrp_init=getattr(args, "mrp_init", "default"),
+        num_mrp_layers=_given(args, "mrp_layers", TrainConfig.num_mrp_layers),
+        mrp_init=_given(args, "mrp_init", TrainConfig.mrp_init),
         mrp_init_std=getattr(args, "mrp_init_std", 0.2),
         extra={"argv": sys.argv[1:]},
     ).validate()
@@ -195,8 +207,15 @@ def _export(out_dir: str, tokenizer, cfg: TrainConfig):
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         ids = special_token_ids(tokenizer)
-        gen = GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=ids["eos_token_id"],
-                               pad_token_id=ids["pad_token_id"])
+        # The generation config the model was loaded with (an MRP run's --model folder's: its EOS ids, draft
+        # vocabulary or sampling defaults; a new backbone has none of its own), its missing token ids taken from
+        # the tokenizer.
+        own = model.generation_config
+        gen = GenerationConfig() if own._from_model_config else GenerationConfig.from_dict(own.to_dict())
+        for name, value in (("bos_token_id", model.config.bos_token_id), ("eos_token_id", ids["eos_token_id"]),
+                            ("pad_token_id", ids["pad_token_id"])):
+            if getattr(gen, name, None) is None:
+                setattr(gen, name, value)
         gen.mask_token_id = ids["mask_token_id"]
         gen.block_size = cfg.block_size
         gen.save_pretrained(out_dir)
@@ -251,8 +270,11 @@ def _model_records(args, what: str, heldout: bool) -> list[dict]:
         raise ConfigError(f"give the {what}: --data PATH... or --stdlib")
     args.model = _local_folder(args.model, "--model")
     if args.stdlib:
-        train, held = manifest_records(load_manifest(args.stdlib_manifest or
-                                                     os.path.join(args.model, "stdlib_manifest.json")))
+        path = args.stdlib_manifest or os.path.join(args.model, "stdlib_manifest.json")
+        if not os.path.exists(path):
+            raise ConfigError(f"--stdlib: no manifest at {path} (a model trained with --stdlib records its file split "
+                              "there); pass --stdlib-manifest FILE, or the data with --data")
+        train, held = manifest_records(load_manifest(path))
         return held if heldout else train
     return read_records(args.data)
 
@@ -365,7 +387,7 @@ def run(argv: list[str] | None = None) -> dict:
         return run_draft_vocab(args)
     from .data import build_datasets, read_records, record_texts, split_records
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
-    from .trainer import barrier, init_distributed, train
+    from .trainer import barrier, check_out_dir, init_distributed, train
 
     if args.command == "mrp":
         args.model = _local_folder(args.model, "--model")
@@ -390,6 +412,7 @@ def run(argv: list[str] | None = None) -> dict:
         if not args.rope_theta > 0:
             raise ConfigError(f"--rope-theta must be > 0, got {args.rope_theta}")
 
+    check_out_dir(cfg.out_dir, cfg.resume)  # before a tokenizer or a manifest is written there
     rank, world, device = init_distributed(cfg.device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -441,8 +464,10 @@ def run(argv: list[str] | None = None) -> dict:
     else:
         from .models import prepare_mrp_model
 
-        model = prepare_mrp_model(args.model, cfg.num_mrp_layers, cfg.mrp_init, cfg.mrp_init_std,
-                                  block_size=cfg.block_size, device=device)
+        model, continued = prepare_mrp_model(args.model, args.mrp_layers, args.mrp_init, cfg.mrp_init_std,
+                                             block_size=cfg.block_size, device=device)
+        if continued:  # what training_config.json and the checkpoints record: the head this run trains
+            cfg.num_mrp_layers, cfg.mrp_init = model.config.num_nextn_predict_layers, "continued"
         if int(model.config.mask_token_id) != ids["mask_token_id"]:
             raise ConfigError(f"--tokenizer: its <|MASK|> id {ids['mask_token_id']} differs from the model's "
                               f"mask_token_id {model.config.mask_token_id}")

@@ -52,7 +52,8 @@ class TrainConfig:
     mrp_loss: str = "kd_diff_sum"  # "kd_diff_sum" | "direct"
     kd_precision: str = "tf32"  # the KD loss's lm_head GEMMs: "fp32" | "tf32" (CUDA; fp32 elsewhere) | "bf16"
     num_mrp_layers: int = 3
-    mrp_init: str = "default"  # "default" (the model's own init) | "normal" (N(0, mrp_init_std))
+    # "default" (the model's own init) | "normal" (N(0, mrp_init_std)) | "continued" (--model's head, trained on)
+    mrp_init: str = "default"
     mrp_init_std: float = 0.2
     extra: dict = field(default_factory=dict)  # free-form record (e.g. CLI args), saved with checkpoints
 
@@ -89,7 +90,8 @@ class TrainConfig:
         need(self.kd_precision in KD_PRECISIONS,
              f"--kd-precision must be 'fp32', 'tf32' or 'bf16', got {self.kd_precision!r}")
         need(self.num_mrp_layers >= 1, f"--mrp-layers must be >= 1, got {self.num_mrp_layers}")
-        need(self.mrp_init in ("default", "normal"), f"--mrp-init must be 'default' or 'normal', got {self.mrp_init!r}")
+        need(self.mrp_init in ("default", "normal", "continued"),
+             f"--mrp-init must be 'default' or 'normal', got {self.mrp_init!r}")
         need(self.mrp_init_std > 0, f"--mrp-init-std must be > 0, got {self.mrp_init_std}")
         return self
 

@@ -284,7 +284,9 @@ def build_datasets(
         out.append(pack(toks, flags, seq_len, pad))
     train, held = out
     if len(train) == 0 or train.num_answer_tokens() == 0:
-        raise ConfigError(f"{flag}: the training data is empty (no answer tokens in {list(paths or [])!r})")
+        where = f" in {list(paths)!r}" if paths else ""
+        raise ConfigError(f"{flag}: the data is empty: no answer tokens to learn or score{where} (conversations need an "
+                          "assistant turn; prompt/response records a response)")
     return train, held
 
 

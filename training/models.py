@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .config import ConfigError, TrainConfig
 
 
 def backbone_head_dim(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
@@ -91,9 +91,13 @@ def init_mrp_normal(model: nn.Module, std: float) -> None:
     model.config.mrp_init_std = std
 
 
-def prepare_mrp_model(model_dir: str, num_layers: int, init: str = "default", init_std: float = 0.2,
-                      block_size: int | None = None, device=None, dtype=torch.float32):
-    """Load ``model_dir``, attach a ``num_layers`` MRP head unless it has one, freeze the rest."""
+def prepare_mrp_model(model_dir: str, num_layers: int | None = None, init: str | None = None, init_std: float = 0.2,
+                      block_size: int | None = None, device=None, dtype=torch.float32) -> tuple[nn.Module, bool]:
+    """Load ``model_dir``, freeze all but its MRP head, and return ``(model, continued)``: ``continued`` when the
+    folder has a head, which training then continues (``num_layers``, if given, must be its depth; ``init`` must be
+    None: its weights are trained ones), else a new ``num_layers``-layer head (default 3) initialised by ``init``
+    (None or "default": the model's own init; "normal": N(0, ``init_std``)); the default depth is
+    ``TrainConfig.num_mrp_layers``."""
     import os
 
     from hf_integration import SDARMRPForCausalLM
@@ -103,14 +107,23 @@ def prepare_mrp_model(model_dir: str, num_layers: int, init: str = "default", in
     model = SDARMRPForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if block_size is not None:
         model.config.block_size = block_size
-    if not model.has_mrp:
-        model.add_mrp_head(num_layers)
+    continued = model.has_mrp
+    if continued:
+        depth = model.config.num_nextn_predict_layers
+        if num_layers is not None and num_layers != depth:
+            raise ConfigError(f"--mrp-layers {num_layers}: --model {model_dir} has a {depth}-layer MRP head, which "
+                              "this run trains on; drop --mrp-layers (or give a model without a head)")
+        if init is not None:
+            raise ConfigError(f"--mrp-init {init} initialises a new head, but --model {model_dir} has a trained one, "
+                              "which this run trains on; drop --mrp-init")
+    else:
+        model.add_mrp_head(TrainConfig.num_mrp_layers if num_layers is None else num_layers)
         if init == "normal":
             init_mrp_normal(model, init_std)
     if device is not None:
         model.to(device)
     freeze_all_but_mrp(model)
-    return model
+    return model, continued
 
 
 def frozen_projections_in_bf16(model: nn.Module) -> list[tuple[nn.Linear, torch.dtype]]:

@@ -214,6 +214,31 @@ def atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def check_out_dir(out_dir: str, resume: bool) -> None:
+    """Refuse to start a run from step 0 (not ``resume``) in a folder that holds another run's checkpoints: call it
+    before writing anything there (a tokenizer, a manifest), so the other run stays resumable."""
+    if not resume and list_checkpoints(out_dir):
+        raise ConfigError(f"--out: {out_dir} already holds checkpoints of another run; pass --resume to continue it "
+                          "or choose a new --out")
+
+
+# The optimizer's settings a checkpoint restores (its param groups'), named by the settings that set them.
+OPTIMIZER_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight-decay", "betas": "betas (adam_beta1, --adam-beta2)",
+                   "eps": "adam_eps"}
+
+
+def _check_optimizer_settings(saved: dict, optim: torch.optim.Optimizer) -> None:
+    """Raise if this run's optimizer settings (:data:`OPTIMIZER_FLAGS`) differ from those of the checkpoint's
+    optimizer state ``saved``, which a resumed run would restore over them."""
+    for group, was in zip(optim.param_groups, saved["param_groups"]):
+        for key, flag in OPTIMIZER_FLAGS.items():
+            now = group.get(key)
+            if key in was and (tuple(now) if isinstance(now, (list, tuple)) else now) != (
+                    tuple(was[key]) if isinstance(was[key], (list, tuple)) else was[key]):
+                raise ConfigError(f"--resume: the checkpoint was made with {flag} {was[key]}, this run has "
+                                  f"{flag} {group.get(key)}; use the same flags (or a new --out)")
+
+
 def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     """``[(step, path)]`` of complete checkpoint files, newest first (temp files are ignored)."""
     out = []
@@ -403,35 +428,32 @@ def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, ev
 
     start_step, tokens_seen = 0, 0
     metrics_path = os.path.join(cfg.out_dir, METRICS)
-    if cfg.resume:
-        ck = load_latest_checkpoint(cfg.out_dir)
-        if ck is None:
-            if rank == 0:
-                print(f"--resume: no checkpoint in {cfg.out_dir}/{CKPT_DIR}; starting from step 0", file=sys.stderr)
-        else:
-            for k, v in data_info.items():
-                if ck["data"].get(k) != v:
-                    raise ConfigError(f"--resume: the checkpoint was made with {k}={ck['data'].get(k)!r}, "
-                                      f"this run has {k}={v!r}; use the same data and flags (or a new --out)")
-            sd = ck["model"]
-            if set(sd) != trainable:
-                raise ConfigError(f"--resume: the checkpoint's trainable parameters do not match the model "
-                                  f"({len(set(sd) ^ trainable)} differ)")
-            with torch.no_grad():
-                params = dict(model.named_parameters())
-                for n, v in sd.items():
-                    params[n].copy_(v)
-            optim.load_state_dict(ck["optimizer"])
-            sched.load_state_dict(ck["scheduler"])
-            rngs = ck["rng"]
-            set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
-            start_step, tokens_seen = ck["step"], ck["tokens_seen"]
-            if rank == 0:
-                _truncate_metrics(metrics_path, start_step)
-    else:
-        if list_checkpoints(cfg.out_dir):
-            raise ConfigError(f"--out: {cfg.out_dir} already holds checkpoints of another run; pass --resume "
-                              "to continue it or choose a new --out")
+    check_out_dir(cfg.out_dir, cfg.resume)
+    ck = load_latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    if cfg.resume and ck is None and rank == 0:
+        print(f"--resume: no checkpoint in {cfg.out_dir}/{CKPT_DIR}; starting from step 0", file=sys.stderr)
+    if ck is not None:
+        for k, v in data_info.items():
+            if ck["data"].get(k) != v:
+                raise ConfigError(f"--resume: the checkpoint was made with {k}={ck['data'].get(k)!r}, "
+                                  f"this run has {k}={v!r}; use the same data and flags (or a new --out)")
+        _check_optimizer_settings(ck["optimizer"], optim)
+        sd = ck["model"]
+        if set(sd) != trainable:
+            raise ConfigError(f"--resume: the checkpoint's trainable parameters do not match the model "
+                              f"({len(set(sd) ^ trainable)} differ)")
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for n, v in sd.items():
+                params[n].copy_(v)
+        optim.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        rngs = ck["rng"]
+        set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
+        start_step, tokens_seen = ck["step"], ck["tokens_seen"]
+        if rank == 0:
+            _truncate_metrics(metrics_path, start_step)
+    else:  # a run from step 0: its metrics start afresh
         barrier()
         if rank == 0 and os.path.exists(metrics_path):
             os.remove(metrics_path)
@@ -479,7 +501,7 @@ def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, ev
         bar = None
 
     history: list[dict] = []
-    last_loss, evaluation = float("nan"), {"eval_loss": None}
+    last_loss, evaluation = None, {"eval_loss": None}  # None: no step ran (a finished run resumed)
     checked = False
     loss_mod.train()
     t_start = time.perf_counter()
