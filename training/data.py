@@ -285,8 +285,8 @@ def build_datasets(
     train, held = out
     if len(train) == 0 or train.num_answer_tokens() == 0:
         where = f" in {list(paths)!r}" if paths else ""
-        raise ConfigError(f"{flag}: the data is empty: no answer tokens to learn or score{where} (conversations need an "
-                          "assistant turn; prompt/response records a response)")
+        raise ConfigError(f"{flag}: the data is empty: no answer tokens to learn or score{where} (conversations "
+                          "need an assistant turn; prompt/response records a response)")
     return train, held
 
 
