@@ -498,6 +498,16 @@ def test_bad_configs_rejected(env, tmp_path):
         run(_cli_args(env, tmp_path / "i", "--attention", "flex", "--device", "cpu"))
     with pytest.raises(ConfigError, match="--attention must be 'auto', 'flex' or 'sdpa', got 'math'"):
         TrainConfig(attention="math").validate()
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"heldout_fraction": 0.02, "seed": 0, "train": [], "heldout": []}))
+    stdlib = [a for a in _cli_args(env, tmp_path / "j") if a not in ("--data", env["paths"]["text"])]
+    with pytest.raises(ConfigError, match="--heldout-fraction 0.1: the split comes from .*manifest.json, which holds "
+                                          "out 0.02"):
+        run([*stdlib, "--stdlib", "--stdlib-manifest", str(manifest)])
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps([{"text": "a"}], indent=2))
+    with pytest.raises(ConfigError, match="pretty.json:1: not valid JSON .*one JSON object a line"):
+        run(["backbone", "--data", str(pretty), "--tokenizer", env["tok_dir"], "--out", str(tmp_path / "k")])
     with pytest.raises(ConfigError, match="--kd-precision must be 'fp32', 'tf32' or 'bf16', got 'fp16'"):
         TrainConfig(kd_precision="fp16").validate()
     with pytest.raises(SystemExit) as e:

@@ -429,6 +429,10 @@ def run(argv: list[str] | None = None) -> dict:
             write_manifest(mpath, build_manifest(frac, cfg.seed))
         barrier()
         manifest = load_manifest(mpath)
+        if args.heldout_fraction is not None and args.heldout_fraction != manifest.get("heldout_fraction"):
+            raise ConfigError(f"--heldout-fraction {args.heldout_fraction}: the split comes from {mpath}, which holds "
+                              f"out {manifest.get('heldout_fraction')}; drop --heldout-fraction or pass "
+                              "--stdlib-manifest NEW_FILE for a new split")
         if rank == 0 and os.path.abspath(mpath) != os.path.abspath(os.path.join(cfg.out_dir, "stdlib_manifest.json")):
             write_manifest(os.path.join(cfg.out_dir, "stdlib_manifest.json"), manifest)  # recorded with the model
         train_r, held_r = manifest_records(manifest)

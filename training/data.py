@@ -75,7 +75,8 @@ def read_records(paths: Sequence[str], flag: str = "--data") -> list[dict]:
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ConfigError(f"{flag}: {path}:{lineno}: not valid JSON ({e.msg})") from None
+                        raise ConfigError(f"{flag}: {path}:{lineno}: not valid JSON ({e.msg}); a .json / .jsonl file "
+                                          "holds one JSON object a line (JSONL)") from None
                     _check_record(rec, f"{flag}: {path}:{lineno}")
                     records.append(rec)
         else:
