@@ -265,7 +265,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     interp = interpreter_on()
     sq_b, sk_b, sv_b, so_b = row_strides
     _cached_attention_kernel[(triton.cdiv(T, _BLOCK_M), B * Hkv, splits)](
-        q, k, v, cache_k, cache_v, lengths, positions, seg, place, out, part, ml,
+        q, k, v, cache_k, cache_v, lengths.contiguous(), positions, seg, place, out, part, ml,
         sq_b, q.stride(1), q.stride(2), sk_b, k.stride(1), k.stride(2),
         sv_b, v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         positions.stride(0), positions.stride(1), *place_strides, so_b, out.stride(1), out.stride(2),

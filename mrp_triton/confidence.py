@@ -130,8 +130,10 @@ def _conf_partial_kernel(
         x = x_raw.to(tl.float32)
         if HAS_RES:
             acc = r_raw.to(tl.float32)
-            for r in range(1, R):
-                acc += tl.load(res_row + r * stride_rr + offs, mask=msk, other=0.0).to(tl.float32)
+            res_r = res_row  # stepped by the stride: r * stride_rr would be an int32 product, past 2**31 at
+            for _ in range(1, R):  # R * N * V of a real vocabulary
+                res_r += stride_rr
+                acc += tl.load(res_r + offs, mask=msk, other=0.0).to(tl.float32)
             x = x + scale * acc
         x = x * inv_t
         x = tl.where(x != x, float("-inf"), x)
@@ -303,6 +305,23 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
             raise ValueError(f"top_k={top_k} exceeds top_k_max={top_k_max}; raise top_k_max or leave it None")
 
 
+CUT_CHUNK = 1 << 24  # logits the top-k / top-p cut of a sampled launch handles at once (about 64 MB in fp32)
+
+
+def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, top_k, top_p, top_k_max) -> torch.Tensor:
+    """tau [N]: each row's top-k / top-p cut (:func:`top_k_top_p_cut`), a chunk of rows at a time: top-p alone sorts
+    whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V] temporaries."""
+    N, V = logits.shape
+    step = max(1, CUT_CHUNK // max(1, V))
+    cuts = []
+    for i in range(0, N, step):
+        res = None if residual is None else residual[..., i:i + step, :]
+        z = effective_logits(logits[i:i + step], res, scale=scale, temperature=temperature,
+                             mask_token_id=mask_token_id)
+        cuts.append(top_k_top_p_cut(z, top_k, top_p, top_k_max))
+    return torch.cat(cuts) if len(cuts) > 1 else cuts[0]
+
+
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None,
                       splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
@@ -328,8 +347,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     sample = bool(do_sample)
     cut = None
     if sample and (top_k is not None or top_p is not None):
-        cut = top_k_top_p_cut(effective_logits(logits, residual, scale=scale, temperature=temperature,
-                                               mask_token_id=mask_token_id), top_k, top_p, top_k_max)
+        cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, top_k, top_p, top_k_max)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     res = residual
@@ -342,7 +360,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     chunk = triton.cdiv(triton.cdiv(V, S), BLOCK_V) * BLOCK_V
     S = triton.cdiv(V, chunk)
     dummy = tok
-    skip = skip_rows.view(torch.uint8) if skip_rows is not None else dummy
+    skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else dummy  # read at skip + row
     keys = noise_keys.contiguous() if sample else dummy
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)

@@ -337,7 +337,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     if skip_rows is not None:
         order = torch.empty(N, dtype=torch.int64, device=hidden.device)
         kept = torch.empty(1, dtype=torch.int64, device=hidden.device)
-        _kept_first_kernel[(1,)](skip_rows.view(torch.uint8), order, kept, N,
+        _kept_first_kernel[(1,)](skip_rows.contiguous().view(torch.uint8), order, kept, N,
                                  BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](

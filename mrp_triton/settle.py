@@ -67,7 +67,8 @@ def settle_rows_triton(block, positions, starts, ends, is_eos, *, mask_token_id,
     B, L = block.shape
     if B == 0 or L == 0:
         return
-    _settle_kernel[(B,)](block, positions.contiguous(), starts.contiguous(), ends, is_eos.view(torch.uint8), L,
+    _settle_kernel[(B,)](block, positions.contiguous(), starts.contiguous(), ends,
+                         is_eos.contiguous().view(torch.uint8), L,
                          int(mask_token_id), int(filler), BLOCK_L=max(16, triton.next_power_of_2(L)), num_warps=1)
 
 

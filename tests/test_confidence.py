@@ -129,6 +129,39 @@ def test_residual_sum_and_temperature():
     torch.testing.assert_close(prob.cpu(), torch.softmax(z, -1).max(-1).values, atol=1e-6, rtol=1e-4)
 
 
+def test_three_residuals_and_a_strided_skip_row_view():
+    """R = 3 residual tensors (the kernel steps from one to the next by their stride) and skip rows given as a
+    strided view (the launcher makes them contiguous before the kernel reads skip + row)."""
+    g = torch.Generator().manual_seed(2)
+    L = torch.randn(4, 300, generator=g)
+    R = torch.randn(3, 4, 300, generator=g)
+    skip = torch.tensor([[True, False], [False, False], [True, True], [False, True]])[:, 0]
+    assert not skip.is_contiguous()
+    got = confidence_triton(L.to(DEV), R.to(DEV), scale=0.5, skip_rows=skip.to(DEV), out=_poisoned(4))
+    expected = confidence_ref(L, R, scale=0.5, skip_rows=skip.contiguous())
+    assert torch.equal(got[0].cpu(), expected[0]) and got[0][0].item() == -1 and got[0][1].item() >= 0
+    for a, b in zip(got[1:], expected[1:]):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_sampled_cut_is_the_same_computed_a_few_rows_at_a_time(monkeypatch):
+    """A sampled launch computes its top-k / top-p cut in chunks of rows (CUT_CHUNK logits): the same picks."""
+    import mrp_triton.confidence as conf
+
+    g = torch.Generator().manual_seed(3)
+    L, R = torch.randn(7, 90, generator=g), torch.randn(2, 7, 90, generator=g)
+    keys = torch.stack([torch.arange(7), torch.arange(7) + 10, torch.zeros(7, dtype=torch.long)], 1)
+    kw = dict(scale=0.5, temperature=0.9, do_sample=True, seed=4, noise_keys=keys.to(DEV), top_p=0.6, top_k=20,
+              mask_token_id=5)
+    whole = confidence_triton(L.to(DEV), R.to(DEV), **kw)
+    monkeypatch.setattr(conf, "CUT_CHUNK", 200)  # two rows a chunk
+    chunked = confidence_triton(L.to(DEV), R.to(DEV), **kw)
+    expected = confidence_ref(L, R, **dict(kw, noise_keys=keys))
+    for a, b, c in zip(chunked, whole, expected):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.cpu(), c, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [0.7, 0.3, 1.7, 2.5, 0.013])
 def test_temperature_tensor_scales_exactly_as_the_float(temperature):
     """The kernel turns a temperature tensor into 1 / t (float64 division, rounded to fp32) as the launcher does
