@@ -127,8 +127,9 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     t_tensor = isinstance(temperature, torch.Tensor)
     inv_t = 1.0 if t_tensor else inverse_temperature(temperature).item()  # fp32-rounded, as the reference
     mean = vocab_mean.float().contiguous()
+    skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else tok  # read at skip + row
     _listed_kernel[(N,)](
-        h, hs, w, mean, i, rest.float().contiguous(), skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else tok,
+        h, hs, w, mean, i, rest.float().contiguous(), skip,
         inv_t, temperature if t_tensor else tok, z, lse, tok, prob, M, H, h.stride(0), hs.stride(0), w.stride(0),
         i.stride(0), HAS_SKIP=skip_rows is not None, GREEDY=not do_sample, T_TENSOR=t_tensor,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
