@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mrp_triton import select_backend
 from mrp_triton.reference.confidence import seed_hash
 
 from .generation_settings import ON_THE_DEVICE, GenerationSettings
@@ -174,12 +175,13 @@ class DecodeEngine:
 
 def engine_for(model, shape: EngineShape, graphed: bool) -> DecodeEngine:
     """A fresh engine, or for ``graphed`` calls the model's last graphed engine, reset, when it has the same
-    shape and weight storage (its captured graphs are reused); a new graphed engine replaces it.
+    shape, weight storage and op backend (its captured graphs are reused); a new graphed engine replaces it.
     ``model.release_decode_engine()`` frees it."""
     if not graphed:
         return DecodeEngine(shape, graphed=False, config=model.config)
     key = (dataclasses.astuple(shape), repr(model.config.rope_parameters),
-           tuple(p.data_ptr() for p in model.parameters()))
+           tuple(p.data_ptr() for p in model.parameters()),
+           select_backend(shape.device))  # the ops a captured step launches (a use_backend(...) call may change it)
     kept = model._decode_engine
     if kept is not None and kept[0] == key:
         kept[1].reset()

@@ -85,7 +85,9 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     # static KV cache keys of another dtype. It runs outside inference mode, gradients off (leaving inference mode
     # turns them on): the engine a call keeps for the next (KV cache, captured steps) and the packed weights must be
     # normal tensors, which a call outside inference mode, or training, then updates in place.
-    with one_call_at_a_time(model), torch.autocast(device.type, enabled=False), \
+    # On the model's GPU (its streams, graphs and events), whichever GPU is current.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with one_call_at_a_time(model), on_device, torch.autocast(device.type, enabled=False), \
             torch.inference_mode(False), torch.no_grad():
         decoder = BlockDecoder(model, prompts, settings)
         x = decoder.run(DECODING[settings.strategy])

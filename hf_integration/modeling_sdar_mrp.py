@@ -163,6 +163,8 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
     def release_decode_engine(self) -> None:
         """Free the KV cache and CUDA graphs that graphed ``generate`` calls keep for the next call of the
         same shapes (calls on one model run one at a time: see :func:`.generation.one_call_at_a_time`)."""
+        if self._decode_engine is not None:
+            self._decode_engine[1].graphs.clear()  # the recorded steps' closures hold the decoder, which holds it
         self._decode_engine = None
 
     def pack_projections(self) -> bool:

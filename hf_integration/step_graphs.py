@@ -129,15 +129,20 @@ class StepGraphs:
             return _clone(output)  # it may alias the buffers the next call overwrites
         if entry == "eager":
             return self._call(fn, inputs)
-        fn, static_inputs, graph, static_output = entry
+        recorded, static_inputs, graph, static_output = entry
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
         if graph is None:
-            static_output = self._call(fn, static_inputs)
+            static_output = self._call(recorded, static_inputs)
         else:
             graph.replay()
         _copy_back(inputs, static_inputs, mutated)
         return _clone(static_output)
+
+    def clear(self) -> None:
+        """Drop every captured step and its memory pool (the engine is released)."""
+        self.graphs.clear()
+        self.pool = None
 
     def _call(self, fn, inputs):
         self._inside = True
@@ -162,10 +167,15 @@ class StepGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed" if branches else "global"):
+            # "thread_local": another thread's unsafe call (a second model decoding) neither fails this capture nor
+            # is failed by it; "relaxed" for run_if bodies, whose kernels may first load during the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed" if branches else "thread_local"):
                 static_output = self._call(fn, static_inputs)
         except RuntimeError as err:
+            torch.cuda.set_stream(stream)  # a failed capture_end leaves the thread on the capture stream
             warnings.warn(f"CUDA graph capture of the {key} step failed ({err}); it runs eagerly", stacklevel=3)
             return output, "eager"
-        return output, (fn, static_inputs, graph, static_output)
+        # a captured step keeps no reference to fn, whose closure holds the first call's decoder (and so the engine)
+        return output, (None, static_inputs, graph, static_output)

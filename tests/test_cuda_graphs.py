@@ -29,6 +29,11 @@ def _name(kwargs: dict) -> str:
                                            if k in kwargs)])
 
 
+def _record_without_capture(self, key, fn, inputs, branches=False):
+    """StepGraphs._record as off CUDA: the step runs, and each replay calls it again on the same buffers."""
+    return self._call(fn, inputs), (fn, inputs, None, None)
+
+
 def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
     captured = []
     original = StepGraphs._record
@@ -38,7 +43,6 @@ def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
         captured.append((key, entry))
         return output, entry
 
-    monkeypatch.setattr(StepGraphs, "_record", spy)
     model = tiny_model(seed=0, dtype=torch.float32).cuda()
     lens = [2, 11, 6, 1, 9, 4]  # with an EOS, rows finish at different steps: the batch shrinks by buckets
     ids = torch.zeros((6, 11), dtype=torch.long)
@@ -49,8 +53,19 @@ def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
     settings = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=1, pad_token_id=0,
                     return_dict_in_generate=True, **kwargs)
     eager = model.generate(ids, cuda_graphs=False, **settings)
+    # The same steps on the same buffers and cache width, run each time instead of replayed: what capture alone
+    # may change (nothing: the graphed run must equal it bit for bit, batch steps included).
+    monkeypatch.setattr(StepGraphs, "_record", _record_without_capture)
+    recorded = model.generate(ids, cuda_graphs=True, device_loop=device_loop, **settings)
+    model.release_decode_engine()
+    monkeypatch.setattr(StepGraphs, "_record", spy)
     graphed = model.generate(ids, device_loop=device_loop, **settings)  # graphs: on by default for a CUDA model
     assert captured and all(entry != "eager" for _, entry in captured), captured
+    assert torch.equal(graphed.sequences, recorded.sequences) and graphed.batch_steps == recorded.batch_steps
+    for name, value in vars(recorded.stats).items():
+        assert torch.equal(getattr(graphed.stats, name), value), name
+    if kwargs.get("output_reveal_steps"):
+        assert torch.equal(graphed.reveal_steps, recorded.reveal_steps)
     kinds = {key[0] for key, _ in captured}
     assert {"denoise", "speculate", "remask"} & kinds, kinds  # whole steps, not only forwards
     assert ("loop" in kinds) == device_loop, kinds

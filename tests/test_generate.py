@@ -6,6 +6,7 @@ import copy
 import logging
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -926,8 +927,15 @@ def test_graphed_calls_reuse_one_engine(model):
     assert torch.equal(shorter, model.generate(ids[:, :4], max_new_tokens=13, cuda_graphs=False))
     other = model.generate(ids[:1], max_new_tokens=9, cuda_graphs=True)
     assert model._decode_engine is not engine and torch.equal(other, expected[:1])
+    engine = model._decode_engine[1]
+    with mrp_triton.use_backend("triton"):  # steps launching other ops: another engine
+        assert torch.equal(model.generate(ids[:1], max_new_tokens=9, cuda_graphs=True), other)
+    assert model._decode_engine[1] is not engine
+    # Released, the engine is freed at once (its recorded steps, which close over the decoder, go with it)
+    released = weakref.ref(model._decode_engine[1])
+    del engine
     model.release_decode_engine()
-    assert model._decode_engine is None
+    assert model._decode_engine is None and released() is None
 
 
 def test_a_call_inside_inference_mode_leaves_no_inference_tensors_behind():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_integration.decoding as decoding
 from hf_integration.step_graphs import StepGraphs, run_if
@@ -154,6 +155,55 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
         assert torch.equal(getattr(graphed.stats, name), value), name
     if kwargs.get("output_reveal_steps"):
         assert torch.equal(graphed.reveal_steps, plain.reveal_steps)
+
+
+aten = torch.ops.aten
+# Ops that wait for the device to hand the host a value or a data-dependent shape: a CUDA graph capture refuses them.
+HOST_SYNCS = {aten.nonzero.default, aten.masked_select.default, aten._local_scalar_dense.default, aten.equal.default,
+              aten.is_nonzero.default, aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default}
+INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on an op that would synchronise with the host under CUDA: what ``fullgraph`` tracing cannot see, since
+    such ops sync inside ATen (boolean-mask indexing runs ``nonzero``), not in Python."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        boolean = func in INDEXING and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                           for i in args[1])
+        unsized = func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and \
+            kwargs.get("output_size") is None
+        if func in HOST_SYNCS or boolean or unsized:
+            raise AssertionError(f"{func} synchronises with the host inside a graphed step")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES + [
+    dict(strategy="static", eos_token_id=1), dict(strategy="direct", mrp_steps=2, eos_token_id=1),
+    dict(strategy="speculative", mrp_steps=3, draft_vocab=40), dict(strategy="remask", threshold=0.4,
+                                                                     remask_rule="delta", output_reveal_steps=True)],
+                         ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_no_graphed_step_synchronises_with_the_host(kwargs, monkeypatch):
+    """Every op of every step the decoder graphs, on the reference ops (a float64 model, or the reference backend,
+    runs them inside CUDA graphs too), runs under :class:`NoHostSync`; the ragged forwards (rows of a batch riding
+    a commit in different rounds) included."""
+    record = StepGraphs._record
+
+    def record_checked(self, key, fn, inputs, branches=False):
+        def step(*args):
+            with NoHostSync():
+                return fn(*args)
+
+        return record(self, key, step, inputs, branches)
+
+    model = tiny_model(seed=0, dtype=torch.float32)
+    ids = random_prompts(3, 6, seed=60)
+    settings = dict(max_new_tokens=12, return_dict_in_generate=True, **kwargs)
+    plain = model.generate(ids, cuda_graphs=False, **settings)
+    monkeypatch.setattr(StepGraphs, "_record", record_checked)
+    graphed = model.generate(ids, cuda_graphs=True, **settings)
+    assert torch.equal(graphed.sequences, plain.sequences)
 
 
 def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(monkeypatch):

@@ -37,19 +37,21 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
 
 def _ragged(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places) -> torch.Tensor:
     """:func:`cached_attention` of a ragged forward: q, k, v put on the [B, T] grid (zeros where not computed, their
-    positions moved past every block, so no computed query sees them), attended, the computed places taken back."""
+    positions moved past every block, so no computed query sees them), attended, the computed places taken back.
+    Every shape is fixed by the inputs' (no boolean indexing): it runs inside a CUDA graph capture."""
     B, T = places.shape
+    L = q.shape[2]
     flat = places.flatten()
     live = flat >= 0
 
     def grid(x: torch.Tensor) -> torch.Tensor:  # [1, H, L, D] -> [B, H, T, D]
-        out = x.new_zeros((B * T, x.shape[1], x.shape[3]))
-        out[live] = x[0].transpose(0, 1)[flat[live]]
-        return out.view(B, T, x.shape[1], x.shape[3]).transpose(1, 2)
+        rows = x[0].transpose(0, 1).index_select(0, flat.clamp(min=0)).masked_fill(~live[:, None, None], 0)
+        return rows.view(B, T, x.shape[1], x.shape[3]).transpose(1, 2)
 
     past = (positions.max() // block_size + 1) * block_size  # a block after every computed position's
     out = cached_attention(grid(q), grid(k), grid(v), cache_k, cache_v, lengths,
                            torch.where(places >= 0, positions, past), block_size, segments)
-    taken = out.new_zeros((q.shape[2], q.shape[1], q.shape[3]))
-    taken[flat[live]] = out.transpose(1, 2).reshape(B * T, q.shape[1], q.shape[3])[live]
-    return taken[None].transpose(1, 2)
+    rows = out.transpose(1, 2).reshape(B * T, q.shape[1], q.shape[3])
+    # grid places not computed all go to a spare row L, dropped after
+    taken = rows.new_zeros((L + 1, q.shape[1], q.shape[3])).index_copy_(0, torch.where(live, flat, L), rows)
+    return taken[None, :L].transpose(1, 2)
