@@ -15,6 +15,7 @@ Triton interpreter is switched on before any ``mrp_triton`` kernel is decorated)
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import platform
@@ -155,12 +156,21 @@ def write_results(out_dir, stem: str, fields: list[str], rows: list[dict], doc: 
     ``float_format`` if given) and ``doc`` to ``<stem>.json``; creates ``out_dir``; returns it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            if float_format:
-                r = {k: (format(v, float_format) if isinstance(v, float) else v) for k, v in r.items()}
-            w.writerow(r)
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    table = io.StringIO()
+    w = csv.DictWriter(table, fieldnames=fields)
+    w.writeheader()
+    for r in rows:
+        if float_format:
+            r = {k: (format(v, float_format) if isinstance(v, float) else v) for k, v in r.items()}
+        w.writerow(r)
+    write_atomically(out / f"{stem}.csv", table.getvalue())
+    write_atomically(out / f"{stem}.json", json.dumps(doc, indent=1))
     return out
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it: a run killed mid-write (a time limit)
+    leaves the previous complete file, never a cut one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     for name, (tfn, rfn) in small.items():
         eager_and_triton(name, shape, 0, rfn, tfn)
 
+    sweeps = []  # (kernel, shape, bytes, eager median, logits, residual): swept after every N's default rows
     for N in rows:
         L = torch.randn(N, V, device=dev, generator=gen).to(torch.bfloat16)
         Rr = torch.randn(N, V, device=dev, generator=gen).to(torch.bfloat16)
@@ -159,17 +160,7 @@ def main(argv=None) -> int:
                 except Exception as exc:  # keep the run going; report the failure
                     print(f"torch.compile failed for {kname} {shape}: {exc!r}", file=sys.stderr)
             if args.sweep and cuda:
-                for s, bv, nw, pf in ((1, 2048, 8, True), (0, 1024, 4, True), (0, 2048, 8, True), (0, 4096, 8, True),
-                                      (0, 4096, 16, True), (0, 8192, 16, True), (0, 1024, 4, False),
-                                      (0, 2048, 8, False)):
-                    sp = None if s == 0 else s
-                    try:
-                        q = bench(lambda: mt.confidence_triton(L, res, splits=sp, block_v=bv, num_warps=nw,
-                                                               prefetch=pf))
-                        add(kname, shape, f"triton[s={s or 'auto'},bv={bv},w={nw}{'' if pf else ',no prefetch'}]",
-                            q, nbytes, e)
-                    except Exception as exc:
-                        print(f"sweep config s={s} bv={bv} failed: {exc!r}", file=sys.stderr)
+                sweeps.append((kname, shape, nbytes, e, L, res))
         # Sampling among the tokens top-k / top-p keep (what chat checkpoints ask for), at the N of a decoding step's
         # picks (up to a verify round's at batch 8): the launcher finds each row's cut among its top_k largest
         # effective logits (torch.topk; top-p alone: a sort of the row), the kernel draws in its pass; eager: the
@@ -186,6 +177,18 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
 
+    # The tile sweep last: a time limit that cuts the run keeps every N's default rows (the targets' rows), and a
+    # config that faults cannot take them with it.
+    for kname, shape, nbytes, e, L, res in sweeps:
+        for s, bv, nw, pf in ((1, 2048, 8, True), (0, 1024, 4, True), (0, 2048, 8, True), (0, 4096, 8, True),
+                              (0, 4096, 16, True), (0, 8192, 16, True), (0, 1024, 4, False), (0, 2048, 8, False)):
+            sp = None if s == 0 else s
+            try:
+                q = bench(lambda: mt.confidence_triton(L, res, splits=sp, block_v=bv, num_warps=nw, prefetch=pf))
+                add(kname, shape, f"triton[s={s or 'auto'},bv={bv},w={nw}{'' if pf else ',no prefetch'}]", q,
+                    nbytes, e)
+            except Exception as exc:
+                print(f"sweep config s={s} bv={bv} failed: {exc!r}", file=sys.stderr)
     print(f"wrote {Path(args.out) / (stem + '.csv')} and .json")
     return 0
 

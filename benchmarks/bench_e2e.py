@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import csv
+import io
 import json
 import platform
 import subprocess
@@ -40,7 +41,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import _harness  # noqa: E402
 from hf_integration.cli import SHIPPED_MODEL, chat_ids, load, user_turn  # noqa: E402
 from training.data import is_conversation  # noqa: E402
 from training.stdlib_corpus import manifest_root  # noqa: E402
@@ -191,9 +194,8 @@ def run_mode(model, prompts: list[list[int]], settings: dict, batch_size: int):
     pad_id = model.generation_config.pad_token_id or 0  # any id: the attention mask hides padding
     for start in range(0, len(prompts), batch_size):
         ids, mask = left_padded(prompts[start : start + batch_size], pad_id, model.device)
-        if ids.is_cuda:
-            if start == 0:  # untimed: compiles the kernels and captures this mode's CUDA graphs
-                model.generate(ids, attention_mask=mask, **settings)
+        if ids.is_cuda:  # untimed: compiles the kernels and captures the CUDA graphs this batch's shapes need
+            model.generate(ids, attention_mask=mask, **settings)
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **settings)
@@ -264,6 +266,18 @@ def main(argv=None) -> int:
         modes = [m for m in modes if not isinstance(m[1].get("draft_vocab"), MostFrequent)]
     base = dict(max_new_tokens=args.max_new_tokens)  # rows stop at the checkpoint's EOS
 
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    meta = {"model": str(args.model), "device": device_name, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "prompts": len(prompts),
+            "prompt_source": str(args.prompt_file) if args.prompt_file else f"held-out code ({manifest.name})",
+            "chat": args.chat, "max_new_tokens": args.max_new_tokens,
+            "batch_size": args.batch_size, "device_loop": args.device_loop, "commit": commit,
+            "example_prompt": texts_in[0]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.tag or f"e2e_{'gpu' if args.device.startswith('cuda') else 'cpu'}"
+
     rows, static, counts, saved = [], None, {}, []
     for name, extra in modes:
         if isinstance(extra.get("draft_vocab"), MostFrequent):
@@ -298,29 +312,25 @@ def main(argv=None) -> int:
         print(f"{name:<26} TPF {row['tpf']:5.2f}  tok/s {row['tokens_per_s']:7.1f}  x{row['speedup_vs_static']:.2f}  "
               f"identical {row['identical_to_static']:.0%}  agree {row['agreement_with_static']:.0%}"
               + (f"  parses {row['parses']:.0%} / whole {row['parses_whole']:.0%}" if code else ""), flush=True)
+        meta["example_static_completion"] = tokenizer.decode(static[0][0], skip_special_tokens=True)
+        write_tables(args.out / stem, rows, meta, saved)  # after every mode: a run cut by a time limit keeps them
 
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    meta = {"model": str(args.model), "device": device_name, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "prompts": len(prompts),
-            "prompt_source": str(args.prompt_file) if args.prompt_file else f"held-out code ({manifest.name})",
-            "chat": args.chat, "max_new_tokens": args.max_new_tokens,
-            "batch_size": args.batch_size, "device_loop": args.device_loop, "commit": commit,
-            "example_prompt": texts_in[0],
-            "example_static_completion": tokenizer.decode(static[0][0], skip_special_tokens=True)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.tag or f"e2e_{'gpu' if args.device.startswith('cuda') else 'cpu'}"
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(args.out / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (args.out / f"{stem}.md").write_text(markdown_table(rows, meta))
-    (args.out / f"{stem}_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in saved))
     plot(rows, args.out / f"{stem}.png", meta)
     print(f"wrote {args.out / stem}.{{json,csv,md,png}} and {stem}_completions.jsonl")
     return 0
+
+
+def write_tables(stem: Path, rows: list[dict], meta: dict, saved: list[dict]) -> None:
+    """The rows so far as ``stem``.json / .csv / .md, and every completion as ``stem``_completions.jsonl."""
+    _harness.write_atomically(stem.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    _harness.write_atomically(stem.with_suffix(".csv"), out.getvalue())
+    _harness.write_atomically(stem.with_suffix(".md"), markdown_table(rows, meta))
+    _harness.write_atomically(stem.parent / f"{stem.name}_completions.jsonl",
+                              "".join(json.dumps(r) + "\n" for r in saved))
 
 
 def markdown_table(rows: list[dict], meta: dict) -> str:

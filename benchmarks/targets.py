@@ -127,9 +127,12 @@ TARGETS = [
                                                         r["ratio"] <= 0.12))),
     Target(5, "fused LM-head confidence within 1.3x of reading the lm_head weight once, N <= 128", "mrp_head",
            _lm_head),
-    Target(8, "static step at batch 1 <= 2.0 ms", "engine",
+    Target(8, "static step at batch 1 <= 2.0 ms (the backbone forward alone)", "engine",
            _engine_row("step", "B=1 plain q=16", lambda r: (f"{r['median_us'] / 1e3:.2f} ms",
                                                            r["median_us"] <= 2000))),
+    Target(8, "static step at batch 1 <= 2.0 ms (the whole graphed step: forward, LM-head pick, commit)", "engine",
+           _engine_row("whole_step", "B=1 static step", lambda r: (f"{r['median_us'] / 1e3:.2f} ms",
+                                                                   r["median_us"] <= 2000))),
     Target(8, "static decoding >= 8x the eager loop", "engine", _static_decoding),
     Target(8, "verify step with 4 copies <= 1.2x a plain step at batch 1", "engine",
            _engine_row("step", "B=1 verify copies=4", lambda r: (f"{r['ratio']:.2f}x", r["ratio"] <= 1.2))),
@@ -151,7 +154,11 @@ def evaluate(results: Path, smoke: bool = False, model: str = "1.7B") -> list[tu
     out = []
     for target in TARGETS:
         path = results / f"{target.source}{'_smoke' if smoke else ''}.json"
-        rows = json.loads(path.read_text())["rows"] if path.is_file() else []
+        try:
+            rows = json.loads(path.read_text())["rows"] if path.is_file() else []
+        except (ValueError, KeyError) as err:  # a file a killed step cut: its target is not measured
+            print(f"{path}: unreadable ({err!r})", file=sys.stderr)
+            rows = []
         out.append((target, path.name, target.check(rows, model)))
     return out
 
