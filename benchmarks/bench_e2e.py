@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import csv
-import io
 import json
 import platform
-import subprocess
 import sys
 import time
 from collections import namedtuple
@@ -267,8 +264,7 @@ def main(argv=None) -> int:
     base = dict(max_new_tokens=args.max_new_tokens)  # rows stop at the checkpoint's EOS
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = _harness.commit()
     meta = {"model": str(args.model), "device": device_name, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "prompts": len(prompts),
             "prompt_source": str(args.prompt_file) if args.prompt_file else f"held-out code ({manifest.name})",
@@ -322,12 +318,7 @@ def main(argv=None) -> int:
 
 def write_tables(stem: Path, rows: list[dict], meta: dict, saved: list[dict]) -> None:
     """The rows so far as ``stem``.json / .csv / .md, and every completion as ``stem``_completions.jsonl."""
-    _harness.write_atomically(stem.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=1))
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    _harness.write_atomically(stem.with_suffix(".csv"), out.getvalue())
+    _harness.write_results(stem.parent, stem.name, list(rows[0]), rows, {"meta": meta, "rows": rows})
     _harness.write_atomically(stem.with_suffix(".md"), markdown_table(rows, meta))
     _harness.write_atomically(stem.parent / f"{stem.name}_completions.jsonl",
                               "".join(json.dumps(r) + "\n" for r in saved))

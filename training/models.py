@@ -95,9 +95,9 @@ def prepare_mrp_model(model_dir: str, num_layers: int | None = None, init: str |
                       block_size: int | None = None, device=None, dtype=torch.float32) -> tuple[nn.Module, bool]:
     """Load ``model_dir``, freeze all but its MRP head, and return ``(model, continued)``: ``continued`` when the
     folder has a head, which training then continues (``num_layers``, if given, must be its depth; ``init`` must be
-    None: its weights are trained ones), else a new ``num_layers``-layer head (default 3) initialised by ``init``
-    (None or "default": the model's own init; "normal": N(0, ``init_std``)); the default depth is
-    ``TrainConfig.num_mrp_layers``."""
+    None: its weights are trained ones), else a new ``num_layers``-layer head (default:
+    ``TrainConfig.num_mrp_layers``) initialised by ``init`` (None or "default": the model's own init; "normal":
+    N(0, ``init_std``))."""
     import os
 
     from hf_integration import SDARMRPForCausalLM

@@ -230,11 +230,12 @@ OPTIMIZER_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight-decay", "beta
 def _check_optimizer_settings(saved: dict, optim: torch.optim.Optimizer) -> None:
     """Raise if this run's optimizer settings (:data:`OPTIMIZER_FLAGS`) differ from those of the checkpoint's
     optimizer state ``saved``, which a resumed run would restore over them."""
+    def plain(value):  # Adam's betas come back from a checkpoint as a list or a tuple
+        return tuple(value) if isinstance(value, (list, tuple)) else value
+
     for group, was in zip(optim.param_groups, saved["param_groups"]):
         for key, flag in OPTIMIZER_FLAGS.items():
-            now = group.get(key)
-            if key in was and (tuple(now) if isinstance(now, (list, tuple)) else now) != (
-                    tuple(was[key]) if isinstance(was[key], (list, tuple)) else was[key]):
+            if key in was and plain(group.get(key)) != plain(was[key]):
                 raise ConfigError(f"--resume: the checkpoint was made with {flag} {was[key]}, this run has "
                                   f"{flag} {group.get(key)}; use the same flags (or a new --out)")
 

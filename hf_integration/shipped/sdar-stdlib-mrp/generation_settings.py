@@ -219,12 +219,21 @@ class GenerationSettings:
         settings._check_sampling(asked)
         return settings
 
+    @classmethod
+    def _default(cls, name: str):
+        """The default of setting ``name`` (its field's)."""
+        return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+    def _at_default(self, name: str) -> bool:
+        """Whether setting ``name`` holds its default (None where the default is None)."""
+        default, value = self._default(name), getattr(self, name)
+        return value is None if default is None else value == default
+
     def _check_sampling(self, asked: set[str]) -> None:
         """Raise if the call asked for a sampling setting (``temperature``, ``top_k``, ``top_p``) without sampling,
         which would change nothing (greedy decoding reads none of them)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        given = [f"{name}={getattr(self, name)!r}" for name in SAMPLING if name in asked
-                 and getattr(self, name) is not None and getattr(self, name) != defaults[name]]
+        given = [f"{name}={getattr(self, name)!r}" for name in SAMPLING
+                 if name in asked and getattr(self, name) is not None and not self._at_default(name)]
         if given and not self.do_sample:
             raise ValueError(f"{', '.join(given)} {'steers' if len(given) == 1 else 'steer'} sampling, which this "
                              "call does not do: pass do_sample=True (or drop them)")
@@ -232,16 +241,14 @@ class GenerationSettings:
     def _drop_unread(self, asked: set[str]) -> None:
         """Reset the settings this call's strategy does not read (:data:`READ_BY`) to their defaults; raise if the
         call asked for one of them."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name, strategies in READ_BY.items():
-            value, default = getattr(self, name), defaults[name]
-            if self.strategy in strategies or (value is None if default is None else value == default):
+            if self.strategy in strategies or self._at_default(name):
                 continue
             if name in asked:
                 readers = " or ".join(repr(s) for s in strategies)
-                raise ValueError(f"{name}={value!r} steers strategy {readers}, not {self.strategy!r}: drop it (or "
-                                 f"choose a strategy that reads it)")
-            setattr(self, name, default)
+                raise ValueError(f"{name}={getattr(self, name)!r} steers strategy {readers}, not {self.strategy!r}: "
+                                 "drop it (or choose a strategy that reads it)")
+            setattr(self, name, self._default(name))
 
     def _fill_defaults(self, config, prompt_width: int) -> None:
         if self.max_new_tokens is None and self.max_length is not None:
