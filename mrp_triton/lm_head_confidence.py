@@ -2,8 +2,9 @@
 
 For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` over the vocabulary
 V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
-``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three. The [N, V]
-logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
+``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three. As in ``confidence``,
+NaN in z counts as -inf, +inf as the largest fp32, and a row with no finite z gives token -1, prob 0,
+lse -inf. The [N, V] logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
 a one-program kernel lists the kept rows first (prefix sums on the device, no host synchronisation,
 so the op stays capturable in a CUDA graph) and row blocks past the kept count return at once.
 With ``top_m`` it also gives each row's ``top_m`` largest z and their token ids (largest first, ties to the
@@ -66,6 +67,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import check_skip_rows, check_top_m
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
+from .confidence import FLT_MAX
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 from .reference.lm_head_confidence import top_by_value
 
@@ -153,6 +155,7 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr,
                         mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0.0)
             z = z + b.to(tl.float32)
         z = z * inv_temp
+        z = tl.where(z == z, tl.minimum(z, FLT_MAX), float("-inf"))  # NaN -> -inf, +inf -> FLT_MAX
         valid = col_mask
         if HAS_MASK:
             valid = valid & (cols != mask_token)
@@ -205,9 +208,9 @@ def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr,
     M = tl.max(m_vec, axis=0)
     # tokens grow with the split index, so the smallest token among the lanes at M is the first
     tok = tl.min(tl.where(m_vec == M, t_vec, 9223372036854775807), axis=0)
-    tok = tl.where(M == float("-inf"), 0, tok)
-    # pass 2: the rescaled sum
-    safe_M = tl.where(M == float("-inf"), 0.0, M)
+    # pass 2: the rescaled sum (no finite z in the row: token -1, prob 0, lse -inf, as for a skipped row)
+    found = M > float("-inf")
+    safe_M = tl.where(found, M, 0.0)
     d_vec = tl.zeros([BLOCK_S], tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         mask = s0 + offs < n_splits
@@ -215,9 +218,9 @@ def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr,
         ds = tl.load(d_ptr + base + s0 + offs, mask=mask, other=0.0)
         d_vec += ds * tl.exp(ms - safe_M)
     lse = safe_M + tl.log(tl.sum(d_vec, axis=0))
-    tl.store(tok_ptr + row, tok)
-    tl.store(lse_ptr + row, lse)
-    tl.store(prob_ptr + row, tl.exp(M - lse))
+    tl.store(tok_ptr + row, tl.where(found, tok, -1))
+    tl.store(lse_ptr + row, tl.where(found, lse, float("-inf")))
+    tl.store(prob_ptr + row, tl.where(found, tl.exp(M - lse), 0.0))
 
 
 def _config(N: int, V: int, H: int, dtype: torch.dtype, shared_limit: int | None = None) -> dict:

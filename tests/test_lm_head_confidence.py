@@ -197,6 +197,29 @@ def test_top_m_of_more_tokens_than_a_row_can_score_ends_with_minus_one(mask):
         assert (out[4] == -1).any() == (mask is not None or "base_logits" in kw)
 
 
+@pytest.mark.parametrize("top_m", [0, 2])
+@pytest.mark.parametrize("rows_major", [False, True])
+def test_non_finite_logits_follow_confidences_rule(top_m, rows_major):
+    """NaN counts as -inf (never chosen), +inf as the largest fp32 (ties to the lowest id), and a row with no finite
+    logit gives token -1, prob 0, lse -inf, as ``confidence`` defines it: through a NaN hidden state, an inf base
+    logit, and base logits that leave nothing finite (the mask column is the row's only finite logit)."""
+    hidden = torch.tensor([[1.0, 0.0], [float("nan"), 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0]], device=DEV)
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [1.0, -1.0]], device=DEV)
+    base = torch.zeros(5, 4, device=DEV)
+    base[0, 1] = float("nan")  # row 0: token 1 would win without the NaN
+    base[0, 3] = 5.0
+    base[2, [1, 3]] = inf  # row 2: two +inf logits, the lower id wins
+    base[3, [0, 1, 3]] = -inf  # row 3: only the mask column (2) is finite
+    base[4] = float("nan")  # row 4: nothing finite
+    cfg = dict(BLOCK_N=16, BLOCK_V=16, BLOCK_K=16, tiles_per_split=1, rows_major=rows_major)
+    with poisoned_allocations():
+        out = lm_head_confidence_triton(hidden, weight, base_logits=base, mask_token_id=2, top_m=top_m, config=cfg)
+    expect = lm_head_confidence_reference(hidden, weight, base_logits=base, mask_token_id=2, top_m=top_m)
+    _check(out, expect)
+    assert out[0].tolist() == [3, -1, 1, -1, -1] and out[1][[1, 3, 4]].tolist() == [0.0] * 3
+    assert (out[2][[1, 3, 4]] == -inf).all() and torch.isfinite(out[1]).all()
+
+
 @settings(max_examples=10)
 @given(N=st.integers(1, 6), H=st.integers(1, 70), V=st.integers(2, 700), dtype=st.sampled_from(DTYPES),
        with_base=st.booleans(), seed=st.integers(0, 2**16))

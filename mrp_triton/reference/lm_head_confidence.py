@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import mark_skipped
+from .confidence import FLT_MAX, mark_skipped
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
@@ -12,7 +12,8 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
                        skip_rows: torch.Tensor | None = None, top_m: int = 0):
     """Per row: the argmax of ``z = (hidden @ weight.T [+ base_logits]) / temperature`` and its
     probability under the full softmax of z, the ``mask_token_id`` column excluded from both.
-    Rows in ``skip_rows`` (bool [N]) give token -1, prob 0, lse -inf (as in ``confidence``).
+    NaN in z counts as -inf and +inf as the largest fp32; rows in ``skip_rows`` (bool [N]) and rows with no finite z
+    give token -1, prob 0, lse -inf (all as in ``confidence``).
 
     hidden: [N, H] (cast to weight's dtype before the matmul, which runs with fp32 accumulation),
     weight: [V, H], base_logits: [N, V] or None (any float dtype, added in fp32; fp64 weights: all in fp64).
@@ -26,12 +27,14 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     z = hidden.to(weight.dtype).to(acc) @ weight.to(acc).T
     if base_logits is not None:
         z = z + base_logits.to(acc)
-    z = z / temperature
+    z = torch.nan_to_num(z / temperature, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
     if mask_token_id is not None:
         z[:, mask_token_id] = float("-inf")
     lse = torch.logsumexp(z, dim=-1)
     tokens = torch.argmax(z, dim=-1)  # documented: first maximal index
     zmax = z.gather(1, tokens[:, None]).squeeze(1)
+    no_finite = zmax == float("-inf")
+    skip_rows = no_finite if skip_rows is None else skip_rows | no_finite
     picks = mark_skipped(tokens, torch.exp(zmax - lse).float(), lse.float(), skip_rows)
     if not top_m:
         return picks
