@@ -91,7 +91,7 @@ def _attend_new(q, k_ptr, v_ptr, pos_ptr, seg_ptr, place_ptr, sk_t, sv_t, sp_t, 
         col_mask = cols < T
         at = cols
         if RAGGED:
-            at = tl.load(place_ptr + cols * spl_t, mask=col_mask, other=-1).to(tl.int32)
+            at = tl.load(place_ptr + cols * spl_t, mask=col_mask, other=-1)  # int64: place * stride may pass 2**31
             col_mask = col_mask & (at >= 0)
         k_block = tl.load(pos_ptr + cols * sp_t, mask=col_mask, other=0) // block_size
         if tl.min(tl.where(col_mask, k_block, last_block + 1), axis=0) <= last_block:
@@ -125,7 +125,7 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, len_ptr, pos_p
     row_mask = (r // BLOCK_M < GROUP) & (t < T)
     at = t  # where query / output t lies in q and o (RAGGED: its place, -1 for none)
     if RAGGED:
-        at = tl.load(place_ptr + b * spl_b + t * spl_t, mask=row_mask, other=-1).to(tl.int32)
+        at = tl.load(place_ptr + b * spl_b + t * spl_t, mask=row_mask, other=-1)  # int64: place * stride may pass 2**31
         row_mask = row_mask & (at >= 0)
         if tl.max(row_mask.to(tl.int32), axis=0) == 0:  # no query here (a row whose finished block is not computed)
             return
