@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     stem = f"training_{'gpu' if cuda else 'cpu'}"
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
+    meta = {**_harness.run_meta(cuda), "model": str(args.model)}
     for mode in args.modes:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -118,8 +119,8 @@ def main(argv=None) -> int:
               f"{row['bf16_autocast']}): loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}, held out "
               f"{row['eval_loss']:.4f}; {row['tokens_per_s']:.0f} tokens/s after step {args.warmup}; first step "
               f"{row['first_step_s']:.1f} s, run {wall_s:.1f} s", flush=True)
-    meta = {**_harness.run_meta(cuda), "model": str(args.model)}
-    _harness.write_results(args.out, stem, FIELDS, rows, {"meta": meta, "rows": rows})
+        # after every mode, so a run stopped by a time limit keeps the modes it finished
+        _harness.write_results(args.out, stem, FIELDS, rows, {"meta": meta, "rows": rows})
     print(f"wrote {args.out / stem}.{{csv,json}} and the runs' metrics ({stem}_<mode>_metrics.jsonl)")
     return 0
 

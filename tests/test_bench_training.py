@@ -55,3 +55,28 @@ def test_a_loss_that_is_not_finite_fails_the_run(tmp_path):
     metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     row = bench.summarise("backbone", args, metrics, 1.0, None)
     assert (row["loss_first"], row["loss_last"], row["tokens_per_s"]) == (2.0, 1.0, 10.0)
+
+
+def test_each_finished_mode_is_saved_before_the_next_one_runs(tmp_path, monkeypatch):
+    """A run stopped in its second mode (a time limit on the GPU) keeps the first mode's row."""
+    import training.cli
+
+    spec = importlib.util.spec_from_file_location("bench_training", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    setup = {"device": "cpu", "ops": "reference", "attention": "sdpa", "bf16_autocast": False}
+    lines = [{"step": 0, "setup": setup}, *({"step": i, "loss": 2.0 / i, "lr": 1e-3, "tokens_per_s": 10.0,
+                                             "elapsed_s": i} for i in (1, 2, 3)), {"step": 3, "eval_loss": 1.5}]
+
+    def fake_train(argv):
+        if argv[0] == "backbone":
+            raise KeyboardInterrupt("the time limit")
+        out = Path(argv[argv.index("--out") + 1])
+        (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    monkeypatch.setattr(training.cli, "main", fake_train)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--steps", "3", "--warmup", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "training_cpu.json").read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["mrp"] and rows[0]["loss_last"] == 2.0 / 3
+    assert (tmp_path / "training_cpu.csv").read_text().count("\n") == 2
