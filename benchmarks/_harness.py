@@ -30,16 +30,19 @@ QUANTILES = [0.5, 0.2, 0.8]  # median, p20, p80
 
 def commit() -> str:
     """Short hash of the checked-out commit, with "+changes" when tracked files differ from it (the figures are then
-    of a tree no commit holds), or "unknown" (no git, not a checkout)."""
+    of a tree no commit holds). Outside a checkout (the device machine gets a copy of the tree without .git) the
+    ``MRP_COMMIT`` environment variable its launcher sets (benchmarks/gpu_session.sh), else "unknown"."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).resolve().parent,
                               timeout=10).stdout.strip()
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"
+        if head:
+            return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:
-        return "unknown"
+        pass
+    return os.environ.get("MRP_COMMIT") or "unknown"
 
 
 def cuda_or_smoke(script: str, smoke: bool) -> bool | None:

@@ -3,7 +3,8 @@
 # correctness of the decode kernels and of CUDA-graph decoding against the references, every benchmark that
 # needs CUDA, then the model-op kernel tests (forward, then the backward kernels training runs, and the KD loss's
 # TF32 and bf16 GEMMs and its KL kernels).
-#   bash benchmarks/gpu_session.sh OUT_DIR
+#   MRP_COMMIT=<short hash> bash benchmarks/gpu_session.sh OUT_DIR
+# (the device gets a copy of the tree without .git: MRP_COMMIT, the commit that copy is, stamps the rows instead)
 # A second call, when the session has device time left (at most 3 minutes: the training steps' limits), runs
 # training on the GPU as a whole (compiled FlexAttention, bf16 autocast, the backward kernels; no issue's target):
 #   bash benchmarks/gpu_session.sh OUT_DIR "training_tests training"
@@ -19,6 +20,7 @@ export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$RES/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   | tee -a "$RES/gpu.txt"
+echo "commit ${MRP_COMMIT:-unknown}" | tee -a "$RES/gpu.txt"
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2

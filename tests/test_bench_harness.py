@@ -16,7 +16,12 @@ def test_commit_marks_figures_of_a_tree_no_commit_holds(monkeypatch):
     out["status"] = ""
     assert _harness.commit() == "abc1234"
     out["rev-parse"] = ""  # not a checkout
+    monkeypatch.delenv("MRP_COMMIT", raising=False)
     assert _harness.commit() == "unknown"
+    monkeypatch.setenv("MRP_COMMIT", "def5678")  # what the device run's launcher says it copied
+    assert _harness.commit() == "def5678"
+    out["rev-parse"] = "abc1234"  # a checkout's own hash wins
+    assert _harness.commit() == "abc1234"
 
 
 def test_triton_rows_carry_the_eager_median_they_are_compared_with(capsys):

@@ -5,6 +5,7 @@ with flags its parser accepts, within the time the call allows."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -60,8 +61,9 @@ def test_a_call_runs_only_the_steps_it_names(tmp_path):
     import subprocess
 
     out = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "no_such_step"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, env={**os.environ, "MRP_COMMIT": "abc1234"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "===" not in out.stdout
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["gpu.txt", "targets.md"]
+    assert "commit abc1234" in (tmp_path / "results" / "gpu.txt").read_text()  # the device's copy has no .git
     assert (tmp_path / "gpu_results.tar.gz").is_file()
