@@ -85,8 +85,10 @@ def add_model_bench_args(ap, rep_help: str = "do_bench repetition time, ms") -> 
 def make_bench(cuda: bool, *, warmup: int, rep: int, graph: bool = False):
     """Return ``bench(fn) -> [median, p20, p80]`` in microseconds.
 
-    CUDA: ``triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)`` (ms -> us): calls
-    from Python, so an op of a few microseconds measures its host launch path (what an eager caller pays).
+    CUDA: ``triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)`` (ms -> us): each call
+    from Python timed by CUDA events after an L2 flush, which keeps the GPU busy while the host launches, so a
+    one-kernel op shows its GPU time on a cold L2 (not its host launch path); an op of several kernels also shows
+    the gaps in which the GPU waits for the host between them.
     ``graph``: ``triton.testing.do_bench_cudagraph`` (``fn`` repeated in one captured CUDA graph, replayed): the
     GPU time alone, what the decode engine pays for the op inside its captured steps; ``fn`` must be capturable
     (a RuntimeError otherwise).

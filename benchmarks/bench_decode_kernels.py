@@ -3,7 +3,8 @@
 On CUDA: ``python benchmarks/bench_decode_kernels.py --out benchmarks/results`` (about a minute on
 an H200; ``--no-compile`` skips torch.compile, ``--sweep`` also times a few split / tile / prefetch configs
 of the confidence kernel). Times are ``triton.testing.do_bench`` quantiles [0.5, 0.2, 0.8] in us
-(calls from Python: for an op of a few microseconds, its host launch path); the ``*_graph`` providers
+(calls from Python after do_bench's L2 flush: a one-kernel op's GPU time on a cold L2, plus, for an eager op of
+several kernels, the GPU's waits for the host between them; not the host launch path); the ``*_graph`` providers
 are the same calls replayed from a CUDA graph (``do_bench_cudagraph``): the GPU time alone, what the op
 costs inside the decode engine's captured steps, which is what the "under 10 us at batch 8" targets of
 select, verify and remask are about. GB/s counts bytes read + written once; ``copy_ratio`` = GB/s /

@@ -12,7 +12,8 @@
     (4096 / 32 / 8 / 128 / 12288), tokens x batch in {16, 64, 128} x {1, 8}: Triton vs eager (the
     reference ops) vs ``torch.compile(reference, dynamic=True)``; eager and Triton also replayed from a CUDA
     graph (``*_graph``: the GPU time alone, what the ops cost inside the decode engine's captured steps; called
-    from Python, an op of a few microseconds measures its host launch path).
+    from Python, after do_bench's L2 flush: a one-kernel op's GPU time on a cold L2, plus, for an op of several
+    kernels, the GPU's waits for the host between them).
 (c) ``training``: forward + backward (autograd, fixed cotangents) of rms_norm (+ residual), qk_norm_rope, swiglu
     and mrp_input at a training micro-batch of each model (8 sequences x 512 tokens, every input and weight
     requiring grad but mrp_input's embedding, frozen in MRP training): the backward kernels vs autograd through
