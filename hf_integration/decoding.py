@@ -73,12 +73,15 @@ class SDARGenerateOutput(ModelOutput):
     about the same for any number of rows, as on a GPU at small batch. reveal_steps (``output_reveal_steps``):
     int64 [B, P + max_new_tokens], laid out as ``sequences``: at each new token the row's decoding step that
     revealed it for good (1, 2, ...: the row's denoising steps, speculative rounds, direct backbone and MRP steps,
-    counted over the whole call), 0 at prompt and padding positions."""
+    counted over the whole call), 0 at prompt and padding positions. new_tokens: int64 [B], the new tokens each row
+    keeps in ``sequences`` (up to its first EOS or the end of a stop string; the rest is padding), which may be fewer
+    than ``stats.tokens_committed`` (a verify round or a denoising step can commit tokens past the EOS)."""
 
     sequences: torch.Tensor | None = None
     stats: DecodeStats | None = None
     batch_steps: int | None = None
     reveal_steps: torch.Tensor | None = None
+    new_tokens: torch.Tensor | None = None
 
 
 class BlockDecoder:

@@ -318,8 +318,10 @@ def test_eos_cuts_rows_and_pads(model):
         if len(hits):
             first = int(hits[0])
             assert torch.equal(new[: first + 1], free[b, 5 : 6 + first]) and (new[first + 1 :] == 0).all()
+            assert out.new_tokens[b] == first + 1  # the completion's length, its EOS included
         else:
-            assert torch.equal(new, free[b, 5:])
+            assert torch.equal(new, free[b, 5:]) and out.new_tokens[b] == 12
+    assert out.new_tokens.dtype == torch.long and out.new_tokens.device == out.sequences.device
     assert out.stats.tokens_committed[0] < 12  # row 0 stopped after the block holding its EOS
 
 
@@ -1107,7 +1109,7 @@ def test_stop_strings_end_each_row_after_the_token_that_completes_one(model, kwa
         row = tok.decode(free[b].tolist())
         keep = row.find(stops[0]) + 2 if stops[0] in row else 20
         assert torch.equal(out.sequences[b, 7:][:keep], free[b][:keep]), b
-        assert (out.sequences[b, 7 + keep:] == 0).all(), b
+        assert (out.sequences[b, 7 + keep:] == 0).all() and out.new_tokens[b] == keep, b
         assert out.stats.tokens_committed[b] <= free_out.stats.tokens_committed[b], b
         alone = model.generate(ids[b:b + 1, 7 - lens[b]:], stop_strings=stops, tokenizer=tok, **common)
         assert torch.equal(alone.sequences[0, lens[b]:], out.sequences[b, 7:]), b

@@ -97,5 +97,6 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
             reveal_steps = prompts.lay_out(decoder.engine.reveal_steps, kept, settings.max_new_tokens, pad=0,
                                            prompt=False) if settings.output_reveal_steps else None
             return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
-                                      batch_steps=decoder.batch_steps, reveal_steps=reveal_steps)
+                                      batch_steps=decoder.batch_steps, reveal_steps=reveal_steps,
+                                      new_tokens=torch.tensor(kept, dtype=torch.long, device=device))
     return sequences
