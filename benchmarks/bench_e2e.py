@@ -8,7 +8,8 @@ instead: JSONL, one record a line, ``{"prompt": ...}`` (sent through the chat te
 assistant's turn opened; a last assistant turn, the reference answer, is left out) or ``{"text": ...}`` (as it is);
 other keys (an answer to score against) are ignored. For each mode the script reports tokens per backbone
 forward (TPF), backbone and MRP forwards, batch steps (forwards over the whole batch: rows move on block by
-block on their own, so a batch takes about as many as its slowest row), tokens/s, speedup over static, whether
+block on their own, so a batch takes about as many as its slowest row), tokens/s (of the tokens the completions
+keep: a verify round may commit some past the EOS, which TPF counts), speedup over static, whether
 each completion is identical to the static one, and quality: token agreement with the static output and, for the
 held-out code, the share of completions that parse with ``ast.parse`` once the function is closed, and
 (stricter) the share whose whole completion parses with only its last, cut line dropped. Every completion is
@@ -201,6 +202,7 @@ def run_mode(model, prompts: list[list[int]], settings: dict, batch_size: int):
         seconds += time.perf_counter() - t0
         completions += out.sequences[:, ids.shape[1]:].tolist()
         totals["batch_steps"] = totals.get("batch_steps", 0) + out.batch_steps
+        totals["output_tokens"] = totals.get("output_tokens", 0) + int(out.new_tokens.sum())
         for key, values in out.stats.as_dict().items():
             if key == "accepted_lengths":  # per row, a histogram of drafts accepted per verify round
                 histogram = [sum(column) for column in zip(*values)]
@@ -296,8 +298,10 @@ def main(argv=None) -> int:
             "accepted_lengths": totals["accepted_lengths"],
             "mrp_forwards": totals["mrp_forwards"],
             "tokens": totals["tokens_committed"],
-            "tokens_per_s": totals["tokens_committed"] / seconds,
-            "speedup_vs_static": (totals["tokens_committed"] / seconds) / (static[1]["tokens_committed"] / static[2]),
+            # speed counts the tokens the completions keep: a verify round may commit some past the EOS
+            "output_tokens": totals["output_tokens"],
+            "tokens_per_s": totals["output_tokens"] / seconds,
+            "speedup_vs_static": (totals["output_tokens"] / seconds) / (static[1]["output_tokens"] / static[2]),
             "identical_to_static": sum(c == s for c, s in zip(completions, static[0])) / len(prompts),
             "agreement_with_static": sum(agree) / len(agree),
             "parses": sum(map(closes_and_parses, texts_in, texts)) / len(prompts) if code else None,

@@ -202,29 +202,34 @@ def main(argv=None) -> int:
 
 
 def _estimate_row(record, shape: str, provider: str, spec: dict, round_us: float, static_us: float) -> None:
-    """The speculative_estimate row of a round costing ``round_us`` with the counts ``spec`` (:func:`_spec_counts`)."""
+    """The speculative_estimate row of a round costing ``round_us`` with the counts ``spec`` (:func:`_spec_counts`):
+    against static decoding of the same prompts (its forwards from the same file; the greedy outputs are the same,
+    so the ratio of the two times is the tokens/s speedup), and the cost per token the completions keep."""
     openings = spec["backbone_forwards"] - spec["verify_rounds"]
     spent = spec["verify_rounds"] * round_us + openings * static_us
-    record("speculative_estimate", shape, provider, [spent / spec["tokens"]] * 3,
-           ratio=spec["tokens"] * static_us / spent, ratio_to="static (graphed whole step)",
+    record("speculative_estimate", shape, provider, [spent / spec["output_tokens"]] * 3,
+           ratio=spec["static_forwards"] * static_us / spent, ratio_to="static (graphed whole step)",
            note=f"from {spec['source']} {spec['mode']!r} ({spec['tpf']:.2f} tokens/forward, {spec['verify_rounds']} "
-                f"rounds + {openings} openings); per-row counts: exact at B=1; target >= 1.6x")
+                f"rounds + {openings} openings; static: {spec['static_forwards']} steps); per-row counts: exact at "
+                f"B=1; target >= 1.6x")
 
 
 def _spec_counts(paths: list[Path], mode: str = SPEC_MODE) -> dict | None:
-    """Forward counts of speculative K=3 (mrp schedule; bench_e2e's ``mode``) on the shipped model, from the first of
-    the bench_e2e results ``paths`` that has the mode."""
-    found = [(path, row) for path in paths if path.is_file()
-             for row in json.loads(path.read_text())["rows"] if row["mode"] == mode]
+    """Forward counts of speculative K=3 (mrp schedule; bench_e2e's ``mode``) on the shipped model, and of static
+    decoding of the same prompts, from the first of the bench_e2e results ``paths`` that has both (and counts the
+    tokens the completions keep, ``output_tokens``: files of older runs do not)."""
+    found = [(path, rows) for path in paths if path.is_file()
+             for rows in [{row["mode"]: row for row in json.loads(path.read_text())["rows"]}]
+             if "output_tokens" in rows.get(mode, {}) and "static" in rows]
     if not found:
-        print(f"# {mode!r} is in none of {[str(p) for p in paths]}: its speculative estimate is skipped")
+        print(f"# {mode!r} with output_tokens and a static row is in none of {[str(p) for p in paths]} (rerun "
+              "bench_e2e.py): its speculative estimate is skipped")
         return None
-    path, row = found[0]
-    keys = ("tokens", "backbone_forwards", "verify_rounds", "mrp_forwards", "tpf")
-    if "verify_rounds" not in row:
-        print(f"# {path} predates verify_rounds (rerun bench_e2e.py): the speculative estimate is skipped")
-        return None
-    return {k: row[k] for k in keys} | {"source": path.name, "mode": mode}
+    path, rows = found[0]
+    row, static = rows[mode], rows["static"]
+    keys = ("output_tokens", "backbone_forwards", "verify_rounds", "mrp_forwards", "tpf")
+    return {k: row[k] for k in keys} | {"static_forwards": static["backbone_forwards"], "source": path.name,
+                                        "mode": mode}
 
 
 def _step_rows(record, bench, model, B, prefix, T, copies_list, graphs, floor, tag, provider, seed) -> dict:
@@ -425,7 +430,7 @@ def _host_check_rows(record, model, ids, reps, cuda, tag, lengths, static_step, 
     q = _per_step(times, out.batch_steps)
     record("host_checks", f"{tag} static eos={rare} {lengths}", "cuda_graph, lagged reads", q,
            ratio=q[0] / static_step, ratio_to="static step (graphed)",
-           tokens_per_s=int(out.stats.tokens_committed.sum()) / statistics.median(times),
+           tokens_per_s=int(out.new_tokens.sum()) / statistics.median(times),
            note="the host reads after each step whether the step before left work")
     loops = [False] + ([True] if conditional_nodes_supported() or not cuda else [])
     for device_loop in loops:

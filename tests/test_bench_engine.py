@@ -17,10 +17,11 @@ def test_bench_engine_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    counts = {"tokens": 100, "backbone_forwards": 50, "verify_rounds": 42, "mrp_forwards": 120, "tpf": 2.0}
+    counts = {"output_tokens": 100, "backbone_forwards": 50, "verify_rounds": 42, "mrp_forwards": 120, "tpf": 2.0}
+    static = {"mode": "static", "output_tokens": 100, "backbone_forwards": 100}
     files = [tmp_path / "e2e.json", tmp_path / "e2e_candidates.json"]  # each mode read from the file that has it
     for path, mode in zip(files, (mod.SPEC_MODE, mod.CANDIDATES_MODE)):
-        path.write_text(json.dumps({"rows": [{"mode": mode, **counts}]}))
+        path.write_text(json.dumps({"rows": [static, {"mode": mode, **counts}]}))
     assert mod.main(["--smoke", "--out", str(tmp_path), "--e2e", *map(str, files), "--decode-reps", "1"]) == 0
 
     rows = json.loads((tmp_path / "engine_smoke.json").read_text())["rows"]
@@ -51,3 +52,26 @@ def test_bench_engine_smoke(tmp_path):
             assert r["tokens_per_s"] > 0
         if r["kernel"] == "speculative_estimate":
             assert r["ratio"] > 0
+
+
+def test_the_speculative_estimate_compares_with_static_decodings_own_steps(tmp_path):
+    """Lossless speculative decoding gives static's output, so its speedup is static's time (its own forwards, from
+    the same file) over the rounds' and openings' time; a file of an older run (no output_tokens) is passed over."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"rows": [{"mode": "static", "backbone_forwards": 1}, {"mode": mod.SPEC_MODE}]}))
+    new.write_text(json.dumps({"rows": [
+        {"mode": "static", "output_tokens": 1650, "backbone_forwards": 1658},
+        {"mode": mod.SPEC_MODE, "output_tokens": 1650, "tokens": 1667, "backbone_forwards": 806, "verify_rounds": 686,
+         "mrp_forwards": 1932, "tpf": 2.07}]}))
+    counts = mod._spec_counts([old, new])
+    assert counts["source"] == "new.json" and counts["static_forwards"] == 1658
+    rows = []
+    mod._estimate_row(lambda *a, **kw: rows.append((a, kw)), "1.7B B=1 K=3", "cuda_graph", counts, 3000.0, 2000.0)
+    (_, _, _, q), kw = rows[0]
+    spent = 686 * 3000.0 + 120 * 2000.0
+    assert kw["ratio"] == pytest.approx(1658 * 2000.0 / spent) and q[0] == pytest.approx(spent / 1650)
+    assert mod._spec_counts([old]) is None
