@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -245,7 +246,34 @@ def test_split_keeps_a_training_document_and_directories_skip_dotfiles(tmp_path)
     assert split_records([{"text": "a"}, {"text": "b"}], 0.9, seed=0)[0] != []  # at least one document to train on
     assert len(split_records([{"text": str(i)} for i in range(8)], 0.2, seed=0)[1]) == 2  # round(1.6) held out
     assert [len(part) for part in split_records([{"text": "a"}], 0.5, seed=0)] == [1, 0]
-    (tmp_path / "sub").mkdir()
-    for name in ("a.txt", ".hidden", "sub/b.txt", "sub/.swp"):
+    for folder in ("sub", ".git", ".git/objects"):
+        (tmp_path / folder).mkdir()
+    for name in ("a.txt", ".hidden", "sub/b.txt", "sub/.swp", ".git/HEAD", ".git/objects/ab"):
         (tmp_path / name).write_text("x")
     assert iter_files([str(tmp_path)]) == [str(tmp_path / "a.txt"), str(tmp_path / "sub" / "b.txt")]
+
+
+def test_special_tokens_text_in_documents_stays_text_and_conversations_may_not_hold_the_mask(tok, tmp_path):
+    """A document's "<|MASK|>" or "<|endoftext|>" is characters (else training would teach the model to predict the
+    mask token, which decoding must never commit); a conversation's specials are its template's markup, where the
+    mask token is refused; so is a conversation that opens with an assistant turn (no prompt to render)."""
+    from training.config import ConfigError
+    from training.data import build_datasets, read_records
+    from training.draft_vocab import token_counts
+
+    text = "the cat <|MASK|> sat <|endoftext|> on the mat " * 4
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")
+    train, _ = build_datasets([str(path)], tok, seq_len=64, block_size=4, heldout_fraction=0.0)
+    ids = train.input_ids[~train.is_prompt].tolist()
+    assert tok.mask_token_id not in ids and ids.count(tok.eos_token_id) == 1  # the document's own EOS only
+    counts = token_counts(read_records([str(path)]), tok)
+    assert tok.mask_token_id not in counts and tok.eos_token_id not in counts
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "x"},
+                                             {"role": "assistant", "content": "a <|MASK|> b"}]}) + "\n")
+    with pytest.raises(ConfigError, match="mask token"):
+        build_datasets([str(chat)], tok, seq_len=64, block_size=4, heldout_fraction=0.0)
+    chat.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    with pytest.raises(ConfigError, match=f"{chat}:1: the conversation opens with an assistant turn"):
+        read_records([str(chat)])

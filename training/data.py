@@ -7,7 +7,7 @@ Inputs (``read_records``):
   ``{"prompt": ..., "response": ...}`` (instruction pair),
   ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat; every ``assistant`` turn is answer).
   Blank lines are skipped; anything else is an error naming the file and line.
-- directories: every regular file below them (sorted), recursively.
+- directories: every regular file below them (sorted), recursively, hidden files and directories (``.git``) left out.
 
 Rendering (``record_to_segments``) turns a record into ``(text, is_prompt)`` segments. Chat and
 prompt/response records (a user and an assistant turn) are rendered with the tokenizer's chat template
@@ -16,12 +16,13 @@ carries and which serves a tokenizer without one): an assistant turn's answer te
 template adds on top of the conversation before it rendered with ``add_generation_prompt=True``, and the
 rest is prompt (:func:`_chat_segments`).
 
-Tokenization encodes each segment separately (so the flags are exact) and appends the EOS
-token after every document (documents are separated by EOS; the EOS carries the flag of the
-document's last segment, so a response learns to stop). Packing concatenates the documents and
-cuts the stream into ``seq_len`` pieces (``seq_len`` a multiple of the block size); the last
-partial piece is padded with the pad token flagged as prompt, so it is never masked and never
-scored. Plain text has no prompt tokens.
+Tokenization encodes each segment separately (so the flags are exact; the text of a special token in a
+``{text}`` record or text file stays characters, while in a rendered conversation it is the template's markup, and
+the mask token there is refused) and appends the EOS token after every document (documents are separated by
+EOS; the EOS carries the flag of the document's last segment, so a response learns to stop). Packing concatenates
+the documents and cuts the stream into ``seq_len`` pieces (``seq_len`` a multiple of the block size); the last
+partial piece is padded with the pad token flagged as prompt, so it is never masked and never scored. Plain text
+has no prompt tokens.
 
 The held-out split is by document and deterministic: a permutation drawn from ``seed`` picks
 ``round(fraction * n)`` documents (at least one when ``fraction > 0`` and there are >= 2).
@@ -52,7 +53,7 @@ def iter_files(paths: Sequence[str], flag: str = "--data") -> list[str]:
     for p in paths:
         if os.path.isdir(p):
             for root, dirs, names in os.walk(p):
-                dirs.sort()
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # hidden ones (.git) are not data
                 for n in sorted(names):
                     if not n.startswith("."):
                         files.append(os.path.join(root, n))
@@ -105,6 +106,10 @@ def _check_record(rec, where: str) -> None:
     elif "messages" in rec:
         if not is_conversation(rec["messages"]):
             raise ConfigError(f"{where}: 'messages' must be a list of {{role, content}} strings")
+        if rec["messages"] and rec["messages"][0]["role"] == "assistant":
+            raise ConfigError(f"{where}: the conversation opens with an assistant turn, which has no conversation "
+                              "before it to render as its prompt (chat templates refuse an empty one); open it with "
+                              "a user or system turn")
     else:
         raise ConfigError(f"{where}: a record needs 'text', 'prompt'+'response' or 'messages' (got keys {sorted(rec)})")
 
@@ -185,20 +190,40 @@ def split_records(records: list, heldout_fraction: float, seed: int) -> tuple[li
     return train, heldout
 
 
-def tokenize_documents(docs: Iterable[list[Segment]], tokenizer, eos_id: int) -> tuple[list[int], list[bool]]:
-    """Tokenize segment lists into one token stream with flags; EOS after every document."""
+def is_literal(record: dict) -> bool:
+    """Whether a record's text is data as it stands (``{text}`` records and text files), not a conversation the
+    chat template renders (whose special tokens are the template's markup)."""
+    return "text" in record
+
+
+def encode(texts: list[str], tokenizer, literal: bool) -> list[list[int]]:
+    """Token ids of each of ``texts``, no BOS / EOS added. ``literal`` (:func:`is_literal`): the text of a special
+    token in it (``<|endoftext|>``, ``<|MASK|>``) stays characters (``split_special_tokens``), as it is data;
+    else it is the chat template's markup and becomes the special token."""
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=literal)["input_ids"] if texts else []
+
+
+def tokenize_documents(docs: Iterable[list[Segment]], tokenizer, eos_id: int, literal: Sequence[bool] | None = None,
+                       mask_id: int | None = None) -> tuple[list[int], list[bool]]:
+    """Tokenize segment lists into one token stream with flags; EOS after every document.
+
+    literal: per document, :func:`is_literal` of its record (default: none is). A rendered conversation that holds
+    the mask token (``mask_id``) is refused with a ConfigError: training would teach the model to predict it, which
+    decoding must never commit (method.md, section 2)."""
     docs = list(docs)
-    flat = [t for d in docs for t, _ in d]
-    enc = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    literal = [False] * len(docs) if literal is None else list(literal)
+    enc = {kind: iter(encode([t for d, lit in zip(docs, literal) if lit == kind for t, _ in d], tokenizer, kind))
+           for kind in (True, False)}
     ids: list[int] = []
     flags: list[bool] = []
-    k = 0
-    for d in docs:
+    for d, lit in zip(docs, literal):
         if not d:
             continue
-        for _, is_prompt in d:
-            toks = enc[k]
-            k += 1
+        for text, is_prompt in d:
+            toks = next(enc[lit])
+            if mask_id is not None and mask_id in toks:
+                raise ConfigError(f"--data: a conversation holds the mask token's text ({text[:80]!r}...): training "
+                                  "would teach the model to predict the mask token; take it out of the messages")
             ids.extend(toks)
             flags.extend([is_prompt] * len(toks))
         ids.append(eos_id)
@@ -281,7 +306,8 @@ def build_datasets(
     eos, pad = ids["eos_token_id"], ids["pad_token_id"]
     out = []
     for part in (train_r, held_r):
-        toks, flags = tokenize_documents((record_to_segments(r, tokenizer) for r in part), tokenizer, eos)
+        toks, flags = tokenize_documents([record_to_segments(r, tokenizer) for r in part], tokenizer, eos,
+                                         literal=[is_literal(r) for r in part], mask_id=ids["mask_token_id"])
         out.append(pack(toks, flags, seq_len, pad))
     train, held = out
     if len(train) == 0 or train.num_answer_tokens() == 0:

@@ -14,17 +14,18 @@ import itertools
 from collections import Counter
 from typing import Iterable
 
-from .data import record_to_segments
+from .data import encode, is_literal, record_to_segments
 
 
 def token_counts(records: Iterable[dict], tokenizer, batch: int = 256) -> Counter:
     """How often each token id occurs in the records' texts (as the data pipeline segments them), tokenized
     ``batch`` texts at a time (a fast tokenizer encodes a batch in parallel)."""
     counts: Counter = Counter()
-    texts = (text for rec in records for text, _ in record_to_segments(rec, tokenizer))
+    texts = ((text, is_literal(rec)) for rec in records for text, _ in record_to_segments(rec, tokenizer))
     while chunk := list(itertools.islice(texts, batch)):
-        for ids in tokenizer(chunk, add_special_tokens=False).input_ids:
-            counts.update(ids)
+        for literal in (True, False):
+            for ids in encode([text for text, lit in chunk if lit == literal], tokenizer, literal):
+                counts.update(ids)
     return counts
 
 
