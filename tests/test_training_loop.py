@@ -324,6 +324,10 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     # --resume restores the optimizer's settings: another --lr is refused, not silently replaced
     with pytest.raises(ConfigError, match="--resume: the checkpoint was made with --lr 0.01, this run has --lr 0.005"):
         run(_cli_args(env, bb, "--max-steps", "3", "--resume", "--lr", "5e-3"))
+    # and the learning-rate schedule, which the checkpoint's LambdaLR state does not hold
+    with pytest.raises(ConfigError, match="--resume: the checkpoint was made with min_lr_ratio=0.1, this run has "
+                                          "min_lr_ratio=0.5"):
+        run(_cli_args(env, bb, "--max-steps", "3", "--resume", "--min-lr-ratio", "0.5"))
 
 
 def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatch):

@@ -425,7 +425,8 @@ def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, ev
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda_factory(total, warmup, cfg.min_lr_ratio))
     fingerprint = train_ds.fingerprint()
     data_info = {"fingerprint": fingerprint, "num_sequences": len(train_ds), "global_batch": G,
-                 "seq_len": cfg.seq_len, "block_size": cfg.block_size, "seed": cfg.seed, "total_steps": total}
+                 "seq_len": cfg.seq_len, "block_size": cfg.block_size, "seed": cfg.seed, "total_steps": total,
+                 "warmup_steps": warmup, "min_lr_ratio": cfg.min_lr_ratio}  # the schedule (LambdaLR saves no lambda)
 
     start_step, tokens_seen = 0, 0
     metrics_path = os.path.join(cfg.out_dir, METRICS)
@@ -435,7 +436,7 @@ def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, ev
         print(f"--resume: no checkpoint in {cfg.out_dir}/{CKPT_DIR}; starting from step 0", file=sys.stderr)
     if ck is not None:
         for k, v in data_info.items():
-            if ck["data"].get(k) != v:
+            if k in ck["data"] and ck["data"][k] != v:  # (checkpoints before the schedule keys lack them)
                 raise ConfigError(f"--resume: the checkpoint was made with {k}={ck['data'].get(k)!r}, "
                                   f"this run has {k}={v!r}; use the same data and flags (or a new --out)")
         _check_optimizer_settings(ck["optimizer"], optim)
