@@ -125,18 +125,20 @@ def time_against_eager(benches: dict, eager_fn, triton_fn, record, what: str) ->
     """Time the torch reference ``eager_fn`` and the Triton op ``triton_fn`` with each of ``benches``
     (``{suffix: bench}``, e.g. ``{"": bench, "_graph": graph_bench}``) and ``record(provider, quantiles,
     eager_median)`` the rows ``torch_eager<suffix>`` (eager_median None) and ``triton<suffix>``. A timing that
-    fails (an op that cannot be captured) is printed to stderr with ``what`` and skipped. Returns
-    ``{suffix: eager median}`` of the timings that ran."""
+    fails (an op that cannot be captured) is printed to stderr with ``what`` and skipped; the Triton row is still
+    timed when the eager one failed (recorded with eager_median None). Returns ``{suffix: eager median}`` of the
+    eager timings that ran."""
     eager = {}
     for suffix, bench in benches.items():
-        try:
-            q = bench(eager_fn)
-            record("torch_eager" + suffix, q, None)
-            record("triton" + suffix, bench(triton_fn), q[0])
-        except Exception as exc:  # e.g. an op that cannot be captured: report it, the run goes on
-            print(f"{what}: timing torch_eager{suffix} / triton{suffix} failed: {exc!r}", file=sys.stderr)
-            continue
-        eager[suffix] = q[0]
+        for provider, fn in (("torch_eager", eager_fn), ("triton", triton_fn)):
+            try:
+                q = bench(fn)
+            except Exception as exc:  # e.g. an op that cannot be captured: report it, the run goes on
+                print(f"{what}: timing {provider}{suffix} failed: {exc!r}", file=sys.stderr)
+                continue
+            record(provider + suffix, q, eager.get(suffix))
+            if provider == "torch_eager":
+                eager[suffix] = q[0]
     return eager
 
 

@@ -26,7 +26,7 @@ def test_commit_marks_figures_of_a_tree_no_commit_holds(monkeypatch):
 
 def test_triton_rows_carry_the_eager_median_they_are_compared_with(capsys):
     """Each triton<suffix> row is recorded with the median of its own torch_eager<suffix> row (the speedup), and a
-    timing that fails is reported and skipped."""
+    timing that fails is reported and skipped: the Triton row is still timed when the eager one cannot be."""
     rows = []
     timings = {"eager": [10.0, 9.0, 12.0], "triton": [2.0, 1.5, 2.5]}
 
@@ -36,8 +36,14 @@ def test_triton_rows_carry_the_eager_median_they_are_compared_with(capsys):
     def broken(fn):
         raise RuntimeError("cannot capture")
 
-    eager = _harness.time_against_eager({"": bench, "_graph": broken}, lambda: "eager", lambda: "triton",
-                                        lambda *row: rows.append(row), "op")
-    assert rows == [("torch_eager", [10.0, 9.0, 12.0], None), ("triton", [2.0, 1.5, 2.5], 10.0)]
+    def eager_broken(fn):
+        return broken(fn) if fn() == "eager" else [1.0, 0.9, 1.1]
+
+    eager = _harness.time_against_eager({"": bench, "_graph": broken, "_eager_broken": eager_broken},
+                                        lambda: "eager", lambda: "triton", lambda *row: rows.append(row), "op")
+    assert rows == [("torch_eager", [10.0, 9.0, 12.0], None), ("triton", [2.0, 1.5, 2.5], 10.0),
+                    ("triton_eager_broken", [1.0, 0.9, 1.1], None)]
     assert eager == {"": 10.0}
-    assert "op: timing torch_eager_graph / triton_graph failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "op: timing torch_eager_graph failed" in err and "op: timing triton_graph failed" in err
+    assert "op: timing torch_eager_eager_broken failed" in err
