@@ -139,6 +139,9 @@ def main(argv=None) -> int:
                    lambda: ref.verify_drafts(blk.copy_(blk0), dpos, dtok, ttok, tconf, mask_token_id=M)),
         "remask_tau": (lambda: mt.remask_triton(blk.copy_(blk0), rev, conf, tau_remask, mask_token_id=M),
                        lambda: ref.remask(blk.copy_(blk0), rev, conf, tau_remask, mask_token_id=M)),
+        "remask_delta": (lambda: mt.remask_triton(blk.copy_(blk0), rev, conf, tau_remask, mask_token_id=M,
+                                                  rule="delta"),
+                         lambda: ref.remask(blk.copy_(blk0), rev, conf, tau_remask, mask_token_id=M, rule="delta")),
     }
     for name, (tfn, rfn) in small.items():
         eager_and_triton(name, shape, 0, rfn, tfn)
