@@ -534,10 +534,11 @@ class BlockDecoder:
 
     def scheduled_quota(self, quota_base: torch.Tensor, quota_extra: torch.Tensor,
                         steps_taken: torch.Tensor) -> torch.Tensor:
-        """This step's quota by SDAR's schedule (n = m // S per step, the first m % S steps one more; m: the row's
-        masks when its block started, S: the denoising steps), and the step counted: ``steps_taken`` is incremented
-        in place. quota_base, quota_extra, steps_taken: [B] (m // S and m % S, set when the row's block starts; the
-        steps it has taken in it), so one captured step serves every number of denoising steps."""
+        """This step's quota by SDAR's schedule (n = T // S per step, the first T % S steps one more; T: the block
+        length, S: the denoising steps; a first block that holds the prompt's tail runs out of masks in fewer steps),
+        and the step counted: ``steps_taken`` is incremented in place. quota_base, quota_extra, steps_taken: [B]
+        (T // S and T % S; the steps the row has taken in its block), so one captured step serves every number of
+        denoising steps."""
         quota = quota_base + (steps_taken < quota_extra)
         steps_taken.add_(1)
         return quota
@@ -588,9 +589,11 @@ class BlockDecoder:
         masks = [T - n % T if b else 0 for n, b in zip(self.prompts.lens, self.blocks_to_decode)]
         self.masks_left = [min(m, self.settings.max_new_tokens) for m in masks]  # the kept ones (masked_kept)
         self.blocks_left = list(self.blocks_to_decode)
-        S = self.settings.denoising_steps  # SDAR's schedule counts every mask of the block
-        self.row_state["quota_base"] = torch.tensor([m // S for m in masks], device=self.device)
-        self.row_state["quota_extra"] = torch.tensor([m % S for m in masks], device=self.device)
+        # SDAR's schedule is the block's, the first block's too (its masks follow the prompt's tail): it just runs out
+        # of masks sooner
+        S = self.settings.denoising_steps
+        self.row_state["quota_base"] = torch.full((len(masks),), T // S, device=self.device)
+        self.row_state["quota_extra"] = torch.full((len(masks),), T % S, device=self.device)
         self.row_state["steps_taken"] = torch.zeros_like(self.rows)
         self.row_state["fresh"] = torch.ones_like(self.rows, dtype=torch.bool)
         step_limit = sum(self.blocks_left) * T  # every step commits a token in every row with masks

@@ -34,7 +34,8 @@ DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
 FLAGS = ("do_sample", "return_dict_in_generate", "output_reveal_steps", "progress", "fuse_commit", "per_row_blocks",
          "use_cache", "device_loop", "packed_projections")
 DEFAULT_MAX_NEW_TOKENS = 64
-# GenerationConfig fields that do not steer decoding (bookkeeping, or the model's own ids and block size).
+# GenerationConfig fields that do not steer decoding as such (bookkeeping; the model's block size and mask id, read by
+# _model_fields).
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
 SAMPLING = ("temperature", "top_k", "top_p")  # what only sampled decoding reads
@@ -69,6 +70,22 @@ READ_BY = {
     "mrp_scale": MRP_STRATEGIES,
     "per_row_blocks": ("dynamic", "remask", "speculative"),  # static and direct rows move through blocks together
 }
+
+
+def _model_fields(diff: dict, config) -> dict:
+    """What a passed generation config's ``block_size`` and ``mask_token_id`` ask for (``diff``: its fields that
+    differ from the model's own generation config, which holds copies of the model config's taken when it was saved,
+    so that a value overridden at load, ``from_pretrained(..., block_size=...)``, wins over them): a ``block_size``
+    other than the model's asks for blocks of that size (``block_length``, which a ``block_length`` of the same
+    config overrides); a ``mask_token_id`` other than the model's is refused, as the model decodes with its own (set
+    when loading)."""
+    mask_id = diff.get("mask_token_id")
+    if mask_id is not None and mask_id != config.mask_token_id:
+        raise ValueError(f"generation_config sets mask_token_id={mask_id}, but the model decodes with "
+                         f"config.mask_token_id={config.mask_token_id}: load it with from_pretrained(..., "
+                         f"mask_token_id={mask_id}) (or drop mask_token_id from generation_config)")
+    block = diff.get("block_size")
+    return {"block_length": block} if block is not None and block != config.block_size else {}
 
 
 @dataclass
@@ -194,6 +211,9 @@ class GenerationSettings:
         for source, diff in zip(sources, (own, passed)):
             if source is None:
                 continue
+            if source is generation_config:  # the model's own file holds copies of its config's, taken when saved
+                values.update(_model_fields({k: v for k, v in diff.items() if k not in own or own[k] != v},
+                                            model.config))
             given = {k: v for k, v in diff.items() if v is not None and k not in NOT_DECODING_FIELDS}
             unsupported = sorted(k for k in set(given) - names if given[k] not in (False, None)
                                  and given[k] not in (getattr(HF_DEFAULTS, k, None), FILLED_DEFAULTS.get(k)))

@@ -225,7 +225,8 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
 
 def remask_step(dec: BlockDecoder):
     """The step ``(block [B, T], positions [B, T], quota_base [B], quota_extra [B], steps_taken [B]) -> None``: reveal
-    as dynamic decoding does (at least one per row; ``steps_taken`` is incremented in place), then one MRP pass
+    as dynamic decoding does (every masked position above tau, else the scheduled top n: at least one per row, the
+    paper's rule, by default, where S = T gives n = 1; ``steps_taken`` is incremented in place), then one MRP pass
     vetoes reveals by the remask rule, all in ``block`` in place."""
     rule, head = dec.settings.remask_rule, dec.model.lm_head
     threshold = dec.on_device("threshold")
@@ -238,7 +239,7 @@ def remask_step(dec: BlockDecoder):
         h_a = dec.backbone(block, positions)
         tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.noise_counter())
         before = block.clone()
-        quota = torch.maximum(dec.scheduled_quota(quota_base, quota_extra, steps_taken), _one_each(masked)) * live
+        quota = dec.scheduled_quota(quota_base, quota_extra, steps_taken) * live  # >= 1: T // S, S <= T
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))

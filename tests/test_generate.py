@@ -278,19 +278,27 @@ def _spy_select(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("prompt_len", [4, 3, 6])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
-def test_static_commits_exactly_the_scheduled_count(model, monkeypatch, steps):
+def test_static_commits_exactly_the_scheduled_count(model, monkeypatch, steps, prompt_len):
+    """SDAR's schedule, n = T // S a step (the first T % S steps one more), in every block: a first block holding
+    the prompt's tail keeps it and so runs out of masks in fewer steps (SDAR's generate.py)."""
     calls = _spy_select(monkeypatch)
-    ids = random_prompts(2, 4, seed=3)
-    out = model.generate(ids, max_new_tokens=8, denoising_steps=steps, return_dict_in_generate=True)
-    block = model.config.block_size
+    ids = random_prompts(2, prompt_len, seed=3)
+    T = model.config.block_size
+    out = model.generate(ids, max_new_tokens=3 * T - prompt_len, denoising_steps=steps, return_dict_in_generate=True)
+    schedule = [T // steps + (i < T % steps) for i in range(steps)]
+    first_masks = T - prompt_len % T
+    first_steps = next(k for k in range(1, steps + 1) if sum(schedule[:k]) >= first_masks)
+    expected_n = (schedule[:first_steps] if prompt_len % T else []) + schedule * (3 - (prompt_len + T - 1) // T)
+    assert [int(n[0]) for _, _, n, _, _ in calls] == expected_n  # the row's quota, step by step
     for masked, conf, n, _, committed in calls:
         assert torch.equal(committed.sum(-1), torch.minimum(n, masked.sum(-1)))
         # the committed positions are the most confident masked ones
         for b in range(committed.shape[0]):
             if committed[b].any() and (masked[b] & ~committed[b]).any():
                 assert conf[b][committed[b]].min() >= conf[b][masked[b] & ~committed[b]].max()
-    assert out.stats.backbone_forwards.tolist() == [8 // block * steps] * 2
+    assert out.stats.backbone_forwards.tolist() == [len(expected_n)] * 2
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.3, 0.9, 1.0])
@@ -323,6 +331,32 @@ def test_eos_cuts_rows_and_pads(model):
             assert torch.equal(new, free[b, 5:]) and out.new_tokens[b] == 12
     assert out.new_tokens.dtype == torch.long and out.new_tokens.device == out.sequences.device
     assert out.stats.tokens_committed[0] < 12  # row 0 stopped after the block holding its EOS
+
+
+def test_a_generation_configs_block_size_and_mask_token_id(model):
+    """A passed generation config's block_size asks for blocks of that size (block_length; the stock SDAR config.json
+    lacks one); its mask_token_id must be the model's (set at load), else it is refused, not ignored; the model's
+    own generation config's copies of them (taken when it was saved) do not override the loaded config."""
+    ids = random_prompts(1, 5, seed=0)
+    eight = model.generate(ids, max_new_tokens=10, block_length=8)
+    assert not torch.equal(eight, model.generate(ids, max_new_tokens=10))
+    assert torch.equal(eight, model.generate(ids, max_new_tokens=10, generation_config=GenerationConfig(block_size=8)))
+    assert torch.equal(model.generate(ids, max_new_tokens=10, block_length=4), model.generate(
+        ids, max_new_tokens=10, generation_config=GenerationConfig(block_size=8, block_length=4)))
+    same = GenerationConfig(block_size=model.config.block_size, mask_token_id=model.config.mask_token_id)
+    assert torch.equal(model.generate(ids, max_new_tokens=10), model.generate(ids, max_new_tokens=10,
+                                                                              generation_config=same))
+    with pytest.raises(ValueError, match=r"generation_config sets mask_token_id=3, but the model decodes with "
+                                         r"config.mask_token_id=\d+: load it with from_pretrained\(\.\.\., "
+                                         r"mask_token_id=3\)"):
+        model.generate(ids, generation_config=GenerationConfig(mask_token_id=3))
+    saved = model.generation_config
+    try:  # a checkpoint saved with blocks of 8 and loaded with block_size overridden to the config's 4
+        model.generation_config = GenerationConfig(block_size=8, mask_token_id=3)
+        assert torch.equal(model.generate(ids, max_new_tokens=10, block_length=4),
+                           model.generate(ids, max_new_tokens=10))
+    finally:
+        model.generation_config = saved
 
 
 def test_generation_config_and_kwargs_precedence(model):
