@@ -183,12 +183,12 @@ def main(argv=None) -> int:
                                                     c["candidates_round"])):
                     if counts:
                         _estimate_row(record, f"{mname} B={B} K=3", provider, counts, round_us, c["static_step"])
+            for B in decode_batches:  # before the attention rows: a target reads these
+                _decode_rows(record, model, B, prefix, new_tokens, T, args.decode_reps, cuda, f"{mname} B={B}",
+                             floor["step"], args.seed)
             for B in decode_batches:
                 _attention_rows(record, bench, shape, B, prefix, prefix + new_tokens, T, device, dtype,
                                 f"{mname} B={B}", args.seed)
-            for B in decode_batches:
-                _decode_rows(record, model, B, prefix, new_tokens, T, args.decode_reps, cuda, f"{mname} B={B}",
-                             floor["step"], args.seed)
             for B in step_batches:  # last: the issues' targets come first when a time limit cuts the run
                 _unpacked_rows(record, bench, model, B, prefix, T, floor, f"{mname} B={B}", args.seed, graphed[B])
                 _draft_round_row(record, bench, model, B, prefix, T, f"{mname} B={B}", args.seed, graphed[B]["round"],

@@ -54,10 +54,10 @@ step decode_kernels 100 python3 benchmarks/bench_decode_kernels.py --sweep --no-
 step e2e 70 python3 benchmarks/bench_e2e.py --device cuda --dtype bfloat16 --out "$RES" \
   --modes "speculative K=1 mrp" "speculative K=3 mrp" "dynamic tau=0.9" "direct K=2" "remask tau tau=0.7" \
   --skip draft_vocab draft_candidates "blocks together"
-# First a draft step's pick among 16 listed tokens (candidate_confidence, seconds); then lm_head_confidence: the
-# tile sweep at the N its target misses (64-128 rows; the rows_major configs never ran
-# on a GPU), and half the rows skipped (what a decoding step asks) vs all rows, up to a verify round's N.
-step lm_head 80 python3 benchmarks/bench_mrp_head.py --only candidates,lm_head --rows 64,128,512 \
+# First a draft step's pick among 16 listed tokens (candidate_confidence, seconds); then lm_head_confidence at every
+# N its target names (1-128) and a verify round's 512, half the rows skipped (what a decoding step asks) vs all rows;
+# last the tile sweep at the N it may miss (64-128 rows; the rows_major configs never ran on a GPU).
+step lm_head 80 python3 benchmarks/bench_mrp_head.py --only candidates,lm_head --rows 1,4,16,64,128,512 \
   --hidden 2048,4096 --sweep --sweep-rows 64,128 --no-compile --out "$RES"
 step model_op_tests 50 python3 -m pytest -v -p no:cacheprovider tests/test_lm_head_confidence.py \
   tests/test_candidate_confidence.py tests/test_norm_ops.py tests/test_cached_attention.py \
