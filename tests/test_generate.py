@@ -314,6 +314,31 @@ def test_dynamic_commits_every_position_above_threshold_or_the_top_n(model, monk
                 assert committed[b].sum() == min(int(n[b]), int(masked[b].sum()))
 
 
+@pytest.mark.parametrize("left", [True, False])
+def test_the_output_keeps_the_inputs_width(model, left):
+    """Padded to a fixed length (padding="max_length"), the input has columns of padding in every row: the output is
+    [B, W + max_new_tokens] still, as in transformers, so out[:, W:] are a left-padded batch's new tokens (and
+    max_length counts W); the tokens are those of the tightly padded batch, with the extra padding kept."""
+    tight = torch.zeros((2, 5), dtype=torch.long)
+    mask = torch.zeros_like(tight)
+    for b, n in enumerate((5, 3)):
+        cols = slice(5 - n, 5) if left else slice(0, n)
+        tight[b, cols], mask[b, cols] = random_prompts(1, n, seed=60 + b)[0], 1
+    extra = torch.zeros((2, 3), dtype=torch.long)
+    wide = torch.cat([extra, tight] if left else [tight, extra], 1)
+    wide_mask = torch.cat([extra, mask] if left else [mask, extra], 1)
+    common = dict(pad_token_id=0, eos_token_id=[], return_dict_in_generate=True, output_reveal_steps=True)
+    ref = model.generate(tight, attention_mask=mask, max_new_tokens=6, **common)
+    out = model.generate(wide, attention_mask=wide_mask, max_new_tokens=6, **common)
+    assert out.sequences.shape == out.reveal_steps.shape == (2, 8 + 6)
+    for field in ("sequences", "reveal_steps"):
+        got, want = getattr(out, field), getattr(ref, field)
+        pad = torch.zeros_like(want[:, :3])
+        expect = torch.cat([pad, want] if left else [want, pad], 1)
+        assert torch.equal(got, expect), field
+    assert model.generate(wide, attention_mask=wide_mask, max_length=14, eos_token_id=[]).shape == (2, 14)
+
+
 def test_eos_cuts_rows_and_pads(model):
     ids = random_prompts(2, 5, seed=8)
     free = model.generate(ids, max_new_tokens=12)

@@ -28,12 +28,14 @@ def check_padding_mask(attention_mask: torch.Tensor) -> None:
 class PromptBatch:
     """Rows' real prompt tokens, compacted to the left.
 
-    ids: [B, P] (prompt b in ``ids[b, :lengths[b]]``), lengths: [B] int64 (host list in ``lens``),
-    left_padded: [B] bool (whether row b's padding was on the left in the input)."""
+    ids: [B, P] (prompt b in ``ids[b, :lengths[b]]``, P = the longest), lengths: [B] int64 (host list in ``lens``),
+    left_padded: [B] bool (whether row b's padding was on the left in the input), width: the input's width W >= P
+    (padded to a fixed length, it may have columns of padding in every row), which the output keeps."""
 
     ids: torch.Tensor
     lens: list[int]
     left_padded: list[bool]
+    width: int
 
     @classmethod
     def from_inputs(cls, config, input_ids, attention_mask) -> "PromptBatch":
@@ -72,7 +74,7 @@ class PromptBatch:
                 raise ValueError(f"attention_mask row {b} is not contiguous: pad on the left or on the right only")
             ids[b, :n] = input_ids[b, where]
             left.append(bool(where[0] > 0))
-        return cls(ids=ids, lens=lens, left_padded=left)
+        return cls(ids=ids, lens=lens, left_padded=left, width=input_ids.shape[1])
 
     def block_ends(self, max_new_tokens: int, block: int, max_position_embeddings: int) -> list[int]:
         """Per row, the end of its last block: its prompt and ``max_new_tokens`` rounded up to whole blocks.
@@ -91,7 +93,7 @@ class PromptBatch:
         pad = torch.zeros((rows, self.ids.shape[1]), dtype=self.ids.dtype, device=self.ids.device)
         pad[:, 0] = self.ids[0, 0]
         return PromptBatch(ids=torch.cat([self.ids, pad]), lens=self.lens + [1] * rows,
-                           left_padded=self.left_padded + [False] * rows)
+                           left_padded=self.left_padded + [False] * rows, width=self.width)
 
     def repeat(self, copies: int) -> "PromptBatch":
         """Each row ``copies`` times, the copies of a row next to each other ([B * copies, P])."""
@@ -99,11 +101,12 @@ class PromptBatch:
             return self
         return PromptBatch(ids=self.ids.repeat_interleave(copies, 0),
                            lens=[n for n in self.lens for _ in range(copies)],
-                           left_padded=[left for left in self.left_padded for _ in range(copies)])
+                           left_padded=[left for left in self.left_padded for _ in range(copies)], width=self.width)
 
     def assemble(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
                  mask_id: int, new_tokens_kept: dict[int, int]) -> tuple[torch.Tensor, list[int]]:
-        """Decoded layout x [B, total] -> output [B, P + max_new_tokens], and per row the new tokens it keeps.
+        """Decoded layout x [B, total] -> output [B, W + max_new_tokens] (W: the input's width), and per row the new
+        tokens it keeps.
 
         Row b keeps its padding side; tokens after its first EOS, and after its first
         ``new_tokens_kept[b]`` new tokens (a stop string ended it), become ``pad_id``."""
@@ -123,10 +126,11 @@ class PromptBatch:
 
     def lay_out(self, x: torch.Tensor, kept: list[int], max_new_tokens: int, pad: int,
                 prompt: bool = True) -> torch.Tensor:
-        """Per-position values of the decoded layout x [B, total] -> [B, P + max_new_tokens], as the output lays out
-        tokens: row b's prompt (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new positions, ``pad``
-        elsewhere, on the row's padding side."""
-        B, P = self.ids.shape
+        """Per-position values of the decoded layout x [B, total] -> [B, W + max_new_tokens] (W: the input's width), as
+        the output lays out tokens: row b's prompt (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new
+        positions, ``pad`` elsewhere, on the row's padding side (as transformers does: ``out[:, W:]`` are the new
+        tokens of a left-padded batch)."""
+        B, P = self.ids.shape[0], self.width
         out = torch.full((B, P + max_new_tokens), pad, dtype=x.dtype, device=x.device)
         for b, (n, count) in enumerate(zip(self.lens, kept)):
             start = P - n if self.left_padded[b] else 0
