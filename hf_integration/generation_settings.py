@@ -93,7 +93,10 @@ class GenerationSettings:
     """Everything that steers decoding. ``max_new_tokens`` defaults to ``max_length`` minus the width of
     ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64;
     ``num_return_sequences`` (sampling only) decodes each prompt that many times, the copies next to each
-    other in the output and each drawing its own noise. ``block_length`` defaults to the model's block size
+    other in the output and each drawing its own noise. ``seed`` keys the sampling noise: a call without one draws it
+    from torch's default generator, so sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed``
+    repeat them, as in transformers; with one, the draw is fixed whatever torch's generator holds.
+    ``block_length`` defaults to the model's block size
     and ``denoising_steps`` to ``block_length`` (one token a step); ``threshold`` defaults to 0.9 (dynamic) or
     0.5 (remask). ``fuse_commit`` writes a finished block's cache entries in the row's next forward (same output,
     one forward fewer per block);
@@ -144,7 +147,7 @@ class GenerationSettings:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    seed: int = 0
+    seed: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     return_dict_in_generate: bool = False
@@ -281,6 +284,8 @@ class GenerationSettings:
             self.block_length = config.block_size
         if self.denoising_steps is None:
             self.denoising_steps = self.block_length
+        if self.seed is None:  # from torch's generator when sampled (greedy decoding reads no noise)
+            self.seed = int(torch.randint(0, 2**63 - 1, ())) if self.do_sample is True else 0
         if self.threshold is None:
             self.threshold = DEFAULT_THRESHOLD.get(self.strategy)
         if self.top_k == 0 and type(self.top_k) is int:  # transformers' "no top-k cut" (a checkpoint may carry it)

@@ -542,6 +542,24 @@ def test_num_return_sequences_samples_each_prompt_that_many_times(model, strateg
     assert len({tuple(row) for row in out.sequences[:3, 5:].tolist()}) > 1  # the copies differ
 
 
+def test_sampled_calls_without_a_seed_draw_one_from_torchs_generator(model):
+    """As in transformers: two sampled calls differ, torch.manual_seed repeats a call, and a seed fixes the draw
+    whatever torch's generator holds; greedy calls draw nothing from it."""
+    ids = random_prompts(4, 5, seed=4)
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=2.0)
+    torch.manual_seed(0)
+    first, second = model.generate(ids, **kwargs), model.generate(ids, **kwargs)
+    assert not torch.equal(first, second)
+    torch.manual_seed(0)
+    assert torch.equal(first, model.generate(ids, **kwargs))
+    fixed = model.generate(ids, seed=7, **kwargs)
+    torch.rand(3)  # moves torch's generator on
+    assert torch.equal(fixed, model.generate(ids, seed=7, **kwargs))
+    state = torch.get_rng_state()
+    model.generate(ids, max_new_tokens=4)
+    assert torch.equal(state, torch.get_rng_state())
+
+
 BAD_INPUTS = [
     (dict(input_ids=torch.tensor([[1, VOCAB]])), ValueError, "outside the vocabulary \\[0, 67\\) \\(min 1, max 67\\)"),
     (dict(input_ids=None, inputs_embeds=torch.zeros(1, 3, 8)), TypeError, "needs input_ids"),
