@@ -82,8 +82,8 @@ def test_run_if_runs_its_body_only_while_the_flag_is_set():
 STRATEGIES = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
               dict(strategy="direct", mrp_steps=2), dict(strategy="speculative", mrp_steps=3),
               dict(strategy="remask", threshold=0.4),
-              dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20),
-              dict(strategy="speculative", mrp_steps=2, draft_candidates=4, do_sample=True, top_p=0.9)]
+              dict(strategy="speculative", mrp_steps=2, do_sample=True, seed=3, temperature=0.8, top_k=20),
+              dict(strategy="speculative", mrp_steps=2, draft_candidates=4, do_sample=True, seed=3, top_p=0.9)]
 DEVICE_LOOPS = [dict(strategy="dynamic", threshold=0.3, device_loop=True),
                 dict(strategy="speculative", mrp_steps=3, device_loop=True),
                 dict(strategy="speculative", mrp_steps=3, draft_candidates=4, device_loop=True),
@@ -254,7 +254,7 @@ def _count_host_checks(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("kwargs", DEVICE_LOOPS + [
-    dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20, device_loop=True),
+    dict(strategy="speculative", mrp_steps=2, do_sample=True, seed=3, temperature=0.8, top_k=20, device_loop=True),
     dict(strategy="dynamic", threshold=0.3, per_row_blocks=False, device_loop=True)],
     ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
