@@ -233,6 +233,9 @@ class GenerationSettings:
         # differs from the model's (a pipeline passes a copy of the model's).
         asked = {k for k, v in kwargs.items() if v is not None} | {k for k, v in passed.items()
                                                                   if k not in own or own[k] != v}
+        if kwargs.get("do_sample") is not None:  # the call decides whether to sample: a passed config's sampling
+            asked -= set(SAMPLING) - set(kwargs)  # values wait, as the checkpoint's do (pipelines of transformers
+            # 5.17 pass their sampling defaults in a config beside an explicit do_sample=False)
         settings._drop_unread(asked)
         if {"max_new_tokens", "max_length"} <= asked:
             logger.warning_once(f"both max_new_tokens={settings.max_new_tokens} and max_length={settings.max_length} "

@@ -396,6 +396,13 @@ def test_generation_config_and_kwargs_precedence(model):
     kept = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=6, strategy="dynamic", threshold=0.5),
                           max_new_tokens=None, strategy=None, threshold=None)
     assert torch.equal(kept, via_config)
+    # do_sample=False beside a config that samples (transformers 5.17's text-generation pipeline passes its sampling
+    # defaults so): greedy, the config's sampling values waiting; a sampling keyword the call gives is refused still
+    pipeline_like = GenerationConfig(do_sample=True, temperature=0.7, top_k=50, max_new_tokens=6)
+    greedy = model.generate(ids, generation_config=pipeline_like, do_sample=False)
+    assert torch.equal(greedy, model.generate(ids, max_new_tokens=6))
+    with pytest.raises(ValueError, match="temperature=0.5 steers sampling"):
+        model.generate(ids, generation_config=pipeline_like, do_sample=False, temperature=0.5)
 
 
 def test_the_resolved_defaults(model):
