@@ -211,12 +211,13 @@ class GenerationSettings:
         values: dict = {}
         sources = (getattr(model, "generation_config", None), generation_config)
         own, passed = ({} if source is None else source.to_diff_dict() for source in sources)
+        # what a passed config changes from the model's own (a pipeline passes a copy of the model's)
+        changed = {k: v for k, v in passed.items() if k not in own or own[k] != v}
         for source, diff in zip(sources, (own, passed)):
             if source is None:
                 continue
             if source is generation_config:  # the model's own file holds copies of its config's, taken when saved
-                values.update(_model_fields({k: v for k, v in diff.items() if k not in own or own[k] != v},
-                                            model.config))
+                values.update(_model_fields(changed, model.config))
             given = {k: v for k, v in diff.items() if v is not None and k not in NOT_DECODING_FIELDS}
             unsupported = sorted(k for k in set(given) - names if given[k] not in (False, None)
                                  and given[k] not in (getattr(HF_DEFAULTS, k, None), FILLED_DEFAULTS.get(k)))
@@ -231,8 +232,7 @@ class GenerationSettings:
         settings = cls(**values)
         # The call asked for a setting if it passed it (None passes nothing), or a generation_config whose value
         # differs from the model's (a pipeline passes a copy of the model's).
-        asked = {k for k, v in kwargs.items() if v is not None} | {k for k, v in passed.items()
-                                                                  if k not in own or own[k] != v}
+        asked = {k for k, v in kwargs.items() if v is not None} | set(changed)
         if kwargs.get("do_sample") is not None:  # the call decides whether to sample: a passed config's sampling
             asked -= set(SAMPLING) - set(kwargs)  # values wait, as the checkpoint's do (pipelines of transformers
             # 5.17 pass their sampling defaults in a config beside an explicit do_sample=False)
