@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._checks import MAX_TOP_M, check_skip_rows
 from .backend import select_backend
-from .confidence import check_sampling
+from .confidence import check_sampling, comparable
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
 from .reference.candidate_confidence import pick_listed
 from .reference.confidence import inverse_temperature
@@ -57,7 +57,7 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
         moved += (h - hs) * mu
     if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
         inv_t = (1.0 / tl.load(t_ptr).to(tl.float64)).to(tl.float32)
-    z = tl.where(listed, dots * inv_t, float("-inf"))
+    z = tl.where(listed, comparable(dots * inv_t), float("-inf"))
     tl.store(z_ptr + row * M + cols, z, mask=cols < M)
     z_max, at = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
     # log-sum-exps: each sum is >= 1 unless every term is -inf, where the result is -inf (the clamp keeps log(0)

@@ -53,6 +53,12 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def comparable(z):
+    """z with NaN -> -inf and +inf -> FLT_MAX (reference: :func:`.reference.confidence.comparable`)."""
+    return tl.where(z == z, tl.minimum(z, FLT_MAX), float("-inf"))
+
+
+@triton.jit
 def _mix32(x):
     # x: int64 in [0, 2**32). Same steps as reference.confidence.mix32.
     M = tl.full([], 0xFFFFFFFF, tl.int64)
@@ -136,8 +142,7 @@ def _conf_partial_kernel(
                 acc += tl.load(res_r + offs, mask=msk, other=0.0).to(tl.float32)
             x = x + scale * acc
         x = x * inv_t
-        x = tl.where(x != x, float("-inf"), x)
-        x = tl.minimum(x, FLT_MAX)
+        x = comparable(x)
         x = tl.where(msk & (offs != mask_id), x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -67,7 +67,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import check_skip_rows, check_top_m
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
-from .confidence import FLT_MAX
+from .confidence import comparable
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 from .reference.lm_head_confidence import top_by_value
 
@@ -155,7 +155,7 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr,
                         mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0.0)
             z = z + b.to(tl.float32)
         z = z * inv_temp
-        z = tl.where(z == z, tl.minimum(z, FLT_MAX), float("-inf"))  # NaN -> -inf, +inf -> FLT_MAX
+        z = comparable(z)
         valid = col_mask
         if HAS_MASK:
             valid = valid & (cols != mask_token)

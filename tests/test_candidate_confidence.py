@@ -120,6 +120,23 @@ def test_the_normaliser_ignores_a_constant_added_to_every_logit(op):
     torch.testing.assert_close(same[1], torch.softmax(z, -1).max(-1).values, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("op", [candidate_confidence, candidate_confidence_triton])
+def test_nan_is_never_picked_and_inf_is_the_largest_float(op, do_sample):
+    """Listed logits follow ``confidence``'s rule: NaN counts as -inf, +inf as the largest fp32; a row that lists only
+    NaN picks nothing (-1, prob 0)."""
+    weight = torch.tensor([[1.0, 0.0], [float("nan"), 0.0], [float("inf"), 0.0], [5.0, 0.0]], device=DEV)
+    hidden = torch.tensor([[1.0, 0.0]] * 3, device=DEV)
+    ids = torch.tensor([[1, 3, 0], [1, 2, 3], [1, -1, -1]], device=DEV)
+    rest = torch.full((3,), float("-inf"), device=DEV)
+    keys = torch.arange(9, device=DEV).view(3, 3) if do_sample else None
+    tok, prob = op(hidden, weight, ids, rest, seed_hidden=hidden, vocab_mean=torch.zeros(2, device=DEV),
+                   do_sample=do_sample, noise_keys=keys)
+    assert tok.tolist()[1:] == [2, -1] and prob[1:].tolist() == [1.0, 0.0]
+    assert tok[0] in (3, 0) and (tok[0] == 3 or do_sample)
+    assert not prob.isnan().any()
+
+
 def test_errors():
     h, w, ids, rest = torch.randn(2, 8), torch.randn(10, 8), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2)
     kw = dict(seed_hidden=h, vocab_mean=w.mean(0))

@@ -4,7 +4,8 @@ Defined behaviour (shared with the Triton kernel), per row n of N:
 
 * listed logits ``z_j = (hidden_n . weight[ids_nj]) * (1 / temperature)`` for the listed ids (``ids_nj >= 0``),
   -inf past the list (id -1), computed in fp32 (fp64 for fp64 operands); ``1 / temperature`` rounded to fp32 as
-  in :func:`.confidence.inverse_temperature`;
+  in :func:`.confidence.inverse_temperature`; NaN counts as -inf and +inf as the largest fp32
+  (:func:`.confidence.comparable`);
 * the softmax normaliser is estimated as ``lse = logaddexp(logsumexp_j z_j, rest_n + shift_n)``: ``rest`` is the
   log of the mass outside the list (in units of logits / temperature), ``shift_n = ((hidden_n - seed_hidden_n) .
   vocab_mean) / temperature`` moves it with the hidden state;
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import drop_filtered, gumbel_noise_at, inverse_temperature
+from .confidence import comparable, drop_filtered, gumbel_noise_at, inverse_temperature
 
 
 def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0):
@@ -29,7 +30,7 @@ def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperatur
     inv_t = inverse_temperature(temperature).to(hidden.device, acc)
     listed = ids >= 0
     rows = weight[ids.clamp(min=0)].to(acc)  # [N, M, H]
-    z = torch.einsum("nh,nmh->nm", hidden.to(acc), rows) * inv_t
+    z = comparable(torch.einsum("nh,nmh->nm", hidden.to(acc), rows) * inv_t)
     z = z.masked_fill(~listed, float("-inf"))
     shift = (hidden.to(acc) - seed_hidden.to(acc)) @ vocab_mean.to(acc) * inv_t
     return z, torch.logaddexp(torch.logsumexp(z, dim=-1), rest.to(acc) + shift)

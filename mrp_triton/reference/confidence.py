@@ -93,6 +93,11 @@ def inverse_temperature(temperature) -> torch.Tensor:
     return torch.tensor(1.0 / temperature, dtype=torch.float32)
 
 
+def comparable(z: torch.Tensor) -> torch.Tensor:
+    """z (any shape) with NaN -> -inf and +inf -> the largest fp32, so every entry orders against the others."""
+    return torch.nan_to_num(z, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
+
+
 def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_token_id=None):
     """z: [N, V] float32 with NaN -> -inf, +inf -> FLT_MAX, mask column -> -inf."""
     z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
@@ -103,7 +108,7 @@ def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_
             acc = acc + res[r].to(z.dtype)
         z = z + torch.tensor(scale, dtype=torch.float32) * acc
     z = z * inverse_temperature(temperature)
-    z = torch.nan_to_num(z, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
+    z = comparable(z)
     if mask_token_id is not None and 0 <= mask_token_id < z.shape[-1]:
         z[:, mask_token_id] = float("-inf")
     return z

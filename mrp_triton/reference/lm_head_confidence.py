@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import FLT_MAX, mark_skipped
+from .confidence import comparable, mark_skipped
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
@@ -27,7 +27,7 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     z = hidden.to(weight.dtype).to(acc) @ weight.to(acc).T
     if base_logits is not None:
         z = z + base_logits.to(acc)
-    z = torch.nan_to_num(z / temperature, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
+    z = comparable(z / temperature)
     if mask_token_id is not None:
         z[:, mask_token_id] = float("-inf")
     lse = torch.logsumexp(z, dim=-1)
