@@ -30,7 +30,7 @@ def env(tmp_path_factory):
     tok_dir = str(root / "tok")
     tok = make_tokenizer(tok_dir)
     paths = write_corpus(str(root / "corpus"))
-    train_ds, held = build_datasets([paths["text"], paths["pairs"]], tok, T, BS, 0.1, 0)
+    train_ds, held = build_datasets([paths["text"], paths["pairs"]], tok, T, BS, 0.1)
     bb = str(root / "backbone")
     m = tiny_backbone(tok)
     m.save_pretrained(bb)
@@ -291,14 +291,14 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     # training_config.json): on the run's held-out documents it repeats the run's final held-out evaluation
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps(r) + "\n" for r in
-                            split_records(read_records([env["paths"]["pairs"]]), 0.01, 0)[1]))
+                            split_records(read_records([env["paths"]["pairs"]]), 0.01)[1]))
     ev = run(["eval", "--model", str(mrp), "--data", str(held), "--micro-batch-size", "2",
               "--eval-batches", str(TrainConfig().eval_batches)])
     assert (ev["seq_len"], ev["block_size"], ev["unroll_k"], ev["mrp_loss"]) == (T, BS, 2, "kd_diff_sum")
     for k in ("eval_loss", "eval_token_agreement", "eval_pick_agreement"):
         assert ev[k] == res[k], k
     everything = run(["eval", "--model", str(mrp), "--data", str(held), "--eval-batches", "1000"])
-    held_ds, _ = build_datasets([str(held)], exported, T, BS, 0.0, 0)
+    held_ds, _ = build_datasets([str(held)], exported, T, BS, 0.0)
     assert everything["sequences"] == len(held_ds) < 1000  # what it evaluated, not what it was allowed
     with pytest.raises(ConfigError, match="has no MRP head"):
         run(["eval", "--model", str(bb), "--data", env["paths"]["pairs"], "--seq-len", str(T)])
@@ -455,7 +455,7 @@ def test_eval_loss_is_the_loss_per_answer_token(env):
 
     cfg = _cfg("unused", micro_batch_size=3, eval_batches=2)
     loss_mod = LossModule(_model(env, "backbone"), cfg, env["tok"].mask_token_id)
-    ds = build_datasets([env["paths"]["pairs"]], env["tok"], T, BS, 0.0, 0)[0]  # prompts and answers
+    ds = build_datasets([env["paths"]["pairs"]], env["tok"], T, BS, 0.0)[0]  # prompts and answers
     with torch.no_grad():
         total = sum(float(loss_mod(ds.input_ids[i:i + 3], ds.is_prompt[i:i + 3],
                                    [sample_seed(cfg.seed, "eval", j) for j in range(i, i + 3)])) for i in (0, 3))

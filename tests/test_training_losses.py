@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("loss")
     tok = make_tokenizer(str(root / "tok"))
     paths = write_corpus(str(root / "corpus"))
-    train, _ = build_datasets([paths["text"], paths["pairs"]], tok, T, BS, 0.0, 0)
+    train, _ = build_datasets([paths["text"], paths["pairs"]], tok, T, BS, 0.0)
     return tok, train
 
 

@@ -438,7 +438,7 @@ def run(argv: list[str] | None = None) -> dict:
         train_r, held_r = manifest_records(manifest)
     else:
         frac = 0.01 if args.heldout_fraction is None else args.heldout_fraction
-        train_r, held_r = split_records(read_records(args.data), frac, cfg.seed)
+        train_r, held_r = split_records(read_records(args.data), frac)
     if not train_r:
         raise ConfigError(f"--data: no documents found in {args.data!r}")
 

@@ -24,8 +24,9 @@ the documents and cuts the stream into ``seq_len`` pieces (``seq_len`` a multipl
 partial piece is padded with the pad token flagged as prompt, so it is never masked and never scored. Plain text
 has no prompt tokens.
 
-The held-out split is by document and deterministic: a permutation drawn from ``seed`` picks
-``round(fraction * n)`` documents (at least one when ``fraction > 0`` and there are >= 2).
+The held-out split is by document and by content (:func:`split_records`): a document is held out when the hash of
+its text falls below the fraction, so every run on the same documents holds out the same ones, whatever its seed
+or file order (about ``fraction * n`` documents; at least one when ``fraction > 0`` and there are >= 2).
 """
 
 from __future__ import annotations
@@ -175,19 +176,41 @@ def record_to_segments(rec: dict, tokenizer=None) -> list[Segment]:
     return [(t, fl) for t, fl in segs if t]
 
 
-def split_records(records: list, heldout_fraction: float, seed: int) -> tuple[list, list]:
-    """Deterministic document-level split: ``(train, heldout)``, both in original order."""
+def hash_draw(key: str, seed: int = 0) -> float:
+    """A uniform draw in [0, 1) from ``sha256(f"{seed}:{key}")``: the same for the same key on every machine and run."""
+    h = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2.0**64
+
+
+def split_by_hash(keys: Sequence[str], heldout_fraction: float, seed: int = 0) -> set[int]:
+    """The indices of ``keys`` held out: those whose :func:`hash_draw` is below the fraction, so membership depends
+    on the key alone (not on the order or the other keys; a larger fraction holds out a superset). One key is
+    always kept (the largest draw), and with ``fraction > 0`` and >= 2 keys one is held out (the smallest).
+    Raises ``ConfigError`` for a fraction outside [0, 1)."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ConfigError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
-    n = len(records)
-    n_held = 0
-    if heldout_fraction > 0 and n >= 2:
-        n_held = min(n - 1, max(1, round(heldout_fraction * n)))
-    g = torch.Generator().manual_seed(seed)
-    held = set(torch.randperm(n, generator=g)[:n_held].tolist())
-    train = [r for i, r in enumerate(records) if i not in held]
-    heldout = [r for i, r in enumerate(records) if i in held]
-    return train, heldout
+    draws = [hash_draw(k, seed) for k in keys]
+    held = {i for i, d in enumerate(draws) if d < heldout_fraction}
+    if heldout_fraction > 0 and not held and len(keys) >= 2:
+        held = {min(range(len(keys)), key=draws.__getitem__)}
+    if held and len(held) == len(keys):
+        held.discard(max(range(len(keys)), key=draws.__getitem__))
+    return held
+
+
+def record_key(rec: dict) -> str:
+    """A record's content (its text, prompt/response or messages; other fields left out) as canonical JSON."""
+    return json.dumps({k: rec[k] for k in ("text", "prompt", "response", "messages") if k in rec}, sort_keys=True,
+                      ensure_ascii=False)
+
+
+def split_records(records: list, heldout_fraction: float) -> tuple[list, list]:
+    """Document-level split by content: ``(train, heldout)``, both in original order. A record is held out by the
+    hash of its :func:`record_key` (:func:`split_by_hash`), so a backbone run and a later MRP run on the same
+    documents agree on the split whatever their ``--seed``, file order or added documents, and copies of a document
+    fall on the same side."""
+    held = split_by_hash([record_key(r) for r in records], heldout_fraction)
+    return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
 
 
 def is_literal(record: dict) -> bool:
@@ -285,7 +308,6 @@ def build_datasets(
     seq_len: int,
     block_size: int,
     heldout_fraction: float = 0.01,
-    seed: int = 0,
     records: tuple[list, list] | None = None,
     flag: str = "--data",
 ) -> tuple[PackedDataset, PackedDataset]:
@@ -299,7 +321,7 @@ def build_datasets(
         raise ConfigError(f"--seq-len ({seq_len}) must be a multiple of --block-size ({block_size})")
     if records is None:
         recs = read_records(paths or [], flag)
-        train_r, held_r = split_records(recs, heldout_fraction, seed)
+        train_r, held_r = split_records(recs, heldout_fraction)
     else:
         train_r, held_r = records
     ids = special_token_ids(tokenizer)

@@ -14,13 +14,13 @@ shipped model can be rebuilt and audited.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 import sysconfig
 
 from .config import ConfigError
+from .data import split_by_hash
 
 EXCLUDED_DIRS = frozenset({
     "test", "tests", "idle_test", "idlelib", "__pycache__", "site-packages", "dist-packages",
@@ -52,26 +52,13 @@ def collect_stdlib_files(root: str | None = None) -> list[str]:
     return sorted(out)
 
 
-def _bucket(rel: str, seed: int) -> float:
-    h = hashlib.sha256(f"{seed}:{rel}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2.0**64
-
-
 def split_files(files: list[str], heldout_fraction: float = 0.02, seed: int = 0) -> tuple[list[str], list[str]]:
-    """``(train, heldout)`` by file; a file is held out iff hash(seed, path) < fraction.
-
-    If that leaves no held-out file while ``fraction > 0`` (tiny lists), the file with the
-    smallest hash is held out; train is never left empty when there are >= 2 files.
-    """
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
+    """``(train, heldout)`` by file, sorted; a file is held out iff hash(seed, path) < fraction
+    (:func:`training.data.split_by_hash`: at least one held out and one kept when ``fraction > 0`` and there are
+    >= 2 files)."""
     files = sorted(set(files))
-    held = {f for f in files if _bucket(f, seed) < heldout_fraction}
-    if heldout_fraction > 0 and not held and len(files) >= 2:
-        held = {min(files, key=lambda f: _bucket(f, seed))}
-    if len(held) == len(files) and len(files) >= 2:
-        held.discard(max(files, key=lambda f: _bucket(f, seed)))
-    return [f for f in files if f not in held], [f for f in files if f in held]
+    held = split_by_hash(files, heldout_fraction, seed)
+    return [f for i, f in enumerate(files) if i not in held], [f for i, f in enumerate(files) if i in held]
 
 
 def build_manifest(heldout_fraction: float = 0.02, seed: int = 0, root: str | None = None) -> dict:
