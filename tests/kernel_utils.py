@@ -71,7 +71,9 @@ def draw_rows(draw, max_rows: int = 8, max_len: int = 40):
 
 def draw_scores(draw, B: int, L: int, g: torch.Generator) -> torch.Tensor:
     """float32 [B, L] scores in [0, 1]: either rounded to quarters (many ties, to check the
-    lowest-index tie break) or continuous; about 5% NaN."""
+    lowest-index tie break) or continuous; about 5% NaN, and in some draws whole rows of NaN (so a row's every
+    candidate may be NaN)."""
     score = (torch.rand(B, L, generator=g) * 4).round() / 4 if draw(st.booleans()) else torch.rand(B, L, generator=g)
     score[torch.rand(B, L, generator=g) < 0.05] = float("nan")
+    score[torch.rand(B, generator=g) < draw(st.sampled_from([0.0, 0.3]))] = float("nan")
     return score

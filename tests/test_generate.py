@@ -310,8 +310,10 @@ def test_dynamic_commits_every_position_above_threshold_or_the_top_n(model, monk
         for b in range(masked.shape[0]):
             if above[b].sum() >= n[b]:
                 assert torch.equal(committed[b], above[b])
-            else:
+            else:  # the n most confident masked positions
                 assert committed[b].sum() == min(int(n[b]), int(masked[b].sum()))
+                if (masked[b] & ~committed[b]).any():
+                    assert conf[b][committed[b]].min() >= conf[b][masked[b] & ~committed[b]].max()
 
 
 @pytest.mark.parametrize("left", [True, False])

@@ -42,7 +42,8 @@ def _cases(draw):
     score = draw_scores(draw, B, L, g)
     if rule == "delta":
         score = score * 3
-    thr = draw(st.sampled_from([0.5, 1.0, 0.25] if rule == "tau" else [0.5, 1.0, 2.0]))
+    # thresholds the scores can equal (quarters; for delta three times them), so the rules' >= / <= are checked
+    thr = draw(st.sampled_from([0.5, 1.0, 0.25] if rule == "tau" else [0.5, 0.75, 1.5, 2.0]))
     return block, revealed, score, thr, rule, draw(st.booleans()), draw(st.booleans())
 
 
@@ -82,6 +83,20 @@ def test_exact_cases():
             got = fn(b, torch.ones(1, 2, dtype=torch.bool, device=DEV), torch.tensor([scores], device=DEV), 0.5,
                      mask_token_id=M, rule=rule)
             assert got.cpu().tolist() == [[True, False]] and b.cpu().tolist() == [[M, 2]], rule
+
+
+@pytest.mark.parametrize("fn", [remask_ref, remask_triton], ids=["reference", "triton"])
+def test_threshold_equality_and_all_nan_rows(fn):
+    """A score equal to the threshold passes under both rules (tau: >=, delta: <=); a row whose revealed scores are
+    all NaN keeps its first revealed position (NaN counts as the worst score), not one it did not reveal."""
+    block = torch.tensor([[1, 2, 3], [4, 5, 6]], device=DEV)
+    rev = torch.tensor([[True, True, False], [False, True, True]], device=DEV)
+    nan = float("nan")
+    for rule, thr, row0 in (("tau", 0.5, [0.5, 0.75, 0.0]), ("delta", 1.0, [1.0, 0.5, 9.0])):
+        b = block.clone()
+        got = fn(b, rev, torch.tensor([row0, [0.1, nan, nan]], device=DEV), thr, mask_token_id=M, rule=rule)
+        assert got.cpu().tolist() == [[False, False, False], [False, False, True]], rule
+        assert b.cpu().tolist() == [[1, 2, 3], [4, 5, M]], rule
 
 
 @pytest.mark.triton

@@ -36,7 +36,8 @@ def _cases(draw):
     first = torch.randint(0, 40, (B, 1), generator=g) // 4 * 4
     positions = first + torch.arange(L)  # a block of positions per row
     starts = first[:, 0] + torch.randint(0, L + 1, (B,), generator=g)  # the prompt ends inside the block or after
-    ends = first[:, 0] + torch.randint(1, L + 2, (B,), generator=g)  # the output ends inside the block or past it
+    # the output ends before the block, inside it or past it
+    ends = (first[:, 0] + torch.randint(-3, L + 2, (B,), generator=g)).clamp(min=0)
     eos_ids = draw(st.sets(st.integers(0, V - 1).filter(lambda i: i != M), max_size=3))
     return block, positions, starts, ends, eos_ids
 
@@ -69,11 +70,24 @@ def test_exact_rows():
     ends = torch.tensor([12, 12, 12, 12, 10, 8])
     is_eos = torch.zeros(V, dtype=torch.bool)
     is_eos[3] = True
-    for op in (settle_ref, mt.settle_rows):
-        b, e = block.clone(), ends.clone()
-        op(b, positions, starts, e, is_eos, mask_token_id=M, filler=FILLER)
+    for op in (settle_ref, settle_rows_triton):
+        b, e = block.clone().to(DEV), ends.clone().to(DEV)
+        op(b, positions.to(DEV), starts.to(DEV), e, is_eos.to(DEV), mask_token_id=M, filler=FILLER)
         assert e.tolist() == [12, 10, 11, 11, 10, 8]
         assert b.tolist() == [[3, M, 5, M], [1, 3, 0, 0], [1, M, 3, M], [1, 2, 3, 3], [1, 2, 0, 0], [3, 3, 3, 3]]
+
+
+@pytest.mark.parametrize("fn", [settle_ref, settle_rows_triton], ids=["reference", "triton"])
+@pytest.mark.parametrize("L", [16, 32])
+def test_an_end_before_a_block_of_eos_stays(fn, L):
+    """A full block (no padding lanes in the kernel) of new EOS tokens past the row's end leaves the end as it is."""
+    is_eos = torch.zeros(V, dtype=torch.bool, device=DEV)
+    is_eos[3] = True
+    block = torch.full((1, L), 3, device=DEV)
+    ends = torch.tensor([L], device=DEV)
+    fn(block, torch.arange(L, 2 * L, device=DEV)[None], torch.tensor([L], device=DEV), ends, is_eos,
+       mask_token_id=M, filler=FILLER)
+    assert ends.tolist() == [L]
 
 
 @pytest.mark.parametrize("change, match", [

@@ -88,6 +88,7 @@ def _cases(draw):
     else:
         tconf = torch.rand(B, K + 1, L, generator=g)
     tconf[torch.rand(B, K + 1, L, generator=g) < 0.03] = float("nan")
+    tconf[torch.rand(B, K + 1, generator=g) < draw(st.sampled_from([0.0, 0.3]))] = float("nan")  # whole states
     dpos, dtok = _drafts_following_targets(block, ttok, tconf, draw(st.sampled_from([0.0, 0.6, 1.0])), g)
     return block, dpos, dtok, ttok, tconf
 
@@ -146,6 +147,18 @@ def test_block_end_and_decoded_rows(fn):
     assert acc.tolist() == [1, 0]                # row 0: draft accepted, C(1) has no mask left
     assert bonus.tolist() == [-1, -1]            # no bonus on a full block
     assert b.tolist() == [[1, 7], [6, 7]]
+
+
+@pytest.mark.parametrize("fn", [verify_ref, verify_drafts_triton], ids=["reference", "triton"])
+def test_nan_confidence_at_every_masked_position_picks_the_first_masked(fn):
+    """NaN counts as -inf: when every masked position's confidence is NaN, the pick is the first masked position,
+    never a decoded one (whose confidence is finite)."""
+    nan = float("nan")
+    block = torch.tensor([[5, M, M]])
+    ttok = torch.tensor([[[1, 2, 3], [1, 2, 3]]])
+    tconf = torch.tensor([[[0.9, nan, nan], [0.9, nan, nan]]])
+    b, acc, bonus = _run(fn, block, torch.tensor([[1]]), torch.tensor([[2]]), ttok, tconf)
+    assert acc.tolist() == [1] and bonus.tolist() == [2] and b.tolist() == [[5, 2, 3]]
 
 
 @pytest.mark.parametrize("fn", [verify_ref, verify_drafts_triton], ids=["reference", "triton"])
