@@ -1,6 +1,6 @@
 """The draft vocabulary of speculative decoding: the lm_head rows a draft step scores.
 
-At a large vocabulary the lm_head is most of a draft step's weights (1.7B shape: 0.62 of 0.92 GB), so drafts may
+At a large vocabulary the lm_head is most of a draft step's weights (1.7B shape: 0.62 of 0.94 GB), so drafts may
 choose among a subset of the token ids (``draft_vocab``): an int N, the ids below N (BPE ids are in merge order,
 so these are roughly the frequent tokens; the rows are a view of the lm_head), or the token ids themselves, such
 as the N most frequent ones of the user's data (``mrp-train draft-vocab``; the rows are gathered into a buffer of

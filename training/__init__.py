@@ -8,7 +8,7 @@ Modules:
 - :mod:`training.losses`         backbone masked CE and MRP distillation losses
 - :mod:`training.trainer`        the loop: AdamW, cosine schedule, accumulation, DDP,
                                  atomic checkpoints, bit-exact resume
-- :mod:`training.cli`            ``mrp-train backbone|mrp``
+- :mod:`training.cli`            ``mrp-train backbone|mrp|eval|draft-vocab``
 """
 
 from .config import ConfigError, TrainConfig
