@@ -328,6 +328,11 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
     with pytest.raises(ConfigError, match="--resume: the checkpoint was made with min_lr_ratio=0.1, this run has "
                                           "min_lr_ratio=0.5"):
         run(_cli_args(env, bb, "--max-steps", "3", "--resume", "--min-lr-ratio", "0.5"))
+    # and the model the flags build: its shapes (the restore would crash on them), and a setting that changes none
+    for flags, message in ((["--hidden-size", "48"], "config.hidden_size=32, this run has config.hidden_size=48"),
+                           (["--rope-theta", "500"], "config.rope_parameters=")):
+        with pytest.raises(ConfigError, match="--resume: the checkpoint was made with " + message):
+            run(_cli_args(env, bb, "--max-steps", "3", "--resume", *flags))
 
 
 def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatch):

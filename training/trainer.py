@@ -222,6 +222,13 @@ def check_out_dir(out_dir: str, resume: bool) -> None:
                           "or choose a new --out")
 
 
+# The model config fields a resumed run must find as its checkpoint has them (those the model flags and --model set).
+ARCHITECTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+                "rope_parameters", "tie_word_embeddings", "attention_bias", "block_size", "mask_token_id",
+                "num_nextn_predict_layers")
+
+
 # The optimizer's settings a checkpoint restores (its param groups'), named by the settings that set them.
 OPTIMIZER_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight-decay", "betas": "betas (adam_beta1, --adam-beta2)",
                    "eps": "adam_eps"}
@@ -427,6 +434,7 @@ def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, ev
     data_info = {"fingerprint": fingerprint, "num_sequences": len(train_ds), "global_batch": G,
                  "seq_len": cfg.seq_len, "block_size": cfg.block_size, "seed": cfg.seed, "total_steps": total,
                  "warmup_steps": warmup, "min_lr_ratio": cfg.min_lr_ratio}  # the schedule (LambdaLR saves no lambda)
+    data_info.update({f"config.{k}": getattr(model.config, k) for k in ARCHITECTURE})  # the model the flags built
 
     start_step, tokens_seen = 0, 0
     metrics_path = os.path.join(cfg.out_dir, METRICS)
