@@ -237,6 +237,7 @@ class GenerationSettings:
             asked -= set(SAMPLING) - set(kwargs)  # values wait, as the checkpoint's do (pipelines of transformers
             # 5.17 pass their sampling defaults in a config beside an explicit do_sample=False)
         settings._drop_unread(asked)
+        settings._one_draft_choice(asked)
         if {"max_new_tokens", "max_length"} <= asked:
             logger.warning_once(f"both max_new_tokens={settings.max_new_tokens} and max_length={settings.max_length} "
                                 "were given: max_new_tokens wins (as in transformers)")
@@ -275,6 +276,16 @@ class GenerationSettings:
                 raise ValueError(f"{name}={getattr(self, name)!r} steers strategy {readers}, not {self.strategy!r}: "
                                  "drop it (or choose a strategy that reads it)")
             setattr(self, name, self._default(name))
+
+    def _one_draft_choice(self, asked: set[str]) -> None:
+        """``draft_vocab`` and ``draft_candidates`` exclude each other: when the call asks for one, a generation
+        config's value of the other waits (a checkpoint carrying a draft vocabulary still serves a call asking for
+        draft_candidates); :meth:`validate` refuses both only when both come from the call or both from configs."""
+        pair = ("draft_vocab", "draft_candidates")
+        if all(getattr(self, name) is not None for name in pair):
+            for name, other in (pair, pair[::-1]):
+                if other in asked and name not in asked:
+                    setattr(self, name, None)
 
     def _fill_defaults(self, config, prompt_width: int) -> None:
         if self.max_new_tokens is None and self.max_length is not None:
@@ -377,7 +388,7 @@ class GenerationSettings:
                                  "token); None drafts from the whole vocabulary")
             if self.draft_vocab is not None:
                 raise ValueError("draft_candidates and draft_vocab both choose the tokens a draft scores: give one "
-                                 "of them")
+                                 "of them (one a call gives overrides the other's value in a generation config)")
 
 
 def _number(name: str, value) -> float:

@@ -153,6 +153,7 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: SDARMRPConfig):
+        config._validate()  # again: from_pretrained sets its overrides (mask_token_id=...) after the config's __init__
         super().__init__(config)
         self.model = SDARModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -176,3 +176,26 @@ def test_a_checkpoint_may_set_draft_candidates_for_its_speculative_calls(monkeyp
     assert not calls
     assert torch.equal(model.generate(prompts, max_new_tokens=12, strategy="speculative"), static)
     assert calls and all(shape[1] == 4 for shape in calls)
+
+
+def test_a_calls_draft_choice_overrides_the_checkpoints_other_one(monkeypatch):
+    """draft_vocab and draft_candidates exclude each other: a call asking for one sets the checkpoint's other aside
+    (a checkpoint carrying a draft vocabulary, as mrp-train draft-vocab --into-generation-config writes it, used to
+    refuse every call asking for draft_candidates); both set by the checkpoint alone is refused."""
+    model = tiny_model(seed=3, block_size=8)
+    prompts = random_prompts(1, 5, seed=1)
+    calls = []
+    pick = mrp_triton.candidate_confidence
+    monkeypatch.setattr(mrp_triton, "candidate_confidence",
+                        lambda *a, **k: (calls.append(a[2].shape), pick(*a, **k))[1])
+    kw = dict(max_new_tokens=12, strategy="speculative")
+    static = model.generate(prompts, max_new_tokens=12)
+    model.generation_config.draft_vocab = list(range(MASK))
+    assert torch.equal(model.generate(prompts, draft_candidates=4, **kw), static)
+    assert calls and all(shape[1] == 4 for shape in calls)
+    model.generation_config.draft_vocab, model.generation_config.draft_candidates = None, 4
+    calls.clear()
+    assert torch.equal(model.generate(prompts, draft_vocab=MASK, **kw), static) and not calls
+    model.generation_config.draft_vocab = MASK
+    with pytest.raises(ValueError, match="give one of them"):
+        model.generate(prompts, **kw)

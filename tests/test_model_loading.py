@@ -64,6 +64,15 @@ def test_config_rejects_bad_values(kw, message):
         SDARMRPConfig(**kw)
 
 
+@pytest.mark.parametrize("override", [dict(mask_token_id=5000), dict(mask_token_id=-1), dict(block_size=0)])
+def test_a_load_override_is_checked_as_the_config_is(tmp_path, override):
+    """from_pretrained sets its keyword overrides on the config after building it: they are checked all the same (a
+    mask id outside the vocabulary used to load, then fail in the embedding lookup of generate)."""
+    tiny_model(dtype=torch.float32).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"config.{next(iter(override))}"):
+        SDARMRPForCausalLM.from_pretrained(tmp_path, **override)
+
+
 def test_config_head_dim_none_is_hidden_over_query_heads():
     assert SDARMRPConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=None).head_dim == 8
     assert SDARMRPConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}).rope_parameters["factor"] == 2.0
