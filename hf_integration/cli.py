@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
-from .generation_settings import DRAFT_SCHEDULES, READ_BY, REMASK_RULES, STRATEGIES, GenerationSettings
+from .generation_settings import DRAFT_SCHEDULES, MRP_STRATEGIES, READ_BY, REMASK_RULES, STRATEGIES, GenerationSettings
 from .prompts import PromptBatch
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "chat template (chat checkpoints such as SDAR-*-Chat)")
     p.add_argument("--system", help="a system message before the prompt (with --chat)")
     p.add_argument("--model", default=str(SHIPPED_MODEL), help="checkpoint folder or Hub repo id")
-    p.add_argument("--strategy", choices=STRATEGIES, help="decoding mode (docs/decoding.md; default: speculative)")
+    p.add_argument("--strategy", choices=STRATEGIES, help="decoding mode (docs/decoding.md; default: "
+                   "speculative, or static for a model without an MRP head)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to decode")
     p.add_argument("--block-length", type=int, help="default: the model's block size")
     p.add_argument("--denoising-steps", type=int, help="static / dynamic / remask: steps a block takes at most "
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="with --do-sample: the seed of the sampling noise")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
-    p.add_argument("--compare", action="store_true", help="run static, dynamic, direct, speculative and remask")
+    p.add_argument("--compare", action="store_true", help="run static, dynamic, direct, speculative and remask (the "
+                   "first two on a model without an MRP head) and print each completion that differs from static's")
     p.add_argument("--show-steps", action="store_true", help="after the completion, list each decoding step's "
                    "tokens: the order in which decoding revealed them (generate(output_reveal_steps=True))")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")
@@ -116,14 +118,22 @@ def load(model_path: str, device: str, dtype: str | None):
                          "use --device cpu")
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if _looks_local(model_path) and not Path(model_path).expanduser().exists():
+        raise UsageError(f"--model: no folder {model_path!r} (a Hub repo id reads 'owner/name')")
     try:
         model = SDARMRPForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         # With the model's config given, AutoTokenizer does not load (and ask to trust) the remote config again.
         tokenizer = AutoTokenizer.from_pretrained(model_path, config=model.config)
     except OSError as err:  # no such folder or repo, a folder without a checkpoint, offline without a cached copy
         raise UsageError(f"--model: {model_path!r} is neither a checkpoint folder nor a Hub repo that could be "
-                         f"fetched ({type(err).__name__}: {err})") from err
+                         f"fetched ({type(err).__name__}: {' '.join(str(err).split())})") from err
     return tokenizer, model.to(device).eval()
+
+
+def _looks_local(model_path: str) -> bool:
+    """Whether ``--model`` names a path rather than a Hub repo id (``owner/name``): absolute, relative to ``.`` /
+    ``..`` / ``~``, or deeper than one slash."""
+    return model_path.startswith(("/", "./", "../", "~", ".\\")) or model_path.count("/") > 1
 
 
 def encode(tokenizer, prompt: str, args: argparse.Namespace) -> torch.Tensor:
@@ -166,17 +176,21 @@ def steps_text(tokenizer, new: torch.Tensor, reveal_steps: torch.Tensor) -> str:
     """One line per decoding step of a completion: the step and the tokens it revealed for good, each as its place
     among the new tokens and its text. new, reveal_steps: [n] (the output's new positions; a step 0 is padding)."""
     lines = []
-    for step in sorted(set(reveal_steps.tolist()) - {0}):
+    for step in range(1, int(reveal_steps.max()) + 1):
         places = (reveal_steps == step).nonzero().flatten().tolist()
-        lines.append(f"step {step:>3}: " + "  ".join(f"{i}:{tokenizer.decode(new[i : i + 1])!r}" for i in places))
+        text = "  ".join(f"{i}:{tokenizer.decode(new[i : i + 1])!r}" for i in places)
+        lines.append(f"step {step:>3}: " + (text or "(revealed only positions past the completion's end)"))
     return "\n".join(lines)
 
 
-def compare_settings(base: dict) -> list[dict]:
-    """The settings of each row of :data:`COMPARE`: ``base`` with the row's strategy and its own values where
-    ``base`` gives none (None), without the settings the row's strategy does not read (:data:`READ_BY`)."""
+def compare_settings(base: dict, mrp: bool = True) -> list[dict]:
+    """The settings of each row of :data:`COMPARE` (without ``mrp``, those of the strategies that need no MRP head):
+    ``base`` with the row's strategy and its own values where ``base`` gives none (None), without the settings the
+    row's strategy does not read (:data:`READ_BY`)."""
     runs = []
     for strategy, extra in COMPARE:
+        if strategy in MRP_STRATEGIES and not mrp:
+            continue
         unread = {name for name, strategies in READ_BY.items() if strategy not in strategies}
         settings = {**extra, **{k: v for k, v in base.items() if v is not None or k not in extra}}
         runs.append({"strategy": strategy, **{k: v for k, v in settings.items() if k not in unread}})
@@ -198,10 +212,12 @@ def check_settings(model, ids: torch.Tensor, runs: list[dict]) -> None:
             raise UsageError(f"--strategy {settings['strategy']}: {err}") from err
 
 
-def compare_table(model, ids: torch.Tensor, runs: list[dict]) -> str:
-    """One row per run of :func:`compare_settings`. On a GPU each strategy runs once untimed first (Triton
+def compare_table(model, tokenizer, ids: torch.Tensor, runs: list[dict]) -> str:
+    """One row per run of :func:`compare_settings` (tokens: the new tokens the completion keeps; TPF: tokens
+    decoded a backbone forward, the last block's positions past the end included), then the completion of the first
+    run and each other run's that differs from it. On a GPU each strategy runs once untimed first (Triton
     compilation and CUDA-graph capture), so tok/s is the steady state."""
-    rows, reference = [], None
+    rows, reference, texts = [], None, []
     header = f"{'strategy':<12}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
     for settings in runs:
         strategy = settings["strategy"]
@@ -209,12 +225,16 @@ def compare_table(model, ids: torch.Tensor, runs: list[dict]) -> str:
             run_one(model, ids, settings)
         out, seconds = run_one(model, ids, settings)
         new, stats = out.sequences[0, ids.shape[1]:], out.stats.as_dict()
+        kept = int(out.new_tokens[0])
+        if reference is None or not torch.equal(new, reference):
+            texts.append(f"--- {strategy}'s completion"
+                         f"{'' if reference is None else ' (differs from ' + runs[0]['strategy'] + ')'}"
+                         f"\n{tokenizer.decode(new[:kept], skip_special_tokens=True)}")
         reference = new if reference is None else reference
         agree = (new == reference).double().mean().item()
-        tokens = stats["tokens_committed"][0]
-        rows.append(f"{strategy:<12}{tokens:>7}{stats['backbone_forwards'][0]:>8}{stats['mrp_forwards'][0]:>8}"
-                    f"{stats['tokens_per_forward'][0]:>7.2f}{tokens / seconds:>9.1f}{agree:>10.0%}")
-    return "\n".join([header, *rows])
+        rows.append(f"{strategy:<12}{kept:>7}{stats['backbone_forwards'][0]:>8}{stats['mrp_forwards'][0]:>8}"
+                    f"{stats['tokens_per_forward'][0]:>7.2f}{kept / seconds:>9.1f}{agree:>10.0%}")
+    return "\n".join([header, *rows, *texts])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--compare runs every strategy: drop --strategy")
     if args.compare and args.show_steps:
         parser.error("--show-steps lists one strategy's steps: drop --compare (or --show-steps)")
-    args.strategy = args.strategy or "speculative"
     try:
         return generate_and_print(args, prompt)
     except UsageError as err:
@@ -258,12 +277,14 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
     """Load the model, check the settings, then print the completion (streamed) and its stats, or the table of
     ``--compare``."""
     tokenizer, model = load(args.model, args.device, args.dtype)
+    if args.strategy is None:
+        args.strategy = "speculative" if model.has_mrp else "static"
     ids = encode(tokenizer, prompt, args).to(args.device)
     settings = generate_settings(args, tokenizer)
-    runs = compare_settings(settings) if args.compare else [{**settings, "strategy": args.strategy}]
+    runs = compare_settings(settings, model.has_mrp) if args.compare else [{**settings, "strategy": args.strategy}]
     check_settings(model, ids, runs)
     if args.compare:
-        print(compare_table(model, ids, runs))
+        print(compare_table(model, tokenizer, ids, runs))
         return 0
     if not args.chat:
         print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
@@ -271,8 +292,10 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
     out, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer,
                                         "output_reveal_steps": args.show_steps})
     stats = out.stats.as_dict()
-    # the count may hold a few of the last block's positions past --max-new-tokens (committed on the way, not printed)
-    print(f"\n[{args.strategy}] {stats['tokens_committed'][0]} tokens committed, "
+    # decoding fills whole blocks: the last one's positions past the end are decoded (in tokens/forward), not kept
+    kept, decoded = int(out.new_tokens[0]), stats["tokens_committed"][0]
+    print(f"\n[{args.strategy}] {kept} new tokens"
+          + (f" ({decoded} decoded: the last block's positions past the end too)" if decoded != kept else "") + ", "
           f"{stats['backbone_forwards'][0]} backbone forwards, {stats['mrp_forwards'][0]} MRP forwards, "
           f"{stats['tokens_per_forward'][0]:.2f} tokens/forward, "
           f"{seconds:.2f} s" + (" (with Triton compilation and CUDA-graph capture: --compare times the steady state)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_mrp_generate_cli_runs_end_to_end():
     assert out.startswith("def add(a, b):") and "[speculative]" in out
     assert "custom code" not in out  # no trust prompt (it would wait for an answer in a terminal)
     stopped = _run(["-m", "hf_integration.cli", "def add(a, b):", "--max-new-tokens", "48", "--stop", "\n"])
-    tokens = int(stopped.split("[speculative] ")[1].split(" tokens")[0])
+    tokens = int(stopped.split("[speculative] ")[1].split(" new tokens")[0])
     assert tokens < 16 and "\n" in stopped[len("def add(a, b):"):]  # stopped in the first block, at a newline
     table = _run(["-m", "hf_integration.cli", "import os", "--max-new-tokens", "8", "--compare"])
     for strategy in ("static", "dynamic", "direct", "speculative", "remask"):
@@ -159,16 +160,35 @@ def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
     assert cli.main(["def f(x):", "--max-new-tokens", "8", "--strategy", "static", "--show-steps"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     steps = [int(line.split(":")[0].split()[1]) for line in lines]
-    assert len(lines) == 8 and steps == sorted(set(steps))
-    places = [int(line.split(": ")[1].split(":")[0]) for line in lines]
-    assert sorted(places) == list(range(8))
+    assert steps == list(range(1, len(lines) + 1))  # a step that kept nothing says so
+    listed = [line for line in lines if "past the completion's end" not in line]
+    places = [int(line.split(": ")[1].split(":")[0]) for line in listed]
+    assert len(listed) == 8 and sorted(places) == list(range(8))
     with pytest.raises(SystemExit):
         cli.main(["def f(x):", "--compare", "--show-steps"])
     assert "--show-steps lists one strategy's steps: drop --compare" in capsys.readouterr().err
 
 
+def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
+    """Without --strategy it decodes static (speculative needs the head it lacks), and --compare runs the two
+    strategies that need none, printing the completions after the table."""
+    from hf_integration import cli
+
+    backbone = tmp_path / "backbone"
+    shutil.copytree(SHIPPED_MODEL, backbone)
+    config = json.loads((backbone / "config.json").read_text())
+    (backbone / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    assert cli.main(["def f(x):", "--model", str(backbone), "--max-new-tokens", "4"]) == 0
+    assert "[static] 4 new tokens" in capsys.readouterr().err
+    assert cli.main(["def f(x):", "--model", str(backbone), "--max-new-tokens", "4", "--compare"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["static", "dynamic"] and table[3] == "--- static's completion"
+    assert not any(line.startswith(("direct", "speculative", "remask")) for line in table)
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--model", "{tmp}/missing"], "--model: '{tmp}/missing' is neither a checkpoint folder nor a Hub repo"),
+    (["--model", "{tmp}/missing"], "--model: no folder '{tmp}/missing'"),
+    (["--model", "owner/missing"], "--model: 'owner/missing' is neither a checkpoint folder nor a Hub repo"),
     (["--model", "{tmp}"], "--model: '{tmp}' is neither a checkpoint folder"),  # a folder without a checkpoint
     (["-K", "0"], "--strategy speculative: mrp_steps=0 must be >= 1"),
     (["--strategy", "dynamic", "--threshold", "1.5"], "--strategy dynamic: threshold=1.5 must be in (0, 1]"),

@@ -253,7 +253,7 @@ def test_killed_subprocess_resumes(env, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_cli_backbone_then_mrp_export(env, tmp_path):
+def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     from transformers import AutoTokenizer
 
     from hf_integration import SDARMRPForCausalLM
@@ -273,6 +273,7 @@ def test_cli_backbone_then_mrp_export(env, tmp_path):
                "--mrp-layers", "1", "--unroll-k", "2", "--micro-batch-size", "2", "--max-steps", "3",
                "--mrp-init", "normal", "--no-progress"])
     assert res["step"] == 3
+    assert "no MRP head" not in caplog.text  # loading the backbone to give it a head does not warn that it has none
     m = SDARMRPForCausalLM.from_pretrained(str(mrp))
     assert m.config.num_nextn_predict_layers == 1 and m.has_mrp
     base = SDARMRPForCausalLM.from_pretrained(str(bb))

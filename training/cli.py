@@ -298,9 +298,8 @@ def _eval_defaults(args) -> None:
 def run_eval(args) -> dict:
     """``mrp-train eval``: :func:`training.trainer.evaluate` of the model's own MRP head on held-out data; the result
     names the settings it ran with."""
-    from hf_integration import SDARMRPForCausalLM
-
     from .data import build_datasets
+    from .models import load_model
     from .tokenizer import load_tokenizer, special_token_ids
     from .trainer import LossModule, evaluate
 
@@ -315,7 +314,7 @@ def run_eval(args) -> dict:
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
     data, _ = build_datasets(None, tokenizer, cfg.seq_len, cfg.block_size, records=(records, []))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = SDARMRPForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+    model = load_model(args.model).to(device).eval()
     if not model.has_mrp:
         raise ConfigError(f"--model: {args.model!r} has no MRP head to evaluate")
     model.config.block_size = cfg.block_size

@@ -16,10 +16,26 @@ deviation of these weights; the authors' code is not reproduced here.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from .config import ConfigError, TrainConfig
+
+
+def load_model(model_dir: str, dtype=torch.float32):
+    """``SDARMRPForCausalLM.from_pretrained(model_dir)`` without its warning that a checkpoint without an MRP head
+    refuses MRP decoding (training gives it a head; evaluation refuses it with its own message)."""
+    from hf_integration import modeling_sdar_mrp
+
+    log = logging.getLogger(modeling_sdar_mrp.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return modeling_sdar_mrp.SDARMRPForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    finally:
+        log.setLevel(level)
 
 
 def backbone_head_dim(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
@@ -100,11 +116,9 @@ def prepare_mrp_model(model_dir: str, num_layers: int | None = None, init: str |
     N(0, ``init_std``))."""
     import os
 
-    from hf_integration import SDARMRPForCausalLM
-
     if not os.path.isdir(model_dir) or not os.path.exists(os.path.join(model_dir, "config.json")):
         raise ConfigError(f"--model: {model_dir!r} is not a model folder (no config.json)")
-    model = SDARMRPForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = load_model(model_dir, dtype)
     if block_size is not None:
         model.config.block_size = block_size
     continued = model.has_mrp
