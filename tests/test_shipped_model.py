@@ -200,6 +200,7 @@ def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
     (["--max-new-tokens", "5000"], "--strategy speculative: prompt + max_new_tokens reaches position 5008"),
     (["--top-k", "5"], "--strategy speculative: top_k=5 steers sampling, which this call does not do"),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file: [Errno 2] No such file or directory"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
 ])
 def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, message, tmp_path, monkeypatch, capsys):
     """Bad options end mrp-generate with exit status 2 and one line naming the option, before anything is decoded."""
