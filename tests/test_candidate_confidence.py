@@ -159,3 +159,16 @@ def test_errors():
             op(h, w, ids, rest, skip_rows=torch.zeros(3, dtype=torch.bool), **kw)
     tok, prob = candidate_confidence_triton(h[:0], w, ids[:0], rest[:0], seed_hidden=h[:0], vocab_mean=w.mean(0))
     assert tok.shape == prob.shape == (0,)
+
+
+def test_a_temperature_tensor_steers_sampled_picks_as_the_float_does():
+    """Captured decoding steps pass the temperature as a 0-d tensor on the device: sampled picks read it too."""
+    g = torch.Generator().manual_seed(7)
+    hidden, weight, ids, rest, seed_hidden, mean = _inputs(5, 12, 40, 8, torch.float32, g)
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, do_sample=True, seed=3,
+              noise_keys=torch.randint(0, 2**40, (5, 3), generator=g).to(DEV))
+    tok, prob = candidate_confidence_triton(hidden, weight, ids, rest,
+                                            temperature=torch.tensor(0.4, dtype=torch.float64, device=DEV), **kw)
+    want_tok, want_prob = candidate_confidence_reference(hidden, weight, ids, rest, temperature=0.4, **kw)
+    assert torch.equal(tok, want_tok)
+    torch.testing.assert_close(prob, want_prob, rtol=2e-5, atol=1e-6)

@@ -66,6 +66,17 @@ def test_kernel_matches_reference(n, V, dtype, splits, block, scale, grad, pad, 
     assert (wide[:, V:] == 7.0).all()
 
 
+@pytest.mark.parametrize("splits", [3, 5])
+def test_rows_of_very_negative_logits_merge_their_slices(splits):
+    """Slice counts that are not a power of two leave padding lanes in the merge: they must not lift a row's maximum
+    (logits all near -200 would then underflow to a normaliser of -inf, the KL to NaN)."""
+    g = torch.Generator().manual_seed(0)
+    s = (torch.randn(3, 300, generator=g) - 200).to(DEV)
+    t = s + 0.5 * torch.randn(3, 300, generator=g).to(DEV)
+    got = softmax_kl_triton(s.clone(), t, splits=splits, block=16)
+    torch.testing.assert_close(got, ref.softmax_kl(s.clone(), t), **TOL[torch.float32])
+
+
 @pytest.mark.triton
 def test_kernel_at_a_real_vocabulary():
     """A chunk's rows at the released models' vocabulary (V = 151936, not a multiple of the tiles), with the
