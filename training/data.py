@@ -182,20 +182,21 @@ def hash_draw(key: str, seed: int = 0) -> float:
     return int.from_bytes(h[:8], "big") / 2.0**64
 
 
-def split_by_hash(keys: Sequence[str], heldout_fraction: float, seed: int = 0) -> set[int]:
-    """The indices of ``keys`` held out: those whose :func:`hash_draw` is below the fraction, so membership depends
-    on the key alone (not on the order or the other keys; a larger fraction holds out a superset). One key is
-    always kept (the largest draw), and with ``fraction > 0`` and >= 2 keys one is held out (the smallest).
-    Raises ``ConfigError`` for a fraction outside [0, 1)."""
+def split_by_hash(items: Sequence, heldout_fraction: float, seed: int = 0, key=str) -> tuple[list, list]:
+    """``(kept, heldout)``, both in the order of ``items``: an item is held out when the :func:`hash_draw` of its
+    ``key(item)`` is below the fraction, so membership depends on the key alone (not on the order or the other
+    items; a larger fraction holds out a superset). One item is always kept (the largest draw), and with
+    ``fraction > 0`` and >= 2 items one is held out (the smallest). Raises ``ConfigError`` for a fraction outside
+    [0, 1)."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ConfigError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
-    draws = [hash_draw(k, seed) for k in keys]
+    draws = [hash_draw(key(item), seed) for item in items]
     held = {i for i, d in enumerate(draws) if d < heldout_fraction}
-    if heldout_fraction > 0 and not held and len(keys) >= 2:
-        held = {min(range(len(keys)), key=draws.__getitem__)}
-    if held and len(held) == len(keys):
-        held.discard(max(range(len(keys)), key=draws.__getitem__))
-    return held
+    if heldout_fraction > 0 and not held and len(items) >= 2:
+        held = {min(range(len(items)), key=draws.__getitem__)}
+    if held and len(held) == len(items):
+        held.discard(max(range(len(items)), key=draws.__getitem__))
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
 
 def record_key(rec: dict) -> str:
@@ -209,8 +210,7 @@ def split_records(records: list, heldout_fraction: float) -> tuple[list, list]:
     hash of its :func:`record_key` (:func:`split_by_hash`), so a backbone run and a later MRP run on the same
     documents agree on the split whatever their ``--seed``, file order or added documents, and copies of a document
     fall on the same side."""
-    held = split_by_hash([record_key(r) for r in records], heldout_fraction)
-    return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
+    return split_by_hash(records, heldout_fraction, key=record_key)
 
 
 def is_literal(record: dict) -> bool:

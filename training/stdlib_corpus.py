@@ -56,9 +56,7 @@ def split_files(files: list[str], heldout_fraction: float = 0.02, seed: int = 0)
     """``(train, heldout)`` by file, sorted; a file is held out iff hash(seed, path) < fraction
     (:func:`training.data.split_by_hash`: at least one held out and one kept when ``fraction > 0`` and there are
     >= 2 files)."""
-    files = sorted(set(files))
-    held = split_by_hash(files, heldout_fraction, seed)
-    return [f for i, f in enumerate(files) if i not in held], [f for i, f in enumerate(files) if i in held]
+    return split_by_hash(sorted(set(files)), heldout_fraction, seed)
 
 
 def build_manifest(heldout_fraction: float = 0.02, seed: int = 0, root: str | None = None) -> dict:
