@@ -796,6 +796,44 @@ def _staggered_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def _left_padded(lens: tuple[int, ...], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of ``lens`` tokens, left-padded: ids and attention mask [len(lens), max(lens)]."""
+    ids = random_prompts(len(lens), max(lens), seed=seed)
+    mask = (torch.arange(max(lens)) >= max(lens) - torch.tensor(lens)[:, None]).long()
+    return ids * mask, mask
+
+
+def _steps_per_block(reveal_steps: torch.Tensor, prompt_len: int, block: int) -> list[int]:
+    """A row's decoding steps in each of its blocks, from the steps that revealed its new tokens [n] (after a
+    prompt of ``prompt_len``): the last reveal in a block minus the last in the block before."""
+    n = len(reveal_steps)
+    starts = range(prompt_len // block * block, prompt_len + n, block)
+    ends = [int(reveal_steps[max(s - prompt_len, 0) : s + block - prompt_len].max()) for s in starts]
+    return [b - a for a, b in zip([0, *ends], ends)]
+
+
+@pytest.mark.parametrize("lens,new", [((9, 1, 6, 3), 6), ((2, 5, 11, 7), 6), ((4, 1, 8), 5)])
+@pytest.mark.parametrize("kwargs", [*STRATEGIES, dict(strategy="direct")],
+                         ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_rows_starting_blocks_together_wait_for_the_slowest(model, kwargs, lens, new):
+    """Rows that start their blocks together (``per_row_blocks=False``; static and direct always do) take, for
+    each round of blocks, as many steps as the row slowest in that round takes alone, and each row reveals its
+    tokens at the steps it would alone; rows that run out of blocks drop out (their last blocks end at different
+    places: a row must stop past its last new token, however many rows retired before it)."""
+    T = model.config.block_size
+    ids, mask = _left_padded(lens)
+    common = dict(max_new_tokens=new, output_reveal_steps=True, return_dict_in_generate=True, **kwargs)
+    together = dict(per_row_blocks=False) if kwargs["strategy"] in READ_BY["per_row_blocks"] else {}
+    out = model.generate(ids, attention_mask=mask, **together, **common)
+    rounds = []
+    for b, n in enumerate(lens):
+        alone = model.generate(ids[b : b + 1, max(lens) - n :], **common)
+        assert torch.equal(alone.reveal_steps[0, n:], out.reveal_steps[b, max(lens) :]), b
+        rounds.append(_steps_per_block(alone.reveal_steps[0, n:], n, T))
+    slowest = [max(r[i] for r in rounds if i < len(r)) for i in range(max(map(len, rounds)))]
+    assert out.batch_steps == sum(slowest), rounds
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("kwargs", [k for k in STRATEGIES if k["strategy"] not in ("static", "direct")]
                          + [dict(strategy="speculative", mrp_steps=3, packed_projections=False)],
