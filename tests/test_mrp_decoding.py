@@ -367,3 +367,21 @@ def test_mrp_strategies_check_the_block_from_the_host_rarely(monkeypatch, k):
     verify_rounds = rounds.count("speculate")
     assert verify_rounds == int(stats.accepted_lengths.sum())  # every round had a row with work
     assert spec - static < verify_rounds, (spec, static, verify_rounds)
+
+
+@pytest.mark.parametrize("schedule", ["mrp", "authors"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_counts_an_mrp_forward_for_each_draft_it_made(monkeypatch, schedule, k):
+    """``stats.mrp_forwards`` of speculative decoding is the number of drafts the rounds made (a draft of -1: the
+    row had no mask left, or starts its block with the backbone), less the authors' first drafts, which are the
+    backbone's own picks; prompts of different lengths, so some rows are fresh while others draft."""
+    drafts = spy_on_drafts(monkeypatch)
+    model = tiny_model(seed=2, block_size=8)
+    ids = random_prompts(3, 11, seed=4)
+    mask = (torch.arange(11) >= torch.tensor([[0], [6], [9]])).long()
+    out = model.generate(ids * mask, attention_mask=mask, max_new_tokens=13, strategy="speculative", mrp_steps=k,
+                         draft_schedule=schedule, return_dict_in_generate=True)
+    made = sum(int((d[:, int(schedule == "authors"):] >= 0).sum()) for d in drafts)
+    assert int(out.stats.mrp_forwards.sum()) == made
+    assert (made > 0) == (schedule == "mrp" or k > 1)  # the authors' single draft is the backbone's
+    assert any((d < 0).any() for d in drafts)  # some rounds had rows without a draft
