@@ -57,13 +57,20 @@ def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, blo
     assert ((0 <= extra) & (extra <= k)).all(), extra
 
 
+@pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, temperature=1.3, seed=4),
+                                      dict(do_sample=True, temperature=1.3, seed=4, draft_candidates=64)],
+                         ids=["greedy", "sampled", "sampled-candidates"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_oracle_mrp_reaches_k_plus_one_tokens_per_verify_forward(monkeypatch, k):
+def test_oracle_mrp_reaches_k_plus_one_tokens_per_verify_forward(monkeypatch, k, sampling):
+    """Sampled too: each draft step draws the noise the verify forward draws at that state, so an exact MRP's
+    sampled drafts are the backbone's own samples (with ``draft_candidates``, among the 64 most likely of the 66
+    tokens: the two left out have a negligible share of this model's sharpened softmax)."""
     model = tiny_model(seed=2, block_size=8)
     install_oracle_mrp(model, monkeypatch)
     ids = random_prompts(2, 8, seed=5)  # whole prompt blocks: every decoded block starts fully masked
-    out = model.generate(ids, max_new_tokens=24, strategy="speculative", mrp_steps=k, return_dict_in_generate=True)
-    static = model.generate(ids, max_new_tokens=24)
+    out = model.generate(ids, max_new_tokens=24, strategy="speculative", mrp_steps=k, return_dict_in_generate=True,
+                         **sampling)
+    static = model.generate(ids, max_new_tokens=24, **{n: v for n, v in sampling.items() if n != "draft_candidates"})
     assert torch.equal(out.sequences, static)
     # Each decoded block (3 of them): an opening forward commits 1 token, then every verify round with r
     # masks left accepts min(K, r) drafts and commits min(K + 1, r) tokens.
