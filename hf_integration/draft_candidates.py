@@ -10,9 +10,9 @@ per position instead of V: ``mrp_triton.candidate_confidence``). Verification st
 the output stays lossless; only the acceptance may drop.
 
 A draft's confidence, which decides the position it takes, needs the softmax normaliser over the whole vocabulary.
-It is estimated as the candidates' mass plus the seed's mass outside them (``rest``: log of the seed's softmax
-mass outside the list, from its log-normaliser), shifted by the mean over the vocabulary of what the draft's hidden
-state changes in a logit: ``rest + w_mean . (h - h_seed)`` with ``w_mean`` the mean lm_head row. The shift makes
+It is estimated as the candidates' mass plus the seed's mass outside them (``rest``: the log-sum-exp of the seed's
+logits left out of the list, from its log-normaliser), shifted by the mean over the vocabulary of what the draft's
+hidden state changes in a logit: ``rest + w_mean . (h - h_seed)`` with ``w_mean`` the mean lm_head row. The shift makes
 the estimate invariant to a constant added to every logit (which a residual may carry and a softmax ignores). On
 the shipped model (K = 3, bench_e2e's 24 held-out prompts in 3 batches of 8, tokens per backbone forward averaged
 over the batches) it recovers most of the acceptance a fixed ``rest`` loses: 2.09 with the whole vocabulary; with
@@ -26,9 +26,10 @@ import torch
 
 
 def rest_mass(top_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """log of the softmax mass outside a position's listed tokens: top_logits [..., M] (-inf past the list) and the
-    log-normaliser lse [...] of the same logits (-inf: the position was not scored) -> [...] (-inf, or a remainder at
-    the rounding level of lse, when the list holds all of it)."""
+    """log of the unnormalised softmax mass outside a position's listed tokens (the log-sum-exp of the logits left
+    out): top_logits [..., M] (-inf past the list) and the log-normaliser lse [...] of the same logits (-inf: the
+    position was not scored) -> [...] (-inf, or a remainder at the rounding level of lse, when the list holds all
+    of it)."""
     inside = torch.logsumexp(top_logits, dim=-1)
     gap = torch.where(lse == float("-inf"), 0.0, (inside - lse).clamp(max=0.0))
     return torch.where(lse == float("-inf"), float("-inf"), lse + torch.log(-torch.expm1(gap)))

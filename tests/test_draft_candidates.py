@@ -74,6 +74,31 @@ def test_a_sampled_list_leaves_out_the_mask_token(monkeypatch):
     assert torch.equal(rows.sort(-1).values, torch.arange(MASK).expand_as(rows))
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_lists_rest_is_the_mass_its_seed_forward_leaves_outside_it(monkeypatch, do_sample):
+    """What the drafts get as a position's rest (the log of the unnormalised softmax mass outside its list: the
+    log-sum-exp of the logits left out) is that of the seed forward's logits at the call's temperature (sampling:
+    the listed logits and the log-normaliser on one scale), the mask token left out."""
+    model = small_vocab_model(seed=2)
+    prompts = torch.randint(0, MASK, (2, 5), generator=torch.Generator().manual_seed(7))
+    seen = []
+    pick = mrp_triton.candidate_confidence
+    monkeypatch.setattr(mrp_triton, "candidate_confidence",
+                        lambda *a, **k: (seen.append((a[2].clone(), a[3].clone(), k["seed_hidden"].clone())),
+                                         pick(*a, **k))[1])  # a[2], a[3]: the ids [N, M] and rest [N]
+    temperature = 1.7 if do_sample else 1.0
+    model.generate(prompts, max_new_tokens=16, strategy="speculative", mrp_steps=2, draft_candidates=3,
+                   do_sample=do_sample, temperature=temperature, seed=3)
+    ids, rest, seed_h = (torch.cat(x) for x in zip(*seen))
+    scored = (ids >= 0).all(-1)
+    assert scored.sum() > 4
+    z = (seed_h[scored] @ model.lm_head.weight.T) / temperature
+    z[:, MASK] = float("-inf")
+    outside = z.scatter(-1, ids[scored], float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(rest[scored].double(), outside, rtol=1e-5, atol=1e-5)  # rest: float32
+    assert ((outside - z.logsumexp(-1)).exp() > 1e-3).any()  # lists that leave a share out
+
+
 def test_each_round_drafts_among_its_seed_forwards_list(monkeypatch):
     """With one candidate, a round's drafts choose among (list) exactly the tokens the forward that seeded it picked:
     a block's opening forward, or the verify forward's slice of the accepted candidate state (greedy: its picks
