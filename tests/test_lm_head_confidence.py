@@ -34,6 +34,14 @@ def _ints(shape, lo, hi, dtype, g):
     return torch.randint(lo, hi + 1, shape, generator=g).to(DEV, dtype)
 
 
+def _row_strided(x: torch.Tensor) -> torch.Tensor:
+    """x [N, W] as a view of rows 5 elements longer, their tails 100 (a kernel that took the rows as contiguous
+    would read them)."""
+    wide = torch.full((x.shape[0], x.shape[1] + 5), 100, dtype=x.dtype, device=x.device)
+    wide[:, : x.shape[1]] = x
+    return wide[:, : x.shape[1]]
+
+
 def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
     assert len(out) == len(expect)
     if len(out) == 5:  # with top_m: exact (integer logits)
@@ -50,15 +58,20 @@ def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
 @settings(max_examples=25)
 @given(N=st.integers(1, 20), H=st.integers(1, 40), V=st.integers(2, 300), dtype=st.sampled_from(DTYPES),
        base=st.sampled_from((None, torch.float32, torch.bfloat16)), use_mask=st.booleans(),
-       temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, top_m=st.integers(0, 8), seed=st.integers(0, 2**16))
-def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, top_m, seed):
-    """Every tile layout, with and without the top_m list (which makes every split one tile)."""
+       temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, top_m=st.integers(0, 8), strided=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, top_m, strided,
+                                              seed):
+    """Every tile layout, with and without the top_m list (which makes every split one tile); hidden states and
+    base logits also as row-strided views."""
     if cfg["tma"]:
         H = -(-H // 8) * 8  # TMA needs 16-byte aligned weight rows
     g = torch.Generator().manual_seed(seed)
     hidden = _ints((N, H), -2, 2, dtype, g)
     weight = _ints((V, H), -2, 2, dtype, g)
     base_logits = _ints((N, V), -4, 4, base, g) if base is not None else None
+    if strided:
+        hidden, base_logits = _row_strided(hidden), base_logits if base is None else _row_strided(base_logits)
     mask = int(torch.randint(0, V, (1,), generator=g)) if use_mask else None
     kw = dict(base_logits=base_logits, mask_token_id=mask, temperature=temperature, top_m=min(top_m, V))
     with poisoned_allocations():
