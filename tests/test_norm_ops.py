@@ -126,6 +126,18 @@ def test_swiglu_matches_reference(lead, F, dtype, fused, pad, seed):
     _close(out, ref.swiglu(g, u))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
+def test_swiglu_rounds_silu_to_the_input_dtype_like_eager(dtype):
+    """Eager ``F.silu(gate) * up`` rounds silu(gate) to the dtype before the multiply; a kernel that multiplied the
+    fp32 silu would differ from it by an output ulp on about a quarter of the elements, within any tolerance. So
+    count the elements that are not bit-equal (a rare one may be, where the fp32 silu sits an ulp apart). bf16 only
+    on a GPU: Triton's interpreter converts fp32 to bf16 by truncation, not rounding to nearest."""
+    g = _randn((8, 512), dtype, 0, 4.0)
+    u = _randn((8, 512), dtype, 1, 2.0)
+    differing = (swiglu_triton(g, u) != ref.swiglu(g, u)).float().mean().item()
+    assert differing <= 0.01
+
+
 @pytest.mark.triton
 def test_swiglu_public_dispatch_and_errors():
     g = _randn((3, 77), torch.float16, 0)
