@@ -56,6 +56,31 @@ def test_masking_rate_follows_p():
     assert torch.allclose(rate, p, atol=0.05)
 
 
+def test_default_eps_is_one_in_a_thousand():
+    seeds = list(range(8))
+    is_prompt = torch.zeros(8, 16, dtype=torch.bool)
+    default = sample_mask(is_prompt, make_generators(seeds))
+    explicit = sample_mask(is_prompt, make_generators(seeds), eps=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(default, explicit))
+
+
+def test_forced_mask_picks_a_uniform_answer_position():
+    """When the Bernoulli draws mask nothing, the one forced masked position is uniform over the answer."""
+    n, T = 4000, 4
+    masked, _ = sample_mask(torch.zeros(n, T, dtype=torch.bool), make_generators(range(n)))
+    single = masked[masked.sum(1) == 1]
+    assert len(single) > 200
+    share = single.float().mean(0)
+    assert ((share > 0.15) & (share < 0.35)).all(), share
+
+
+def test_reveal_picks_a_uniform_position_in_each_block():
+    bs, T, n = 4, 256, 8
+    reveal = reveal_one_per_block(torch.ones(n, T, dtype=torch.bool), bs, make_generators(range(n)))
+    share = reveal.view(-1, bs).float().mean(0)  # how often each in-block offset was picked
+    assert ((share > 0.15) & (share < 0.35)).all(), share
+
+
 def test_block_diffusion_mask_rules():
     T, bs = 8, 2
     m = block_diffusion_mask(T, bs)
