@@ -423,3 +423,78 @@ def test_only_mrp_gets_gradients(setup, tmp_path, loss_type, K):
     assert any(float(model.get_parameter(n).grad.abs().sum()) > 0 for n in names if "eh_proj" in n)
     assert all(n.startswith("mrp_modules.") for n in names)
     assert not any(n.startswith("mrp_modules.") for n in before if n not in names)
+
+
+def test_a_step_with_nothing_left_to_score_still_reaches_every_mrp_parameter(setup):
+    """One masked position per block and K = 1: the reveal leaves nothing to score, yet the loss stays connected to
+    the head (DDP expects a gradient for every trained parameter), with zero gradients."""
+    from training.models import freeze_all_but_mrp
+
+    tok, train = setup
+    model = tiny_backbone(tok)
+    model.add_mrp_head(1)
+    names = freeze_all_but_mrp(model)
+    ids, isp, seeds = _batch(train)
+    masked = torch.zeros_like(isp)
+    masked[:, ::BS] = True
+    p = torch.full((len(ids),), 0.5)
+    loss, st = mrp_loss_sum(model, ids, masked, p, BlockDiffusionMasks.build(T, BS), tok.mask_token_id, BS,
+                            make_generators(seeds), 1)
+    assert st["scored"] == 0 and float(loss.detach()) == 0.0
+    loss.backward()
+    for n in names:
+        grad = model.get_parameter(n).grad
+        assert grad is not None and not grad.any(), n
+
+
+class _WithMaskFavoured(torch.nn.Module):
+    """Test double: the backbone's hidden states with a constant 1 appended, read by an lm_head whose extra column
+    adds 100 to the mask token's logit only: every pick is the mask token unless it is excluded, and the other
+    tokens keep the backbone's order."""
+
+    def __init__(self, model, mask_token_id: int):
+        super().__init__()
+        self.inner, self.config = model.model, model.config
+        extra = torch.zeros(model.lm_head.weight.shape[0], 1)
+        extra[mask_token_id] = 100.0
+        self.lm_head = torch.nn.Linear(1, 1, bias=False)
+        self.lm_head.weight = torch.nn.Parameter(torch.cat([model.lm_head.weight.detach(), extra], dim=1))
+
+    def model(self, *args, **kwargs):
+        h = self.inner(*args, **kwargs)
+        return torch.cat([h, h.new_ones(*h.shape[:-1], 1)], dim=-1)
+
+    def mrp_forward(self, input_ids, hidden_states, position_ids, attention_mask=None, attn=None):
+        return torch.zeros_like(hidden_states)
+
+
+def test_agreement_never_counts_the_mask_token_as_a_pick(setup):
+    tok, train = setup
+    model = tiny_backbone(tok).eval()
+    ids, isp, seeds = _batch(train)
+    masks = BlockDiffusionMasks.build(T, BS)
+    results = []
+    for head in (ZeroMRP(model), _WithMaskFavoured(model, tok.mask_token_id)):
+        gens = make_generators(seeds)
+        masked, p = sample_mask(isp, gens)
+        with torch.no_grad():
+            _, st = mrp_loss_sum(head, ids, masked, p, masks, tok.mask_token_id, BS, gens, 2, agreement=True)
+        results.append(st["agreement"])
+    assert results[0] == results[1]
+    assert sum(k["tokens_agree"] for k in results[1]) < sum(k["tokens"] for k in results[1])
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_scored_is_the_mean_number_of_positions_still_masked_per_step(setup, K):
+    tok, train = setup
+    model = tiny_backbone(tok).eval()
+    ids, isp, seeds = _batch(train)
+    masked, p = sample_mask(isp, make_generators(seeds))
+    with torch.no_grad():
+        _, st = mrp_loss_sum(ZeroMRP(model), ids, masked, p, BlockDiffusionMasks.build(T, BS), tok.mask_token_id,
+                             BS, make_generators(seeds), K)
+    gens, left, counts = make_generators(seeds), masked, []
+    for _ in range(K):
+        left = left & ~reveal_one_per_block(left, BS, gens)
+        counts.append(int(left.sum()))
+    assert sum(counts) > 0 and st["scored"] == sum(counts) / K
