@@ -157,8 +157,10 @@ def test_most_frequent_ids():
     assert most_frequent_ids(counts, 2, 12, exclude=[0]) == [2, 5]  # a tie at the cut: the lower ids
     assert most_frequent_ids(Counter({8: 2, 3: 2, 6: 2}), 2, 12) == [3, 6]
     assert coverage(counts, [5, 2]) == pytest.approx(20 / 28)
-    with pytest.raises(ValueError, match="--size"):
-        most_frequent_ids(counts, 13, 12)
+    assert most_frequent_ids(Counter({5: 10, 12: 99, -1: 99}), 2, 12) == [0, 5]  # ids outside the vocabulary skipped
+    for size in (1, 13):
+        with pytest.raises(ValueError, match="--size"):
+            most_frequent_ids(counts, size, 12)
 
 
 def test_draft_vocab_command_feeds_mrp_generate(tmp_path, capsys):

@@ -79,6 +79,20 @@ def test_split_is_by_content_whatever_the_order_or_the_other_documents(corpus):
     assert split_records([pair, dict(pair, id=7)] * 3 + recs, 0.5)[1].count(pair) in (0, 3)
 
 
+def test_chats_split_by_their_messages_and_the_forced_picks_are_the_extreme_draws():
+    from training.data import hash_draw, record_key, split_by_hash, split_records
+
+    chats = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+             for i in range(200)]
+    assert 20 <= len(split_records(chats, 0.2)[1]) <= 60
+    items = [f"item {i}" for i in range(8)]
+    draws = [hash_draw(x) for x in items]
+    assert max(draws) < 0.99 and min(draws) > 1e-9
+    assert split_by_hash(items, 1e-9)[1] == [items[draws.index(min(draws))]]  # nothing below: the lowest goes
+    assert split_by_hash(items, 0.99)[0] == [items[draws.index(max(draws))]]  # all below: the highest stays
+    assert record_key(chats[0]) != record_key(chats[1])
+
+
 def test_bad_inputs(tmp_path, tok):
     from training.config import ConfigError
     from training.data import build_datasets, read_records
@@ -263,7 +277,7 @@ def test_special_tokens_text_in_documents_stays_text_and_conversations_may_not_h
     mask token, which decoding must never commit); a conversation's specials are its template's markup, where the
     mask token is refused; so is a conversation that opens with an assistant turn (no prompt to render)."""
     from training.config import ConfigError
-    from training.data import build_datasets, read_records
+    from training.data import build_datasets, read_records, tokenize_documents
     from training.draft_vocab import token_counts
 
     text = "the cat <|MASK|> sat <|endoftext|> on the mat " * 4
@@ -282,3 +296,17 @@ def test_special_tokens_text_in_documents_stays_text_and_conversations_may_not_h
     chat.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     with pytest.raises(ConfigError, match=f"{chat}:1: the conversation opens with an assistant turn"):
         read_records([str(chat)])
+    doc = [("a <|endoftext|> b", False)]  # not literal unless told so: a rendered conversation's markup
+    assert tokenize_documents([doc], tok, tok.eos_token_id)[0].count(tok.eos_token_id) == 2
+    assert tokenize_documents([doc], tok, tok.eos_token_id, literal=[True])[0].count(tok.eos_token_id) == 1
+
+
+def test_token_counts_are_the_same_whatever_the_batch(tok, corpus):
+    from collections import Counter
+
+    from training.data import read_records
+    from training.draft_vocab import token_counts
+
+    recs = read_records([corpus["text"], corpus["chat"]])
+    one_by_one = sum((token_counts([r], tok) for r in recs), Counter())
+    assert token_counts(recs, tok, batch=2) == token_counts(recs, tok) == one_by_one
