@@ -669,6 +669,17 @@ def test_bad_input_is_rejected_with_a_clear_message(model, overrides, error, mes
         model.generate(**kwargs)
 
 
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_the_last_block_may_end_at_max_position_embeddings(strategy):
+    """Prompt and new tokens, rounded up to whole blocks of 4, may fill the 16 positions exactly, not pass them."""
+    small = tiny_model(max_position_embeddings=16)
+    for n, fits, passes in ((4, 12, 13), (3, 10, 14)):
+        prompt = random_prompts(1, n, seed=n)
+        assert small.generate(prompt, max_new_tokens=fits, eos_token_id=[], strategy=strategy).shape == (1, n + fits)
+        with pytest.raises(ValueError, match="need 20 positions .* max_position_embeddings=16"):
+            small.generate(prompt, max_new_tokens=passes, strategy=strategy)
+
+
 def test_inputs_is_transformers_name_for_input_ids(model):
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(model.generate(inputs=ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
@@ -1253,6 +1264,19 @@ def test_stop_strings_cut_the_stream_too(model):
                          streamer=streamer)
     assert sum(streamer.puts[1:], []) == free[:keep] == out[0, 4:4 + keep].tolist()
     assert (out[0, 4 + keep:] == pad).all() and keep < 16
+
+
+def test_an_eos_after_a_stop_string_cut_does_not_lengthen_the_row(model):
+    """The stop string completes at the first new token; the block goes on to write the EOS next: the row keeps the
+    first token only (an EOS is looked for among the tokens the stop string left)."""
+    tok = LetterTokenizer()
+    ids = random_prompts(1, 4, seed=40)
+    free = model.generate(ids, max_new_tokens=16, eos_token_id=[])[0, 4:].tolist()
+    assert free[1] != free[0]  # the EOS below is not in the stop string's text
+    pad = next(t for t in range(MASK_ID) if t not in free)
+    out = model.generate(ids, max_new_tokens=16, eos_token_id=free[1], pad_token_id=pad,
+                         stop_strings=tok.decode(free[:1]), tokenizer=tok, return_dict_in_generate=True)
+    assert out.sequences[0, 4:].tolist() == free[:1] + [pad] * 15 and out.new_tokens.tolist() == [1]
 
 
 def test_a_stop_string_cut_pads_with_the_mask_token_when_the_model_has_no_pad_or_eos(model):

@@ -197,7 +197,7 @@ def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
     (["--strategy", "static", "--threshold", "0.5"],
      "--strategy static: threshold=0.5 steers strategy 'dynamic' or 'remask', not 'static': drop it"),
     (["--device", "cuda"], "--device cuda: this torch sees no CUDA GPU"),
-    (["--max-new-tokens", "5000"], "--strategy speculative: prompt + max_new_tokens reaches position 5008"),
+    (["--max-new-tokens", "5000"], "--strategy speculative: prompt + max_new_tokens need 5008 positions"),
     (["--top-k", "5"], "--strategy speculative: top_k=5 steers sampling, which this call does not do"),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file: [Errno 2] No such file or directory"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),

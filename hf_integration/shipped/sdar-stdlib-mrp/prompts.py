@@ -81,7 +81,7 @@ class PromptBatch:
         Raises a ValueError when a row's end passes ``max_position_embeddings``."""
         ends = [(n + max_new_tokens + block - 1) // block * block for n in self.lens]
         if max(ends) > max_position_embeddings:
-            raise ValueError(f"prompt + max_new_tokens reaches position {max(ends)} (rounded up to whole blocks of "
+            raise ValueError(f"prompt + max_new_tokens need {max(ends)} positions (rounded up to whole blocks of "
                              f"{block}) but the model has max_position_embeddings={max_position_embeddings}; "
                              "shorten the prompt or lower max_new_tokens")
         return ends
