@@ -622,7 +622,10 @@ class BlockDecoder:
                 self.all_fresh = False
                 block, positions = self._move_on(block, positions, bar, together)
                 if self.batch_steps > step_limit:
-                    raise RuntimeError("decoding made no progress (a strategy committed nothing); please report")
+                    raise RuntimeError("decoding made no progress: steps committed no token, as the model gave no "
+                                       "finite logit (the mask token's aside) at a block's masked positions; check "
+                                       "the weights for NaN or inf and the dtype for overflow (if the logits are "
+                                       "finite, this is a bug: please report it)")
         if self.stream is not None:
             self.stream.end()
         return self.x

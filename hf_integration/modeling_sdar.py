@@ -87,7 +87,7 @@ def project(x: torch.Tensor, linears: Sequence[nn.Linear], packed: bool) -> tupl
 
 
 def rotary_cos_sin(config: SDARMRPConfig, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """RoPE tables for absolute ``position_ids [B, T]`` -> (cos, sin), each ``[B, T, head_dim]`` fp32.
+    """RoPE tables for absolute ``position_ids [B, T]`` -> (cos, sin), each ``[B, T, head_dim]`` in ``dtype``.
 
     Computed on the fly (no buffers, so meta-device loading has nothing to re-materialise)."""
     dim = config.head_dim

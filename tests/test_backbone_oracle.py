@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen3Config, Qwen3Model
 
 from hf_integration.attention_masks import block_causal_mask
-from hf_integration.modeling_sdar import run_decoder_layers
+from hf_integration.modeling_sdar import rotary_cos_sin, run_decoder_layers
 from tiny_models import random_prompts, tiny_model
 
 
@@ -16,9 +16,15 @@ from tiny_models import random_prompts, tiny_model
 def test_backbone_is_qwen3_with_a_block_causal_mask(block_size):
     """Same weights, same positions: our backbone's hidden states (each layer's, as ``output_hidden_states`` returns
     them, and the final normed ones) equal Qwen3Model's given the block-causal mask as an additive 4-D mask
-    (block 1: plain causal attention). HF computes RoPE in float32, hence the tolerance in float64."""
+    (block 1: plain causal attention). HF computes RoPE in float32, hence the tolerance in float64. Every RMSNorm
+    weight is drawn (a fresh model has them all at 1), so a norm applied in another's place shows."""
     model = tiny_model(seed=5, block_size=block_size)
     c = model.config
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, weight in model.model.named_parameters():
+            if "norm" in name:
+                weight.copy_(torch.rand(weight.shape, generator=g, dtype=weight.dtype) + 0.5)
     qwen = Qwen3Model(Qwen3Config(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -62,3 +68,16 @@ def test_mrp_head_projects_the_normed_embedding_and_hidden_state_then_runs_its_l
         expected = run_decoder_layers(m.layers, m.norm, x, c, positions, None, None)
         got = model.mrp_forward(ids, h, positions)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # the kernel computes in float32
+
+
+def test_linear_rope_scaling_divides_the_positions_by_its_factor():
+    """RoPE tables in fp32 unless asked otherwise; ``rope_type="linear"`` with factor 2 at position p is the
+    default table at p / 2."""
+    plain = tiny_model(seed=0).config
+    scaled = tiny_model(seed=0, rope_parameters=dict(plain.rope_parameters, rope_type="linear", factor=2.0)).config
+    positions = torch.arange(12).expand(2, -1)
+    got, want = rotary_cos_sin(scaled, positions), rotary_cos_sin(plain, positions / 2)
+    assert all(t.dtype == torch.float32 and t.shape == (2, 12, plain.head_dim) for t in got + want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[1], rotary_cos_sin(plain, positions)[1])
+    assert all(t.dtype == torch.bfloat16 for t in rotary_cos_sin(plain, positions, torch.bfloat16))

@@ -680,6 +680,19 @@ def test_the_last_block_may_end_at_max_position_embeddings(strategy):
             small.generate(prompt, max_new_tokens=passes, strategy=strategy)
 
 
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_a_row_without_finite_logits_stops_decoding_with_an_error_naming_the_cause(kwargs):
+    """Row 1's prompt holds a token whose embedding is NaN, so none of its positions gets a finite logit: no step can
+    commit there, and decoding says why instead of returning mask tokens or looping."""
+    poisoned = tiny_model(seed=0)
+    ids = random_prompts(2, 5, seed=3)
+    with torch.no_grad():
+        poisoned.model.embed_tokens.weight[ids[1, 2]] = float("nan")
+    assert ids[1, 2] not in ids[0]
+    with pytest.raises(RuntimeError, match="no finite logit .* check the weights for NaN"):
+        poisoned.generate(ids, max_new_tokens=8, eos_token_id=[], **kwargs)
+
+
 def test_inputs_is_transformers_name_for_input_ids(model):
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(model.generate(inputs=ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
