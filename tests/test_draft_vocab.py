@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 
@@ -179,6 +180,12 @@ def test_draft_vocab_command_feeds_mrp_generate(tmp_path, capsys):
     assert result["coverage"] == 1.0 > result["coverage_ids_below_size"]  # every token of this text is among them
     assert generate_cli.main(["def f(x):", "--max-new-tokens", "8", "--draft-vocab", str(out)]) == 0
     assert "[speculative]" in capsys.readouterr().err
+    assert generate_cli.draft_vocab_arg(str(out)) == ids and generate_cli.draft_vocab_arg("20") == 20
+    (tmp_path / "not_a_list.json").write_text('{"ids": [1, 2]}')
+    with pytest.raises(argparse.ArgumentTypeError, match="must hold a JSON list of token ids, got dict"):
+        generate_cli.draft_vocab_arg(str(tmp_path / "not_a_list.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match="neither a number of ids nor a readable JSON list"):
+        generate_cli.draft_vocab_arg("-5")
 
 
 def test_a_checkpoint_carries_its_draft_vocabulary(tmp_path, monkeypatch):

@@ -613,6 +613,8 @@ BAD_INPUTS = [
     (dict(eos_token_id=[3, MASK_ID]), ValueError, f"eos_token_id {MASK_ID} is the mask token, which decoding never"),
     (dict(pad_token_id=-3), ValueError, r"pad_token_id -3 is not a token id of the vocabulary \[0, "),
     (dict(pad_token_id=1000), ValueError, "pad_token_id 1000 is not a token id"),
+    (dict(pad_token_id=VOCAB), ValueError, f"pad_token_id {VOCAB} is not a token id"),
+    (dict(eos_token_id=VOCAB), ValueError, f"eos_token_id {VOCAB} is not a token id"),
     (dict(strategy="speculative", mrp_steps=0), ValueError, "mrp_steps"),
     (dict(strategy="speculative", draft_schedule="eagle"), ValueError, "draft_schedule"),
     (dict(strategy="remask", remask_rule="maybe"), ValueError, "remask_rule"),
@@ -1334,6 +1336,7 @@ def test_top_p_one_keeps_every_token_and_pad_falls_back_to_the_first_eos(model):
     (dict(stop_strings="ab"), ValueError, "pass tokenizer="),
     (dict(stop_strings=[""], tokenizer=LetterTokenizer()), TypeError, "stop_strings must be"),
     (dict(stop_strings=5, tokenizer=LetterTokenizer()), TypeError, "stop_strings must be"),
+    (dict(stop_strings=[], tokenizer=LetterTokenizer()), TypeError, r"stop_strings must be .*, got \(\)"),
 ])
 def test_bad_stop_strings_are_rejected(model, overrides, error, message):
     with pytest.raises(error, match=message):

@@ -78,6 +78,17 @@ def test_config_head_dim_none_is_hidden_over_query_heads():
     assert SDARMRPConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}).rope_parameters["factor"] == 2.0
 
 
+def test_config_defaults_and_which_rope_spelling_wins():
+    assert SDARMRPConfig(num_attention_heads=4, num_key_value_heads=None).num_key_value_heads == 4  # no GQA
+    assert SDARMRPConfig().rope_parameters == {"rope_type": "default", "rope_theta": 1_000_000.0}
+    both = dict(rope_scaling={"type": "linear", "factor": 4.0}, rope_theta=1e4)
+    assert SDARMRPConfig(rope_parameters={"rope_type": "linear", "factor": 2.0}, **both).rope_parameters == \
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}  # the new spelling wins key by key
+    assert SDARMRPConfig(rope_parameters={"rope_type": "default"}, **both).rope_parameters["rope_type"] == "default"
+    plain = SDARMRPConfig(num_nextn_predict_layers=0, num_mrp_heads=2)  # a head count means nothing without a head
+    assert not plain.has_mrp and plain.num_mrp_heads == 2
+
+
 def _hub_state_dict(config) -> dict[str, torch.Tensor]:
     """Tensor names and shapes of the Hub checkpoints, written out from the spec (method.md 1 and 3)."""
     H, F, D = config.hidden_size, config.intermediate_size, config.head_dim
