@@ -75,4 +75,5 @@ def test_fit_stages_keeps_what_fits_a_gpus_shared_memory():
     assert fit_stages(4, 48 * 1024, 0, 101376) == 1  # an RTX 4090's 99 KiB: two stages would need 100 KiB
     assert fit_stages(4, 32 * 1024, 8 * 1024, 101376) == 2
     assert fit_stages(3, 96 * 1024, 0, 101376) is None
+    assert fit_stages(2, 1024, 512, 2 * 1024 + 512 + 4096) == 2  # exactly full fits
     assert shared_memory_limit(torch.device("cpu")) is None

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import mrp_triton as mt
 from mrp_triton.confidence import confidence_triton
-from mrp_triton.reference.confidence import effective_logits, gumbel_uniform, kept_by_cut, top_k_top_p_cut
+from mrp_triton.reference.confidence import effective_logits, gumbel_uniform, kept_by_cut, seed_hash, top_k_top_p_cut
 from mrp_triton.reference.confidence import confidence as confidence_ref
 
 from kernel_utils import DEV, DTYPES
@@ -117,6 +117,7 @@ def test_greedy_exact_cases():
         z3[7] = float("-inf")
         assert lse[3].item() == pytest.approx(torch.logsumexp(z3, 0).item(), rel=1e-6)
         assert prob[4].item() == pytest.approx(1.0)
+        _check((tok, prob, lse), confidence_ref(L.to(DEV), mask_token_id=7, skip_rows=skip.to(DEV)))
 
 
 def test_residual_sum_and_temperature():
@@ -201,7 +202,12 @@ def test_uniforms_open_interval_and_hash_spread():
     u = gumbel_uniform(0, keys, 4096)
     assert (u > 0).all() and (u < 1).all()
     assert abs(u.mean().item() - 0.5) < 0.02
-    assert 1 / 2**24 <= ((0 + 0.5) / 2**23) and ((2**23 - 1 + 0.5) / 2**23) < 1.0
+    assert ((u.double() * 2**23) % 1 == 0.5).all()  # bin centres (h + 0.5) / 2**23: never 0, whatever the hash
+
+
+def test_every_bit_of_a_64_bit_seed_changes_the_noise():
+    hashes = {seed_hash(s) for s in [0] + [2**k for k in range(64)]}
+    assert len(hashes) == 65
 
 
 def test_gumbel_matches_softmax_empirically():
@@ -245,6 +251,15 @@ def test_top_k_top_p(top_k, top_p, on_device):
         assert (kept.sum(1) <= top_k).all()
     full_p = torch.softmax(z, -1).gather(1, got[0].cpu()[:, None])[:, 0]
     torch.testing.assert_close(got[1].cpu(), full_p, atol=1e-6, rtol=1e-5)  # full-softmax prob
+
+
+def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_it():
+    """As transformers' top-p: the smallest set of most likely tokens whose probability sums to at least top_p."""
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0]])  # probabilities 0.64, 0.24, 0.09, 0.03
+    assert kept_by_cut(z, top_k_top_p_cut(z, top_p=0.7)).tolist() == [[True, True, False, False]]
+    z = torch.tensor([[math.log(2), 0.0, 0.0]], dtype=torch.float64)  # exactly 0.5, 0.25, 0.25
+    assert kept_by_cut(z, top_k_top_p_cut(z, top_p=0.5)).tolist() == [[True, False, False]]  # 0.5 reaches 0.5
+    assert kept_by_cut(z, top_k_top_p_cut(z, top_p=0.5001)).tolist() == [[True, True, True]]  # the tied pair
 
 
 ONES, ZEROS = list(range(0, 21, 3)), list(range(1, 21, 3))

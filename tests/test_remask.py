@@ -99,6 +99,17 @@ def test_threshold_equality_and_all_nan_rows(fn):
         assert b.cpu().tolist() == [[1, 2, 3], [4, 5, M]], rule
 
 
+@pytest.mark.parametrize("fn", [remask_ref, remask_triton], ids=["reference", "triton"])
+def test_scores_compare_with_the_threshold_in_fp32(fn):
+    """float64 scores are rounded to fp32 first: 0.49999 stays below a 0.5 threshold (fp16 would round it to 0.5),
+    0.5 - 1e-12 rounds to 0.5 and passes."""
+    for below, remasked in ((0.49999, [[True, False]]), (0.5 - 1e-12, [[False, False]])):
+        b = torch.tensor([[1, 2]], device=DEV)
+        got = fn(b, torch.ones(1, 2, dtype=torch.bool, device=DEV),
+                 torch.tensor([[below, 0.9]], dtype=torch.float64, device=DEV), 0.5, mask_token_id=M)
+        assert got.cpu().tolist() == remasked, below
+
+
 @pytest.mark.triton
 def test_public_function_dispatches():
     b = torch.tensor([[1, 2]]).to(DEV)

@@ -111,6 +111,17 @@ def test_threshold_compares_in_fp32_as_float_or_tensor(fn):
             assert got.cpu().tolist() == committed, (threshold, value)
 
 
+@pytest.mark.parametrize("fn", [select_ref, select_commit_triton])
+def test_confidences_rank_in_fp32(fn):
+    """0.5 and 0.5001 differ in fp32 (though not in fp16): the higher one is committed, not the lower index; float64
+    confidences closer than fp32 resolves tie, and the lower index wins."""
+    for conf, committed in (([0.5, 0.5001], [[False, True]]), ([0.5, 0.5 + 1e-12], [[True, False]])):
+        block = torch.full((1, 2), M, device=DEV)
+        got = fn(block, torch.tensor([[3, 4]], device=DEV), torch.tensor([conf], dtype=torch.float64, device=DEV),
+                 mask_token_id=M, n=1)
+        assert got.cpu().tolist() == committed, conf
+
+
 def test_errors():
     b, t, c = torch.full((2, 4), M), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4)
     with pytest.raises(ValueError, match="threshold"):
@@ -129,6 +140,16 @@ def test_errors():
         mt.select_commit(b, t, c, mask_token_id=M, n=torch.ones(3, dtype=torch.int64))
     with pytest.raises(TypeError, match="n must"):
         mt.select_commit(b, t, c, mask_token_id=M, n=1.0)
+    with pytest.raises(ValueError, match=r"block must be an int64 tensor \[B, L\]"):
+        mt.select_commit(b[None], t, c, mask_token_id=M, n=1)
+    with pytest.raises(ValueError, match=r"conf must be a float tensor of block's shape \[2, 4\]"):
+        mt.select_commit(b, t, t, mask_token_id=M, n=1)
+    with pytest.raises(ValueError, match="tokens is on meta but block on cpu"):
+        mt.select_commit(b, t.to("meta"), c, mask_token_id=M, n=1)
+    with pytest.raises(TypeError, match="mask_token_id must be an int, got bool"):
+        mt.select_commit(b, t, c, mask_token_id=True, n=1)
+    with pytest.raises(ValueError, match="block must be contiguous"):
+        select_commit_triton(torch.full((4, 2), M).t(), t, c, mask_token_id=M, n=1)
     with pytest.raises(ValueError, match="L=9000"):
         select_commit_triton(torch.full((1, 9000), M), torch.zeros(1, 9000, dtype=torch.int64), torch.zeros(1, 9000),
                              mask_token_id=M, n=1)

@@ -90,6 +90,28 @@ def test_an_end_before_a_block_of_eos_stays(fn, L):
     assert ends.tolist() == [L]
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_public_op_runs_the_backend_asked_for(backend, monkeypatch):
+    import mrp_triton.settle as settle_module
+
+    ran = []
+    for name in ("settle_rows_triton", "settle_rows_reference"):
+        monkeypatch.setattr(settle_module, name, lambda *a, _name=name, **k: ran.append(_name))
+    block = torch.tensor([[1, 3, M, M]], device=DEV)
+    with mt.use_backend(backend):
+        mt.settle_rows(block, torch.arange(4, device=DEV)[None], torch.zeros(1, dtype=torch.long, device=DEV),
+                       torch.tensor([4], device=DEV), torch.arange(V, device=DEV) == 3, mask_token_id=M, filler=FILLER)
+    assert ran == [f"settle_rows_{backend}"]
+
+
+def test_the_kernel_refuses_a_strided_ends_it_would_write_through():
+    ends = torch.tensor([[4, 100], [4, 100]])[:, 0]
+    with pytest.raises(ValueError, match="ends must be contiguous"):
+        settle_rows_triton(torch.tensor([[1, 3, M, M], [1, 2, M, M]]), torch.arange(4).expand(2, 4).contiguous(),
+                           torch.zeros(2, dtype=torch.long), ends, torch.arange(V) == 3, mask_token_id=M, filler=FILLER)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(positions=torch.zeros(2, 3, dtype=torch.long)), "positions must be an int64 tensor of block's shape"),
     (dict(starts=torch.zeros(3, dtype=torch.long)), r"starts must be an int64 tensor \[2\]"),

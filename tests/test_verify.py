@@ -162,16 +162,17 @@ def test_nan_confidence_at_every_masked_position_picks_the_first_masked(fn):
 
 
 @pytest.mark.parametrize("fn", [verify_ref, verify_drafts_triton], ids=["reference", "triton"])
-def test_the_mask_token_is_never_accepted_or_written(fn):
+def test_the_mask_token_or_no_token_is_never_accepted_or_written(fn):
     """Row 0: the backbone picks the mask token at pos 0 and the draft agrees: neither the draft nor the bonus is
-    written. Row 1: the draft (pos 0 <- 3) is accepted, then the backbone's next pick is the mask token: no bonus."""
-    block = torch.tensor([[M, M], [M, M]])
-    ttok = torch.tensor([[[M, 4], [5, 6]], [[3, 4], [5, M]]])
-    tconf = torch.tensor([[[0.9, 0.1], [0.2, 0.8]]] * 2)
-    dpos, dtok = torch.tensor([[0], [0]]), torch.tensor([[M], [3]])
+    written. Row 1: the draft (pos 0 <- 3) is accepted, then the backbone's next pick is the mask token: no bonus.
+    Row 2: as row 0 with -1 (confidence's "no finite candidate") for the mask token."""
+    block = torch.tensor([[M, M], [M, M], [M, M]])
+    ttok = torch.tensor([[[M, 4], [5, 6]], [[3, 4], [5, M]], [[-1, 4], [5, 6]]])
+    tconf = torch.tensor([[[0.9, 0.1], [0.2, 0.8]]] * 3)
+    dpos, dtok = torch.tensor([[0], [0], [0]]), torch.tensor([[M], [3], [-1]])
     b, acc, bonus = _run(fn, block, dpos, dtok, ttok, tconf)
-    assert acc.tolist() == [0, 1] and bonus.tolist() == [-1, -1]
-    assert b.tolist() == [[M, M], [3, M]]
+    assert acc.tolist() == [0, 1, 0] and bonus.tolist() == [-1, -1, -1]
+    assert b.tolist() == [[M, M], [3, M], [M, M]]
 
 
 @pytest.mark.triton
