@@ -525,6 +525,25 @@ def test_bad_configs_rejected(env, tmp_path):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("field,refused,accepted,flag", [
+    ("block_size", 0, 1, "--block-size"), ("seq_len", 0, 4, "--seq-len"),
+    ("micro_batch_size", 0, 1, "--micro-batch-size"), ("grad_accum", 0, 1, "--grad-accum"),
+    ("max_steps", 0, 1, "--max-steps"), ("epochs", 0.0, 0.01, "--epochs"), ("lr", 0.0, 1e-9, "--lr"),
+    ("min_lr_ratio", -0.01, 0.0, "--min-lr-ratio"), ("min_lr_ratio", 1.01, 1.0, "--min-lr-ratio"),
+    ("warmup_ratio", 1.0, 0.99, "--warmup-ratio"), ("warmup_ratio", -0.01, 0.0, "--warmup-ratio"),
+    ("warmup_steps", -1, 0, "--warmup-steps"), ("noise_eps", 0.0, 1e-9, "--noise-eps"),
+    ("noise_eps", 1.0, 0.999, "--noise-eps"), ("log_every", 0, 1, "--log-every"), ("eval_every", -1, 0, "--eval-every"),
+    ("eval_batches", -1, 0, "--eval-batches"), ("save_every", -1, 0, "--save-every"),
+    ("keep_checkpoints", 0, 1, "--keep-checkpoints"), ("unroll_k", 0, 1, "--unroll-k"),
+    ("num_mrp_layers", 0, 1, "--mrp-layers"), ("mrp_init_std", 0.0, 1e-6, "--mrp-init-std"),
+])
+def test_config_bounds_are_exact(field, refused, accepted, flag):
+    """Each bound refuses the first value outside it, naming the flag, and takes the last one inside."""
+    with pytest.raises(ConfigError, match=f"{flag}.* got {refused}"):
+        TrainConfig(**{field: refused}).validate()
+    TrainConfig(**{field: accepted}).validate()
+
+
 def test_cli_help(capsys):
     from training.cli import main
 
