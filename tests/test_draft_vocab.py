@@ -177,6 +177,10 @@ def test_draft_vocab_command_feeds_mrp_generate(tmp_path, capsys):
         ["draft-vocab", "--model", str(SHIPPED_MODEL), "--data", str(corpus), "--size", "64", "--out", str(out)]))
     ids = json.loads(out.read_text())
     assert len(ids) == 64 == result["size"] and ids == sorted(set(ids))
+    # the text has fewer than 64 distinct tokens, so the lowest ids fill up, but never the mask token, which no
+    # draft may propose
+    mask_id = json.loads((SHIPPED_MODEL / "config.json").read_text())["mask_token_id"]
+    assert mask_id < max(ids) and mask_id not in ids
     assert result["coverage"] == 1.0 > result["coverage_ids_below_size"]  # every token of this text is among them
     assert generate_cli.main(["def f(x):", "--max-new-tokens", "8", "--draft-vocab", str(out)]) == 0
     assert "[speculative]" in capsys.readouterr().err

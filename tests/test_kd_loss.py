@@ -143,6 +143,11 @@ def test_frozen_inputs_are_required():
     weight, rw = torch.randn(9, 4), torch.ones(3)
     with pytest.raises(ValueError, match="lm_head weight"):
         kd_loss_sum(student, teacher, weight.requires_grad_(), rw)
+    for trainable in ("teacher", "row_weights"):  # with a frozen lm_head
+        args = {"teacher": torch.randn(3, 4), "row_weights": torch.ones(3)}
+        args[trainable].requires_grad_()
+        with pytest.raises(ValueError, match="must not require grad"):
+            kd_loss_sum(student, args["teacher"], weight.detach(), args["row_weights"])
     with torch.no_grad():  # evaluation: nothing is differentiated, so a trainable lm_head is fine
         assert torch.isfinite(kd_loss_sum(student, teacher, weight, rw))
 
@@ -155,6 +160,13 @@ def test_frozen_inputs_are_required():
 def test_mismatched_shapes_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
         kd_loss_sum(*(torch.randn(s) for s in args))
+
+
+def test_a_vocabulary_larger_than_a_chunk_takes_one_row_a_chunk():
+    from training.kd_loss import CHUNK_ELEMENTS, default_chunk_rows
+
+    assert default_chunk_rows(CHUNK_ELEMENTS // 4) == 4
+    assert default_chunk_rows(CHUNK_ELEMENTS + 1) == 1
 
 
 def test_chunk_rows_below_one_is_refused():

@@ -148,13 +148,23 @@ def test_stdlib_corpus(tmp_path):
 def test_stdlib_files_leave_out_tests_and_other_files_and_a_tiny_list_holds_one_out(tmp_path):
     from training.stdlib_corpus import collect_stdlib_files, split_files
 
-    for rel in ("a.py", "test_a.py", "a_test.py", "notes.txt", "sub/c.py", "tests/b.py", "test_pkg/d.py"):
+    for rel in ("a.py", "test_a.py", "a_test.py", "notes.txt", "sub/c.py", "tests/b.py", "test_pkg/d.py", ".git/e.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x = 1\n")
     assert collect_stdlib_files(str(tmp_path)) == ["a.py", "sub/c.py"]
     for files in (["a.py", "b.py"], ["a.py", "b.py", "c.py"]):  # a fraction too small for a file still holds one out
         train, held = split_files(files, 1e-9, seed=0)
         assert len(held) == 1 and sorted(train + held) == files
+
+
+def test_a_manifest_leaves_out_empty_and_non_utf8_files(tmp_path):
+    from training.stdlib_corpus import build_manifest
+
+    files = {"a.py": b"x = 1\n", "b.py": b"y = 2\n", "blank.py": b"\n  \n", "latin1.py": b"x = '\xe9'\n"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    manifest = build_manifest(0.5, seed=0, root=str(tmp_path))
+    assert sorted(manifest["train"] + manifest["heldout"]) == ["a.py", "b.py"]
 
 
 def test_a_manifest_from_another_machine_reads_this_pythons_files_of_its_names(tmp_path, capsys):
@@ -165,14 +175,14 @@ def test_a_manifest_from_another_machine_reads_this_pythons_files_of_its_names(t
     from training.stdlib_corpus import manifest_records, stdlib_root
 
     manifest = {"python_version": "3.0.1", "stdlib_root": str(tmp_path / "gone"),
-                "train": ["os.py", "no_such_module.py"], "heldout": ["json/decoder.py"]}
+                "train": ["os.py", "no_such_module.py", "json"], "heldout": ["json/decoder.py"]}  # json: a folder
     train, held = manifest_records(manifest)
     with open(os.path.join(stdlib_root(), "os.py"), encoding="utf-8") as f:
         assert train == [{"text": f.read()}]
     assert len(held) == 1 and "class JSONDecoder" in held[0]["text"]
     err = capsys.readouterr().err
     assert f"recorded at {tmp_path / 'gone'} (Python 3.0.1)" in err and stdlib_root() in err
-    assert "1 of the stdlib manifest's 3 files are not in" in err and "no_such_module.py" in err
+    assert "2 of the stdlib manifest's 4 files are not in" in err and "no_such_module.py, json" in err
     (tmp_path / "here").mkdir()  # the recorded folder exists but holds none of the held-out files
     (tmp_path / "here" / "os.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match="none of the stdlib manifest's heldout files is in .*--stdlib-manifest"):

@@ -51,6 +51,11 @@ def _steps(folder):
         return [rec for rec in map(json.loads, f) if "loss" in rec]
 
 
+def _final_eval_loss(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [rec for rec in map(json.loads, f) if "eval_loss" in rec][-1]["eval_loss"]
+
+
 def test_torchrun_two_processes_equal_one(tmp_path):
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun not on PATH")
@@ -86,6 +91,9 @@ def test_torchrun_two_processes_equal_one(tmp_path):
         for a, b in zip(one, two):
             for key in ("loss", "grad_norm"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4), (part, a["step"], key)
+        # and the final held-out loss, of --eval-batches x micro x processes = 4 of the 16 held-out sequences each
+        one_eval, two_eval = (_final_eval_loss(tmp_path / run / part) for run in ("one", "two"))
+        assert two_eval == pytest.approx(one_eval, rel=1e-4), part
     # the 2-process MRP run left the backbone untouched and trained the head
     bb, mrp = _load(tmp_path / "one" / "bb"), _load(tmp_path / "two" / "mrp")
     assert all(torch.equal(bb[k], mrp[k]) for k in bb)

@@ -1,5 +1,6 @@
 """The training loop: loss falls, bit-exact resume, crash / kill recovery, bad configs, CLI."""
 
+import copy
 import glob
 import json
 import os
@@ -7,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
 from training_fixtures import make_tokenizer, one_thread, subprocess_env, tiny_backbone, write_corpus  # noqa: F401
 
@@ -17,8 +20,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 from training.config import ConfigError, TrainConfig
 from training.data import build_datasets, read_records, split_records
+from training.noising import sample_seed
 from training.tokenizer import CHAT_TEMPLATE
-from training.trainer import CKPT_DIR, LossModule, evaluate, list_checkpoints, train
+from training.trainer import (CKPT_DIR, GlobalBatchSampler, LossModule, build_optimizer, check_only_trainable_grads,
+                              evaluate, list_checkpoints, train)
 
 T, BS = 16, 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,6 +106,74 @@ def test_gradient_accumulation_equals_one_large_micro_batch(env, tmp_path, mode,
             assert torch.allclose(one_w[k], w[k], rtol=1e-4, atol=1e-6), (accum, k)
 
 
+@pytest.fixture(scope="module")
+def short_run(env, tmp_path_factory):
+    """One short run that several tests read: 4 steps of 2 accumulated micro-batches of 2 sequences, a loss line every
+    3rd step, an evaluation every 2nd, no gradient clipping. Returns its config, the model before and after, the
+    result, the metrics.jsonl records and the noise seeds of each training forward."""
+    from mrp_triton import use_backend
+
+    cfg = _cfg(tmp_path_factory.mktemp("short"), max_steps=4, micro_batch_size=2, grad_accum=2, log_every=3,
+               eval_every=2, grad_clip=0.0)
+    model = _model(env, "backbone")
+    initial = copy.deepcopy(model)
+    seeds, forward = [], LossModule.forward
+
+    def spy(self, ids, is_prompt, sample_seeds, with_stats=False):
+        if self.training:
+            seeds.append(list(sample_seeds))
+        return forward(self, ids, is_prompt, sample_seeds, with_stats)
+
+    threads = torch.get_num_threads()  # a module fixture runs outside the one_thread and backend fixtures
+    torch.set_num_threads(1)
+    try:
+        with use_backend("reference"), mock.patch.object(LossModule, "forward", spy):
+            res = train(cfg, model, env["train"], env["held"])
+    finally:
+        torch.set_num_threads(threads)
+    lines = [json.loads(x) for x in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
+    return {"cfg": cfg, "initial": initial, "model": model, "res": res, "lines": lines, "seeds": seeds}
+
+
+SHORT_G = 2 * 2  # short_run's global batch: micro-batch x accumulation
+
+
+def test_a_steps_loss_is_its_global_batchs_loss_sum_over_its_answer_tokens(env, short_run):
+    cfg, ds = short_run["cfg"], env["train"]
+    idx = GlobalBatchSampler(len(ds), SHORT_G, cfg.seed).step_indices(0)
+    with torch.no_grad():
+        total = float(LossModule(short_run["initial"], cfg, env["tok"].mask_token_id)(
+            ds.input_ids[idx], ds.is_prompt[idx], [sample_seed(cfg.seed, "train", 0, int(i)) for i in idx]))
+    answers = (~ds.is_prompt[idx]).sum(dim=1)
+    assert int(answers[1:].sum()) > 0  # not only the first sequence holds answer tokens
+    assert short_run["res"]["history"][0]["loss"] == pytest.approx(total / int(answers.sum()), rel=1e-5)
+
+
+def test_the_noise_of_a_sequence_is_seeded_by_the_step_and_its_index(env, short_run):
+    """A sequence seen again in a later step (another epoch) gets other noise."""
+    cfg = short_run["cfg"]
+    sampler = GlobalBatchSampler(len(env["train"]), SHORT_G, cfg.seed)
+    want = [[sample_seed(cfg.seed, "train", step, int(i)) for i in sampler.step_indices(step)] for step in range(4)]
+    got = short_run["seeds"]
+    assert [a + b for a, b in zip(got[::2], got[1::2], strict=True)] == want  # 2 micro-batches a step
+
+
+def test_tokens_count_every_sequence_of_the_global_batch(short_run):
+    assert [r["tokens"] for r in short_run["res"]["history"]] == [step * SHORT_G * T for step in range(1, 5)]
+
+
+def test_the_last_step_is_always_logged_and_evaluated_once(short_run):
+    lines = short_run["lines"]
+    assert [x["step"] for x in lines if "loss" in x] == [3, 4]  # log_every 3, and the last step
+    assert [x["step"] for x in lines if "eval_loss" in x] == [2, 4]  # eval_every 2; step 4 by the final evaluation
+
+
+def test_grad_clip_zero_turns_clipping_off(short_run):
+    """Not a clip to norm 0, which would zero every gradient (no weight decay here: the weights would not move)."""
+    assert [r["grad_norm"] for r in short_run["res"]["history"]] == [None] * 4
+    assert not torch.equal(short_run["model"].lm_head.weight, short_run["initial"].lm_head.weight)
+
+
 def _bf16_valued_mrp_model(env, device: str = "cpu"):
     """An MRP model whose frozen weights hold bf16 values in fp32 (what a bf16 checkpoint loaded in fp32 holds), on
     ``device``, and a copy of those frozen weights by name."""
@@ -165,7 +238,7 @@ def test_a_failed_run_restores_the_projections_it_stored_in_bf16(env, tmp_path, 
 def test_resume_is_bit_identical(env, tmp_path, mode):
     kw = dict(max_steps=8, save_every=4, grad_accum=2, micro_batch_size=2, eval_every=3)
     full = _model(env, mode)
-    train(_cfg(tmp_path / "full", mode, **kw), full, env["train"], env["held"])
+    full_res = train(_cfg(tmp_path / "full", mode, **kw), full, env["train"], env["held"])
 
     part = _model(env, mode)
     with pytest.raises(Crash):
@@ -175,6 +248,8 @@ def test_resume_is_bit_identical(env, tmp_path, mode):
     resumed = _model(env, mode, seed=99)  # different init: the checkpoint must overwrite it
     res = train(_cfg(tmp_path / "part", mode, resume=True, **kw), resumed, env["train"], env["held"])
     assert res["step"] == 8
+    # the token count goes on from the checkpoint's
+    assert [r["tokens"] for r in res["history"]] == [r["tokens"] for r in full_res["history"][4:]]
     a, b = _weights(full), _weights(resumed)
     assert a.keys() == b.keys()
     for k in a:
@@ -197,10 +272,13 @@ def test_crash_with_corrupt_leftovers_resumes_from_last_good(env, tmp_path):
     (ck / ".step_00000009.pt.tmp.4242").write_bytes(b"\x80garbage")
     good = (ck / "step_00000006.pt").read_bytes()
     (ck / "step_00000009.pt").write_bytes(good[: len(good) // 2])
+    # and a checkpoint under another step's name (copied or renamed by hand): it does not hold step 12
+    (ck / "step_00000012.pt").write_bytes((ck / "step_00000003.pt").read_bytes())
     resumed = _model(env, "backbone", seed=5)
-    with pytest.warns(UserWarning, match="step_00000009"):
+    with pytest.warns(UserWarning, match="step_00000009") as warned:
         res = train(_cfg(tmp_path / "part", resume=True, **kw), resumed, env["train"])
-    assert res["step"] == 9
+    assert any("step_00000012.pt: step 3 in a file named for step 12" in str(w.message) for w in warned)
+    assert res["step"] == 9 and [r["step"] for r in res["history"]] == [7, 8, 9]  # resumed from step 6
     for k, v in _weights(full).items():
         assert torch.equal(v, _weights(resumed)[k]), k
 
@@ -303,15 +381,19 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     assert everything["sequences"] == len(held_ds) < 1000  # what it evaluated, not what it was allowed
     with pytest.raises(ConfigError, match="has no MRP head"):
         run(["eval", "--model", str(bb), "--data", env["paths"]["pairs"], "--seq-len", str(T)])
+    with pytest.raises(ConfigError, match="--eval-batches must be >= 1, got 0"):
+        run(["eval", "--model", str(mrp), "--data", env["paths"]["pairs"], "--eval-batches", "0"])
     with pytest.raises(ConfigError, match="give the held-out data"):
         run(["eval", "--model", str(mrp)])
     with pytest.raises(ConfigError, match=r"--stdlib: no manifest at .*--stdlib-manifest FILE"):
         run(["eval", "--model", str(mrp), "--stdlib"])  # a head trained on --data records no stdlib split
     # Training a model's head on: the head's own depth and weights (flags that would change them are refused), the
-    # record says so, and the folder's generation config (here a draft vocabulary) carries over.
+    # record says so, and the folder's generation config (here a draft vocabulary and its own EOS and pad ids, not
+    # the tokenizer's 0) carries over.
     assert json.load(open(mrp / "training_config.json"))["mrp_init"] == "normal"
     gen = json.load(open(mrp / "generation_config.json"))
-    (mrp / "generation_config.json").write_text(json.dumps({**gen, "draft_vocab": [2, 3, 4]}))
+    own = {"draft_vocab": [2, 3, 4], "eos_token_id": [0, 5], "pad_token_id": 7}
+    (mrp / "generation_config.json").write_text(json.dumps({**gen, **own}))
     on = ["mrp", "--model", str(mrp), "--data", env["paths"]["pairs"], "--seq-len", str(T), "--micro-batch-size",
           "2", "--max-steps", "1", "--no-progress"]
     for flags, message in ((["--mrp-layers", "2"], "--mrp-layers 2: --model .* has a 1-layer MRP head"),
@@ -321,7 +403,8 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     run([*on, "--out", str(tmp_path / "more"), "--mrp-layers", "1"])
     record = json.load(open(tmp_path / "more" / "training_config.json"))
     assert (record["num_mrp_layers"], record["mrp_init"]) == (1, "continued")
-    assert json.load(open(tmp_path / "more" / "generation_config.json"))["draft_vocab"] == [2, 3, 4]
+    carried = json.load(open(tmp_path / "more" / "generation_config.json"))
+    assert {k: carried[k] for k in own} == own
     # --resume restores the optimizer's settings: another --lr is refused, not silently replaced
     with pytest.raises(ConfigError, match="--resume: the checkpoint was made with --lr 0.01, this run has --lr 0.005"):
         run(_cli_args(env, bb, "--max-steps", "3", "--resume", "--lr", "5e-3"))
@@ -405,6 +488,41 @@ def test_backbone_flags_at_their_bounds_pass_the_checks(flags, tmp_path, monkeyp
         cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), "--seq-len", "256", *flags])
 
 
+def test_the_heldout_fraction_defaults_to_one_percent(env, tmp_path, monkeypatch):
+    from training import cli, data
+
+    class Split(Exception):
+        pass
+
+    fractions = []
+
+    def split(records, fraction, *args, **kwargs):
+        fractions.append(fraction)
+        raise Split
+
+    monkeypatch.setattr(data, "split_records", split)
+    args = _cli_args(env, tmp_path)
+    at = args.index("--heldout-fraction")
+    with pytest.raises(Split):
+        cli.run(args[:at] + args[at + 2:])
+    assert fractions == [0.01]
+
+
+def test_an_mrp_run_on_the_stdlib_takes_its_backbones_split_by_default(tmp_path):
+    """mrp --stdlib without --stdlib-manifest: MODEL/stdlib_manifest.json when the backbone recorded one, else
+    OUT/stdlib_manifest.json."""
+    import argparse
+
+    from training.cli import _default_manifest
+
+    mrp = argparse.Namespace(command="mrp", model=str(tmp_path))
+    out_manifest = os.path.join("out", "stdlib_manifest.json")
+    assert _default_manifest(mrp, "out") == out_manifest
+    (tmp_path / "stdlib_manifest.json").write_text("{}")
+    assert _default_manifest(mrp, "out") == str(tmp_path / "stdlib_manifest.json")
+    assert _default_manifest(argparse.Namespace(command="backbone"), "out") == out_manifest
+
+
 def test_eval_defaults_come_from_an_mrp_run_only(tmp_path):
     """mrp-train eval's sequence length, K and chaining: the flags, else the MRP run's training_config.json, else
     EVAL_DEFAULTS (a folder whose training_config.json is a backbone run's: that run trained no head)."""
@@ -442,6 +560,62 @@ def test_steps_per_epoch_count_the_global_batch_of_every_process():
     cfg = TrainConfig(micro_batch_size=4, grad_accum=2, epochs=2.5)
     assert [total_steps_for(cfg, 100, world) for world in (1, 2, 8)] == [30, 15, 2]  # 2.5 x (100 // (4 x 2 x world))
     assert total_steps_for(TrainConfig(micro_batch_size=4, max_steps=7), 100, 2) == 7
+
+
+def test_a_set_of_exactly_one_global_batch_trains_and_each_epoch_has_its_own_order():
+    one = GlobalBatchSampler(8, 8, seed=0)
+    assert one.steps_per_epoch == 1 and sorted(one.step_indices(0).tolist()) == list(range(8))
+    sampler = GlobalBatchSampler(10, 2, seed=0)  # 5 steps an epoch
+    batches = [sampler.step_indices(step).tolist() for step in range(10)]
+    assert sorted(sum(batches[:5], [])) == sorted(sum(batches[5:], [])) == list(range(10))
+    assert batches[5:] != batches[:5]  # epoch 1 is shuffled anew
+    fresh = GlobalBatchSampler(10, 2, seed=0)
+    assert [fresh.step_indices(step).tolist() for step in range(5, 10)] == batches[5:]  # by the step alone
+
+
+def test_weight_decay_skips_one_dimensional_parameters():
+    optim = build_optimizer(nn.Linear(2, 3), TrainConfig(weight_decay=0.1))
+    assert [([q.dim() for q in g["params"]], g["weight_decay"]) for g in optim.param_groups] == [([2], 0.1),
+                                                                                                 ([1], 0.0)]
+
+
+def test_resume_refuses_another_weight_decay_but_takes_betas_stored_as_a_list():
+    from training.trainer import _check_optimizer_settings
+
+    model = nn.Linear(2, 3)
+    saved = build_optimizer(model, TrainConfig(weight_decay=0.1)).state_dict()
+    _check_optimizer_settings(saved, build_optimizer(model, TrainConfig(weight_decay=0.1)))
+    with pytest.raises(ConfigError, match="made with --weight-decay 0.1, this run has --weight-decay 0.05"):
+        _check_optimizer_settings(saved, build_optimizer(model, TrainConfig(weight_decay=0.05)))
+    as_list = copy.deepcopy(saved)  # a checkpoint may hold Adam's betas as a list
+    for group in as_list["param_groups"]:
+        group["betas"] = list(group["betas"])
+    _check_optimizer_settings(as_list, build_optimizer(model, TrainConfig(weight_decay=0.1)))
+
+
+def test_a_parameter_outside_the_head_that_requires_grad_is_refused_before_it_gets_one():
+    model = nn.Linear(2, 2)
+    check_only_trainable_grads(model, {"weight", "bias"})
+    with pytest.raises(AssertionError, match="parameter bias is outside the MRP head"):
+        check_only_trainable_grads(model, {"weight"})
+    model.bias.requires_grad_(False)
+    check_only_trainable_grads(model, {"weight"})
+
+
+def test_draft_agreements_are_the_ratios_of_their_counts(env):
+    """eval_token_agreement: tokens_agree / tokens; eval_pick_agreement: picks_agree / blocks (counts summed over the
+    micro-batches)."""
+    from training.losses import AGREEMENT_COUNTS
+
+    counts = dict(zip(AGREEMENT_COUNTS, (3, 10, 2, 4)))  # each count different, so any other ratio differs
+
+    class FixedCounts(nn.Module):
+        def forward(self, ids, is_prompt, seeds, with_stats=False):
+            return torch.tensor(1.0), {"agreement": [counts]}
+
+    cfg = _cfg("unused", "mrp", micro_batch_size=4, eval_batches=2, unroll_k=1)
+    res = evaluate(FixedCounts(), env["train"], cfg, torch.device("cpu"))
+    assert (res["eval_token_agreement"], res["eval_pick_agreement"]) == ([0.3], [0.5])
 
 
 def test_pruning_keeps_the_newest_checkpoints(tmp_path):
@@ -514,6 +688,8 @@ def test_bad_configs_rejected(env, tmp_path):
     with pytest.raises(ConfigError, match="--heldout-fraction 0.1: the split comes from .*manifest.json, which holds "
                                           "out 0.02"):
         run([*stdlib, "--stdlib", "--stdlib-manifest", str(manifest)])
+    with pytest.raises(ConfigError, match="--stdlib and --data are mutually exclusive"):
+        run(_cli_args(env, tmp_path / "l", "--stdlib", "--stdlib-manifest", str(manifest)))
     pretty = tmp_path / "pretty.json"
     pretty.write_text(json.dumps([{"text": "a"}], indent=2))
     with pytest.raises(ConfigError, match="pretty.json:1: not valid JSON .*one JSON object a line"):
@@ -562,11 +738,19 @@ def test_fresh_run_refuses_out_with_checkpoints(env, tmp_path):
 
 
 def test_a_fresh_backbone_run_refuses_a_run_folder_before_writing_its_tokenizer(env, tmp_path):
-    """The refusal comes before a new tokenizer is trained into OUT/tokenizer, so the other run stays resumable."""
+    """The refusal comes before a new tokenizer is trained into OUT/tokenizer, so the other run stays resumable.
+    (The first run, without --intermediate-size and --max-position-embeddings, also shows their defaults.)"""
     from training.cli import run
 
-    args = [a for a in _cli_args(env, tmp_path / "b", "--max-steps", "1") if a not in ("--tokenizer", env["tok_dir"])]
+    drop = ("--tokenizer", env["tok_dir"], "--intermediate-size", "64")
+    args = [a for a in _cli_args(env, tmp_path / "b", "--max-steps", "1", "--adam-beta2", "0.9") if a not in drop]
     run([*args, "--vocab-size", "300"])
+    config = json.load(open(tmp_path / "b" / "config.json"))
+    assert config["intermediate_size"] == 3 * 32  # 3 x --hidden-size
+    assert config["max_position_embeddings"] == 4096  # max(--seq-len, 4096)
+    assert json.load(open(tmp_path / "b" / "training_config.json"))["adam_beta2"] == 0.9  # not the default 0.95
+    saved = torch.load(list_checkpoints(str(tmp_path / "b"))[0][1], weights_only=False)
+    assert saved["optimizer"]["param_groups"][0]["betas"][1] == 0.9
     tokenizer = (tmp_path / "b" / "tokenizer" / "tokenizer.json").read_bytes()
     with pytest.raises(ConfigError, match="already holds checkpoints of another run; pass --resume"):
         run([*args, "--vocab-size", "280"])

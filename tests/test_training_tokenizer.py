@@ -65,6 +65,12 @@ def test_vocab_too_small_rejected(tmp_path):
         train_tokenizer(["abc"], str(tmp_path), vocab_size=100)
 
 
+def test_the_smallest_vocabulary_trains(tmp_path):
+    from training.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
+
+    assert len(train_tokenizer(tiny_texts(5), str(tmp_path), vocab_size=MIN_VOCAB_SIZE)) == MIN_VOCAB_SIZE
+
+
 def test_missing_tokenizer_rejected(tmp_path):
     from training.config import ConfigError
     from training.tokenizer import load_tokenizer
@@ -75,16 +81,32 @@ def test_missing_tokenizer_rejected(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+def test_a_folder_with_only_tokenizer_json_is_read(tok_dir, tmp_path):
+    """tokenizer.json alone is a tokenizer (it is read: without tokenizer_config.json it names no EOS token)."""
+    import shutil
+
+    from training.config import ConfigError
+    from training.tokenizer import load_tokenizer
+
+    shutil.copy(os.path.join(tok_dir, "tokenizer.json"), tmp_path)
+    with pytest.raises(ConfigError, match="has no EOS token"):
+        load_tokenizer(str(tmp_path))
+
+
 def test_a_tokenizer_without_the_mask_token_has_no_mask_id(tmp_path):
     """A tokenizer that neither declares a mask token nor holds <|MASK|> (its lookup falls back to the unk id) has
     none: the unk id must not pass for it."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from training.tokenizer import special_token_ids
+    from training.config import ConfigError
+    from training.tokenizer import load_tokenizer, special_token_ids
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2},
                                                                               unk_token="<unk>")),
                                   unk_token="<unk>", eos_token="</s>")
     assert tok.convert_tokens_to_ids("<|MASK|>") == tok.unk_token_id == 0
     assert special_token_ids(tok) == {"eos_token_id": 2, "mask_token_id": None, "pad_token_id": 2}
+    tok.save_pretrained(str(tmp_path))  # and training refuses it
+    with pytest.raises(ConfigError, match=r"has no <\|MASK\|> token"):
+        load_tokenizer(str(tmp_path))
