@@ -513,6 +513,7 @@ def test_stats_report_tokens_per_forward(model):
                          return_dict_in_generate=True)
     s = out.stats.as_dict()
     assert s["tokens_committed"] == [8] and s["backbone_forwards"] == [4] and s["tokens_per_forward"] == [2.0]
+    assert decode_engine.DecodeStats.zeros(2, 1, "cpu").as_dict()["tokens_per_forward"] == [0.0, 0.0]  # not 0 / 0
 
 
 def test_block_length_other_than_config(model):
@@ -1090,6 +1091,17 @@ def test_graphed_calls_reuse_one_engine(model):
     assert model._decode_engine is None and released() is None
 
 
+def test_a_reused_engine_forgets_the_previous_calls_eos_ids(model):
+    """The engine's EOS table is this call's: a call without EOS after one with decodes its whole length."""
+    ids = random_prompts(1, 4, seed=41)
+    kw = dict(max_new_tokens=12, cuda_graphs=True, return_dict_in_generate=True)
+    free = model.generate(ids, eos_token_id=[], **kw)
+    eos = int(free.sequences[0, 6])  # the 3rd new token
+    assert model.generate(ids, eos_token_id=eos, **kw).new_tokens.item() < 12
+    again = model.generate(ids, eos_token_id=[], **kw)
+    assert torch.equal(again.sequences, free.sequences) and again.new_tokens.tolist() == [12]
+
+
 def test_a_call_inside_inference_mode_leaves_no_inference_tensors_behind():
     """generate under ``torch.inference_mode`` keeps nothing that later code may not update in place: the engine
     it keeps (KV cache, recorded steps) serves a call outside inference mode, and the weights it packs train.
@@ -1292,6 +1304,19 @@ def test_an_eos_after_a_stop_string_cut_does_not_lengthen_the_row(model):
     out = model.generate(ids, max_new_tokens=16, eos_token_id=free[1], pad_token_id=pad,
                          stop_strings=tok.decode(free[:1]), tokenizer=tok, return_dict_in_generate=True)
     assert out.sequences[0, 4:].tolist() == free[:1] + [pad] * 15 and out.new_tokens.tolist() == [1]
+
+
+@pytest.mark.parametrize("prompt_length", [2, 3])
+def test_a_stop_string_in_the_first_new_token_of_a_block_the_prompt_began(model, prompt_length):
+    """The prompt fills part of the first block (its text is not searched): a stop string that the first new token
+    completes keeps that token alone."""
+    tok = LetterTokenizer()
+    ids = random_prompts(1, prompt_length, seed=40)
+    free = model.generate(ids, max_new_tokens=8, eos_token_id=[])[0, prompt_length:].tolist()
+    pad = next(t for t in range(MASK_ID) if t not in free)
+    out = model.generate(ids, max_new_tokens=8, eos_token_id=[], pad_token_id=pad, stop_strings=tok.decode(free[:1]),
+                         tokenizer=tok, return_dict_in_generate=True)
+    assert out.sequences[0, prompt_length:].tolist() == free[:1] + [pad] * 7 and out.new_tokens.tolist() == [1]
 
 
 def test_a_stop_string_cut_pads_with_the_mask_token_when_the_model_has_no_pad_or_eos(model):

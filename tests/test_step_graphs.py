@@ -286,6 +286,28 @@ def test_a_device_loop_checks_the_host_once_a_block_fills(kwargs, monkeypatch):
     model.release_decode_engine()
 
 
+def test_a_device_loop_runs_no_step_for_a_row_whose_block_is_full(monkeypatch):
+    """Left-padded prompts of 3, 6 and 9 tokens start their blocks at other steps: the loop stops as soon as one row
+    fills its block (its last one too), so no step runs while a row waits in a full block."""
+    import mrp_triton
+
+    select_commit, idle = mrp_triton.select_commit, []
+
+    def spy(block, tokens, conf, *, mask_token_id, n, threshold=None):
+        idle.append(int((~(block[:3] == mask_token_id).any(-1)).sum()))  # rows 0-2 (row 3 pads the graphed bucket)
+        return select_commit(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)
+
+    monkeypatch.setattr(mrp_triton, "select_commit", spy)
+    model, width = tiny_model(seed=0), 9
+    ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for b, n in enumerate((3, 6, 9)):
+        ids[b, width - n:], mask[b, width - n:] = random_prompts(1, n, seed=10 + b)[0], 1
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], strategy="dynamic", threshold=0.3,
+                   cuda_graphs=True, device_loop=True)
+    assert len(idle) > 12 and sum(idle) == 0
+    model.release_decode_engine()
+
+
 @pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="direct", mrp_steps=2),
                                     dict(strategy="direct", mrp_steps=1, mrp_mix="none")],
                          ids=lambda k: "-".join(str(v) for v in k.values()))
