@@ -18,7 +18,7 @@ def test_backbone_is_qwen3_with_a_block_causal_mask(block_size):
     them, and the final normed ones) equal Qwen3Model's given the block-causal mask as an additive 4-D mask
     (block 1: plain causal attention). HF computes RoPE in float32, hence the tolerance in float64. Every RMSNorm
     weight is drawn (a fresh model has them all at 1), so a norm applied in another's place shows."""
-    model = tiny_model(seed=5, block_size=block_size)
+    model = tiny_model(seed=5, block_size=block_size, rms_norm_eps=0.05)  # an eps that shows where it is missed
     c = model.config
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -49,7 +49,7 @@ def test_backbone_is_qwen3_with_a_block_causal_mask(block_size):
 def test_mrp_head_projects_the_normed_embedding_and_hidden_state_then_runs_its_layers():
     """x = eh_proj(concat(enorm(E[ids]), hnorm(h))), then the head's layers and norm: with enorm and hnorm
     weights that differ (a fresh model has both at 1), so a swap of the two norms or of the halves shows."""
-    model = tiny_model(seed=7)
+    model = tiny_model(seed=7, rms_norm_eps=0.05)  # an eps that shows where it is missed
     m, c = model.mrp_modules[0].model, model.config
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -89,6 +89,13 @@ def test_config_defaults_and_which_rope_spelling_wins():
     assert not plain.has_mrp and plain.num_mrp_heads == 2
 
 
+def test_an_mrp_head_needs_a_layer():
+    model = tiny_model(dtype=torch.float32)
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
+        model.add_mrp_head(0)
+    assert len(model.add_mrp_head(1).model.layers) == 1 and model.config.num_nextn_predict_layers == 1
+
+
 def _hub_state_dict(config) -> dict[str, torch.Tensor]:
     """Tensor names and shapes of the Hub checkpoints, written out from the spec (method.md 1 and 3)."""
     H, F, D = config.hidden_size, config.intermediate_size, config.head_dim
