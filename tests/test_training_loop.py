@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from training_fixtures import make_tokenizer, one_thread, subprocess_env, tiny_backbone, write_corpus  # noqa: F401
+from training_fixtures import (make_tokenizer, one_thread, single_thread, subprocess_env, tiny_backbone,  # noqa: F401
+                               write_corpus)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,13 +125,9 @@ def short_run(env, tmp_path_factory):
             seeds.append(list(sample_seeds))
         return forward(self, ids, is_prompt, sample_seeds, with_stats)
 
-    threads = torch.get_num_threads()  # a module fixture runs outside the one_thread and backend fixtures
-    torch.set_num_threads(1)
-    try:
-        with use_backend("reference"), mock.patch.object(LossModule, "forward", spy):
-            res = train(cfg, model, env["train"], env["held"])
-    finally:
-        torch.set_num_threads(threads)
+    # a module fixture runs outside the one_thread and backend fixtures
+    with single_thread(), use_backend("reference"), mock.patch.object(LossModule, "forward", spy):
+        res = train(cfg, model, env["train"], env["held"])
     lines = [json.loads(x) for x in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
     return {"cfg": cfg, "initial": initial, "model": model, "res": res, "lines": lines, "seeds": seeds}
 
@@ -288,6 +285,15 @@ def _cli_args(env, out, *extra):
             "--seq-len", str(T), "--block-size", str(BS), "--hidden-size", "32", "--intermediate-size", "64",
             "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2", "--micro-batch-size", "4",
             "--heldout-fraction", "0.1", "--no-progress", "--lr", "1e-2", *extra]
+
+
+def _without(args, *flags):
+    """``args`` with each of ``flags`` and the value after it left out."""
+    out = list(args)
+    for flag in flags:
+        at = out.index(flag)
+        del out[at:at + 2]
+    return out
 
 
 def _safetensors(folder):
@@ -501,10 +507,8 @@ def test_the_heldout_fraction_defaults_to_one_percent(env, tmp_path, monkeypatch
         raise Split
 
     monkeypatch.setattr(data, "split_records", split)
-    args = _cli_args(env, tmp_path)
-    at = args.index("--heldout-fraction")
     with pytest.raises(Split):
-        cli.run(args[:at] + args[at + 2:])
+        cli.run(_without(_cli_args(env, tmp_path), "--heldout-fraction"))
     assert fractions == [0.01]
 
 
@@ -684,7 +688,7 @@ def test_bad_configs_rejected(env, tmp_path):
         TrainConfig(attention="math").validate()
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"heldout_fraction": 0.02, "seed": 0, "train": [], "heldout": []}))
-    stdlib = [a for a in _cli_args(env, tmp_path / "j") if a not in ("--data", env["paths"]["text"])]
+    stdlib = _without(_cli_args(env, tmp_path / "j"), "--data")
     with pytest.raises(ConfigError, match="--heldout-fraction 0.1: the split comes from .*manifest.json, which holds "
                                           "out 0.02"):
         run([*stdlib, "--stdlib", "--stdlib-manifest", str(manifest)])
@@ -742,8 +746,8 @@ def test_a_fresh_backbone_run_refuses_a_run_folder_before_writing_its_tokenizer(
     (The first run, without --intermediate-size and --max-position-embeddings, also shows their defaults.)"""
     from training.cli import run
 
-    drop = ("--tokenizer", env["tok_dir"], "--intermediate-size", "64")
-    args = [a for a in _cli_args(env, tmp_path / "b", "--max-steps", "1", "--adam-beta2", "0.9") if a not in drop]
+    args = _without(_cli_args(env, tmp_path / "b", "--max-steps", "1", "--adam-beta2", "0.9"), "--tokenizer",
+                    "--intermediate-size")
     run([*args, "--vocab-size", "300"])
     config = json.load(open(tmp_path / "b" / "config.json"))
     assert config["intermediate_size"] == 3 * 32  # 3 x --hidden-size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -67,15 +68,24 @@ def tiny_backbone(tokenizer, block_size: int = 4, seed: int = 0, **kw):
 import pytest  # noqa: E402
 
 
-@pytest.fixture
-def one_thread():
+@contextlib.contextmanager
+def single_thread():
     """Tiny models run much faster on one thread, above all on a shared, busy CPU."""
     import torch
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_thread():
+    """:func:`single_thread` around a test."""
+    with single_thread():
+        yield
 
 
 def subprocess_env(repo: str) -> dict:
