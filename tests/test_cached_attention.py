@@ -145,6 +145,68 @@ def test_uncommitted_slots_are_never_read():
     torch.testing.assert_close(split, clean, atol=2e-5, rtol=0)
 
 
+def test_empty_row_whose_first_key_tile_it_cannot_see():
+    """A row with no committed slots whose second copy's queries find no visible key in the first tile of new keys
+    (16-slot tiles, the first copy's block): the online softmax must not compute exp(-inf - -inf) there. Each copy
+    equals plain attention over its own block."""
+    from mrp_triton.cached_attention import _tiles
+
+    block, copies, D = 16, 2, 16
+    assert _tiles(torch.float32, D, 1, 8000)[0] == block  # a tile holds one copy's keys only
+    p = dict(B=1, Hkv=1, Hq=2, T=copies * block, D=D, W=4, block=block, seed=4, dtype=torch.float32)
+    q, k, v, ck, cv = _tensors(p)
+    positions = torch.arange(block, device=DEV).repeat(1, copies)
+    segments = torch.arange(copies, device=DEV).repeat_interleave(block)
+    out = cached_attention_triton(q, k, v, ck, cv, torch.tensor([0], device=DEV), positions, block, segments,
+                                  splits=1, shared_limit=8000)
+    for c in range(copies):
+        span = slice(c * block, (c + 1) * block)
+        expect = F.scaled_dot_product_attention(q[:, :, span], k[:, :, span], v[:, :, span], enable_gqa=True)
+        torch.testing.assert_close(out[:, :, span], expect, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_scores_far_from_zero_merge_across_splits(sign):
+    """Scores near +-200 (exp overflows or underflows fp32): the merge of 3 splits (a power-of-2 lane left empty)
+    rescales each split by exp(m_s - max m), so the result is plain softmax attention all the same."""
+    B, Hkv, Hq, T, D, W = 1, 1, 2, 4, 16, 300
+    g = torch.Generator().manual_seed(5)
+    q = 7 + 0.3 * torch.randn(B, Hq, T, D, generator=g)
+    k, ck = (sign * 7 + 0.3 * torch.randn(B, Hkv, n, D, generator=g) for n in (T, W))
+    v, cv = (torch.randn(B, Hkv, n, D, generator=g) for n in (T, W))
+    positions = torch.arange(W, W + T)[None]
+    out = cached_attention_triton(*(x.to(DEV) for x in (q, k, v, ck, cv)), torch.tensor([W], device=DEV),
+                                  positions.to(DEV), T, splits=3)
+    scores = q.double() @ torch.cat([ck, k], 2).double().repeat_interleave(Hq // Hkv, 1).transpose(-1, -2) / D ** 0.5
+    assert scores.abs().min() > 150
+    expect = scores.softmax(-1) @ torch.cat([cv, v], 2).double().repeat_interleave(Hq // Hkv, 1)
+    torch.testing.assert_close(out.cpu().double(), expect, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["columns-strided", "cache-v-own-strides", "segments-int32-strided"])
+def test_operand_layouts_match_reference(layout):
+    """Views the kernel cannot read with its unit column stride and the key cache's strides: q, k, v whose columns
+    are strided (copied first), a value cache laid out unlike the key cache, int32 segments that are a strided view.
+    Each gives what the reference gives on the same values."""
+    p = dict(B=2, Hkv=1, Hq=2, T=8, D=16, W=12, block=4, seed=6, dtype=torch.float32)
+    q, k, v, ck, cv = _tensors(p)
+    lengths = torch.tensor([4, 8], device=DEV)
+    positions = torch.cat([lengths[:, None] + torch.arange(4, device=DEV)] * 2, 1)
+    segments = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], device=DEV)
+    if layout == "columns-strided":
+        q, k, v = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v))
+        assert q.stride(-1) != 1
+    elif layout == "cache-v-own-strides":
+        cv = cv.contiguous()
+        assert cv.stride() != ck.stride()
+    else:
+        segments = segments.repeat_interleave(2).to(torch.int32)[::2]
+        assert not segments.is_contiguous()
+    out = cached_attention_triton(q, k, v, ck, cv, lengths, positions, 4, segments)
+    expect = ref.cached_attention(q, k, v, ck, cv, lengths, positions, 4, segments)
+    torch.testing.assert_close(out, expect, atol=ATOL[p["dtype"]], rtol=0)
+
+
 def test_splits_fill_the_gpu_only_when_rows_and_heads_do_not(monkeypatch):
     """On a 132-SM GPU: batch 1 of an 8-KV-head model, one block (8 programs), over a 768-slot cache is cut
     into 6 pieces of >= 128 slots; 32 rows with 5 query tiles (1280 programs) are not cut; a short cache is
@@ -197,23 +259,59 @@ def test_float64_and_cpu_dispatch_to_the_reference():
     assert torch.equal(cached_attention(q, k, v, ck, cv, *args), ref.cached_attention(q, k, v, ck, cv, *args))
 
 
+@pytest.mark.parametrize("op", [cached_attention_triton, cached_attention], ids=["triton", "dispatch"])
 @pytest.mark.parametrize("bad,message", [
     (dict(k=torch.zeros(1, 3, 3, 8)), "multiple of key/value heads"),
+    (dict(v=torch.zeros(1, 1, 3, 4)), "k and v must be"),
     (dict(lengths=torch.tensor([4.0])), "lengths must be an int64"),
+    (dict(lengths=torch.tensor([4, 4])), "lengths must be an int64"),
     (dict(positions=torch.tensor([[4, 5]])), "positions must be an int64 tensor"),
+    (dict(positions=torch.tensor([[4, 5, 6]], dtype=torch.int32)), "positions must be an int64 tensor"),
     (dict(segments=torch.tensor([0, 1])), "segments must be a tensor"),
     (dict(cache_k=torch.zeros(1, 1, 4, 4)), "cache_k and cache_v must be"),
-])
-def test_bad_arguments_are_named(bad, message):
+    (dict(cache_v=torch.zeros(1, 1, 5, 8)), "cache_k and cache_v must be"),
+    (dict(cache_k=torch.zeros(2, 1, 4, 8), cache_v=torch.zeros(2, 1, 4, 8)), "cache_k and cache_v must be"),
+    (dict(v=torch.zeros(1, 1, 3, 8, dtype=torch.float16)), "share one floating dtype"),
+    (dict(lengths=torch.tensor([4], device="meta")), "lengths is on meta"),
+    (dict(places=torch.tensor([[0, 1, 2]], dtype=torch.int32)), "with places"),
+    (dict(places=torch.tensor([[0, 1, 2]], device="meta")), "with places"),
+    (dict(q=torch.zeros(2, 2, 3, 8), k=torch.zeros(2, 1, 3, 8), places=torch.tensor([[0, 1, 2]])), "with places"),
+], ids=lambda x: None if isinstance(x, dict) else x)
+def test_bad_arguments_are_named(bad, message, op):
+    """Each check of ``_check`` (which the reference path runs too) names its argument: a wrong shape, dtype or
+    device of any operand, and a ragged forward's q of more than one row or places not int64 on q's device."""
     p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=3, dtype=torch.float32)
     q, k, v, ck, cv = _tensors(p, "cpu")
     args = dict(q=q, k=k, v=v, cache_k=ck, cache_v=cv, lengths=torch.tensor([4]), positions=torch.tensor([[4, 5, 6]]),
-                block_size=4, segments=None)
+                block_size=4, segments=None, places=None)
     args.update(bad)
     if "k" in bad:
         args["v"] = bad["k"]
     with pytest.raises((ValueError, TypeError), match=message):
-        cached_attention_triton(**args)
+        op(**args)
+
+
+def test_integer_operands_are_refused():
+    """q, k, v and the caches sharing one dtype is not enough: it must be a floating one."""
+    p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=3, dtype=torch.float32)
+    q, k, v, ck, cv = (x.to(torch.int64) for x in _tensors(p, "cpu"))
+    with pytest.raises(TypeError, match="share one floating dtype"):
+        cached_attention_triton(q, k, v, ck, cv, torch.tensor([4]), torch.tensor([[4, 5, 6]]), 4)
+
+
+@pytest.mark.triton
+def test_float64_runs_the_reference_under_the_triton_backend(monkeypatch):
+    """The public op sends float64 to the reference even where the backend is Triton (float32 reaches the kernel)."""
+    def kernel(*args, **kwargs):
+        raise AssertionError("the Triton launcher ran")
+
+    monkeypatch.setattr(attention_module, "cached_attention_triton", kernel)
+    p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=2, dtype=torch.float64)
+    q, k, v, ck, cv = _tensors(p, "cpu")
+    args = (torch.tensor([4]), torch.tensor([[4, 5, 6]]), 4)
+    assert torch.equal(cached_attention(q, k, v, ck, cv, *args), ref.cached_attention(q, k, v, ck, cv, *args))
+    with pytest.raises(AssertionError, match="the Triton launcher ran"):
+        cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args)
 
 
 @pytest.mark.parametrize("splits", [0, -1, 2.0, True])
