@@ -7,6 +7,7 @@ integer whatever the summation order, ties are frequent, and the token must matc
 
 from __future__ import annotations
 
+import importlib
 from math import inf
 
 import pytest
@@ -286,6 +287,55 @@ def test_public_dispatch_fp16_with_base_and_mask():
     _check(out, lm_head_confidence_reference(hidden, weight, **kw))
 
 
+@pytest.mark.parametrize("operand", ["hidden", "weight", "base_logits"])
+def test_column_strided_operands_match_reference(operand):
+    """An operand whose columns are not adjacent (a transposed copy's view): the kernel reads rows with unit column
+    stride, so the launcher must copy it first; the result is the reference's on the same values."""
+    g = torch.Generator().manual_seed(11)
+    args = dict(hidden=_ints((5, 24), -2, 2, torch.float32, g), weight=_ints((70, 24), -2, 2, torch.float32, g),
+                base_logits=_ints((5, 70), -4, 4, torch.float32, g))
+    args[operand] = args[operand].T.contiguous().T
+    assert args[operand].stride(1) != 1
+    hidden, weight = args.pop("hidden"), args.pop("weight")
+    kw = dict(args, mask_token_id=3, top_m=4)
+    out = lm_head_confidence_triton(hidden, weight, config=dict(BLOCK_V=32, BLOCK_K=16), **kw)
+    _check(out, lm_head_confidence_reference(hidden, weight, **kw))
+
+
+@pytest.mark.parametrize("op", [lm_head_confidence, lm_head_confidence_triton], ids=["reference", "triton"])
+def test_hidden_is_cast_to_the_weight_dtype(op):
+    """fp32 hidden states with a bf16 lm_head: the matmul runs on hidden rounded to bf16 (+-(1 + 2**-8) -> +-1, by
+    any rounding), as ``F.linear`` in bf16 would, not on the fp32 values."""
+    g = torch.Generator().manual_seed(12)
+    hidden = ((torch.randint(0, 2, (3, 16), generator=g) * 2 - 1) * (1 + 2.0 ** -8)).to(DEV)
+    weight = _ints((40, 16), -2, 2, torch.bfloat16, g)
+    z = hidden.to(torch.bfloat16).float() @ weight.float().T
+    assert (torch.logsumexp(hidden @ weight.float().T, -1) - torch.logsumexp(z, -1)).abs().min() > 1e-3
+    tok, prob, lse = op(hidden, weight)
+    assert torch.equal(tok, z.argmax(-1))
+    torch.testing.assert_close(prob, z.softmax(-1).max(-1).values, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.triton
+def test_float64_runs_the_reference_in_float64(monkeypatch):
+    """float64 weights go to the reference even where the backend is Triton, and are scored in float64: logits
+    1 and 1 + 1e-9 (equal in fp32, where the lower id would win) pick the second. float32 reaches the kernel."""
+    def kernel(*args, **kwargs):
+        raise AssertionError("the Triton launcher ran")
+
+    monkeypatch.setattr(importlib.import_module("mrp_triton.lm_head_confidence"), "lm_head_confidence_triton", kernel)
+    hidden = torch.ones(2, 2, dtype=torch.float64)
+    weight = torch.tensor([[1.0, 0.0], [1.0, 1e-9], [0.5, 0.0]], dtype=torch.float64)
+    z = hidden @ weight.T
+    tok, prob, lse = lm_head_confidence(hidden, weight)
+    assert tok.tolist() == [1, 1]
+    torch.testing.assert_close(prob, z.softmax(-1).max(-1).values.float())
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1).float())
+    with pytest.raises(AssertionError, match="the Triton launcher ran"):
+        lm_head_confidence(hidden.float(), weight.float())
+
+
 def test_errors():
     h, w = torch.randn(2, 8), torch.randn(10, 8)
     with pytest.raises(ValueError, match="hidden must be"):
@@ -308,6 +358,24 @@ def test_errors():
         for op in (lm_head_confidence_triton, lm_head_confidence):
             with pytest.raises(ValueError, match="top_m must be an int in \\[0, 10\\]"):
                 op(h, w, top_m=bad)
+    with pytest.raises(TypeError, match="weight must be fp32, fp16 or bf16"):
+        lm_head_confidence_triton(h.double(), w.double())
+    with pytest.raises(ValueError, match="hidden must be \\[N, H\\]"):
+        lm_head_confidence_triton(h[:, :, None], w)
+    with pytest.raises(ValueError, match="weight is on meta"):
+        lm_head_confidence_triton(h, w.to("meta"))
+    with pytest.raises(ValueError, match="empty vocabulary or hidden size"):
+        lm_head_confidence_triton(h, w[:0])
+    with pytest.raises(ValueError, match="empty vocabulary or hidden size"):
+        lm_head_confidence_triton(h[:, :0], w[:, :0])
+    with pytest.raises(TypeError, match="base_logits must be floating point"):
+        lm_head_confidence_triton(h, w, base_logits=torch.zeros(2, 10, dtype=torch.int64))
+    with pytest.raises(ValueError, match="base_logits is on meta"):
+        lm_head_confidence_triton(h, w, base_logits=torch.zeros(2, 10, device="meta"))
+    with pytest.raises(ValueError, match="mask_token_id -1 is outside"):
+        lm_head_confidence_triton(h, w, mask_token_id=-1)
+    with pytest.raises(ValueError, match="temperature must be > 0, got nan"):
+        lm_head_confidence_triton(h, w, temperature=float("nan"))
     tok, prob, lse = lm_head_confidence_triton(h[:0], w)
     assert tok.shape == prob.shape == lse.shape == (0,)
     *_, top, ids = lm_head_confidence_triton(h[:0], w, top_m=3)
