@@ -7,6 +7,8 @@ summation order, ties are frequent and the token must match exactly.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -137,6 +139,87 @@ def test_nan_is_never_picked_and_inf_is_the_largest_float(op, do_sample):
     assert not prob.isnan().any()
 
 
+@pytest.mark.parametrize("operand", ["hidden", "seed_hidden", "weight", "ids", "rest", "vocab_mean", "skip_rows"])
+def test_strided_operands_match_reference(operand):
+    """Each operand as a view the kernel cannot read with its unit strides (a transposed copy's view, every other
+    element of a longer vector): the launcher copies it first, and the picks are the reference's."""
+    g = torch.Generator().manual_seed(8)
+    hidden, weight, ids, rest, seed_hidden, mean = _inputs(5, 24, 40, 8, torch.float32, g)
+    args = dict(hidden=hidden, weight=weight, ids=ids, rest=rest, seed_hidden=seed_hidden, vocab_mean=mean,
+                skip_rows=torch.tensor([False, True, False, False, True], device=DEV))
+    x = args[operand]
+    args[operand] = x.T.contiguous().T if x.dim() == 2 else x.repeat_interleave(2)[::2]
+    assert args[operand].stride(-1) != 1
+    positional = [args.pop(name) for name in ("hidden", "weight", "ids", "rest")]
+    tok, prob = candidate_confidence_triton(*positional, temperature=0.7, **args)
+    want_tok, want_prob = candidate_confidence_reference(*positional, temperature=0.7, **args)
+    assert torch.equal(tok, want_tok)
+    torch.testing.assert_close(prob, want_prob, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", [candidate_confidence, candidate_confidence_triton])
+def test_sampling_with_top_k_1_picks_the_greedy_token(op):
+    """top-k cuts the listed logits z, not z plus the noise: with top_k = 1 only each row's best listed token is
+    left, so a sampled pick is the greedy one whatever the noise (which does change picks without the cut)."""
+    g = torch.Generator().manual_seed(9)
+    N, H, V, M = 16, 8, 60, 12
+    hidden, weight = torch.randn(N, H, generator=g).to(DEV), torch.randn(V, H, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(V, generator=g)[:M] for _ in range(N)]).to(DEV)
+    kw = dict(seed_hidden=hidden, vocab_mean=weight.mean(0), temperature=2.0)
+    sample = dict(do_sample=True, seed=3, noise_keys=torch.randint(0, 2**40, (N, 3), generator=g).to(DEV))
+    rest = torch.zeros(N, device=DEV)
+    greedy = op(hidden, weight, ids, rest, **kw)
+    assert not torch.equal(op(hidden, weight, ids, rest, **kw, **sample)[0], greedy[0])
+    tok, prob = op(hidden, weight, ids, rest, **kw, **sample, top_k=1)
+    assert torch.equal(tok, greedy[0])
+    torch.testing.assert_close(prob, greedy[1], rtol=2e-5, atol=1e-6)
+
+
+def test_a_temperature_tensor_scores_bit_for_bit_as_the_float_does():
+    """The kernel reads a temperature tensor and takes 1 / t in float64, rounded to fp32 once, as the float path
+    does on the host: at t = 0.503, where fp32(1 / fp32(t)) is one ulp off, the probabilities are identical (a
+    logit of 128, a power of 2 that keeps that ulp in z, against a rest of about the same size makes them
+    sensitive to it) and the definition's up to fp32 rounding."""
+    t = 0.503
+    inv = torch.tensor(1.0 / t, dtype=torch.float32)
+    assert 1.0 / torch.tensor(t, dtype=torch.float32) != inv
+    hidden, weight = torch.tensor([[128.0]], device=DEV), torch.tensor([[1.0], [0.0]], device=DEV)
+    ids, rest = torch.tensor([[0, 1]], device=DEV), torch.tensor([255.0], device=DEV)
+    kw = dict(seed_hidden=hidden, vocab_mean=torch.zeros(1, device=DEV))
+    tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, temperature=t, **kw)
+    tok_t, prob_t = candidate_confidence_triton(hidden, weight, ids, rest, **kw,
+                                                temperature=torch.tensor(t, dtype=torch.float64, device=DEV))
+    assert tok.tolist() == tok_t.tolist() == [0] and torch.equal(prob, prob_t)
+    z = torch.tensor([128 * inv.double(), 0.0], dtype=torch.float64)
+    expect = torch.exp(z[0] - torch.logaddexp(torch.logsumexp(z, 0), torch.tensor(255.0, dtype=torch.float64)))
+    torch.testing.assert_close(prob.cpu(), expect.float()[None], rtol=1e-4, atol=0)
+
+
+@pytest.mark.triton
+def test_float64_runs_the_reference_in_float64(monkeypatch):
+    """float64 operands go to the reference even where the backend is Triton, and are scored in float64 with
+    1 / temperature rounded to fp32: raw logits 100 and 100 + 1e-7 (equal in fp32, where the first listed would
+    win) pick the second, with prob = exp(z - lse) for z = logit * fp32(1 / 0.7). float32 reaches the kernel."""
+    def kernel(*args, **kwargs):
+        raise AssertionError("the Triton launcher ran")
+
+    monkeypatch.setattr(importlib.import_module("mrp_triton.candidate_confidence"), "candidate_confidence_triton",
+                        kernel)
+    hidden = torch.tensor([[100.0, 100.0]], dtype=torch.float64)
+    weight = torch.tensor([[1.0, 0.0], [1.0, 1e-9], [0.5, 0.0]], dtype=torch.float64)
+    ids = torch.tensor([[0, 1, 2]])
+    z = hidden @ weight.T * float(torch.tensor(1 / 0.7, dtype=torch.float32))
+    rest = z[:, 1].clone()  # the listed tokens hold about 2/3 of the mass: prob about 1/3
+    kw = dict(seed_hidden=hidden, vocab_mean=torch.zeros(2, dtype=torch.float64), temperature=0.7)
+    tok, prob = candidate_confidence(hidden, weight, ids, rest, **kw)
+    assert tok.tolist() == [1]
+    expect = torch.exp(z[:, 1] - torch.logaddexp(torch.logsumexp(z, -1), rest))
+    torch.testing.assert_close(prob, expect.float(), rtol=2e-7, atol=0)
+    with pytest.raises(AssertionError, match="the Triton launcher ran"):
+        candidate_confidence(hidden.float(), weight.float(), ids, rest.float(), **dict(
+            kw, seed_hidden=hidden.float(), vocab_mean=torch.zeros(2)))
+
+
 def test_errors():
     h, w, ids, rest = torch.randn(2, 8), torch.randn(10, 8), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2)
     kw = dict(seed_hidden=h, vocab_mean=w.mean(0))
@@ -157,6 +240,22 @@ def test_errors():
             op(h, w, ids, rest, temperature=0.0, **kw)
         with pytest.raises(ValueError, match="skip_rows must be a bool tensor of shape \\[2\\]"):
             op(h, w, ids, rest, skip_rows=torch.zeros(3, dtype=torch.bool), **kw)
+        with pytest.raises(ValueError, match="hidden must be a floating-point tensor \\[N, H\\]"):
+            op(h.long(), w, ids, rest, **kw)
+        with pytest.raises(ValueError, match="hidden must be a floating-point tensor \\[N, H\\]"):
+            op(h[0], w, ids, rest, **kw)
+        with pytest.raises(ValueError, match="weight must be a floating-point tensor"):
+            op(h, w.long(), ids, rest, **kw)
+        with pytest.raises(ValueError, match="ids must be an int64 tensor \\[N=2, M\\] with 1 <= M"):
+            op(h, w, ids[:1], rest, **kw)
+        with pytest.raises(ValueError, match="ids must be an int64 tensor \\[N=2, M\\] with 1 <= M"):
+            op(h, w, ids[:, :0], rest, **kw)
+        with pytest.raises(ValueError, match="rest must be a floating-point tensor \\[2\\]"):
+            op(h, w, ids, rest.long(), **kw)
+        with pytest.raises(ValueError, match="seed_hidden must be a floating-point tensor \\[2, 8\\]"):
+            op(h, w, ids, rest, seed_hidden=h[:, :7], vocab_mean=w.mean(0))
+        with pytest.raises(ValueError, match="rest is on meta"):
+            op(h, w, ids, rest.to("meta"), **kw)
     tok, prob = candidate_confidence_triton(h[:0], w, ids[:0], rest[:0], seed_hidden=h[:0], vocab_mean=w.mean(0))
     assert tok.shape == prob.shape == (0,)
 
