@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kernel_utils import DEV, poisoned_allocations
 from mrp_triton import reference as ref
-from mrp_triton import softmax_kl
+from mrp_triton import softmax_kl, use_backend
 from mrp_triton.softmax_kl import softmax_kl_triton
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
@@ -120,8 +120,14 @@ def test_reference_equals_autograd_of_the_kl():
     torch.testing.assert_close(written, leaf.grad, rtol=1e-12, atol=1e-14)
 
 
+def _on_the_reference_backend(*args):
+    """The public op where it dispatches to the reference (which runs the same argument checks)."""
+    with use_backend("reference"):
+        return softmax_kl(*args)
+
+
 @pytest.mark.triton
-@pytest.mark.parametrize("op", [softmax_kl, softmax_kl_triton])
+@pytest.mark.parametrize("op", [softmax_kl, softmax_kl_triton, _on_the_reference_backend])
 def test_bad_input_is_refused_with_the_argument_named(op):
     s, t = _logits(3, 20, torch.float32, 0, 1.0)
     with pytest.raises(TypeError, match="float32 or float64"):
@@ -134,6 +140,21 @@ def test_bad_input_is_refused_with_the_argument_named(op):
         op(s[0], t[0])
     with pytest.raises(ValueError, match=r"grad_scale must be a float tensor \[n=3\]"):
         op(s, t, torch.ones(2, device=DEV))
+    with pytest.raises(ValueError, match=r"grad_scale must be a float tensor \[n=3\]"):
+        op(s, t, torch.ones(3, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="grad_scale is on meta"):
+        op(s, t, torch.ones(3, device="meta"))
+
+
+@pytest.mark.parametrize("shape", [(0, 20), (3, 0)], ids=["no-rows", "no-vocabulary"])
+def test_empty_logits_give_the_reference_result(shape):
+    """A chunk of no rows, or rows of no logits (KL 0: an empty sum), with and without the gradient: what the
+    reference gives, not a launch over an empty grid or slices of width 0."""
+    s, t = torch.zeros(shape, device=DEV), torch.zeros(shape, device=DEV)
+    for w in (None, torch.ones(shape[0], device=DEV)):
+        got, want = softmax_kl_triton(s.clone(), t, w), ref.softmax_kl(s.clone(), t, w)
+        assert got.shape == (shape[0],)
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.triton
