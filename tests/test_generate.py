@@ -1345,6 +1345,27 @@ def test_the_kv_cache_refuses_writes_past_its_length():
         cache.write_offsets(5)
 
 
+def test_the_kv_cache_commits_some_rows_and_keeps_rows_at_the_front():
+    """advance(rows=...) commits only those rows; keep_rows moves the kept rows' keys, values and lengths to the
+    front, and ``length`` (the width forwards read) becomes the largest committed length of the rows kept, not of
+    the rows dropped (outputs cannot show a stale width: the slots past a row's length are masked out; it only
+    costs work)."""
+    cache = StaticKVCache(1, 3, 8, 1, 2, torch.float64, "cpu")
+    keys = torch.arange(3 * 4 * 2, dtype=torch.float64).view(3, 1, 4, 2)
+    cache.write(0, keys, -keys, cache.write_offsets(4))
+    cache.advance(4)
+    cache.write(0, keys[:, :, :2] + 100, -keys[:, :, :2], cache.write_offsets(2))
+    cache.advance(2, torch.tensor([False, False, True]))
+    assert cache.lengths.tolist() == [4, 4, 6] and cache.length == 6
+    cache.keep_rows(torch.tensor([0, 2]))
+    k, v = cache.prefix(0)
+    assert cache.lengths.tolist() == [4, 6] and cache.length == 6 and k.shape[2] == 6
+    assert torch.equal(k[0, :, :4], keys[0]) and torch.equal(k[1], torch.cat([keys[2], keys[2, :, :2] + 100], 1))
+    assert torch.equal(v[1, :, :4], -keys[2])
+    cache.keep_rows(torch.tensor([0]))
+    assert cache.lengths.tolist() == [4] and cache.length == 4 and cache.prefix(0)[0].shape == (1, 1, 4, 2)
+
+
 def test_top_p_one_keeps_every_token_and_pad_falls_back_to_the_first_eos(model):
     ids = random_prompts(2, 5, seed=3)
     kw = dict(max_new_tokens=6, do_sample=True, seed=5)
