@@ -58,6 +58,35 @@ def test_pack_linears_leaves_what_it_cannot_pack():
     assert [lin.weight.data_ptr() for lin in mixed] == ptrs
 
 
+def test_pack_linears_under_inference_mode_leaves_parameters_that_train():
+    """``model.pack_projections()`` called under ``torch.inference_mode`` (generate leaves inference mode itself):
+    the new storage is a normal tensor, so an optimizer may update the packed weights in place afterwards."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(6, n, dtype=torch.float64) for n in (4, 2)]
+    with torch.inference_mode():
+        assert pack_linears(linears)
+    assert _is_packed(linears)
+    params = [p for lin in linears for p in lin.parameters()]
+    assert not any(p.is_inference() for p in params)
+    sum(lin(torch.ones(6, dtype=torch.float64)).sum() for lin in linears).backward()
+    torch.optim.SGD(params, lr=0.1).step()
+
+
+def test_pack_linears_repacks_a_weight_that_is_not_contiguous():
+    """Weights that start where they should but one is a transposed view (as a converted checkpoint may hold) are
+    not packed yet: packed_linears reads the storage row by row, so they are copied into a new layout first."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(4, 4, bias=False, dtype=torch.float64) for _ in range(2)]
+    storage = torch.randn(32, dtype=torch.float64)
+    linears[0].weight.data = storage[:16].view(4, 4).t()  # starts at the storage, is not row-major
+    linears[1].weight.data = storage[16:].view(4, 4)  # right after it
+    x = torch.randn(3, 4, dtype=torch.float64)
+    expect = [lin(x) for lin in linears]
+    assert pack_linears(linears) and _is_packed(linears) and linears[0].weight.is_contiguous()
+    for got, want in zip(packed_linears(x, linears), expect):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_generate_packs_the_model_once_and_the_state_dict_is_unchanged():
     model = tiny_model(seed=3)
     state = {k: v.clone() for k, v in model.state_dict().items()}
