@@ -577,6 +577,9 @@ BAD_INPUTS = [
     (dict(input_ids=torch.tensor([[1, 2, 99]])), ValueError, "outside the vocabulary"),
     (dict(input_ids=torch.tensor([[1, -1]])), ValueError, "outside the vocabulary"),
     (dict(input_ids=torch.zeros((1, 0), dtype=torch.long)), ValueError, "empty"),
+    (dict(input_ids=torch.zeros((0, 3), dtype=torch.long)), ValueError, "input_ids is empty: give at least one"),
+    (dict(input_ids=torch.tensor([[1, 2], [3, 4]]), attention_mask=torch.tensor([[1, 1], [0, 0]])), ValueError,
+     "row 1 of the prompt is empty or all padding"),
     (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[0, 0]])), ValueError, "all padding"),
     (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 1]])), ValueError, "contiguous"),
     (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 2, 1]])), ValueError,
@@ -694,6 +697,20 @@ def test_a_row_without_finite_logits_stops_decoding_with_an_error_naming_the_cau
     assert ids[1, 2] not in ids[0]
     with pytest.raises(RuntimeError, match="no finite logit .* check the weights for NaN"):
         poisoned.generate(ids, max_new_tokens=8, eos_token_id=[], **kwargs)
+
+
+def test_padding_may_hold_any_id_and_1d_input_ids_are_one_prompt(model):
+    """Only the tokens the attention mask keeps are checked: padding that holds the mask token or ids outside the
+    vocabulary (what some collators pad with) decodes as padding of 0 does; 1-D input_ids are one prompt."""
+    ids = random_prompts(2, 5, seed=11)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ids[1, :2] = 0
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=6)
+    for pad in (MASK_ID, VOCAB, -100):
+        ids[1, :2] = pad
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6), want), pad
+    assert torch.equal(model.generate(ids[0], max_new_tokens=6), want[:1])
 
 
 def test_inputs_is_transformers_name_for_input_ids(model):
