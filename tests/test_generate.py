@@ -1119,6 +1119,16 @@ def test_a_reused_engine_forgets_the_previous_calls_eos_ids(model):
     assert torch.equal(again.sequences, free.sequences) and again.new_tokens.tolist() == [12]
 
 
+def test_an_enclosing_autocast_leaves_decoding_in_the_model_dtype():
+    """Decoding runs in the model's dtype: under a bf16 autocast a float32 model decodes what it decodes without one
+    (the autocast would run its projections in bf16 and hand the float32 KV cache bf16 keys)."""
+    model = tiny_model(seed=0, dtype=torch.float32)
+    ids = random_prompts(2, 5, seed=3)
+    want = model.generate(ids, max_new_tokens=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model.generate(ids, max_new_tokens=8), want)
+
+
 def test_a_call_inside_inference_mode_leaves_no_inference_tensors_behind():
     """generate under ``torch.inference_mode`` keeps nothing that later code may not update in place: the engine
     it keeps (KV cache, recorded steps) serves a call outside inference mode, and the weights it packs train.
