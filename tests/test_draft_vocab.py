@@ -33,12 +33,15 @@ def test_normalized_forms():
     (True, TypeError, "must be an int"),
     ("12", TypeError, "must be an int"),
     ([1, 2.0], TypeError, "must be an int"),
+    ([True, 2], TypeError, "must be an int"),  # a bool is no token id, in a list as on its own
     ([3, 3, 4], ValueError, "more than once"),
     ([4], ValueError, "at least 2 token ids"),
     ([-1, 4], ValueError, "outside the vocabulary"),
     ([4, 10], ValueError, "outside the vocabulary"),
     (torch.tensor([[1, 2]]), TypeError, "1-D integer"),
     (torch.tensor([1.0, 2.0]), TypeError, "1-D integer"),
+    (torch.tensor([True, False]), TypeError, "1-D integer"),
+    (torch.tensor([1 + 0j, 2 + 0j]), TypeError, "1-D integer"),
 ])
 def test_bad_draft_vocab_is_refused_with_its_name(value, error, message):
     with pytest.raises(error, match=message):
