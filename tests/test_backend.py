@@ -26,6 +26,32 @@ def test_ops_that_autograd_differentiates_run_the_reference_unless_they_have_a_b
         assert select_backend(x.device, x) == "reference"
 
 
+def test_dispatch_rules_apply_in_order_and_refuse_what_cannot_run(monkeypatch):
+    """The module's rules: use_backend beats MRP_TRITON_BACKEND, a name that is no backend is refused from either;
+    with the interpreter off, CUDA tensors go to Triton (by device type: no GPU needed here), CPU ones to the
+    reference, and a forced Triton is refused on CPU tensors and without triton installed."""
+    from mrp_triton import backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    with pytest.raises(ValueError, match="backend='tritno' is not a backend"), use_backend("tritno"):
+        pass
+    monkeypatch.setenv("MRP_TRITON_BACKEND", "reference")
+    assert select_backend(cpu) == "reference"  # over rule 4 (the interpreter is on)
+    with use_backend("triton"):
+        assert select_backend(cpu) == "triton"
+    monkeypatch.setenv("MRP_TRITON_BACKEND", "tritno")
+    with pytest.raises(ValueError, match="MRP_TRITON_BACKEND='tritno' is not a backend"):
+        select_backend(cpu)
+    monkeypatch.delenv("MRP_TRITON_BACKEND")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert (select_backend(cuda), select_backend(cpu)) == ("triton", "reference")
+    with use_backend("triton"), pytest.raises(RuntimeError, match="need CUDA tensors"):
+        select_backend(cpu)
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    with use_backend("triton"), pytest.raises(RuntimeError, match="triton is not installed"):
+        select_backend(cuda)
+
+
 def test_a_forward_with_grad_gets_every_gradient():
     """With grad on, the default dispatch runs each layer's norms, q/k-norm + RoPE and SwiGLU through their backward
     kernels (a kernel without one would cut the graph: the embeddings and layers would get no gradient at all): the
@@ -67,8 +93,9 @@ def test_autocast_forward_runs_on_the_kernels():
 
 def test_fit_stages_keeps_what_fits_a_gpus_shared_memory():
     """Each stage counted with its buffers, plus the fixed bytes and a 4 KiB margin; no limit (the interpreter):
-    the stages asked for; not even one stage: None. Off CUDA there is no limit."""
-    from mrp_triton.backend import fit_stages, shared_memory_limit
+    the stages asked for; not even one stage: None. Off CUDA there is no limit, and grids are sized for 4 stand-in
+    SMs (the interpreter still runs multi-program grids)."""
+    from mrp_triton.backend import fit_stages, num_sms, shared_memory_limit
 
     assert fit_stages(4, 48 * 1024, 0, None) == 4
     assert fit_stages(4, 48 * 1024, 0, 232448) == 4  # an H200's 227 KiB: 196 KiB
@@ -76,4 +103,4 @@ def test_fit_stages_keeps_what_fits_a_gpus_shared_memory():
     assert fit_stages(4, 32 * 1024, 8 * 1024, 101376) == 2
     assert fit_stages(3, 96 * 1024, 0, 101376) is None
     assert fit_stages(2, 1024, 512, 2 * 1024 + 512 + 4096) == 2  # exactly full fits
-    assert shared_memory_limit(torch.device("cpu")) is None
+    assert shared_memory_limit(torch.device("cpu")) is None and num_sms(torch.device("cpu")) == 4
