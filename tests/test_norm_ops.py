@@ -84,6 +84,14 @@ def test_rms_norm_fp32_weight_promotes_like_reference():
     torch.testing.assert_close(out, expect, atol=2e-2, rtol=2e-2)
 
 
+def test_rms_norm_of_a_transposed_input_matches_reference():
+    """Rows whose elements are not adjacent (a transposed tensor: the last dim's stride is not 1) are copied before
+    the kernel reads them with a unit column stride (_checks.as_rows); read in place they would be other values."""
+    x = _randn((33, 6), torch.float32, 7).t()  # [6, 33], strides (1, 6)
+    w = _randn((33,), torch.float32, 8)
+    _close(rms_norm_triton(x, w, EPS), ref.rms_norm(x, w, EPS))
+
+
 @pytest.mark.triton
 def test_rms_norm_public_dispatch_runs_kernel():
     x = _randn((2, 5, 33), torch.float32, 3)
