@@ -4,6 +4,7 @@ and the row / score draws of the decode-op strategies."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from unittest import mock
 
@@ -77,3 +78,15 @@ def draw_scores(draw, B: int, L: int, g: torch.Generator) -> torch.Tensor:
     score[torch.rand(B, L, generator=g) < 0.05] = float("nan")
     score[torch.rand(B, generator=g) < draw(st.sampled_from([0.0, 0.3]))] = float("nan")
     return score
+
+
+LAUNCHER_RAN = "the Triton launcher ran"
+
+
+def forbid_triton_launcher(monkeypatch, op: str) -> None:
+    """Replace ``mrp_triton.<op>.<op>_triton`` by a stub raising ``AssertionError(LAUNCHER_RAN)``: a test then sees
+    whether the public op sent its inputs to the kernel or kept them on the reference."""
+    def launcher(*args, **kwargs):
+        raise AssertionError(LAUNCHER_RAN)
+
+    monkeypatch.setattr(importlib.import_module(f"mrp_triton.{op}"), f"{op}_triton", launcher)

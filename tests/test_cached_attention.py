@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_utils import DEV, DTYPES, poisoned_allocations
+from kernel_utils import DEV, DTYPES, LAUNCHER_RAN, forbid_triton_launcher, poisoned_allocations
 from mrp_triton import cached_attention
 from mrp_triton import reference as ref
 from mrp_triton.cached_attention import cached_attention_triton
@@ -302,15 +302,12 @@ def test_integer_operands_are_refused():
 @pytest.mark.triton
 def test_float64_runs_the_reference_under_the_triton_backend(monkeypatch):
     """The public op sends float64 to the reference even where the backend is Triton (float32 reaches the kernel)."""
-    def kernel(*args, **kwargs):
-        raise AssertionError("the Triton launcher ran")
-
-    monkeypatch.setattr(attention_module, "cached_attention_triton", kernel)
+    forbid_triton_launcher(monkeypatch, "cached_attention")
     p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=2, dtype=torch.float64)
     q, k, v, ck, cv = _tensors(p, "cpu")
     args = (torch.tensor([4]), torch.tensor([[4, 5, 6]]), 4)
     assert torch.equal(cached_attention(q, k, v, ck, cv, *args), ref.cached_attention(q, k, v, ck, cv, *args))
-    with pytest.raises(AssertionError, match="the Triton launcher ran"):
+    with pytest.raises(AssertionError, match=LAUNCHER_RAN):
         cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args)
 
 

@@ -7,14 +7,13 @@ summation order, ties are frequent and the token must match exactly.
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_utils import DEV, DTYPES, poisoned_allocations
+from kernel_utils import DEV, DTYPES, LAUNCHER_RAN, forbid_triton_launcher, poisoned_allocations
 from mrp_triton import candidate_confidence
 from mrp_triton.candidate_confidence import candidate_confidence_triton
 from mrp_triton.reference import candidate_confidence as candidate_confidence_reference
@@ -200,11 +199,7 @@ def test_float64_runs_the_reference_in_float64(monkeypatch):
     """float64 operands go to the reference even where the backend is Triton, and are scored in float64 with
     1 / temperature rounded to fp32: raw logits 100 and 100 + 1e-7 (equal in fp32, where the first listed would
     win) pick the second, with prob = exp(z - lse) for z = logit * fp32(1 / 0.7). float32 reaches the kernel."""
-    def kernel(*args, **kwargs):
-        raise AssertionError("the Triton launcher ran")
-
-    monkeypatch.setattr(importlib.import_module("mrp_triton.candidate_confidence"), "candidate_confidence_triton",
-                        kernel)
+    forbid_triton_launcher(monkeypatch, "candidate_confidence")
     hidden = torch.tensor([[100.0, 100.0]], dtype=torch.float64)
     weight = torch.tensor([[1.0, 0.0], [1.0, 1e-9], [0.5, 0.0]], dtype=torch.float64)
     ids = torch.tensor([[0, 1, 2]])
@@ -215,7 +210,7 @@ def test_float64_runs_the_reference_in_float64(monkeypatch):
     assert tok.tolist() == [1]
     expect = torch.exp(z[:, 1] - torch.logaddexp(torch.logsumexp(z, -1), rest))
     torch.testing.assert_close(prob, expect.float(), rtol=2e-7, atol=0)
-    with pytest.raises(AssertionError, match="the Triton launcher ran"):
+    with pytest.raises(AssertionError, match=LAUNCHER_RAN):
         candidate_confidence(hidden.float(), weight.float(), ids, rest.float(), **dict(
             kw, seed_hidden=hidden.float(), vocab_mean=torch.zeros(2)))
 

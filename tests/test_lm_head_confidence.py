@@ -7,7 +7,6 @@ integer whatever the summation order, ties are frequent, and the token must matc
 
 from __future__ import annotations
 
-import importlib
 from math import inf
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_utils import DEV, DTYPES, poisoned_allocations
+from kernel_utils import DEV, DTYPES, LAUNCHER_RAN, forbid_triton_launcher, poisoned_allocations
 from mrp_triton import lm_head_confidence
 from mrp_triton.lm_head_confidence import _config, _kept_first_kernel, _table, lm_head_confidence_triton
 from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
@@ -321,10 +320,7 @@ def test_hidden_is_cast_to_the_weight_dtype(op):
 def test_float64_runs_the_reference_in_float64(monkeypatch):
     """float64 weights go to the reference even where the backend is Triton, and are scored in float64: logits
     1 and 1 + 1e-9 (equal in fp32, where the lower id would win) pick the second. float32 reaches the kernel."""
-    def kernel(*args, **kwargs):
-        raise AssertionError("the Triton launcher ran")
-
-    monkeypatch.setattr(importlib.import_module("mrp_triton.lm_head_confidence"), "lm_head_confidence_triton", kernel)
+    forbid_triton_launcher(monkeypatch, "lm_head_confidence")
     hidden = torch.ones(2, 2, dtype=torch.float64)
     weight = torch.tensor([[1.0, 0.0], [1.0, 1e-9], [0.5, 0.0]], dtype=torch.float64)
     z = hidden @ weight.T
@@ -332,7 +328,7 @@ def test_float64_runs_the_reference_in_float64(monkeypatch):
     assert tok.tolist() == [1, 1]
     torch.testing.assert_close(prob, z.softmax(-1).max(-1).values.float())
     torch.testing.assert_close(lse, torch.logsumexp(z, -1).float())
-    with pytest.raises(AssertionError, match="the Triton launcher ran"):
+    with pytest.raises(AssertionError, match=LAUNCHER_RAN):
         lm_head_confidence(hidden.float(), weight.float())
 
 
