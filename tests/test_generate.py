@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -382,6 +383,10 @@ def test_a_generation_configs_block_size_and_mask_token_id(model):
         model.generation_config = GenerationConfig(block_size=8, mask_token_id=3)
         assert torch.equal(model.generate(ids, max_new_tokens=10, block_length=4),
                            model.generate(ids, max_new_tokens=10))
+        # nor do they when a pipeline passes a copy of that generation config: only what it changes asks for blocks
+        copied = copy.deepcopy(model.generation_config)
+        assert torch.equal(model.generate(ids, max_new_tokens=10, block_length=4),
+                           model.generate(ids, max_new_tokens=10, generation_config=copied))
     finally:
         model.generation_config = saved
 
@@ -442,6 +447,19 @@ def test_a_checkpoint_sets_strategy_settings_for_the_strategies_that_read_them(m
     assert torch.equal(dynamic, model.generate(ids, max_new_tokens=8, strategy="dynamic", threshold=0.1))
     assert torch.equal(direct, model.generate(ids, max_new_tokens=8, strategy="direct", mrp_steps=1))
     assert not torch.equal(dynamic, plain["dynamic"]) and not torch.equal(direct, plain["direct"])
+
+
+def test_settings_of_other_strategies_at_their_defaults_ask_for_nothing(model):
+    """Only a value other than its default asks for a setting: a call passing the settings only other strategies
+    read at their defaults (generic code may pass mrp_steps=3, per_row_blocks=True, ...) is not refused, and
+    decodes as without them."""
+    ids = random_prompts(1, 4, seed=9)
+    for strategy in ("static", "dynamic"):
+        unread = {f.name: f.default for f in dataclasses.fields(GenerationSettings)
+                  if f.name in READ_BY and strategy not in READ_BY[f.name] and f.default is not None}
+        assert {"mrp_steps", "mrp_scale"} <= set(unread), unread
+        assert torch.equal(model.generate(ids, max_new_tokens=6, strategy=strategy, **unread),
+                           model.generate(ids, max_new_tokens=6, strategy=strategy)), strategy
 
 
 def test_use_cache_is_accepted_and_unknown_keywords_are_refused(model):
@@ -599,6 +617,8 @@ BAD_INPUTS = [
     (dict(strategy="dynamic", threshold=0.0), ValueError, "threshold"),
     (dict(strategy="dynamic", threshold=1.5), ValueError, "threshold"),
     (dict(denoising_steps=0), ValueError, "denoising_steps"),
+    (dict(block_length=0), ValueError, "block_length=0 must be >= 1"),
+    (dict(block_length=4.0), TypeError, "block_length must be an int, got float"),
     (dict(denoising_steps=5), ValueError, "denoising_steps"),
     (dict(denoising_steps="2"), TypeError, "denoising_steps must be an int, got str"),
     (dict(denoising_steps=2.0), TypeError, "denoising_steps must be an int, got float"),
@@ -613,6 +633,9 @@ BAD_INPUTS = [
     (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
     (dict(do_sample=True, top_k=-1), ValueError, r"top_k=-1 must be >= 0 \(0 or None: no top-k cut\)"),
     (dict(do_sample=True, top_k=2.5), TypeError, "top_k must be an int"),
+    # transformers' "no top-k cut" is the int 0 only: False and 0.0 equal 0 but are no top_k
+    (dict(do_sample=True, top_k=False), TypeError, "top_k must be an int, got bool"),
+    (dict(do_sample=True, top_k=0.0), TypeError, "top_k must be an int, got float"),
     (dict(eos_token_id=1000), ValueError, r"eos_token_id 1000 is not a token id of the vocabulary \[0, "),
     (dict(eos_token_id=[3, MASK_ID]), ValueError, f"eos_token_id {MASK_ID} is the mask token, which decoding never"),
     (dict(pad_token_id=-3), ValueError, r"pad_token_id -3 is not a token id of the vocabulary \[0, "),
@@ -626,6 +649,7 @@ BAD_INPUTS = [
     (dict(strategy="direct", mrp_mix="product"), ValueError, "mrp_mix"),
     (dict(strategy="direct", mrp_scale=float("nan")), ValueError, "mrp_scale=nan must be a finite number"),
     (dict(strategy="speculative", mrp_scale="1"), ValueError, "mrp_scale='1' must be a finite number"),
+    (dict(strategy="direct", mrp_scale=True), ValueError, "mrp_scale=True must be a finite number"),
     (dict(strategy="speculative", denoising_steps=2), ValueError,
      "denoising_steps=2 steers strategy 'static' or 'dynamic' or 'remask', not 'speculative'"),
     (dict(threshold=0.7), ValueError, "threshold=0.7 steers strategy 'dynamic' or 'remask', not 'static': drop it"),
@@ -1267,6 +1291,13 @@ def test_streamer_refuses_batches_and_objects_without_put(model):
     with pytest.raises(TypeError, match=r"streamer must have put\(ids\) and end\(\)"):
         model.generate(random_prompts(1, 5), max_new_tokens=4, streamer=object())
 
+    class PutOnly:  # a streamer without end() would fail only once decoding is done
+        def put(self, ids):
+            pass
+
+    with pytest.raises(TypeError, match=r"streamer must have put\(ids\) and end\(\) methods .*, got PutOnly"):
+        model.generate(random_prompts(1, 5), max_new_tokens=4, streamer=PutOnly())
+
 
 class LetterTokenizer:
     """Decodes id i as one letter (a..z, wrapping): enough to look for stop strings in."""
@@ -1405,11 +1436,27 @@ def test_top_p_one_keeps_every_token_and_pad_falls_back_to_the_first_eos(model):
     assert out[0, 6] == first and (out[0, 7:] == other).all()  # no pad id anywhere: padded with the first EOS id
 
 
+def test_eos_and_pad_come_from_the_model_config_when_no_generation_config_sets_them(model):
+    """A model whose generation config sets no EOS or pad id (one without generation_config.json) decodes with its
+    config's: the row ends at the config's EOS and is padded with the config's pad id, not the EOS id (that is the
+    fallback when there is no pad id), as when the call passes both."""
+    ids = random_prompts(1, 5, seed=8)
+    free = model.generate(ids, max_new_tokens=12)[0, 5:].tolist()
+    eos, pad = free[2], next(t for t in range(MASK_ID) if t not in free)
+    configured = tiny_model(seed=0, eos_token_id=eos, pad_token_id=pad)  # the module model's weights
+    configured.generation_config = GenerationConfig()
+    out = configured.generate(ids, max_new_tokens=12)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=12, eos_token_id=eos, pad_token_id=pad))
+    assert out[0, -1] == pad != eos and free.index(eos) < 11  # the row was cut and padded
+
+
 @pytest.mark.parametrize("overrides,error,message", [
     (dict(stop_strings="ab"), ValueError, "pass tokenizer="),
     (dict(stop_strings=[""], tokenizer=LetterTokenizer()), TypeError, "stop_strings must be"),
     (dict(stop_strings=5, tokenizer=LetterTokenizer()), TypeError, "stop_strings must be"),
     (dict(stop_strings=[], tokenizer=LetterTokenizer()), TypeError, r"stop_strings must be .*, got \(\)"),
+    (dict(stop_strings=["ab", 3], tokenizer=LetterTokenizer()), TypeError, r"stop_strings must be .*, got \('ab', 3\)"),
+    (dict(stop_strings="ab", tokenizer="gpt2"), ValueError, "pass tokenizer="),  # a name, not a tokenizer object
 ])
 def test_bad_stop_strings_are_rejected(model, overrides, error, message):
     with pytest.raises(error, match=message):
