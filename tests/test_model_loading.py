@@ -163,6 +163,7 @@ def test_mrp_generate_runs_release_checkpoints_on_our_code(tmp_path):
         shutil.copy(SHIPPED_MODEL / name, tmp_path / name)
     tokenizer, model = load(str(tmp_path), "cpu", None)
     assert type(model) is SDARMRPForCausalLM and model.has_mrp and tokenizer.mask_token == "<|MASK|>"
+    assert model.dtype == torch.float32  # --dtype left out: float32 on CPU (bfloat16 is for CUDA)
     out = model.generate(random_prompts(1, 4, seed=3), max_new_tokens=4, strategy="speculative")
     assert out.shape == (1, 8)
 

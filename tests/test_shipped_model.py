@@ -212,6 +212,7 @@ def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
     (["--top-k", "5"], "--strategy speculative: top_k=5 steers sampling, which this call does not do"),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file: [Errno 2] No such file or directory"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--draft-vocab", "{tmp}/words.json"], "--strategy speculative: draft_vocab must be an int"),  # a TypeError
 ])
 def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, message, tmp_path, monkeypatch, capsys):
     """Bad options end mrp-generate with exit status 2 and one line naming the option, before anything is decoded."""
@@ -220,6 +221,7 @@ def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, me
     if "--device" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     monkeypatch.setattr(cli, "run_one", lambda *a: pytest.fail("decoded despite bad input"))
+    (tmp_path / "words.json").write_text('["def", "f"]')  # a JSON list, of words instead of token ids
     with pytest.raises(SystemExit) as exit_:
         cli.main(["def f():", *(a.format(tmp=tmp_path) for a in args)])
     err = capsys.readouterr().err  # after the weights' loading bar, if it got that far
@@ -260,6 +262,58 @@ def test_mrp_generate_compare_gives_each_strategy_the_options_it_reads(options, 
         read = {k: v for k, v in run.items() if k in READ_BY and v is not None}
         assert read == expected.get(run["strategy"], {}), run["strategy"]
     cli.check_settings(tiny_model(seed=0, block_size=8), torch.zeros(1, 4, dtype=torch.long), runs)
+
+
+def test_mrp_generate_passes_each_option_to_generate_as_its_keyword():
+    """Every option reaches generate() as the keyword it names (a swapped or dropped mapping would decode with
+    another setting and still run); left out, they pass None (generate()'s default), --max-new-tokens and
+    --temperature generate()'s own defaults, --seed 0 (a sampled run repeats), and no tokenizer without --stop."""
+    from hf_integration import cli
+    from hf_integration.generation_settings import DEFAULT_MAX_NEW_TOKENS, GenerationSettings
+
+    tokenizer = object()
+    given = dict(max_new_tokens=300, block_length=8, denoising_steps=2, threshold=0.6, mrp_steps=4,
+                 draft_schedule="authors", draft_vocab=20, draft_candidates=5, remask_rule="delta", residual_delta=0.25,
+                 do_sample=True, temperature=0.7, top_k=9, top_p=0.8, seed=11)
+    options = [part for name, value in given.items() if name != "do_sample"
+               for part in (f"--{name.replace('_', '-')}", str(value))]
+    args = cli.build_parser().parse_args(["def f():", *options, "--do-sample", "--stop", "x", "--stop", "y"])
+    assert cli.generate_settings(args, tokenizer) == dict(given, progress=True, stop_strings=["x", "y"],
+                                                          tokenizer=tokenizer)  # a bar for 256 tokens or more
+    plain = cli.generate_settings(cli.build_parser().parse_args(["def f():"]), tokenizer)
+    defaults = dict(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, do_sample=False,
+                    temperature=GenerationSettings().temperature, seed=0, progress=False, tokenizer=None)
+    assert plain == {**{name: None for name in plain}, **defaults}
+
+
+class Letters:
+    """Decodes id i as one letter (a..z, wrapping): text to look for stop strings in."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+def test_mrp_generate_compare_table_counts_kept_tokens_and_compares_with_the_first_run():
+    """--compare's table: each run's tokens are the new tokens its completion keeps (a stop string cut them: not
+    the decoded width), and each run is compared with the first one (a run equal to it agrees 100% and prints no
+    completion of its own, even after a run that differs)."""
+    from hf_integration import cli
+
+    model, tokenizer = tiny_model(seed=0), Letters()
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    free = model.generate(ids, max_new_tokens=12, eos_token_id=[])[0, 5:].tolist()
+    common = dict(max_new_tokens=12, eos_token_id=[], stop_strings=[tokenizer.decode(free[6:8])], tokenizer=tokenizer)
+    runs = [dict(strategy="static", **common), dict(strategy="dynamic", threshold=0.05, **common),
+            dict(strategy="static", **common)]
+    outs = [model.generate(ids, return_dict_in_generate=True, **run) for run in runs]
+    kept = [int(out.new_tokens[0]) for out in outs]
+    assert kept[0] < 12 and not torch.equal(outs[1].sequences, outs[0].sequences)  # a cut, and a run that differs
+    lines = cli.compare_table(model, tokenizer, ids, runs).splitlines()
+    assert [int(row.split()[1]) for row in lines[1:4]] == kept, lines
+    assert lines[3].split()[-1] == "100%" != lines[2].split()[-1], lines
+    completions = [line for line in lines[4:] if line.startswith("--- ")]
+    assert completions == ["--- static's completion", "--- dynamic's completion (differs from static)"], lines
+    assert lines[5] == tokenizer.decode(free[:kept[0]]), lines
 
 
 def _tiny_checkpoint(folder: Path, files=("tokenizer.json", "tokenizer_config.json", "stdlib_manifest.json")) -> Path:
