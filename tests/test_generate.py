@@ -1247,7 +1247,7 @@ class RecordingStreamer:
         self.puts, self.ended = [], 0
 
     def put(self, ids: torch.Tensor) -> None:
-        assert ids.device.type == "cpu"
+        assert ids.device.type == "cpu" and ids.dtype == torch.long, ids  # token ids as generate() gives them
         self.puts.append(ids.tolist())
 
     def end(self) -> None:
@@ -1280,6 +1280,19 @@ def test_streamer_gets_the_prompt_then_each_finished_block(model, kwargs):
     assert torch.equal(graphed, free) and torch.equal(again, free)
     assert set(model._decode_engine[1].graphs.graphs) == steps  # the streamer is not part of any step's key
     model.release_decode_engine()
+
+
+def test_the_stream_ends_at_the_first_of_two_eos_ids_in_a_block(model):
+    """Two EOS ids (the later-listed one first) decoded side by side in one block: the stream ends with the first of
+    them to come, as the output does, not at the other."""
+    ids = random_prompts(1, 6, seed=64)  # a prompt whose completion has such a pair (past its first block)
+    new = model.generate(ids, max_new_tokens=16)[0, 6:].tolist()
+    # new tokens i and i + 1 in one block (of 4), neither decoded before
+    i = next(i for i in range(15) if (i + 6) // 4 == (i + 7) // 4 and new[i] not in new[:i]
+             and new[i + 1] not in new[: i + 1])
+    streamer = RecordingStreamer()
+    out = model.generate(ids, max_new_tokens=16, streamer=streamer, eos_token_id=[new[i + 1], new[i]], pad_token_id=0)
+    assert sum(streamer.puts[1:], []) == new[: i + 1] == out[0, 6 : 7 + i].tolist(), (i, streamer.puts)
 
 
 def test_streamer_refuses_batches_and_objects_without_put(model):
@@ -1393,6 +1406,7 @@ def test_tokens_to_keep_ends_with_the_token_that_completes_a_stop_string():
     assert stops.tokens_to_keep([0, 1, 2], checked=0) is None
     assert stops.tokens_to_keep([0, 1, 2, 3, 4], checked=2) == 4  # "abcd": completed by the first unchecked token
     assert stops.tokens_to_keep([2, 3], checked=0) == 2
+    assert stops.tokens_to_keep([0, 1, 2, 3], checked=3) == 4  # "cd" across the checked part's end (a block's)
     assert StopStrings(LetterTokenizer(), ("b",)).tokens_to_keep([1, 0], checked=0) == 1
 
 
