@@ -359,6 +359,9 @@ def test_eos_cuts_rows_and_pads(model):
             assert torch.equal(new, free[b, 5:]) and out.new_tokens[b] == 12
     assert out.new_tokens.dtype == torch.long and out.new_tokens.device == out.sequences.device
     assert out.stats.tokens_committed[0] < 12  # row 0 stopped after the block holding its EOS
+    for one_or_tuple in (eos, (eos,)):  # one id, or a tuple of them, as the list
+        assert torch.equal(model.generate(ids, max_new_tokens=12, eos_token_id=one_or_tuple, pad_token_id=0),
+                           out.sequences), one_or_tuple
 
 
 def test_a_generation_configs_block_size_and_mask_token_id(model):

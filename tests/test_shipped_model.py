@@ -211,6 +211,8 @@ def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
     (["--max-new-tokens", "5000"], "--strategy speculative: prompt + max_new_tokens need 5008 positions"),
     (["--top-k", "5"], "--strategy speculative: top_k=5 steers sampling, which this call does not do"),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file: [Errno 2] No such file or directory"),
+    (["--prompt-file", "{tmp}/binary.txt"], "--prompt-file: "),  # not text: a UnicodeDecodeError
+    (["--model", "~/no-such-mrp-model"], "--model: no folder '~/no-such-mrp-model'"),  # a path, not a Hub repo
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--draft-vocab", "{tmp}/words.json"], "--strategy speculative: draft_vocab must be an int"),  # a TypeError
 ])
@@ -222,6 +224,7 @@ def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, me
         pytest.skip("this machine has CUDA")
     monkeypatch.setattr(cli, "run_one", lambda *a: pytest.fail("decoded despite bad input"))
     (tmp_path / "words.json").write_text('["def", "f"]')  # a JSON list, of words instead of token ids
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00def")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["def f():", *(a.format(tmp=tmp_path) for a in args)])
     err = capsys.readouterr().err  # after the weights' loading bar, if it got that far
