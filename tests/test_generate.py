@@ -20,7 +20,7 @@ from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from hf_integration.generation_settings import READ_BY, GenerationSettings
 from hf_integration.kv_cache import StaticKVCache
 from hf_integration.stop_strings import StopStrings
-from tiny_models import MASK_ID, VOCAB, random_prompts, tiny_config, tiny_model
+from tiny_models import MASK_ID, VOCAB, LetterTokenizer, random_prompts, tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -1313,13 +1313,6 @@ def test_streamer_refuses_batches_and_objects_without_put(model):
 
     with pytest.raises(TypeError, match=r"streamer must have put\(ids\) and end\(\) methods .*, got PutOnly"):
         model.generate(random_prompts(1, 5), max_new_tokens=4, streamer=PutOnly())
-
-
-class LetterTokenizer:
-    """Decodes id i as one letter (a..z, wrapping): enough to look for stop strings in."""
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 @pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=2),

@@ -16,7 +16,7 @@ import torch
 
 import hf_integration
 from hf_integration.cli import SHIPPED_MODEL, UsageError
-from tiny_models import tiny_model
+from tiny_models import LetterTokenizer, tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -289,20 +289,13 @@ def test_mrp_generate_passes_each_option_to_generate_as_its_keyword():
     assert plain == {**{name: None for name in plain}, **defaults}
 
 
-class Letters:
-    """Decodes id i as one letter (a..z, wrapping): text to look for stop strings in."""
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(97 + int(i) % 26) for i in ids)
-
-
 def test_mrp_generate_compare_table_counts_kept_tokens_and_compares_with_the_first_run():
     """--compare's table: each run's tokens are the new tokens its completion keeps (a stop string cut them: not
     the decoded width), and each run is compared with the first one (a run equal to it agrees 100% and prints no
     completion of its own, even after a run that differs)."""
     from hf_integration import cli
 
-    model, tokenizer = tiny_model(seed=0), Letters()
+    model, tokenizer = tiny_model(seed=0), LetterTokenizer()
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     free = model.generate(ids, max_new_tokens=12, eos_token_id=[])[0, 5:].tolist()
     common = dict(max_new_tokens=12, eos_token_id=[], stop_strings=[tokenizer.decode(free[6:8])], tokenizer=tokenizer)

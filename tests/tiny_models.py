@@ -45,3 +45,10 @@ def spy_on_drafts(monkeypatch) -> list[torch.Tensor]:
 
     monkeypatch.setattr(mrp_triton, "verify_drafts", spy)
     return drafts
+
+
+class LetterTokenizer:
+    """Decodes id i as one letter (a..z, wrapping): enough to look for stop strings in."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
