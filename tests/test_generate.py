@@ -221,6 +221,28 @@ def test_batched_equals_one_by_one(model, kwargs, padding):
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
 
 
+def test_a_row_moved_up_the_batch_keeps_its_own_start(model):
+    """Rows of other prompt lengths start their new tokens at other positions. Row 0 (a long prompt) ends at its
+    first new token and leaves the batch; row 1 (a one-token prompt) moves to the front with its own start, so its
+    EOS at a position before row 0's start still ends it: it decodes and counts what it does alone (with row 0's
+    start left behind, that EOS would count as prompt and the row would decode on)."""
+    rows = [random_prompts(1, 12, seed=4)[0], random_prompts(1, 1, seed=5)[0]]
+    free = [model.generate(r[None], max_new_tokens=9, eos_token_id=[])[0, len(r):].tolist() for r in rows]
+    eos = free[0][0]
+    assert eos in free[1][3:] and eos not in free[1][:3], free  # row 1's EOS comes after its first block (of 4)
+    ids, mask = torch.zeros((2, 12), dtype=torch.long), torch.zeros((2, 12), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)], mask[b, : len(r)] = r, 1
+    common = dict(max_new_tokens=9, eos_token_id=eos, pad_token_id=eos + 1, return_dict_in_generate=True)
+    for graphs in (False, True):
+        out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, **common)
+        for b, r in enumerate(rows):
+            alone = model.generate(r[None], **common)
+            assert torch.equal(out.sequences[b, : len(r) + 9], alone.sequences[0]), (graphs, b)
+            for name, value in vars(alone.stats).items():
+                assert torch.equal(getattr(out.stats, name)[b], value[0]), (graphs, b, name)
+
+
 SAMPLING = [dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20, seed=3),
             dict(strategy="dynamic", threshold=0.3, do_sample=True, top_p=0.9, seed=4)]
 
@@ -1106,6 +1128,27 @@ def test_graphed_steps_read_thresholds_from_buffers(strategy, name, values):
         keys = captured
         runs.append((plain.batch_steps, tuple(plain.stats.tokens_remasked.tolist())))
     assert len(set(runs)) == len(runs)
+
+
+def test_a_graphed_engine_is_not_reused_after_the_rope_or_a_weight_changes():
+    """A graphed engine holds RoPE tables built from the config, and on CUDA its captured steps hold the weights'
+    addresses: once the config's rope_theta changes, or a weight is replaced by another tensor, the next graphed
+    call builds another engine and decodes as an ungraphed call does."""
+    model, ids = tiny_model(seed=0), random_prompts(2, 7, seed=40)
+    before = model.generate(ids, max_new_tokens=9, cuda_graphs=True)
+
+    def change(update):
+        engine = model._decode_engine[1]
+        update()
+        graphed = model.generate(ids, max_new_tokens=9, cuda_graphs=True)
+        assert model._decode_engine[1] is not engine, "the previous engine was reused"
+        assert torch.equal(graphed, model.generate(ids, max_new_tokens=9, cuda_graphs=False))
+        return graphed
+
+    rope = change(lambda: setattr(model.config, "rope_parameters",
+                                  dict(model.config.rope_parameters, rope_theta=50.0)))
+    assert not torch.equal(rope, before)  # the tables matter
+    change(lambda: setattr(model.lm_head, "weight", torch.nn.Parameter(model.lm_head.weight.detach().clone())))
 
 
 def test_graphed_calls_reuse_one_engine(model):

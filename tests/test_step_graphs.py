@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_integration.decoding as decoding
-from hf_integration.step_graphs import StepGraphs, run_if
+from hf_integration.step_graphs import LaggedFlags, StepGraphs, run_if
 from tiny_models import random_prompts, tiny_model
 
 
@@ -39,20 +39,32 @@ def test_a_replay_reads_the_recorded_inputs_and_buffers_only():
 
 def test_the_first_call_has_a_replays_data_flow():
     """An input the step updates without declaring it stays as it was, on the first call as on replays; an
-    output that is an input's buffer is not overwritten by the next call."""
+    output that is an input's buffer is not overwritten by the next call (the first's, as a replay's)."""
     graphs = StepGraphs(capture=False)
 
     def step(x, undeclared):
         undeclared.add_(1)
         return x
 
-    for value in (1.0, 2.0):
+    outs = []
+    for value in (1.0, 2.0, 3.0):
         undeclared = torch.zeros(2)
-        out = graphs.run("k", step, torch.full((2,), value), undeclared)
-        assert undeclared.tolist() == [0.0, 0.0] and out.tolist() == [value, value]
-        if value == 1.0:
-            first = out
-    assert first.tolist() == [1.0, 1.0]
+        outs.append(graphs.run("k", step, torch.full((2,), value), undeclared))
+        assert undeclared.tolist() == [0.0, 0.0] and outs[-1].tolist() == [value, value]
+    assert [out.tolist() for out in outs] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+
+
+def test_lagged_flags_read_the_flag_pushed_at_that_index():
+    """Off CUDA a lagged read is the value of the i-th flag pushed since start (not the latest one), and start
+    forgets the flags pushed before it."""
+    flags = LaggedFlags(torch.device("cpu"))
+    flags.start(3)
+    for value in (True, False, True):
+        flags.push(torch.tensor(value))
+    assert [flags.read(i) for i in range(3)] == [True, False, True]
+    flags.start(1)
+    flags.push(torch.tensor(False))
+    assert flags.read(0) is False
 
 
 def test_steps_inside_a_step_are_part_of_it():
