@@ -85,3 +85,51 @@ def test_linear_rope_scaling_divides_the_positions_by_its_factor():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not torch.equal(got[1], rotary_cos_sin(plain, positions)[1])
     assert all(t.dtype == torch.bfloat16 for t in rotary_cos_sin(plain, positions, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32])
+def test_reference_ops_round_as_qwen3s_modules_do(dtype, weight_dtype):
+    """In bf16 / fp16, the reference ops (the CPU path, and the kernels' oracle) equal transformers' Qwen3 modules bit
+    for bit: RMSNorm (variance in fp32, the normalised row rounded to the input's dtype before the weight, which may be
+    fp32: autocast's master weights), its residual add, the q/k head norms with rotate-half RoPE (tables cast to q's
+    dtype, each product rounded), SwiGLU (silu rounded before the multiply), and the MRP input (the embedding row in
+    hidden's dtype before enorm). The float64 tests above cannot see a rounding point moved; this one does."""
+    from transformers.activations import ACT2FN
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from mrp_triton import reference as ref
+
+    g = torch.Generator().manual_seed(0)
+
+    def draw(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(shape, generator=g) * scale).to(dt)
+
+    def hf_norm(x, weight, eps):
+        norm = Qwen3RMSNorm(weight.shape[0], eps=eps).to(weight.dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+        return norm(x).detach()
+
+    def same(got, want, what):
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{what}: the reference rounds unlike Qwen3's"
+
+    eps, H, D = 1e-6, 96, 32
+    x, r, w = draw(4, 6, H, scale=3.0), draw(4, 6, H), draw(H, dt=weight_dtype or dtype)
+    same(ref.rms_norm(x, w, eps), hf_norm(x, w, eps), "rms_norm")
+    y, s = ref.rms_norm(x, w, eps, r)
+    same(s, x + r, "rms_norm's residual stream")
+    same(y, hf_norm(x + r, w, eps), "rms_norm after the residual add")
+    q, k, qw, kw = draw(2, 5, 4, D, scale=2.0), draw(2, 5, 2, D, scale=2.0), draw(D), draw(D)
+    angle = torch.randn(2, 5, D, generator=g) * 3.0
+    cos, sin = angle.cos(), angle.sin()  # fp32 tables, cast to q's dtype as Qwen3's rotary embedding returns them
+    expect = apply_rotary_pos_emb(hf_norm(q, qw, eps), hf_norm(k, kw, eps), cos.to(dtype), sin.to(dtype),
+                                  unsqueeze_dim=2)
+    for got, want, what in zip(ref.qk_norm_rope(q, k, qw, kw, cos, sin, eps), expect, ("q", "k")):
+        same(got, want, f"qk_norm_rope's {what}")
+    gate, up = draw(4, 6, H, scale=4.0), draw(4, 6, H, scale=2.0)
+    same(ref.swiglu(gate, up), ACT2FN["silu"](gate) * up, "swiglu")
+    ids, E, h = torch.tensor([3, 0, 3, 7]), draw(8, H, dt=torch.float32), draw(4, H, scale=5.0)
+    ew, hw = draw(H, dt=weight_dtype or dtype), draw(H, dt=weight_dtype or dtype)
+    expect = torch.cat([hf_norm(E[ids].to(dtype), ew, eps), hf_norm(h, hw, eps)], dim=-1)
+    same(ref.mrp_input(ids, E, h, ew, hw, eps), expect, "mrp_input")
