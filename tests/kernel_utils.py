@@ -28,6 +28,20 @@ def tol(dtype: torch.dtype) -> dict:
     return TOL[dtype]
 
 
+# The norm ops' tests (forward and backward): an eps, and one that shows where a kernel drops it or uses another;
+# input scales, rows of tiny or zero values among them, whose mean square eps dominates.
+NORM_EPS = 1e-6
+NORM_EPSILONS = (NORM_EPS, 0.05)
+NORM_SCALES = (1.0, 1.0, 1e-4, 0.0)
+
+
+def seeded_randn(shape, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """``scale`` * a standard normal tensor of ``shape`` drawn from ``seed`` (on the CPU, so the same values on
+    every machine), on DEV in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(DEV, dtype)
+
+
 @contextlib.contextmanager
 def poisoned_allocations():
     """Make ``torch.empty``/``empty_like`` return NaN (floats) or -7 (ints) filled tensors, so

@@ -8,6 +8,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kernel_utils import NORM_EPS as EPS
+from kernel_utils import NORM_EPSILONS as EPSILONS
+from kernel_utils import NORM_SCALES as SCALES
+from kernel_utils import seeded_randn as _randn
 from kernel_utils import DEV, DTYPES, poisoned_allocations, tol
 from mrp_triton import mrp_input, qk_norm_rope, rms_norm, swiglu
 from mrp_triton import reference as ref
@@ -17,10 +21,6 @@ from mrp_triton.rms_norm import rms_norm_triton, row_settings
 from mrp_triton.swiglu import swiglu_triton
 
 dtypes = st.sampled_from(DTYPES)
-EPS = 1e-6
-EPSILONS = (EPS, 0.05)  # 0.05: an eps that shows where a launcher passes another
-# input scales of the norms' tests: rows of tiny or zero values, whose mean square eps dominates
-SCALES = (1.0, 1.0, 1e-4, 0.0)
 
 
 def _close(out: torch.Tensor, expect: torch.Tensor, atol: float | None = None,
@@ -42,11 +42,6 @@ ROPE_ATOL = {torch.float32: 1e-5, torch.float16: 8e-3, torch.bfloat16: 6e-2}
 def _outputs(out) -> tuple:
     """rms_norm's results as a tuple: (y,) without a residual, (y, s) with one."""
     return out if isinstance(out, tuple) else (out,)
-
-
-def _randn(shape, dtype, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).to(DEV, dtype)
 
 
 # ---------------------------------------------------------------------------------------- rms_norm

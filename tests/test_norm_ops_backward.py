@@ -13,22 +13,18 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kernel_utils import NORM_EPS as EPS
+from kernel_utils import NORM_EPSILONS as EPSILONS
+from kernel_utils import NORM_SCALES as SCALES
+from kernel_utils import seeded_randn as _randn
 from kernel_utils import DEV, DTYPES, poisoned_allocations
 from mrp_triton import mrp_input, qk_norm_rope, rms_norm, swiglu, use_backend
 
 dtypes = st.sampled_from(DTYPES)
-EPS = 1e-6
-EPSILONS = (EPS, 0.05)  # 0.05: an eps that shows where a backward drops it or uses another
 # The oracle is autograd through the reference in float64 on the same inputs (autograd through it in bf16 rounds every
 # intermediate, and where the gradient cancels, as a norm's over one element does, it can round it to 0 where the
 # kernels, in fp32 until the store, get the float64 value); the tolerance is the coarsest input dtype's rounding.
 REL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
-SCALES = (1.0, 1.0, 1e-4, 0.0)  # input scales: rows of tiny or zero values, whose mean square eps dominates
-
-
-def _randn(shape, dtype, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).to(DEV, dtype)
 
 
 GRAD_LAYOUTS = ("plain", "transposed", "sliced")
