@@ -7,7 +7,9 @@ norms (each reading its input twice) and a cat that re-copies both halves: ~3x t
 
 One program per row; the embedding half comes first (DeepSeek-V3 MTP layout). The embedding row
 is rounded to hidden's dtype first (the reference's ``embed_weight[ids].to(hidden.dtype)``),
-then both halves follow :mod:`mrp_triton.rms_norm`'s rounding points.
+then both halves follow :mod:`mrp_triton.rms_norm`'s rounding points. With norm weights of two dtypes the output
+has the wider one's; a half whose own weight keeps it in hidden's dtype is rounded to that first, as the reference's
+per-half norm does before its cat.
 Backward: the norm's backward kernel (:func:`mrp_triton.rms_norm.rms_norm_backward`) on each half, each half's
 input gradient computed only when wanted (MRP training freezes the embedding: only enorm's weight gradient is
 computed from that half); a gradient for the embedding is scattered back by id.
@@ -28,7 +30,8 @@ from .rms_norm import rms_norm_backward, row_settings
 
 @triton.jit
 def _mrp_input_kernel(ids_ptr, e_ptr, h_ptr, ew_ptr, hw_ptr, o_ptr, V, H, eps,
-                      stride_e, stride_h, stride_o, BLOCK: tl.constexpr):
+                      stride_e, stride_h, stride_o, ROUND_E: tl.constexpr, ROUND_H: tl.constexpr,
+                      BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -44,9 +47,19 @@ def _mrp_input_kernel(ids_ptr, e_ptr, h_ptr, ew_ptr, hw_ptr, o_ptr, V, H, eps,
     hw = tl.load(hw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     en = (e * e_rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * ew
     hn = (h * h_rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * hw
+    if ROUND_E:  # the half's own dtype promote(hidden, weight) is hidden's (a no-op where the output's is too)
+        en = en.to(h_ptr.dtype.element_ty).to(tl.float32)
+    if ROUND_H:
+        hn = hn.to(h_ptr.dtype.element_ty).to(tl.float32)
     out = o_ptr + row * stride_o
     tl.store(out + cols, en.to(o_ptr.dtype.element_ty), mask=mask)
     tl.store(out + H + cols, hn.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _in_hidden_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the half that ``weight`` scales is rounded to hidden's dtype, whatever the output's (the reference's
+    per-half norm gives it dtype ``promote(hidden, weight)``, which the cat may widen)."""
+    return torch.promote_types(hidden.dtype, weight.dtype) == hidden.dtype
 
 
 def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
@@ -81,6 +94,8 @@ def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torc
     if N > 0:
         _mrp_input_kernel[(N,)](ids.contiguous(), e, h, enorm_weight.contiguous(), hnorm_weight.contiguous(),
                                 out, V, H, float(eps), e.stride(0), h.stride(0), out.stride(0),
+                                ROUND_E=_in_hidden_dtype(hidden, enorm_weight),
+                                ROUND_H=_in_hidden_dtype(hidden, hnorm_weight),
                                 BLOCK=BLOCK, num_warps=num_warps)
     return out
 
@@ -114,9 +129,10 @@ class _MRPInput(torch.autograd.Function):
 
 def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
               enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """ids: [N] int64, embed_weight: [V, H], hidden: [N, H], norms: [H] -> [N, 2H] (hidden's dtype).
+    """ids: [N] int64 or int32, embed_weight: [V, H], hidden: [N, H], norms: [H] -> [N, 2H].
 
-    ``[enorm(embed_weight[ids]) | hnorm(hidden)]``, the embedding half first.
+    ``[enorm(embed_weight[ids]) | hnorm(hidden)]``, the embedding half first. The output's dtype is the promoted
+    dtype of ``hidden`` and both norm weights; each half is rounded to its own ``promote(hidden, weight)`` first.
     """
     floats = (embed_weight, hidden, enorm_weight, hnorm_weight)
     if select_backend(hidden.device, *floats, backward=True) == "triton":

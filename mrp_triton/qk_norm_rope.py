@@ -263,7 +263,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """RMSNorm over head_dim of q and k, then RoPE (rotate-half convention).
 
     q: [B, T, Hq, D], k: [B, T, Hkv, D], q_weight, k_weight: [D], cos, sin: [B, T, D].
-    Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) with the input shapes and dtypes.
+    Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) of dtypes ``promote(q, q_weight)`` and ``promote(k, k_weight)``.
     """
     tables_differentiated = differentiated(cos, sin)
     if select_backend(q.device, q, k, q_weight, k_weight, cos, sin, backward=not tables_differentiated) == "triton":

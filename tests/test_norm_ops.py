@@ -329,14 +329,16 @@ def test_qk_norm_rope_errors():
 # --------------------------------------------------------------------------------------- mrp_input
 @settings(max_examples=15)
 @given(N=st.integers(1, 9), H=st.integers(1, 200), V=st.integers(1, 60), dtype=dtypes,
-       embed_dtype=st.sampled_from((None, torch.float32)), weight_dtype=st.sampled_from((None, torch.float32)),
+       embed_dtype=st.sampled_from((None, torch.float32)),
+       weight_dtypes=st.sampled_from(((None, None), (torch.float32, torch.float32), (torch.float32, None),
+                                      (None, torch.float32))),
        layout=st.sampled_from(("contiguous", "columns_of_wider", "transposed")), eps=st.sampled_from(EPSILONS),
        scale=st.sampled_from(SCALES), seed=st.integers(0, 2**16))
-@example(N=5, H=37, V=7, dtype=torch.float32, embed_dtype=None, weight_dtype=None, layout="columns_of_wider",
+@example(N=5, H=37, V=7, dtype=torch.float32, embed_dtype=None, weight_dtypes=(None, None), layout="columns_of_wider",
          eps=0.05, scale=1.0, seed=0)
-@example(N=5, H=37, V=7, dtype=torch.bfloat16, embed_dtype=torch.float32, weight_dtype=torch.float32,
+@example(N=5, H=37, V=7, dtype=torch.bfloat16, embed_dtype=torch.float32, weight_dtypes=(torch.float32, None),
          layout="transposed", eps=EPS, scale=1.0, seed=1)
-def test_mrp_input_matches_reference(N, H, V, dtype, embed_dtype, weight_dtype, layout, eps, scale, seed):
+def test_mrp_input_matches_reference(N, H, V, dtype, embed_dtype, weight_dtypes, layout, eps, scale, seed):
     """``layout`` of the embedding table and the hidden states: contiguous; the first H columns of wider tensors
     (rows read in place at their row stride); or transposed tensors, whose columns are not adjacent (copied). fp32
     norm weights (autocast's master weights) make the output fp32."""
@@ -351,11 +353,11 @@ def test_mrp_input_matches_reference(N, H, V, dtype, embed_dtype, weight_dtype, 
     else:
         E = _randn((V, H), embed_dtype or dtype, seed + 1, scale)
         h = _randn((N, H), dtype, seed + 2, 5.0 * scale)
-    ew, hw = _randn((H,), weight_dtype or dtype, seed + 3), _randn((H,), weight_dtype or dtype, seed + 4)
+    ew, hw = (_randn((H,), wd or dtype, seed + 3 + i) for i, wd in enumerate(weight_dtypes))
     with poisoned_allocations():
         out = mrp_input_triton(ids, E, h, ew, hw, eps)
     expect = ref.mrp_input(ids, E, h, ew, hw, eps)
-    assert expect.dtype == torch.promote_types(dtype, ew.dtype)
+    assert expect.dtype == torch.promote_types(dtype, torch.promote_types(ew.dtype, hw.dtype))
     _close(out, expect, rounded_at=dtype)  # the normalised rows are rounded to hidden's dtype before the weights
 
 
@@ -372,6 +374,25 @@ def test_mrp_input_rounds_like_the_reference():
         assert _differing(got[:, half], want[:, half]) <= 0.01, f"the {name} half is rounded at other points"
 
 
+@pytest.mark.parametrize("fp32_weight", ["enorm", "hnorm"])
+def test_mrp_input_rounds_each_half_at_its_own_weights_dtype(fp32_weight):
+    """fp16 hidden states and norm weights of two dtypes, one fp32: the output is fp32, the half scaled by the fp32
+    weight keeps its product in fp32, and the half scaled by the fp16 weight is rounded to fp16 first, as the
+    reference's per-half norm is before the cat widens it. A kernel that kept both products in fp32 would differ on
+    about a quarter of the fp16-weighted half."""
+    ids = torch.tensor([2, 0, 5, 7, 5, 1], device=DEV)
+    E, h = _randn((8, 200), torch.float16, 50), _randn((6, 200), torch.float16, 51, 5.0)
+    weights = {"enorm": _randn((200,), torch.float16, 52), "hnorm": _randn((200,), torch.float16, 53)}
+    weights[fp32_weight] = weights[fp32_weight].float()
+    got = mrp_input_triton(ids, E, h, weights["enorm"], weights["hnorm"], EPS)
+    want = ref.mrp_input(ids, E, h, weights["enorm"], weights["hnorm"], EPS)
+    assert want.dtype == torch.float32
+    for half, name in ((slice(None, 200), "enorm"), (slice(200, None), "hnorm")):
+        assert _differing(got[:, half], want[:, half]) <= 0.01, f"the {name} half is rounded at other points"
+    fp16_half = slice(200, None) if fp32_weight == "enorm" else slice(None, 200)
+    assert torch.equal(want[:, fp16_half], want[:, fp16_half].half().float())  # the setting this test is about
+
+
 def test_mrp_input_kernel_reads_an_out_of_range_id_as_a_zero_row():
     """On CUDA the launcher does not range-check the ids (a host sync): the kernel reads an id outside [0, V) as a
     zero embedding row (its normalised half 0) instead of the memory around the table. The kernel is called directly
@@ -384,7 +405,7 @@ def test_mrp_input_kernel_reads_an_out_of_range_id_as_a_zero_row():
     out = torch.full((3, 2 * H), float("nan"), device=DEV)
     block, num_warps = row_settings(H)
     _mrp_input_kernel[(3,)](ids, E, h, ew, hw, out, V, H, EPS, E.stride(0), h.stride(0), out.stride(0),
-                            BLOCK=block, num_warps=num_warps)
+                            ROUND_E=False, ROUND_H=False, BLOCK=block, num_warps=num_warps)
     expect = ref.mrp_input(ids.clamp(0, V - 1), E, h, ew, hw, EPS)
     expect[[0, 2], :H] = 0.0
     _close(out, expect)

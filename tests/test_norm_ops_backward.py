@@ -159,16 +159,18 @@ def test_qk_norm_rope_tables_that_require_grad_run_the_reference():
 
 @settings(max_examples=15)
 @given(N=st.integers(1, 40), H=st.integers(1, 200), V=st.integers(1, 30), dtype=dtypes,
-       embed_dtype=st.sampled_from((None, torch.float32)), needs=st.lists(st.booleans(), min_size=4, max_size=4),
-       layout=st.sampled_from(GRAD_LAYOUTS), eps=st.sampled_from(EPSILONS), scale=st.sampled_from(SCALES),
-       seed=st.integers(0, 2**16))
-def test_mrp_input_backward_matches_reference(N, H, V, dtype, embed_dtype, needs, layout, eps, scale, seed):
+       embed_dtype=st.sampled_from((None, torch.float32)),
+       weight_dtypes=st.sampled_from(((None, None), (torch.float32, None), (None, torch.float32))),
+       needs=st.lists(st.booleans(), min_size=4, max_size=4), layout=st.sampled_from(GRAD_LAYOUTS),
+       eps=st.sampled_from(EPSILONS), scale=st.sampled_from(SCALES), seed=st.integers(0, 2**16))
+def test_mrp_input_backward_matches_reference(N, H, V, dtype, embed_dtype, weight_dtypes, needs, layout, eps, scale,
+                                              seed):
     """Repeated ids (V small) add their rows' gradients into one embedding row; the output gradient may be a
-    transposed view or a column slice."""
+    transposed view or a column slice; with one fp32 norm weight the output gradient is fp32 for both halves."""
     ids = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(seed)).to(DEV)
     E = _randn((V, H), embed_dtype or dtype, seed + 1, scale)
     h = _randn((N, H), dtype, seed + 2, 5.0 * scale)
-    ew, hw = _randn((H,), dtype, seed + 3), _randn((H,), dtype, seed + 4)
+    ew, hw = (_randn((H,), wd or dtype, seed + 3 + i) for i, wd in enumerate(weight_dtypes))
     _check(lambda i, E, h, ew, hw: mrp_input(i, E, h, ew, hw, eps), [ids, E, h, ew, hw], [False] + _needs(needs),
            seed, layout)
 

@@ -9,9 +9,11 @@ from .rms_norm import rms_norm
 
 def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
               enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """ids: [N] int64, embed_weight: [V, H], hidden: [N, H], norms: [H] -> [N, 2H] (hidden's dtype).
+    """ids: [N] int64 or int32, embed_weight: [V, H], hidden: [N, H], norms: [H] -> [N, 2H].
 
-    The embedding half comes first (DeepSeek-V3 MTP layout).
+    The embedding half comes first (DeepSeek-V3 MTP layout); the embedding rows are cast to hidden's dtype. Each
+    half is :func:`rms_norm`'s output (dtype ``promote(hidden, its weight)``), and the cat promotes both halves to
+    the promoted dtype of ``hidden`` and both weights.
     """
     e = embed_weight[ids].to(hidden.dtype)
     return torch.cat([rms_norm(e, enorm_weight, eps), rms_norm(hidden, hnorm_weight, eps)], dim=-1)

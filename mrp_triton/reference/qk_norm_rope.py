@@ -24,7 +24,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """RMSNorm over head_dim of q and k, then RoPE (rotate-half convention).
 
     q: [B, T, Hq, D], k: [B, T, Hkv, D], q_weight, k_weight: [D], cos, sin: [B, T, D].
-    Returns (q, k) with the input shapes and dtypes.
+    Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) of dtypes ``promote(q, q_weight)`` and ``promote(k, k_weight)``.
     """
     q = apply_rope(rms_norm(q, q_weight, eps), cos, sin)
     k = apply_rope(rms_norm(k, k_weight, eps), cos, sin)
