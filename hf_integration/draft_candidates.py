@@ -30,8 +30,7 @@ def rest_mass(top_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     out): top_logits [..., M] (-inf past the list) and the log-normaliser lse [...] of the same logits (-inf: the
     position was not scored) -> [...] (-inf, or a remainder at the rounding level of lse, when the list holds all
     of it)."""
-    inside = torch.logsumexp(top_logits, dim=-1)
-    gap = torch.where(lse == float("-inf"), 0.0, (inside - lse).clamp(max=0.0))
+    gap = (torch.logsumexp(top_logits, dim=-1) - lse).clamp(max=0.0)  # NaN where lse = -inf: replaced below
     return torch.where(lse == float("-inf"), float("-inf"), lse + torch.log(-torch.expm1(gap)))
 
 
