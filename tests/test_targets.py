@@ -92,6 +92,29 @@ def test_each_target_is_judged_on_its_rows(results):
         ("1.7B B=1 K=3 (draft_candidates=16)", True)]
 
 
+def test_a_figure_on_its_target_meets_it_except_under(tmp_path):
+    """Figures exactly at each threshold: ">= x" and "<= x" targets are met, the "under 10 us" one is missed; and a
+    static-decoding row of another model is not judged against the 1.7B target."""
+    _write(tmp_path, "decode_kernels", [
+        dict(kernel="confidence_res", shape="N=256,V=151936,bf16", provider="triton", copy_ratio=0.8),
+        dict(kernel="confidence_res", shape="N=16,V=151936,bf16", provider="triton", speedup_vs_eager=10.0),
+        dict(kernel="remask_tau", shape="B=8,L=16,K=3", provider="triton_graph", median_us=10.0)])
+    _write(tmp_path, "mrp_head", [
+        dict(kernel="lm_head_confidence", shape="N=64 H=2048 V=151936", provider="triton_fused", x_weight_read=1.3)])
+    step = lambda shape, **kw: dict(kernel="step", shape=f"1.7B B=1 {shape}", provider="cuda_graph", **kw)  # noqa: E731
+    _write(tmp_path, "engine", [
+        step("plain q=16", median_us=2000.0), step("verify copies=4", ratio=1.2), step("mrp D=3", ratio=0.12),
+        dict(step("static step", median_us=2000.0), kernel="whole_step"),
+        dict(kernel="decode", shape="1.7B B=1 static 512+256", provider="cuda_graph", ratio=8.0, tokens_per_s=400.0),
+        dict(kernel="decode", shape="8B B=1 static 512+256", provider="cuda_graph", ratio=20.0, tokens_per_s=90.0),
+        dict(kernel="speculative_estimate", shape="1.7B B=1 K=3", provider="cuda_graph", ratio=1.6)])
+    _write(tmp_path, "e2e_gpu", [dict(mode="speculative K=3 mrp", speedup_vs_static=1.6, identical_to_static=1.0)])
+    judged = [(t.text, f.what, f.met) for t, _, fs in targets.evaluate(tmp_path) for f in fs if f.met is not None]
+    assert len(judged) == 12 and "8B B=1 static 512+256" not in {what for _, what, _ in judged}
+    assert [(text, what) for text, what, met in judged if not met] == [
+        ("select, verify and remask under 10 us each at batch 8", "remask_tau B=8,L=16,K=3, in a CUDA graph")]
+
+
 def test_every_figure_a_target_needs_and_no_row_gives_is_not_measured(results):
     """A run cut short passes nothing on the rows it reached: each missing N, kernel, batch or mode is a line."""
     missing = {t.text: [f.what for f in findings if f.met is None] for t, _, findings in targets.evaluate(results)}
