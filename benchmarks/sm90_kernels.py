@@ -229,8 +229,9 @@ def _model_ops() -> list[Variant]:
                            divisible=_ptrs_divisible(sig, "Hq", "D", *strides)))
         sig = {"ids_ptr": "*i64", "e_ptr": f"*{dt}", "h_ptr": f"*{dt}", "ew_ptr": f"*{dt}", "hw_ptr": f"*{dt}",
                "o_ptr": f"*{dt}", "V": "i32", "H": "i32", "eps": "fp32", "stride_e": "i64", "stride_h": "i64",
-               "stride_o": "i64", "BLOCK": "constexpr"}
-        out.append(Variant(f"mrp_input {dt}", "mrp_input", "_mrp_input_kernel", sig, {"BLOCK": 2048}, 8,
+               "stride_o": "i64", "ROUND_E": "constexpr", "ROUND_H": "constexpr", "BLOCK": "constexpr"}
+        out.append(Variant(f"mrp_input {dt}", "mrp_input", "_mrp_input_kernel", sig,
+                           {"ROUND_E": True, "ROUND_H": True, "BLOCK": 2048}, 8,
                            divisible=_ptrs_divisible(sig, "V", "H", "stride_e", "stride_h", "stride_o")))
         out += _backward_kernels(dt)
     # a draft step among 16 listed tokens a position (draft_candidates=16), greedy and sampled
