@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_integration.step_graphs import StepGraphs, conditional_nodes_supported
-from tiny_models import random_prompts, tiny_model
+from tiny_models import padded_batch, random_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,11 +45,7 @@ def _graphed_equals_eager(kwargs, monkeypatch, device_loop=False):
 
     model = tiny_model(seed=0, dtype=torch.float32).cuda()
     lens = [2, 11, 6, 1, 9, 4]  # with an EOS, rows finish at different steps: the batch shrinks by buckets
-    ids = torch.zeros((6, 11), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lens):
-        ids[b, :n], mask[b, :n] = random_prompts(1, n, seed=30 + n)[0], 1
-    ids, mask = ids.cuda(), mask.cuda()
+    ids, mask = (t.cuda() for t in padded_batch([random_prompts(1, n, seed=30 + n)[0] for n in lens], "right"))
     settings = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=1, pad_token_id=0,
                     return_dict_in_generate=True, **kwargs)
     eager = model.generate(ids, cuda_graphs=False, **settings)

@@ -20,7 +20,7 @@ from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from hf_integration.generation_settings import READ_BY, GenerationSettings
 from hf_integration.kv_cache import StaticKVCache
 from hf_integration.stop_strings import StopStrings
-from tiny_models import MASK_ID, VOCAB, LetterTokenizer, random_prompts, tiny_config, tiny_model
+from tiny_models import MASK_ID, VOCAB, LetterTokenizer, padded_batch, random_prompts, tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -203,12 +203,8 @@ def test_decoding_stops_at_the_first_eos(model, kwargs):
 def test_batched_equals_one_by_one(model, kwargs, padding):
     lens = [3, 9, 6]
     rows = [random_prompts(1, n, seed=10 + n)[0] for n in lens]
-    P = max(lens)
-    ids = torch.zeros((3, P), dtype=torch.long)
-    mask = torch.zeros((3, P), dtype=torch.long)
-    for b, r in enumerate(rows):
-        span = slice(P - len(r), P) if padding == "left" else slice(0, len(r))
-        ids[b, span], mask[b, span] = r, 1
+    ids, mask = padded_batch(rows, padding)
+    P = ids.shape[1]
     out = model.generate(ids, attention_mask=mask, max_new_tokens=7, return_dict_in_generate=True, **kwargs)
     for b, r in enumerate(rows):
         alone = model.generate(r[None], max_new_tokens=7, return_dict_in_generate=True, **kwargs)
@@ -230,9 +226,7 @@ def test_a_row_moved_up_the_batch_keeps_its_own_start(model):
     free = [model.generate(r[None], max_new_tokens=9, eos_token_id=[])[0, len(r):].tolist() for r in rows]
     eos = free[0][0]
     assert eos in free[1][3:] and eos not in free[1][:3], free  # row 1's EOS comes after its first block (of 4)
-    ids, mask = torch.zeros((2, 12), dtype=torch.long), torch.zeros((2, 12), dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, : len(r)], mask[b, : len(r)] = r, 1
+    ids, mask = padded_batch(rows, "right")
     common = dict(max_new_tokens=9, eos_token_id=eos, pad_token_id=eos + 1, return_dict_in_generate=True)
     for graphs in (False, True):
         out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, **common)
@@ -258,11 +252,8 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     and with greedy decoding each row of the (left-padded) batch gives exactly what it gives alone. (Sampling noise
     is keyed by the row's index in the batch, so a sampled row alone is another draw.)"""
     rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
-    P = max(lens)
-    ids = torch.zeros((len(rows), P), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, P - len(r):], mask[b, P - len(r):] = r, 1
+    ids, mask = padded_batch(rows, "left")
+    P = ids.shape[1]
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
                   output_reveal_steps=reveal, **kwargs)
     # static and direct rows start their blocks together anyway
@@ -344,11 +335,8 @@ def test_the_output_keeps_the_inputs_width(model, left):
     """Padded to a fixed length (padding="max_length"), the input has columns of padding in every row: the output is
     [B, W + max_new_tokens] still, as in transformers, so out[:, W:] are a left-padded batch's new tokens (and
     max_length counts W); the tokens are those of the tightly padded batch, with the extra padding kept."""
-    tight = torch.zeros((2, 5), dtype=torch.long)
-    mask = torch.zeros_like(tight)
-    for b, n in enumerate((5, 3)):
-        cols = slice(5 - n, 5) if left else slice(0, n)
-        tight[b, cols], mask[b, cols] = random_prompts(1, n, seed=60 + b)[0], 1
+    tight, mask = padded_batch([random_prompts(1, n, seed=60 + b)[0] for b, n in enumerate((5, 3))],
+                               "left" if left else "right")
     extra = torch.zeros((2, 3), dtype=torch.long)
     wide = torch.cat([extra, tight] if left else [tight, extra], 1)
     wide_mask = torch.cat([extra, mask] if left else [mask, extra], 1)
@@ -881,12 +869,7 @@ def test_rows_move_to_their_next_block_without_waiting(model, kwargs):
 def _staggered_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of 3, 9 and 6 tokens, left-padded: 1, 3 and 2 masks in their first blocks of 4, so the rows'
     blocks fill at different steps."""
-    rows = [random_prompts(1, n, seed=30 + n)[0] for n in (3, 9, 6)]
-    ids = torch.zeros((3, 9), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, -len(r):], mask[b, -len(r):] = r, 1
-    return ids, mask
+    return padded_batch([random_prompts(1, n, seed=30 + n)[0] for n in (3, 9, 6)], "left")
 
 
 def _left_padded(lens: tuple[int, ...], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1003,11 +986,7 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
     a block's first step with the previous block's commit) and replays it on the recorded buffers: same
     tokens and counts as the default path, here with rows in different blocks and a row that finishes early
     (its EOS) and leaves the batch."""
-    lens = [2, 11, 6]
-    ids = torch.zeros((3, 11), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lens):
-        ids[b, :n], mask[b, :n] = random_prompts(1, n, seed=30 + n)[0], 1
+    ids, mask = padded_batch([random_prompts(1, n, seed=30 + n)[0] for n in (2, 11, 6)], "right")
     free = model.generate(ids, attention_mask=mask, max_new_tokens=10, **kwargs)
     eos = int(free[0, 2])  # row 0's first new token
     settings = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=[eos], pad_token_id=0,
@@ -1367,10 +1346,7 @@ def test_stop_strings_end_each_row_after_the_token_that_completes_one(model, kwa
     the row decoded alone (the check runs as blocks fill, per row)."""
     tok = LetterTokenizer()
     lens = [4, 7, 2]
-    ids = torch.zeros((3, 7), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lens):
-        ids[b, 7 - n:], mask[b, 7 - n:] = random_prompts(1, n, seed=40 + b)[0], 1
+    ids, mask = padded_batch([random_prompts(1, n, seed=40 + b)[0] for b, n in enumerate(lens)], "left")
     common = dict(max_new_tokens=20, pad_token_id=0, eos_token_id=[], return_dict_in_generate=True, **kwargs)
     free_out = model.generate(ids, attention_mask=mask, **common)
     free = free_out.sequences[:, 7:]

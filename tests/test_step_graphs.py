@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_integration.decoding as decoding
 from hf_integration.step_graphs import LaggedFlags, StepGraphs, run_if
-from tiny_models import random_prompts, tiny_model
+from tiny_models import padded_batch, random_prompts, tiny_model
 
 
 def test_a_replay_reads_the_recorded_inputs_and_buffers_only():
@@ -233,10 +233,7 @@ def test_a_graphed_batch_shrinks_by_buckets_keeping_finished_rows_as_padding(mon
                                                                        keep_rows(self, kept))[1])
     model = tiny_model(seed=0)
     lens = [1, 3, 5, 7, 9, 11]
-    ids = torch.zeros((6, 11), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, n in enumerate(lens):
-        ids[b, 11 - n:], mask[b, 11 - n:] = random_prompts(1, n, seed=b)[0], 1
+    ids, mask = padded_batch([random_prompts(1, n, seed=b)[0] for b, n in enumerate(lens)], "left")
     settings = dict(max_new_tokens=29, eos_token_id=1, pad_token_id=0, strategy="speculative", mrp_steps=2,
                     return_dict_in_generate=True)
     eager = model.generate(ids, attention_mask=mask, cuda_graphs=False, **settings)
@@ -310,10 +307,8 @@ def test_a_device_loop_runs_no_step_for_a_row_whose_block_is_full(monkeypatch):
         return select_commit(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)
 
     monkeypatch.setattr(mrp_triton, "select_commit", spy)
-    model, width = tiny_model(seed=0), 9
-    ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
-    for b, n in enumerate((3, 6, 9)):
-        ids[b, width - n:], mask[b, width - n:] = random_prompts(1, n, seed=10 + b)[0], 1
+    model = tiny_model(seed=0)
+    ids, mask = padded_batch([random_prompts(1, n, seed=10 + b)[0] for b, n in enumerate((3, 6, 9))], "left")
     model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], strategy="dynamic", threshold=0.3,
                    cuda_graphs=True, device_loop=True)
     assert len(idle) > 12 and sum(idle) == 0

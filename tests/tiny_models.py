@@ -32,6 +32,19 @@ def random_prompts(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, MASK_ID - 3, (batch, length), generator=g)
 
 
+def padded_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts ``rows`` (1-d token ids) padded with 0 on the ``side`` ("left" or "right") to the longest: ids and
+    attention mask [len(rows), max length] (int64)."""
+    assert side in ("left", "right"), side
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        span = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[b, span], mask[b, span] = r, 1
+    return ids, mask
+
+
 def spy_on_drafts(monkeypatch) -> list[torch.Tensor]:
     """From now on, the draft tokens [B, K] of every verify round (``mrp_triton.verify_drafts``'s input), in order."""
     import mrp_triton
