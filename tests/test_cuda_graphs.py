@@ -8,6 +8,7 @@ The ``triton`` case captures the Triton kernels too; it needs TRITON_INTERPRET=0
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -130,3 +131,28 @@ def test_other_setting_values_replay_the_captured_graphs(strategy, first, second
     assert torch.equal(graphed.sequences, eager.sequences)
     for name, value in vars(eager.stats).items():
         assert torch.equal(getattr(graphed.stats, name), value), name
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on():
+    """A step that reads the host (``.item()``, not capturable) fails its capture: a warning names it, the thread is
+    back on its own stream, and the step runs eagerly at every later call (no second capture, no second warning),
+    updating its mutated inputs in place, with the outputs eager calls give."""
+    graphs = StepGraphs(capture=True)
+
+    def step(x):
+        shift = int(x.sum().item())
+        x.add_(1)
+        return x * shift
+
+    stream = torch.cuda.current_stream()
+    x = torch.arange(4.0, device="cuda")
+    with pytest.warns(UserWarning, match=r"capture of the \('host_read',\) step failed"):
+        first = graphs.run(("host_read",), step, x, mutated=(0,))
+    assert torch.cuda.current_stream() == stream
+    assert graphs.graphs[("host_read",)] == "eager"
+    assert torch.equal(x, torch.arange(1.0, 5.0, device="cuda")) and torch.equal(first, x * 6)
+    y = torch.ones(4, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = graphs.run(("host_read",), step, y, mutated=(0,))
+    assert torch.equal(y, torch.full((4,), 2.0, device="cuda")) and torch.equal(again, y * 4)
