@@ -270,24 +270,18 @@ def _weight_descriptor(w: torch.Tensor, block_v: int, block_k: int) -> TensorDes
     return TensorDescriptor.from_tensor(w, [block_v, block_k])
 
 
-def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
-                              mask_token_id: int | None = None, temperature: float = 1.0,
-                              skip_rows: torch.Tensor | None = None, top_m: int = 0, config: dict | None = None):
-    """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
-
-    ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
-    """
+def _check_args(hidden: torch.Tensor, weight: torch.Tensor, base_logits: torch.Tensor | None, mask_token_id,
+                temperature, skip_rows: torch.Tensor | None, top_m: int) -> None:
+    """:func:`lm_head_confidence`'s argument checks, run on either backend (the reference would broadcast
+    ``base_logits`` of another shape and score an empty vocabulary)."""
     if not hidden.dtype.is_floating_point or not weight.dtype.is_floating_point:
         raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
-    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
     if weight.device != hidden.device:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
-    N, H = hidden.shape
-    V = weight.shape[0]
+    (N, H), V = hidden.shape, weight.shape[0]
     if V == 0 or H == 0:
         raise ValueError(f"empty vocabulary or hidden size: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
     if base_logits is not None:
@@ -297,19 +291,32 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
             raise TypeError(f"base_logits must be floating point, got {base_logits.dtype}")
         if base_logits.device != hidden.device:
             raise ValueError(f"hidden is on {hidden.device} but base_logits is on {base_logits.device}")
-        if base_logits.stride(1) != 1:
-            base_logits = base_logits.contiguous()
     if mask_token_id is not None:
-        mask_token_id = int(mask_token_id)
-        if not 0 <= mask_token_id < V:
-            raise ValueError(f"mask_token_id {mask_token_id} is outside the vocabulary [0, {V})")
+        if not 0 <= int(mask_token_id) < V:
+            raise ValueError(f"mask_token_id {int(mask_token_id)} is outside the vocabulary [0, {V})")
         if V == 1:
             raise ValueError("the vocabulary has only the mask token: nothing left to pick")
-    temperature = float(temperature)
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_skip_rows(skip_rows, hidden.shape[0], hidden.device, "hidden")
+    if not float(temperature) > 0.0:
+        raise ValueError(f"temperature must be > 0, got {float(temperature)}")
+    check_skip_rows(skip_rows, N, hidden.device, "hidden")
     check_top_m(top_m, V)
+
+
+def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
+                              mask_token_id: int | None = None, temperature: float = 1.0,
+                              skip_rows: torch.Tensor | None = None, top_m: int = 0, config: dict | None = None):
+    """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
+
+    ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
+    """
+    _check_args(hidden, weight, base_logits, mask_token_id, temperature, skip_rows, top_m)
+    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
+    (N, H), V = hidden.shape, weight.shape[0]
+    if base_logits is not None and base_logits.stride(1) != 1:
+        base_logits = base_logits.contiguous()
+    mask_token_id = None if mask_token_id is None else int(mask_token_id)
+    temperature = float(temperature)
 
     tokens = torch.empty(N, dtype=torch.int64, device=hidden.device)
     probs = torch.empty(N, dtype=torch.float32, device=hidden.device)
@@ -384,11 +391,10 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     64) also (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): each row's top_m largest z, largest first,
     ties to the lowest id (-inf / -1 past the row's scored tokens and in skipped rows).
     """
+    _check_args(hidden, weight, base_logits, mask_token_id, temperature, skip_rows, top_m)
     kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, temperature=temperature, skip_rows=skip_rows,
               top_m=top_m)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)
-    check_skip_rows(skip_rows, hidden.shape[0], hidden.device, "hidden")
-    check_top_m(top_m, weight.shape[0])
     return lm_head_confidence_reference(hidden, weight, **kw)

@@ -62,9 +62,10 @@ def _in_hidden_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.promote_types(hidden.dtype, weight.dtype) == hidden.dtype
 
 
-def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
-                     enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton launcher of :func:`mrp_input` (same arguments and result)."""
+def _check_args(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor, enorm_weight: torch.Tensor,
+                hnorm_weight: torch.Tensor) -> None:
+    """:func:`mrp_input`'s argument checks, run on either backend (the reference would broadcast a norm weight of
+    another shape). Not the range of the ids: see :func:`mrp_input_triton`."""
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"ids must be int64 or int32, got {ids.dtype}")
     for name, t in (("embed_weight", embed_weight), ("hidden", hidden),
@@ -83,7 +84,15 @@ def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torc
     if enorm_weight.shape != (H,) or hnorm_weight.shape != (H,):
         raise ValueError(f"enorm_weight and hnorm_weight must have shape ({H},), got "
                          f"{tuple(enorm_weight.shape)} and {tuple(hnorm_weight.shape)}")
-    V = embed_weight.shape[0]
+
+
+def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
+                     enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton launcher of :func:`mrp_input` (same arguments and result). CPU ids are range-checked here (the
+    interpreter would read an out-of-range id as a zero row; the reference's gather raises on its own; on CUDA the
+    check would need a host sync)."""
+    _check_args(ids, embed_weight, hidden, enorm_weight, hnorm_weight)
+    (N, H), V = hidden.shape, embed_weight.shape[0]
     if ids.device.type == "cpu" and N > 0 and (int(ids.min()) < 0 or int(ids.max()) >= V):
         raise IndexError(f"ids must lie in [0, {V}), got values in [{int(ids.min())}, {int(ids.max())}]")
     out_dtype = torch.promote_types(hidden.dtype, torch.promote_types(enorm_weight.dtype, hnorm_weight.dtype))
@@ -134,6 +143,7 @@ def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tenso
     ``[enorm(embed_weight[ids]) | hnorm(hidden)]``, the embedding half first. The output's dtype is the promoted
     dtype of ``hidden`` and both norm weights; each half is rounded to its own ``promote(hidden, weight)`` first.
     """
+    _check_args(ids, embed_weight, hidden, enorm_weight, hnorm_weight)
     floats = (embed_weight, hidden, enorm_weight, hnorm_weight)
     if select_backend(hidden.device, *floats, backward=True) == "triton":
         if differentiated(*floats):

@@ -95,13 +95,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
                      cols, col_mask, Hkv, D, eps, BLOCK_HK)
 
 
-def _rope_table(name: str, t: torch.Tensor, B: int, T: int, D: int, device: torch.device) -> torch.Tensor:
-    if not t.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"q is on {device} but {name} is on {t.device}")
-    if t.dim() != 3 or t.shape[-1] != D or t.shape[1] != T or t.shape[0] not in (1, B):
-        raise ValueError(f"{name} must have shape [B={B} (or 1), T={T}, D={D}], got {tuple(t.shape)}")
+def _rope_table(t: torch.Tensor, B: int, T: int, D: int) -> torch.Tensor:
+    """A checked cos or sin table [B or 1, T, D] as the kernel reads it: [B, T, D], unit column stride."""
     t = t.expand(B, T, D)
     if t.stride(2) != 1:
         t = t.contiguous()
@@ -126,9 +121,10 @@ def _tile_settings(Hq: int, Hkv: int, D: int) -> dict:
     return dict(BLOCK_HQ=BLOCK_HQ, BLOCK_HK=BLOCK_HK, BLOCK_HALF=BLOCK_HALF, num_warps=8 if tile >= 4096 else 4)
 
 
-def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor, eps: float):
-    """Triton launcher of :func:`qk_norm_rope` (same arguments and results)."""
+def _check_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """:func:`qk_norm_rope`'s argument checks, run on either backend (the reference would broadcast a weight or
+    table of another shape, and rotate an odd head_dim's halves of unequal size)."""
     for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
@@ -136,17 +132,29 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
             raise ValueError(f"q is on {q.device} but {name} is on {t.device}")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, T, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, Hq, D = q.shape
+    B, T, _, D = q.shape
     if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, T or D")
-    Hkv = k.shape[2]
     if D % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {D}")
     if q_weight.shape != (D,) or k_weight.shape != (D,):
         raise ValueError(f"q_weight and k_weight must have shape ({D},), got "
                          f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
-    cos = _rope_table("cos", cos, B, T, D, q.device)
-    sin = _rope_table("sin", sin, B, T, D, q.device)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"q is on {q.device} but {name} is on {t.device}")
+        if t.dim() != 3 or t.shape[-1] != D or t.shape[1] != T or t.shape[0] not in (1, B):
+            raise ValueError(f"{name} must have shape [B={B} (or 1), T={T}, D={D}], got {tuple(t.shape)}")
+
+
+def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """Triton launcher of :func:`qk_norm_rope` (same arguments and results)."""
+    _check_args(q, k, q_weight, k_weight, cos, sin)
+    (B, T, Hq, D), Hkv = q.shape, k.shape[2]
+    cos, sin = _rope_table(cos, B, T, D), _rope_table(sin, B, T, D)
     qc, kc = _heads_packed(q), _heads_packed(k)
     q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, q_weight.dtype), device=q.device)
     k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, k_weight.dtype), device=k.device)
@@ -238,10 +246,8 @@ class _QKNormRope(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # its kernels have no backward of their own
     def backward(ctx, dq_out, dk_out):
         q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
-        B, T, Hq, D = q.shape
-        Hkv = k.shape[2]
-        cos = _rope_table("cos", cos, B, T, D, q.device)
-        sin = _rope_table("sin", sin, B, T, D, q.device)
+        (B, T, Hq, D), Hkv = q.shape, k.shape[2]
+        cos, sin = _rope_table(cos, B, T, D), _rope_table(sin, B, T, D)
         qc, kc = _heads_packed(q), _heads_packed(k)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -265,6 +271,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     q: [B, T, Hq, D], k: [B, T, Hkv, D], q_weight, k_weight: [D], cos, sin: [B, T, D].
     Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) of dtypes ``promote(q, q_weight)`` and ``promote(k, k_weight)``.
     """
+    _check_args(q, k, q_weight, k_weight, cos, sin)
     tables_differentiated = differentiated(cos, sin)
     if select_backend(q.device, q, k, q_weight, k_weight, cos, sin, backward=not tables_differentiated) == "triton":
         if differentiated(q, k, q_weight, k_weight):

@@ -73,9 +73,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_cols, eps,
     tl.store(y_ptr + row * stride_y + cols, (xn * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None):
-    """Triton launcher of :func:`rms_norm` (same arguments and results)."""
+def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """:func:`rms_norm`'s argument checks, run on either backend (the reference would broadcast a weight or residual
+    of another shape)."""
     check_float("x", x)
     check_float("weight", weight)
     if x.dim() < 1 or x.shape[-1] == 0:
@@ -90,6 +90,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if residual.shape != x.shape or residual.device != x.device:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)} and device {x.device}, got "
                              f"{tuple(residual.shape)} on {residual.device}")
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None):
+    """Triton launcher of :func:`rms_norm` (same arguments and results)."""
+    _check_args(x, weight, residual)
+    H = x.shape[-1]
     BLOCK, num_warps = row_settings(H)
     x2 = as_rows(x)
     w = weight.contiguous()
@@ -196,6 +203,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     ``s = x + residual`` [..., H] (dtype promote(x, residual), the new residual stream) and ``y = rms_norm(s)``
     (dtype promote(s, weight)).
     """
+    _check_args(x, weight, residual)
     if select_backend(x.device, x, weight, residual, backward=True) == "triton":
         if differentiated(x, weight, residual):
             return _RMSNorm.apply(x, weight, eps, residual)

@@ -44,10 +44,15 @@ def _launch(kernel, rows: int, F: int, *args) -> None:
     kernel[(rows, triton.cdiv(F, block))](*args, BLOCK=block, num_warps=min(_NUM_WARPS, max(1, block // 256)))
 
 
-def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Triton launcher of :func:`swiglu` (same arguments and result)."""
+def _check_args(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """:func:`swiglu`'s argument checks, run on either backend (the reference would broadcast or promote)."""
     check_float("gate", gate)
     check_matches("gate", gate, "up", up)
+
+
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton launcher of :func:`swiglu` (same arguments and result)."""
+    _check_args(gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() > 0:
         g, u = as_rows(gate), as_rows(up)
@@ -94,6 +99,7 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``; gate, up: [..., F] (same dtype) -> [..., F] (same dtype)."""
+    _check_args(gate, up)
     if select_backend(gate.device, gate, up, backward=True) == "triton":
         return _SwiGLU.apply(gate, up) if differentiated(gate, up) else swiglu_triton(gate, up)
     return swiglu_reference(gate, up)

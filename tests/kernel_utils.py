@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 from unittest import mock
 
 import torch
@@ -104,3 +105,17 @@ def forbid_triton_launcher(monkeypatch, op: str) -> None:
         raise AssertionError(LAUNCHER_RAN)
 
     monkeypatch.setattr(importlib.import_module(f"mrp_triton.{op}"), f"{op}_triton", launcher)
+
+
+def refused_alike(public, launcher, *args, **kwargs) -> None:
+    """``launcher(*args, **kwargs)`` refuses the call (TypeError or ValueError), and so does the public op on the
+    reference backend (the CPU path), with the same error: a call refused on a GPU is refused on a CPU too."""
+    import pytest
+
+    import mrp_triton
+
+    with pytest.raises((TypeError, ValueError)) as refused:
+        launcher(*args, **kwargs)
+    with mrp_triton.use_backend("reference"), \
+            pytest.raises(type(refused.value), match=re.escape(str(refused.value))):
+        public(*args, **kwargs)

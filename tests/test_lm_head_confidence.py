@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_utils import DEV, DTYPES, LAUNCHER_RAN, forbid_triton_launcher, poisoned_allocations
+from kernel_utils import DEV, DTYPES, LAUNCHER_RAN, forbid_triton_launcher, poisoned_allocations, refused_alike
 from mrp_triton import lm_head_confidence
 from mrp_triton.lm_head_confidence import _config, _kept_first_kernel, _table, lm_head_confidence_triton
 from mrp_triton.reference import lm_head_confidence as lm_head_confidence_reference
@@ -330,6 +330,22 @@ def test_float64_runs_the_reference_in_float64(monkeypatch):
     torch.testing.assert_close(lse, torch.logsumexp(z, -1).float())
     with pytest.raises(AssertionError, match=LAUNCHER_RAN):
         lm_head_confidence(hidden.float(), weight.float())
+
+
+@pytest.mark.parametrize("case", ["base_logits [V]", "weight [V, H + 1]", "hidden [1, N, H]", "empty vocabulary",
+                                  "temperature 0", "mask_token_id V"])
+def test_the_public_op_refuses_on_the_reference_path_what_its_kernel_refuses(case):
+    """The reference (the CPU path) would broadcast base_logits [V] over the rows, a hidden [1, N, H] over the
+    weight, score an empty vocabulary or divide by a zero temperature; the public op runs the launcher's checks
+    first."""
+    h, w = torch.randn(2, 8, device=DEV), torch.randn(10, 8, device=DEV)
+    args, kwargs = {"base_logits [V]": ((h, w), dict(base_logits=torch.zeros(10, device=DEV))),
+                    "weight [V, H + 1]": ((h, torch.randn(10, 9, device=DEV)), {}),
+                    "hidden [1, N, H]": ((h[None], w), {}),
+                    "empty vocabulary": ((h, w[:0]), {}),
+                    "temperature 0": ((h, w), dict(temperature=0.0)),
+                    "mask_token_id V": ((h, w), dict(mask_token_id=10))}[case]
+    refused_alike(lm_head_confidence, lm_head_confidence_triton, *args, **kwargs)
 
 
 def test_errors():

@@ -12,7 +12,7 @@ from kernel_utils import NORM_EPS as EPS
 from kernel_utils import NORM_EPSILONS as EPSILONS
 from kernel_utils import NORM_SCALES as SCALES
 from kernel_utils import seeded_randn as _randn
-from kernel_utils import DEV, DTYPES, poisoned_allocations, tol
+from kernel_utils import DEV, DTYPES, poisoned_allocations, refused_alike, tol
 from mrp_triton import mrp_input, qk_norm_rope, rms_norm, swiglu
 from mrp_triton import reference as ref
 from mrp_triton.mrp_input import _mrp_input_kernel, mrp_input_triton
@@ -435,3 +435,36 @@ def test_mrp_input_public_dispatch_and_errors():
         mrp_input_triton(ids, E, h.long(), ew, hw, EPS)
     with pytest.raises(ValueError, match="embed_weight is on meta"):
         mrp_input_triton(ids, E.to("meta"), h, ew, hw, EPS)
+
+
+# ------------------------------------------------------------------------ checks on either backend
+def _bad_calls() -> dict:
+    """Calls each launcher refuses; the reference alone would broadcast a weight, residual, table or ``up`` of
+    another shape, promote mixed swiglu dtypes, normalise an integer tensor, rotate an odd head_dim's unequal
+    halves, or fail with an error that names no argument."""
+    x, w, ids, E = _randn((3, 8), torch.float32, 1), torch.ones(8, device=DEV), torch.tensor([0, 1], device=DEV), \
+        _randn((5, 8), torch.float32, 2)
+    q, k, cs = _randn((1, 2, 2, 8), torch.float32, 3), _randn((1, 2, 1, 8), torch.float32, 4), \
+        _randn((1, 2, 8), torch.float32, 5)
+    q7, k7, cs7, w7 = q[..., :7], k[..., :7], cs[..., :7], w[:7]
+    return {
+        "rms_norm weight [1]": (rms_norm, rms_norm_triton, (x, w[:1], EPS)),
+        "rms_norm residual [H]": (rms_norm, rms_norm_triton, (x, w, EPS, x[0])),
+        "rms_norm integer x": (rms_norm, rms_norm_triton, (x.long(), w, EPS)),
+        "rms_norm empty rows": (rms_norm, rms_norm_triton, (x[:, :0], w[:0], EPS)),
+        "swiglu up [F]": (swiglu, swiglu_triton, (x, x[0])),
+        "swiglu mixed dtypes": (swiglu, swiglu_triton, (x.half(), x)),
+        "mrp_input hnorm_weight [1]": (mrp_input, mrp_input_triton, (ids, E, x[:2], w, w[:1], EPS)),
+        "mrp_input hidden [1, N, H]": (mrp_input, mrp_input_triton, (ids, E, x[None, :2], w, w, EPS)),
+        "qk_norm_rope q_weight [1]": (qk_norm_rope, qk_norm_rope_triton, (q, k, w[:1], w, cs, cs, EPS)),
+        "qk_norm_rope odd head_dim": (qk_norm_rope, qk_norm_rope_triton, (q7, k7, w7, w7, cs7, cs7, EPS)),
+        "qk_norm_rope q [T, heads, D]": (qk_norm_rope, qk_norm_rope_triton, (q[0], k[0], w, w, cs, cs, EPS)),
+        "qk_norm_rope cos [T, D]": (qk_norm_rope, qk_norm_rope_triton, (q, k, w, w, cs[0], cs, EPS)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_the_public_ops_refuse_on_the_reference_path_what_their_kernels_refuse(case):
+    """The reference is the CPU path: there the public op runs its launcher's checks first."""
+    public, launcher, args = _bad_calls()[case]
+    refused_alike(public, launcher, *args)
