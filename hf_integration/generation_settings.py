@@ -7,14 +7,16 @@ Precedence: explicit keyword arguments > the ``generation_config`` argument > th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import operator
+import reprlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin
 from transformers.utils import logging
 
 from mrp_triton._checks import MAX_TOP_M
@@ -43,6 +45,10 @@ HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None)
 # Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
 FILLED_DEFAULTS = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+# transformers' generate() parameters besides the config's fields (logits_processor, stopping_criteria, synced_gpus,
+# ...): None, their default, asks for nothing
+HF_GENERATE_PARAMETERS = {name for name, p in inspect.signature(GenerationMixin.generate).parameters.items()
+                          if p.default is not inspect.Parameter.empty}
 # Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
 # computes, or reach it through a buffer (the seed; denoising_steps, through each row's quota set when its block
 # starts).
@@ -70,6 +76,13 @@ READ_BY = {
     "mrp_scale": MRP_STRATEGIES,
     "per_row_blocks": ("dynamic", "remask", "speculative"),  # static and direct rows move through blocks together
 }
+
+
+def _asks_nothing(name: str, value) -> bool:
+    """Whether transformers' generation setting ``name`` (a GenerationConfig field or a parameter of its
+    ``generate``) at ``value`` asks for nothing: False, None, its default or the value transformers fills in."""
+    plain = isinstance(value, (bool, numbers.Number, str))
+    return value is None or plain and value in (False, getattr(HF_DEFAULTS, name, None), FILLED_DEFAULTS.get(name))
 
 
 def _model_fields(diff: dict, config) -> dict:
@@ -201,9 +214,15 @@ class GenerationSettings:
     def resolve(cls, model, generation_config, kwargs: dict, prompt_width: int) -> "GenerationSettings":
         """Settings of a call whose ``input_ids`` are ``prompt_width`` tokens wide (for ``max_length``)."""
         names = cls.names()
-        unknown = sorted(set(kwargs) - names)
+        foreign = set(kwargs) - names
+        unknown = sorted(foreign - set(HF_DEFAULTS.to_dict()) - HF_GENERATE_PARAMETERS)
         if unknown:
             raise TypeError(f"generate() got unknown keyword argument(s) {unknown}; accepted: {sorted(names)}")
+        unsupported = [f"{k}={reprlib.repr(kwargs[k])}" for k in sorted(foreign) if not _asks_nothing(k, kwargs[k])]
+        if unsupported:  # transformers' keywords at the values that ask for nothing (num_beams=1, ...) pass
+            raise TypeError(f"generate() got {', '.join(unsupported)}, which block-diffusion decoding does not "
+                            f"support; drop it (supported: {sorted(names)})")
+        kwargs = {k: v for k, v in kwargs.items() if k in names}
         if generation_config is not None and not isinstance(generation_config, GenerationConfig):
             raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
                             f"{type(generation_config).__name__}; build one (GenerationConfig(**settings)) or pass "
@@ -219,8 +238,7 @@ class GenerationSettings:
             if source is generation_config:  # the model's own file holds copies of its config's, taken when saved
                 values.update(_model_fields(changed, model.config))
             given = {k: v for k, v in diff.items() if v is not None and k not in NOT_DECODING_FIELDS}
-            unsupported = sorted(k for k in set(given) - names if given[k] not in (False, None)
-                                 and given[k] not in (getattr(HF_DEFAULTS, k, None), FILLED_DEFAULTS.get(k)))
+            unsupported = sorted(k for k in set(given) - names if not _asks_nothing(k, given[k]))
             if unsupported and source is generation_config:
                 raise TypeError(f"generation_config sets {unsupported}, which block-diffusion decoding does not "
                                 f"support; drop them (supported: {sorted(names)})")

@@ -484,8 +484,27 @@ def test_use_cache_is_accepted_and_unknown_keywords_are_refused(model):
         assert torch.equal(model.generate(ids, max_new_tokens=6, use_cache=use_cache), plain)
     with pytest.raises(TypeError, match="use_cache must be a bool"):
         model.generate(ids, max_new_tokens=6, use_cache="yes")
-    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['output_scores'\]"):
-        model.generate(ids, max_new_tokens=6, output_scores=True)
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['outputs_scores'\]"):
+        model.generate(ids, max_new_tokens=6, outputs_scores=None)
+
+
+def test_transformers_keywords_that_ask_for_nothing_pass_and_others_are_refused(model):
+    """Code written for transformers' generate passes its keywords at values that ask for nothing (num_beams=1,
+    output_scores=False, logits_processor=None, ...): the tokens are those of a call without them. The same keywords
+    at values that ask for something (beam search, a repetition penalty, scores, a logits processor) are a TypeError
+    naming each with its value, the rest checked as a generation_config's fields are."""
+    ids = random_prompts(1, 4, seed=9)
+    plain = model.generate(ids, max_new_tokens=6)
+    nothing = dict(num_beams=1, repetition_penalty=1.0, output_scores=False, logits_processor=None,
+                   stopping_criteria=None, synced_gpus=False, min_new_tokens=None)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, **nothing), plain)
+    with pytest.raises(TypeError, match=r"generate\(\) got num_beams=2, output_scores=True, which block-diffusion "
+                                        r"decoding does not support"):
+        model.generate(ids, max_new_tokens=6, output_scores=True, num_beams=2)
+    with pytest.raises(TypeError, match=r"got logits_processor=\[<function"):
+        model.generate(ids, max_new_tokens=6, logits_processor=[lambda i, s: s])
+    with pytest.raises(TypeError, match=r"got num_beams=tensor\(1\)"):  # not compared: a tensor asks for something
+        model.generate(ids, max_new_tokens=6, num_beams=torch.tensor(1))
 
 
 def test_generation_config_fields_we_do_not_support_are_refused_or_flagged(model, caplog):
