@@ -757,7 +757,8 @@ def test_a_row_without_finite_logits_stops_decoding_with_an_error_naming_the_cau
 
 def test_padding_may_hold_any_id_and_1d_input_ids_are_one_prompt(model):
     """Only the tokens the attention mask keeps are checked: padding that holds the mask token or ids outside the
-    vocabulary (what some collators pad with) decodes as padding of 0 does; 1-D input_ids are one prompt."""
+    vocabulary (what some collators pad with) decodes as padding of 0 does; 1-D input_ids are one prompt, with a
+    1-D attention mask its mask."""
     ids = random_prompts(2, 5, seed=11)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
@@ -767,6 +768,7 @@ def test_padding_may_hold_any_id_and_1d_input_ids_are_one_prompt(model):
         ids[1, :2] = pad
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6), want), pad
     assert torch.equal(model.generate(ids[0], max_new_tokens=6), want[:1])
+    assert torch.equal(model.generate(ids[1], attention_mask=mask[1], max_new_tokens=6), want[1:])
 
 
 def test_inputs_is_transformers_name_for_input_ids(model):

@@ -41,8 +41,10 @@ class PromptBatch:
     def from_inputs(cls, config, input_ids, attention_mask) -> "PromptBatch":
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-        if input_ids.dim() == 1:
+        if input_ids.dim() == 1:  # one prompt, and its mask if that is 1-D too
             input_ids = input_ids.unsqueeze(0)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
+                attention_mask = attention_mask.unsqueeze(0)
         if input_ids.dim() != 2 or input_ids.dtype not in INDEX_DTYPES:
             raise ValueError(f"input_ids must be an integer tensor [batch, prompt_len], got shape "
                              f"{tuple(input_ids.shape)} dtype {input_ids.dtype}")
