@@ -10,11 +10,14 @@ import torch
 INDEX_DTYPES = (torch.int64, torch.int32)  # what token ids and positions may come as
 
 
-def check_vocabulary_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise a ValueError naming input_ids if any of the token ``ids`` (any shape) lies outside [0, vocab_size)."""
+def check_vocabulary_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids", ignored: int | None = None,
+                         fix: str = "check the tokenizer") -> None:
+    """Raise a ValueError naming ``name`` if any of the token ``ids`` (any shape) but ``ignored`` lies outside
+    [0, vocab_size)."""
+    ids = ids if ignored is None else ids[ids != ignored]
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab_size}) "
-                         f"(min {int(ids.min())}, max {int(ids.max())}); check the tokenizer")
+        raise ValueError(f"{name} contain ids outside the vocabulary [0, {vocab_size}) "
+                         f"(min {int(ids.min())}, max {int(ids.max())}); {fix}")
 
 
 def check_padding_mask(attention_mask: torch.Tensor) -> None:

@@ -79,6 +79,9 @@ def _check_forward_inputs(config: SDARMRPConfig, input_ids, inputs_embeds, atten
     if labels is not None and (not isinstance(labels, torch.Tensor) or tuple(labels.shape) != shape
                                or labels.dtype not in INDEX_DTYPES):
         raise ValueError(f"labels must be an integer tensor {shape} (-100 where no loss), got {_describe(labels)}")
+    if labels is not None:
+        check_vocabulary_ids(labels, config.vocab_size, "labels", ignored=-100,
+                             fix="-100 marks a position without loss")
     if isinstance(logits_to_keep, bool) or not (
             (isinstance(logits_to_keep, int) and logits_to_keep >= 0)
             or (isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 1
