@@ -3,6 +3,7 @@ mrp-generate CLI and the end-to-end benchmark run on it."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -42,6 +43,23 @@ def test_shipped_remote_code_matches_the_package():
     package = Path(hf_integration.__file__).parent
     for copy in SHIPPED_MODEL.glob("*.py"):
         assert copy.read_text() == (package / copy.name).read_text(), f"{copy.name} is stale"
+
+
+def test_remote_code_imports_only_torch_transformers_einops_mrp_triton_and_the_standard_library():
+    """hf_integration's files are a checkpoint's remote code: where it loads, what the design card promises is
+    installed (torch, transformers, einops, mrp_triton); any other import, also one inside a function, would fail
+    there."""
+    allowed = {"torch", "transformers", "einops", "mrp_triton"} | set(sys.stdlib_module_names)
+    package = Path(hf_integration.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:  # relative imports stay in the package
+                modules = [node.module]
+            else:
+                continue
+            assert all(m.split(".")[0] in allowed for m in modules), f"{path.name}:{node.lineno} imports {modules}"
 
 
 def test_shipped_model_loads_offline_with_remote_code_and_generates():
