@@ -1,16 +1,35 @@
-"""Backend dispatch (mrp_triton.backend): ops autograd must differentiate run their backward kernels, or the reference
-where they have none; autocast forwards."""
+"""Backend dispatch (mrp_triton.backend): every op has a Triton launcher and a reference twin; ops autograd must
+differentiate run their backward kernels, or the reference where they have none; autocast forwards."""
 
 from __future__ import annotations
+
+import importlib
+import inspect
 
 import pytest
 import torch
 
-from mrp_triton import select_backend, use_backend
+import mrp_triton
+from mrp_triton import reference, select_backend, use_backend
 from kernel_utils import KERNEL_BACKWARDS, backward_nodes
 from tiny_models import random_prompts, tiny_model
 
 pytestmark = pytest.mark.triton  # the default dispatch (the interpreter is on), not the suite's reference override
+
+
+def test_every_op_has_a_triton_launcher_and_a_reference_twin_of_its_signature():
+    """The layout's promise: each public op of mrp_triton has ``<op>_triton`` (the launcher, the op's arguments first)
+    and ``mrp_triton.reference.<op>`` (the oracle and CPU path) taking the same arguments, and both are exported."""
+    ops = [name for name in mrp_triton.__all__ if f"{name}_triton" in mrp_triton.__all__]
+    assert set(mrp_triton.__all__) - set(ops) - {f"{name}_triton" for name in ops} == {"select_backend", "use_backend"}
+    assert set(reference.__all__) == set(ops)
+    for name in ops:
+        op, launcher = getattr(mrp_triton, name), getattr(mrp_triton, f"{name}_triton")
+        twin = getattr(reference, name)
+        params = list(inspect.signature(op).parameters)
+        assert list(inspect.signature(twin).parameters) == params, name
+        assert list(inspect.signature(launcher).parameters)[:len(params)] == params, name
+        assert importlib.import_module(op.__module__) is importlib.import_module(launcher.__module__), name
 
 
 def test_ops_that_autograd_differentiates_run_the_reference_unless_they_have_a_backward_kernel():
