@@ -221,7 +221,7 @@ class GenerationSettings:
         unsupported = [f"{k}={reprlib.repr(kwargs[k])}" for k in sorted(foreign) if not _asks_nothing(k, kwargs[k])]
         if unsupported:  # transformers' keywords at the values that ask for nothing (num_beams=1, ...) pass
             raise TypeError(f"generate() got {', '.join(unsupported)}, which block-diffusion decoding does not "
-                            f"support; drop it (supported: {sorted(names)})")
+                            f"support; drop {'them' if len(unsupported) > 1 else 'it'} (supported: {sorted(names)})")
         kwargs = {k: v for k, v in kwargs.items() if k in names}
         if generation_config is not None and not isinstance(generation_config, GenerationConfig):
             raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
