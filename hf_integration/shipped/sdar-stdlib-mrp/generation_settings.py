@@ -45,10 +45,11 @@ HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None)
 # Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
 FILLED_DEFAULTS = getattr(GenerationConfig, "_get_default_generation_params", dict)()
-# transformers' generate() parameters besides the config's fields (logits_processor, stopping_criteria, synced_gpus,
-# ...): None, their default, asks for nothing
-HF_GENERATE_PARAMETERS = {name for name, p in inspect.signature(GenerationMixin.generate).parameters.items()
-                          if p.default is not inspect.Parameter.empty}
+# The keywords transformers' generate() takes: its config's fields and its own parameters (logits_processor,
+# stopping_criteria, synced_gpus, ...: None, their default, asks for nothing)
+HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
+    name for name, p in inspect.signature(GenerationMixin.generate).parameters.items()
+    if p.default is not inspect.Parameter.empty}
 # Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
 # computes, or reach it through a buffer (the seed; denoising_steps, through each row's quota set when its block
 # starts).
@@ -215,7 +216,7 @@ class GenerationSettings:
         """Settings of a call whose ``input_ids`` are ``prompt_width`` tokens wide (for ``max_length``)."""
         names = cls.names()
         foreign = set(kwargs) - names
-        unknown = sorted(foreign - set(HF_DEFAULTS.to_dict()) - HF_GENERATE_PARAMETERS)
+        unknown = sorted(foreign - HF_KEYWORDS)
         if unknown:
             raise TypeError(f"generate() got unknown keyword argument(s) {unknown}; accepted: {sorted(names)}")
         unsupported = [f"{k}={reprlib.repr(kwargs[k])}" for k in sorted(foreign) if not _asks_nothing(k, kwargs[k])]
