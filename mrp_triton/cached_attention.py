@@ -192,7 +192,7 @@ def _merge_splits_kernel(part_ptr, ml_ptr, place_ptr, o_ptr, spl_b, spl_t, so_b,
     tl.store(o_ptr + b * so_b + h * so_h + at * so_t + dims, out.to(o_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def _check(q, k, v, cache_k, cache_v, lengths, positions, segments, places) -> None:
+def _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places) -> None:
     if q.dim() != 4 or k.dim() != 4 or cache_k.dim() != 4:
         raise ValueError("q must be [B, Hq, T, D], k and v [B, Hkv, T, D], cache_k and cache_v [B, Hkv, W, D]")
     Bq, Hq, Tq, D = q.shape
@@ -233,7 +233,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """Triton launcher of :func:`cached_attention` (same arguments and result). ``splits``: pieces each row's
     committed slots are cut into (default: :func:`_splits`; tests and benchmarks set it); ``shared_limit``: the
     shared memory a program may use, which the key/value tiles are fitted to (default: the GPU's; tests set it)."""
-    _check(q, k, v, cache_k, cache_v, lengths, positions, segments, places)
+    _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
     if cache_v.stride() != cache_k.stride():
@@ -328,5 +328,5 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     args = (q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places)
     if q.dtype != torch.float64 and select_backend(q.device, q, k, v, cache_k, cache_v) == "triton":
         return cached_attention_triton(*args)
-    _check(*args[:7], segments, places)
+    _check_args(*args[:7], segments, places)
     return cached_attention_reference(*args)

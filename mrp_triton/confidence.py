@@ -409,13 +409,13 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. Dispatches with :func:`mrp_triton.backend.select_backend`.
     """
-    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
-                top_k, top_p, top_k_max)
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
     if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                  mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
                                  noise_keys=noise_keys, top_k=top_k, top_p=top_p, top_k_max=top_k_max)
+    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
+                top_k, top_p, top_k_max)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                 mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
                                 noise_keys=noise_keys, top_k=top_k, top_p=top_p, top_k_max=top_k_max)

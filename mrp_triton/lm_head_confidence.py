@@ -391,10 +391,10 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     64) also (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): each row's top_m largest z, largest first,
     ties to the lowest id (-inf / -1 past the row's scored tokens and in skipped rows).
     """
-    _check_args(hidden, weight, base_logits, mask_token_id, temperature, skip_rows, top_m)
     kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, temperature=temperature, skip_rows=skip_rows,
               top_m=top_m)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)
+    _check_args(hidden, weight, base_logits, mask_token_id, temperature, skip_rows, top_m)
     return lm_head_confidence_reference(hidden, weight, **kw)

@@ -143,10 +143,10 @@ def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tenso
     ``[enorm(embed_weight[ids]) | hnorm(hidden)]``, the embedding half first. The output's dtype is the promoted
     dtype of ``hidden`` and both norm weights; each half is rounded to its own ``promote(hidden, weight)`` first.
     """
-    _check_args(ids, embed_weight, hidden, enorm_weight, hnorm_weight)
     floats = (embed_weight, hidden, enorm_weight, hnorm_weight)
     if select_backend(hidden.device, *floats, backward=True) == "triton":
         if differentiated(*floats):
             return _MRPInput.apply(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
         return mrp_input_triton(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
+    _check_args(ids, embed_weight, hidden, enorm_weight, hnorm_weight)
     return mrp_input_reference(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)

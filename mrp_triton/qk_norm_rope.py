@@ -271,10 +271,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     q: [B, T, Hq, D], k: [B, T, Hkv, D], q_weight, k_weight: [D], cos, sin: [B, T, D].
     Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) of dtypes ``promote(q, q_weight)`` and ``promote(k, k_weight)``.
     """
-    _check_args(q, k, q_weight, k_weight, cos, sin)
     tables_differentiated = differentiated(cos, sin)
     if select_backend(q.device, q, k, q_weight, k_weight, cos, sin, backward=not tables_differentiated) == "triton":
         if differentiated(q, k, q_weight, k_weight):
             return _QKNormRope.apply(q, k, q_weight, k_weight, cos, sin, eps)
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
+    _check_args(q, k, q_weight, k_weight, cos, sin)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)

@@ -97,7 +97,7 @@ def remask(block, revealed, score, threshold, *, mask_token_id, rule="tau"):
     block's device (read there, so a captured CUDA graph serves every value; its value is the caller's to check),
     compared with the score in fp32.
     """
-    _check_args(block, revealed, score, threshold, mask_token_id, rule)
     if select_backend(block.device) == "triton":
         return remask_triton(block, revealed, score, threshold, mask_token_id=mask_token_id, rule=rule)
+    _check_args(block, revealed, score, threshold, mask_token_id, rule)
     return remask_reference(block, revealed, score, threshold, mask_token_id=mask_token_id, rule=rule)

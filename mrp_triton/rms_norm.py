@@ -203,9 +203,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     ``s = x + residual`` [..., H] (dtype promote(x, residual), the new residual stream) and ``y = rms_norm(s)``
     (dtype promote(s, weight)).
     """
-    _check_args(x, weight, residual)
     if select_backend(x.device, x, weight, residual, backward=True) == "triton":
         if differentiated(x, weight, residual):
             return _RMSNorm.apply(x, weight, eps, residual)
         return rms_norm_triton(x, weight, eps, residual)
+    _check_args(x, weight, residual)
     return rms_norm_reference(x, weight, eps, residual)

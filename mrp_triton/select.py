@@ -121,7 +121,7 @@ def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None):
     (read there, so a captured CUDA graph serves every value; its value is the caller's to check). Ties: lowest
     index; conf and threshold compare in fp32.
     """
-    _check_args(block, tokens, conf, mask_token_id, n, threshold)
     if select_backend(block.device) == "triton":
         return select_commit_triton(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)
+    _check_args(block, tokens, conf, mask_token_id, n, threshold)
     return select_commit_reference(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)

@@ -80,7 +80,7 @@ def settle_rows(block, positions, starts, ends, is_eos, *, mask_token_id, filler
     (past the last position each row's output keeps; in place, lowered to past the row's first new EOS),
     is_eos: bool [V]; ``filler``: the token id a settled row's leftover masks become (not the mask token).
     """
-    _check_args(block, positions, starts, ends, is_eos, mask_token_id, filler)
     if select_backend(block.device) == "triton":
         return settle_rows_triton(block, positions, starts, ends, is_eos, mask_token_id=mask_token_id, filler=filler)
+    _check_args(block, positions, starts, ends, is_eos, mask_token_id, filler)
     return settle_rows_reference(block, positions, starts, ends, is_eos, mask_token_id=mask_token_id, filler=filler)

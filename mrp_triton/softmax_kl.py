@@ -120,7 +120,7 @@ def _pick_config(n: int, V: int, device: torch.device, splits: int | None, block
     return max(1, min(wanted, triton.cdiv(V, block))), block, num_warps
 
 
-def _check(student: torch.Tensor, teacher: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+def _check_args(student: torch.Tensor, teacher: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
     if student.dim() != 2:
         raise ValueError(f"student must be a [n, V] tensor of logits, got shape {tuple(student.shape)}")
     check_matches("teacher", teacher, "student", student)
@@ -139,7 +139,7 @@ def softmax_kl_triton(student: torch.Tensor, teacher: torch.Tensor, grad_scale: 
                       splits: int | None = None, block: int | None = None) -> torch.Tensor:
     """Triton launcher of :func:`softmax_kl` (same arguments and result); ``splits`` and ``block`` force the number
     of vocabulary slices and the tile width (tests)."""
-    _check(student, teacher, grad_scale)
+    _check_args(student, teacher, grad_scale)
     check_kernel_device(student.device, "softmax_kl")
     n, V = student.shape
     if n == 0 or V == 0:
@@ -169,5 +169,5 @@ def softmax_kl(student: torch.Tensor, teacher: torch.Tensor, grad_scale: torch.T
     autograd (it gives its own gradient)."""
     if select_backend(student.device, student, teacher) == "triton":
         return softmax_kl_triton(student, teacher, grad_scale)
-    _check(student, teacher, grad_scale)
+    _check_args(student, teacher, grad_scale)
     return softmax_kl_reference(student, teacher, grad_scale)

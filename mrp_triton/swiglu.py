@@ -99,7 +99,7 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``; gate, up: [..., F] (same dtype) -> [..., F] (same dtype)."""
-    _check_args(gate, up)
     if select_backend(gate.device, gate, up, backward=True) == "triton":
         return _SwiGLU.apply(gate, up) if differentiated(gate, up) else swiglu_triton(gate, up)
+    _check_args(gate, up)
     return swiglu_reference(gate, up)

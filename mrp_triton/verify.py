@@ -116,9 +116,9 @@ def verify_drafts(block, draft_pos, draft_tok, target_tok, target_conf, *, mask_
     target_tok: int64 [B, K+1, L], target_conf: float32 [B, K+1, L] (backbone on C(0)..C(K)).
     Returns ``(accepted int32 [B], bonus_pos int64 [B])`` (bonus_pos -1: no bonus).
     """
-    _check_args(block, draft_pos, draft_tok, target_tok, target_conf, mask_token_id)
     if select_backend(block.device) == "triton":
         return verify_drafts_triton(block, draft_pos, draft_tok, target_tok, target_conf,
                                     mask_token_id=mask_token_id)
+    _check_args(block, draft_pos, draft_tok, target_tok, target_conf, mask_token_id)
     return verify_drafts_reference(block, draft_pos, draft_tok, target_tok, target_conf,
                                    mask_token_id=mask_token_id)

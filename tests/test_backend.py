@@ -24,7 +24,7 @@ def test_every_op_has_a_triton_launcher_and_a_reference_twin_of_its_signature():
     same arguments; all three are exported."""
     ops = [name for name in mrp_triton.__all__ if f"{name}_triton" in mrp_triton.__all__]
     assert set(mrp_triton.__all__) - set(ops) - {f"{name}_triton" for name in ops} == {"select_backend", "use_backend"}
-    assert set(reference.__all__) == set(ops)
+    assert set(reference.__all__) == set(ops) == set(_op_calls())
     for name in ops:
         op, launcher = getattr(mrp_triton, name), getattr(mrp_triton, f"{name}_triton")
         twin = getattr(reference, name)
@@ -35,6 +35,47 @@ def test_every_op_has_a_triton_launcher_and_a_reference_twin_of_its_signature():
         assert importlib.import_module(launcher.__module__) is module, name
         assert any(isinstance(v, KernelInterface) and v.fn.__module__ == module.__name__  # defined there, not imported
                    for v in vars(module).values()), name
+
+
+def _op_calls() -> dict:
+    """One small valid call (args, kwargs) of each public op, on the CPU."""
+    r = torch.randn
+    block = torch.tensor([[5, 0, 0, 7], [0, 3, 0, 0]])  # mask token 0
+    ints, scores, L = torch.randint(1, 9, (2, 4)), torch.rand(2, 4), torch.arange(4).expand(2, 4)
+    return {
+        "confidence": ((r(3, 11),), {}),
+        "select_commit": ((block.clone(), ints, scores), dict(mask_token_id=0, n=1)),
+        "verify_drafts": ((block.clone(), torch.tensor([[1], [-1]]), torch.tensor([[4], [0]]),
+                           torch.randint(1, 9, (2, 2, 4)), torch.rand(2, 2, 4)), dict(mask_token_id=0)),
+        "remask": ((ints.clone(), block != 0, scores, 0.5), dict(mask_token_id=0)),
+        "settle_rows": ((block.clone(), L.contiguous(), torch.tensor([0, 1]), torch.tensor([4, 3]),
+                         torch.arange(9) == 7), dict(mask_token_id=0, filler=8)),
+        "lm_head_confidence": ((r(3, 8), r(11, 8)), {}),
+        "mrp_input": ((torch.tensor([1, 4, 10]), r(11, 8), r(3, 8), r(8), r(8), 1e-6), {}),
+        "qk_norm_rope": ((r(1, 2, 2, 4), r(1, 2, 1, 4), r(4), r(4), r(1, 2, 4), r(1, 2, 4), 1e-6), {}),
+        "rms_norm": ((r(3, 8), r(8), 1e-6, r(3, 8)), {}),
+        "swiglu": ((r(3, 8), r(3, 8)), {}),
+        "cached_attention": ((r(1, 2, 2, 4), r(1, 1, 2, 4), r(1, 1, 2, 4), r(1, 1, 4, 4), r(1, 1, 4, 4),
+                              torch.tensor([3]), torch.tensor([[3, 4]]), 2), {}),
+        "candidate_confidence": ((r(3, 8), r(11, 8), torch.randint(0, 11, (3, 2)), r(3)),
+                                 dict(seed_hidden=r(3, 8), vocab_mean=r(8))),
+        "softmax_kl": ((r(3, 11), r(3, 11)), {}),
+    }
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("name", sorted(_op_calls()))
+def test_each_public_op_checks_its_arguments_once(monkeypatch, name, backend):
+    """Either path runs the op's argument checks (its module's ``_check_args``) exactly once: the public op leaves
+    them to the launcher on Triton's path (in the interpreter here), and runs them itself before the reference."""
+    module = importlib.import_module(getattr(mrp_triton, name).__module__)
+    calls = []
+    check = module._check_args
+    monkeypatch.setattr(module, "_check_args", lambda *a, **k: calls.append(1) or check(*a, **k))
+    args, kwargs = _op_calls()[name]
+    with use_backend(backend):
+        getattr(mrp_triton, name)(*args, **kwargs)
+    assert len(calls) == 1
 
 
 def test_ops_that_autograd_differentiates_run_the_reference_unless_they_have_a_backward_kernel():
