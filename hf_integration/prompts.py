@@ -114,7 +114,7 @@ class PromptBatch:
         tokens it keeps.
 
         Row b keeps its padding side; tokens after its first EOS, and after its first
-        ``new_tokens_kept[b]`` new tokens (a stop string ended it), become ``pad_id``."""
+        ``new_tokens_kept[b]`` new tokens (a stop string or criterion ended it), become ``pad_id``."""
         kept = []
         for b, n in enumerate(self.lens):
             new = x[b, n : n + max_new_tokens]

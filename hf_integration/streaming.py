@@ -19,7 +19,7 @@ class BlockStream:
         streamer.put(prompt.cpu())
 
     def cut(self, new_tokens: int) -> None:
-        """Stream no more than the first ``new_tokens`` new tokens (a stop string ended the row)."""
+        """Stream no more than the first ``new_tokens`` new tokens (a stop string or criterion ended the row)."""
         self.stop = min(self.stop, self.start + new_tokens)
 
     def block(self, tokens: torch.Tensor) -> None:

@@ -20,7 +20,8 @@ from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from hf_integration.generation_settings import READ_BY, GenerationSettings
 from hf_integration.kv_cache import StaticKVCache
 from hf_integration.stop_strings import StopStrings
-from tiny_models import MASK_ID, VOCAB, LetterTokenizer, padded_batch, random_prompts, tiny_config, tiny_model
+from tiny_models import (MASK_ID, VOCAB, LetterTokenizer, RecordingStreamer, padded_batch, random_prompts, tiny_config,
+                         tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -1284,20 +1285,6 @@ def test_generate_calls_on_one_model_run_one_at_a_time(model):
     with pytest.raises(RuntimeError, match="from inside its own generate"):
         model.generate(ids_a, streamer=Reentrant("c"), **kw)
     assert torch.equal(model.generate(ids_a, **kw), alone["a"])
-
-
-class RecordingStreamer:
-    """A transformers-style streamer that keeps what it is given."""
-
-    def __init__(self):
-        self.puts, self.ended = [], 0
-
-    def put(self, ids: torch.Tensor) -> None:
-        assert ids.device.type == "cpu" and ids.dtype == torch.long, ids  # token ids as generate() gives them
-        self.puts.append(ids.tolist())
-
-    def end(self) -> None:
-        self.ended += 1
 
 
 @pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=2)],

@@ -65,3 +65,17 @@ class LetterTokenizer:
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+class RecordingStreamer:
+    """A transformers-style streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, ids: torch.Tensor) -> None:
+        assert ids.device.type == "cpu" and ids.dtype == torch.long, ids  # token ids as generate() gives them
+        self.puts.append(ids.tolist())
+
+    def end(self) -> None:
+        self.ended += 1

@@ -40,6 +40,7 @@ from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
 from .step_graphs import conditional_nodes_supported, run_if
 from .stop_strings import StopStrings
+from .stopping_criteria import CriteriaCheck
 from .streaming import BlockStream
 
 
@@ -74,8 +75,9 @@ class SDARGenerateOutput(ModelOutput):
     int64 [B, P + max_new_tokens], laid out as ``sequences``: at each new token the row's decoding step that
     revealed it for good (1, 2, ...: the row's denoising steps, speculative rounds, direct backbone and MRP steps,
     counted over the whole call), 0 at prompt and padding positions. new_tokens: int64 [B], the new tokens each row
-    keeps in ``sequences`` (up to its first EOS or the end of a stop string; the rest is padding), which may be fewer
-    than ``stats.tokens_committed`` (a verify round or a denoising step can commit tokens past the EOS)."""
+    keeps in ``sequences`` (up to its first EOS, the end of a stop string or the token a stopping criterion stopped
+    at; the rest is padding), which may be fewer than ``stats.tokens_committed`` (a verify round or a denoising step
+    can commit tokens past the EOS)."""
 
     sequences: torch.Tensor | None = None
     stats: DecodeStats | None = None
@@ -107,6 +109,9 @@ class BlockDecoder:
         # A graphed engine decodes a batch bucket: the rows past the prompts' are padding (one full block,
         # nothing to decode), so calls whose batches share a bucket share the engine and its graphs.
         real = len(prompts.lens)
+        self.criteria = None if settings.stopping_criteria is None else CriteriaCheck(
+            settings.stopping_criteria, prompts, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
+            self.mask_id)
         self.prompts = prompts = prompts.with_padding_rows(_graphed_batch(real) - real if graphed else 0)
         lens = torch.tensor(prompts.lens, device=device)
         B = lens.shape[0]
@@ -147,7 +152,7 @@ class BlockDecoder:
         # reads after each step whether the step before it left work (LaggedFlags), and stops there.
         self.lagged_checks = self.graphs is not None and not settings.device_loop and bool(settings.eos_ids)
         self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
-        self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop string ended it)
+        self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop ended it)
         self.stream = None if settings.streamer is None else BlockStream(
             settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids, T)
 
@@ -665,6 +670,8 @@ class BlockDecoder:
         ended = [end <= start + T for end, start in zip(ends, starts)]  # the row's output ends in this block
         if self.stops is not None:
             self._stop_at_strings(full, starts, ends, ended)
+        if self.criteria is not None:
+            self._stop_by_criteria(full, starts, ended)
         if self.stream is not None:  # one prompt: row 0 is the working batch
             self.stream.block(block[0])
         for i in full:
@@ -685,6 +692,8 @@ class BlockDecoder:
         rows = self.rows.tolist()
         for i in full:
             r, first_new = rows[i], self.prompts.lens[rows[i]]
+            if r in self.new_tokens_kept:  # stopping criteria ended it at an earlier token
+                continue
             end = min(starts[i] + self.block, ends[i])
             keep = self.stops.tokens_to_keep(self.x[r, first_new:end].tolist(), max(starts[i] - first_new, 0))
             if keep is not None:
@@ -692,6 +701,23 @@ class BlockDecoder:
                 self.new_tokens_kept[r] = keep
                 if self.stream is not None:
                     self.stream.cut(keep)
+
+    def _stop_by_criteria(self, full: list[int], starts: list[int], ended: list[bool]) -> None:
+        """Call the stopping criteria for the new tokens every row has now decoded (:class:`.CriteriaCheck`): a
+        row they stop keeps its new tokens up to that step and ends with its current block (``ended``, for the
+        ``full`` rows; ``starts``: each working row's block start)."""
+        rows = self.rows.tolist()
+        for i in full:
+            r = rows[i]
+            if r < len(self.criteria.decoded):  # not a padding row of a graphed batch
+                self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
+                                          starts[i] + self.block - self.prompts.lens[r])
+        for r, keep in self.criteria.stopped_rows(self.x, self.new_tokens_kept).items():
+            self.new_tokens_kept[r] = keep
+            if self.stream is not None:
+                self.stream.cut(keep)
+        for i in full:
+            ended[i] = ended[i] or rows[i] in self.new_tokens_kept
 
     def _next_blocks(self, block: torch.Tensor, positions: torch.Tensor) -> None:
         """Rows with a full block (no masks left) and blocks left make it their pending commit and move on to

@@ -46,7 +46,7 @@ HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None)
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
 FILLED_DEFAULTS = getattr(GenerationConfig, "_get_default_generation_params", dict)()
 # The keywords transformers' generate() takes: its config's fields and its own parameters (logits_processor,
-# stopping_criteria, synced_gpus, ...: None, their default, asks for nothing)
+# synced_gpus, ...: None, their default, asks for nothing)
 HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
     name for name, p in inspect.signature(GenerationMixin.generate).parameters.items()
     if p.default is not inspect.Parameter.empty}
@@ -55,7 +55,8 @@ HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
 # starts).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
-                     "device_loop", "stop_strings", "tokenizer", "use_cache", "seed", "denoising_steps")
+                     "device_loop", "stop_strings", "stopping_criteria", "tokenizer", "use_cache", "seed",
+                     "denoising_steps")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
@@ -119,7 +120,9 @@ class GenerationSettings:
     finished block riding in the next forward of every row (``False``: rows start their blocks together;
     the output is the same either way); ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as
     in transformers) end a row once its new text contains one of them: checked as its blocks fill, the
-    tokens after the one completing it become padding; ``progress`` shows a bar over blocks; ``streamer`` (one
+    tokens after the one completing it become padding; ``stopping_criteria`` (transformers' criteria, called as
+    its generate calls them, once per new token in order as soon as every row has decoded it: :mod:`.stopping_criteria`)
+    end a row at the first token at which one holds; ``progress`` shows a bar over blocks; ``streamer`` (one
     prompt at a time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
     prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
     ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per output position, the row's decoding
@@ -182,6 +185,7 @@ class GenerationSettings:
     packed_projections: bool = True
     streamer: object | None = None
     stop_strings: str | list[str] | tuple[str, ...] | None = None
+    stopping_criteria: Sequence | None = None  # validated: a non-empty tuple of callables, or None
     tokenizer: object | None = None
     use_cache: bool = True
     eos_ids: tuple[int, ...] = field(default=(), init=False)
@@ -325,6 +329,8 @@ class GenerationSettings:
             self.top_k = None
         if isinstance(self.stop_strings, (str, list)):
             self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if isinstance(self.stopping_criteria, (list, tuple)):  # transformers' StoppingCriteriaList is a list
+            self.stopping_criteria = tuple(self.stopping_criteria) or None
         if self.eos_token_id is None:
             self.eos_token_id = config.eos_token_id
         eos = self.eos_token_id
@@ -377,6 +383,10 @@ class GenerationSettings:
             if not callable(getattr(self.tokenizer, "decode", None)):
                 raise ValueError("stop_strings needs the tokenizer that decodes the ids: pass tokenizer=... (as "
                                  "transformers' generate does)")
+        if self.stopping_criteria is not None and not (isinstance(self.stopping_criteria, tuple) and
+                                                       all(map(callable, self.stopping_criteria))):
+            raise TypeError(f"stopping_criteria must be a list (or transformers.StoppingCriteriaList) of criteria "
+                            f"called as criterion(input_ids, scores), got {reprlib.repr(self.stopping_criteria)}")
         self.eos_ids = tuple(_token_id("eos_token_id", i, config.vocab_size) for i in self.eos_ids)
         if config.mask_token_id in self.eos_ids:
             raise ValueError(f"eos_token_id {config.mask_token_id} is the mask token, which decoding never commits "

@@ -1,0 +1,154 @@
+"""``stopping_criteria``: transformers' criteria, called once per new token in order, as transformers' generate calls
+them, as soon as every row has decoded that token; a row they stop keeps its tokens up to that step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
+
+from tiny_models import LetterTokenizer, RecordingStreamer, padded_batch, random_prompts, tiny_model
+
+LENS = [4, 7, 2]
+WIDTH = max(LENS)
+PAD = 65  # a token the tiny model does not write in these tests: the padding shows
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+class StopAtSteps(StoppingCriteria):
+    """Records its calls; stops row b from new-token step ``steps[b]`` on (None: never), or every row from step
+    ``everyone`` on (a plain bool, as lm-eval's criteria return); ``width``: the prompts'."""
+
+    def __init__(self, steps=(), everyone=None, width=WIDTH):
+        self.steps, self.everyone, self.width, self.calls = list(steps), everyone, width, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        assert scores is None
+        self.calls.append(input_ids.clone())
+        t = input_ids.shape[1] - self.width
+        if self.everyone is not None:
+            return t >= self.everyone
+        return torch.tensor([step is not None and t >= step for step in self.steps])  # done stays done
+
+
+def _batch(side: str):
+    return padded_batch([random_prompts(1, n, seed=40 + b)[0] for b, n in enumerate(LENS)], side)
+
+
+def _laid_out(ids, mask, out, kept, t):
+    """The batch as the output lays it out had decoding stopped at t new tokens: each row's prompt on its padding
+    side, then its first min(kept, t) new tokens, padding elsewhere."""
+    rows = torch.full((len(LENS), WIDTH + t), PAD)
+    for b, n in enumerate(LENS):
+        start = WIDTH - n if mask[b, 0] == 0 else 0
+        new = out[b, start + n: start + n + min(kept[b], t)]
+        rows[b, start: start + n + len(new)] = torch.cat([ids[b][mask[b] == 1], new])
+    return rows
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
+                                    dict(strategy="speculative", mrp_steps=2)], ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("side, graphs", [("left", False), ("left", True), ("right", False)])
+def test_criteria_are_called_token_by_token_and_stop_each_row_at_its_step(model, kwargs, side, graphs):
+    """Rows stopped at new-token steps 3 and 9 (and one never): the criteria see steps 1..20 once each, in order,
+    each call holding the batch the output would be at that step (stopped rows padded past their end); each row
+    keeps the free run's tokens up to its step, padding after; a stopped row commits no more than it would free
+    (it ends with the block in which it stopped), and row 0, stopped in its first block, commits fewer."""
+    ids, mask = _batch(side)
+    common = dict(max_new_tokens=20, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True, **kwargs)
+    free = model.generate(ids, attention_mask=mask, **common)
+    criterion = StopAtSteps(steps=[3, None, 9])
+    out = model.generate(ids, attention_mask=mask, stopping_criteria=[criterion], cuda_graphs=graphs, **common)
+    kept = [3, 20, 9]
+    assert out.new_tokens.tolist() == kept
+    assert [c.shape[1] - WIDTH for c in criterion.calls] == list(range(1, 21))
+    for t, call in enumerate(criterion.calls, 1):
+        assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t)), t
+    assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, 20))
+    assert all(out.stats.tokens_committed <= free.stats.tokens_committed)
+    assert out.stats.tokens_committed[0] < free.stats.tokens_committed[0]
+
+
+def test_the_calls_end_when_every_row_has_stopped_and_so_does_decoding(model):
+    """A criterion that stops every row at step 2 (a plain True, as lm-eval's return) is called twice; decoding ends
+    with the first block (fewer steps than the free run) and every row keeps 2 new tokens."""
+    ids, mask = _batch("left")
+    common = dict(max_new_tokens=20, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True)
+    free = model.generate(ids, attention_mask=mask, **common)
+    criterion = StopAtSteps(everyone=2)
+    out = model.generate(ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([criterion]), **common)
+    assert len(criterion.calls) == 2 and out.new_tokens.tolist() == [2, 2, 2]
+    assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, [2] * 3, 20))
+    assert out.batch_steps < free.batch_steps
+
+
+def test_rows_an_eos_ended_are_padded_in_later_calls_which_stop_after_the_last_row_ends(model):
+    """Row 0 ends with an EOS: the calls after its EOS step hold padding there, as transformers' do; the calls stop
+    at the step whose token ends the last row."""
+    ids, mask = _batch("left")
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])[:, WIDTH:]
+    eos = next(t for t in free[0].tolist() if t not in free[0, :2].tolist())  # not among row 0's first two tokens
+    ends = [row.index(eos) + 1 if eos in row else 20 for row in free.tolist()]
+    assert ends[0] > 2
+    criterion = StopAtSteps(steps=[None] * 3)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=PAD,
+                         stopping_criteria=[criterion], return_dict_in_generate=True)
+    assert out.new_tokens.tolist() == ends
+    assert len(criterion.calls) == max(ends)
+    full = torch.cat([ids, free], 1)
+    for t, call in enumerate(criterion.calls, 1):
+        assert torch.equal(call, _laid_out(ids, mask, full, ends, t)), t
+
+
+def test_transformers_max_length_criterion_stops_every_row_at_its_length(model):
+    ids, mask = _batch("left")
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], pad_token_id=PAD,
+                         stopping_criteria=[MaxLengthCriteria(max_length=WIDTH + 5)])
+    assert torch.equal(out[:, :WIDTH + 5], free[:, :WIDTH + 5]) and (out[:, WIDTH + 5:] == PAD).all()
+
+
+def test_the_earlier_of_a_stop_string_and_a_criterion_ends_the_row(model):
+    tok = LetterTokenizer()
+    ids = random_prompts(1, 4, seed=40)
+    common = dict(max_new_tokens=16, eos_token_id=[], pad_token_id=PAD, tokenizer=tok, return_dict_in_generate=True)
+    free = model.generate(ids, max_new_tokens=16, eos_token_id=[])[0, 4:].tolist()
+    stop = tok.decode(free[7:9])
+    by_string = tok.decode(free).find(stop) + 2
+    assert by_string > 2
+    for step in (by_string - 2, by_string + 3):
+        out = model.generate(ids, stop_strings=stop, stopping_criteria=[StopAtSteps(steps=[step], width=4)], **common)
+        assert out.new_tokens.tolist() == [min(step, by_string)], step
+        assert out.sequences[0, 4:].tolist() == free[:min(step, by_string)] + [PAD] * (16 - min(step, by_string))
+
+
+def test_a_criterion_cuts_the_stream_too(model):
+    ids = random_prompts(1, 4, seed=41)
+    streamer = RecordingStreamer()
+    out = model.generate(ids, max_new_tokens=16, eos_token_id=[], pad_token_id=PAD, streamer=streamer,
+                         stopping_criteria=[StopAtSteps(steps=[5], width=4)])
+    assert sum(streamer.puts[1:], []) == out[0, 4:9].tolist() and (out[0, 9:] == PAD).all()
+
+
+def test_an_empty_list_asks_for_nothing(model):
+    ids = random_prompts(2, 5)
+    free = model.generate(ids, max_new_tokens=8)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, stopping_criteria=[]), free)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, stopping_criteria=StoppingCriteriaList()), free)
+
+
+@pytest.mark.parametrize("criteria, error, match", [
+    (StopAtSteps(steps=[1, 2]), TypeError, "stopping_criteria must be a list"),  # a criterion, not a list of them
+    ([1], TypeError, r"stopping_criteria must be a list .* got \(1,\)"),
+    ([lambda input_ids, scores: torch.zeros(3, dtype=torch.bool)], ValueError,
+     r"stopping_criteria must return a bool or a bool tensor \[batch=2\].* of shape \(3,\)"),
+    ([lambda input_ids, scores: torch.zeros(2, dtype=torch.long)], ValueError,
+     r"stopping_criteria must return .*got torch.int64"),
+])
+def test_bad_criteria_are_refused_by_name(model, criteria, error, match):
+    with pytest.raises(error, match=match):
+        model.generate(random_prompts(2, 5), max_new_tokens=8, stopping_criteria=criteria)
