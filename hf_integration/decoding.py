@@ -707,11 +707,10 @@ class BlockDecoder:
         row they stop keeps its new tokens up to that step and ends with its current block (``ended``, for the
         ``full`` rows; ``starts``: each working row's block start)."""
         rows = self.rows.tolist()
-        for i in full:
+        for i in full:  # (a graphed batch's padding rows have no blocks: never full)
             r = rows[i]
-            if r < len(self.criteria.decoded):  # not a padding row of a graphed batch
-                self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
-                                          starts[i] + self.block - self.prompts.lens[r])
+            self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
+                                      starts[i] + self.block - self.prompts.lens[r])
         for r, keep in self.criteria.stopped_rows(self.x, self.new_tokens_kept).items():
             self.new_tokens_kept[r] = keep
             if self.stream is not None:

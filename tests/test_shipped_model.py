@@ -108,6 +108,24 @@ def test_shipped_model_streams_its_completion_through_a_text_streamer(capsys):
     assert text.strip() and capsys.readouterr().out == text + "\n"
 
 
+def test_transformers_stop_string_criterion_stops_rows_where_stop_strings_do():
+    """transformers' own StopStringCriteria (it reads the tail of input_ids each step) passed as stopping_criteria
+    cuts a left-padded batch of the shipped model where stop_strings does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StopStringCriteria
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True).eval()
+    batch = tok(["def add(a, b):\n", "import os\n"], return_tensors="pt", padding=True, padding_side="left")
+    free = model.generate(**batch, max_new_tokens=32)
+    new_text = tok.decode(free[0, batch.input_ids.shape[1]:])
+    stop = new_text[len(new_text) // 2: len(new_text) // 2 + 2]
+    common = dict(max_new_tokens=32, return_dict_in_generate=True)
+    by_strings = model.generate(**batch, stop_strings=stop, tokenizer=tok, **common)
+    by_criterion = model.generate(**batch, stopping_criteria=[StopStringCriteria(tok, [stop])], **common)
+    assert torch.equal(by_criterion.sequences, by_strings.sequences)
+    assert torch.equal(by_criterion.new_tokens, by_strings.new_tokens) and by_strings.new_tokens[0] < 32
+
+
 def _run(args: list[str], timeout: int = 600) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,

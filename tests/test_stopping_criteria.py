@@ -54,20 +54,21 @@ def _laid_out(ids, mask, out, kept, t):
                                     dict(strategy="speculative", mrp_steps=2)], ids=lambda k: k["strategy"])
 @pytest.mark.parametrize("side, graphs", [("left", False), ("left", True), ("right", False)])
 def test_criteria_are_called_token_by_token_and_stop_each_row_at_its_step(model, kwargs, side, graphs):
-    """Rows stopped at new-token steps 3 and 9 (and one never): the criteria see steps 1..20 once each, in order,
-    each call holding the batch the output would be at that step (stopped rows padded past their end); each row
-    keeps the free run's tokens up to its step, padding after; a stopped row commits no more than it would free
-    (it ends with the block in which it stopped), and row 0, stopped in its first block, commits fewer."""
+    """Rows stopped at new-token steps 3 and 9 (by two criteria; one row never): each criterion sees steps 1..20
+    once each, in order, each call holding the batch the output would be at that step (stopped rows padded past their
+    end); each row keeps the free run's tokens up to its step, padding after; a stopped row commits no more than it
+    would free (it ends with the block in which it stopped), and row 0, stopped in its first block, commits fewer."""
     ids, mask = _batch(side)
     common = dict(max_new_tokens=20, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True, **kwargs)
     free = model.generate(ids, attention_mask=mask, **common)
-    criterion = StopAtSteps(steps=[3, None, 9])
-    out = model.generate(ids, attention_mask=mask, stopping_criteria=[criterion], cuda_graphs=graphs, **common)
+    criteria = [StopAtSteps(steps=[3, None, None]), StopAtSteps(steps=[None, None, 9])]
+    out = model.generate(ids, attention_mask=mask, stopping_criteria=criteria, cuda_graphs=graphs, **common)
     kept = [3, 20, 9]
     assert out.new_tokens.tolist() == kept
-    assert [c.shape[1] - WIDTH for c in criterion.calls] == list(range(1, 21))
-    for t, call in enumerate(criterion.calls, 1):
-        assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t)), t
+    for criterion in criteria:
+        assert [c.shape[1] - WIDTH for c in criterion.calls] == list(range(1, 21))
+        for t, call in enumerate(criterion.calls, 1):
+            assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t)), t
     assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, 20))
     assert all(out.stats.tokens_committed <= free.stats.tokens_committed)
     assert out.stats.tokens_committed[0] < free.stats.tokens_committed[0]
@@ -124,6 +125,22 @@ def test_the_earlier_of_a_stop_string_and_a_criterion_ends_the_row(model):
         out = model.generate(ids, stop_strings=stop, stopping_criteria=[StopAtSteps(steps=[step], width=4)], **common)
         assert out.new_tokens.tolist() == [min(step, by_string)], step
         assert out.sequences[0, 4:].tolist() == free[:min(step, by_string)] + [PAD] * (16 - min(step, by_string))
+
+
+def test_a_stop_string_after_a_criterion_stopped_the_row_mid_block_does_not_lengthen_it(model):
+    """Rows moving on block by block on their own (dynamic): row 0 is a block ahead when the criterion stops it at
+    step 3 (row 2 lags); the block it is decoding then completes a stop string at a later token: it keeps 3."""
+    tok = LetterTokenizer()
+    ids, mask = _batch("left")
+    common = dict(max_new_tokens=20, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True,
+                  strategy="dynamic", threshold=0.3)
+    free = model.generate(ids, attention_mask=mask, **common).sequences[:, WIDTH:].tolist()
+    stop = tok.decode(free[0][5:7])
+    by_string = [tok.decode(row).find(stop) + 2 if stop in tok.decode(row) else 20 for row in free]
+    assert by_string[0] > 3
+    out = model.generate(ids, attention_mask=mask, stop_strings=stop, tokenizer=tok,
+                         stopping_criteria=[StopAtSteps(steps=[3, None, None])], **common)
+    assert out.new_tokens.tolist() == [3] + by_string[1:]
 
 
 def test_a_criterion_cuts_the_stream_too(model):
