@@ -31,21 +31,22 @@ class CriteriaCheck:
         """Call the criteria for the steps every row has decoded since the last call (x: the decoded layout
         [B', total], its first B rows the prompts'; ``new_tokens_kept``: the rows that ended early, and how many
         new tokens each keeps). Returns the rows the criteria end, and how many new tokens each keeps."""
-        ready = min(self.decoded)
-        if ready <= self.called:
-            return {}
-        _, kept = self.prompts.assemble(x, ready, self.eos_ids, self.pad_id, self.mask_id, new_tokens_kept)
-        stopped = {}
-        for t in range(self.called + 1, ready + 1):
-            if max(kept) < t:  # every row ended before this step: transformers' loop is over
-                break
-            input_ids = self.prompts.lay_out(x, [min(k, t) for k in kept], t, self.pad_id)
-            verdicts = [self._verdict(criterion(input_ids, None), len(kept)) for criterion in self.criteria]
-            for b, done in enumerate(map(any, zip(*verdicts))):
-                if done and kept[b] >= t:
-                    kept[b] = stopped[b] = t
-                    self.decoded[b] = self.max_new  # its tokens are all there: it waits for no other
-        self.called = ready
+        stopped: dict[int, int] = {}
+        while self.called < min(self.decoded):  # (a row stopped here waits for no later step: the others may go on)
+            ready = min(self.decoded)
+            _, kept = self.prompts.assemble(x, ready, self.eos_ids, self.pad_id, self.mask_id,
+                                            {**new_tokens_kept, **stopped})
+            for t in range(self.called + 1, ready + 1):
+                if max(kept) < t:  # every row ended before this step: transformers' loop is over
+                    self.called = self.max_new
+                    return stopped
+                input_ids = self.prompts.lay_out(x, [min(k, t) for k in kept], t, self.pad_id)
+                verdicts = [self._verdict(criterion(input_ids, None), len(kept)) for criterion in self.criteria]
+                for b, done in enumerate(map(any, zip(*verdicts))):
+                    if done and kept[b] >= t:
+                        kept[b] = stopped[b] = t
+                        self.decoded[b] = self.max_new  # its tokens are all there
+            self.called = ready
         return stopped
 
     @staticmethod

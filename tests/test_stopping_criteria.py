@@ -7,6 +7,9 @@ import pytest
 import torch
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tiny_models import LetterTokenizer, RecordingStreamer, padded_batch, random_prompts, tiny_model
 
 LENS = [4, 7, 2]
@@ -40,11 +43,12 @@ def _batch(side: str):
 
 
 def _laid_out(ids, mask, out, kept, t):
-    """The batch as the output lays it out had decoding stopped at t new tokens: each row's prompt on its padding
-    side, then its first min(kept, t) new tokens, padding elsewhere."""
-    rows = torch.full((len(LENS), WIDTH + t), PAD)
-    for b, n in enumerate(LENS):
-        start = WIDTH - n if mask[b, 0] == 0 else 0
+    """The batch (ids, mask [B, W]) as the output ``out`` lays it out had decoding stopped at t new tokens: each row's
+    prompt on its padding side, then its first min(kept, t) new tokens, padding elsewhere."""
+    width = ids.shape[1]
+    rows = torch.full((len(kept), width + t), PAD)
+    for b, n in enumerate(mask.sum(1).tolist()):
+        start = width - n if mask[b, 0] == 0 else 0
         new = out[b, start + n: start + n + min(kept[b], t)]
         rows[b, start: start + n + len(new)] = torch.cat([ids[b][mask[b] == 1], new])
     return rows
@@ -74,6 +78,32 @@ def test_criteria_are_called_token_by_token_and_stop_each_row_at_its_step(model,
     assert out.stats.tokens_committed[0] < free.stats.tokens_committed[0]
 
 
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 9), min_size=1, max_size=3), side=st.sampled_from(["left", "right"]),
+       kwargs=st.sampled_from([dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
+                               dict(strategy="direct", mrp_steps=2), dict(strategy="speculative", mrp_steps=3),
+                               dict(strategy="remask")]),
+       max_new=st.integers(1, 12), eos=st.integers(0, 62), graphs=st.booleans(), seed=st.integers(0, 10**4),
+       data=st.data())
+def test_any_batch_keeps_the_free_run_up_to_each_rows_first_stop(model, lens, side, kwargs, max_new, eos, graphs,
+                                                                   seed, data):
+    """Drawn prompts, padding side, strategy, EOS and step at which a criterion stops each row (or never): each row
+    keeps the free run's tokens up to its EOS or its step, whichever comes first; the criterion is called for steps
+    1, 2, ... up to the last row's end, each call holding the batch as the output would be at that step."""
+    ids, mask = padded_batch([random_prompts(1, n, seed=seed + b)[0] for b, n in enumerate(lens)], side)
+    common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
+    free = model.generate(ids, attention_mask=mask, **common)
+    steps = data.draw(st.lists(st.none() | st.integers(1, max_new), min_size=len(lens), max_size=len(lens)))
+    criterion = StopAtSteps(steps, width=ids.shape[1])
+    out = model.generate(ids, attention_mask=mask, stopping_criteria=[criterion], cuda_graphs=graphs, **common)
+    kept = [min(n, step or max_new) for n, step in zip(free.new_tokens.tolist(), steps)]
+    assert out.new_tokens.tolist() == kept
+    assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, max_new))
+    assert len(criterion.calls) == max(kept)
+    for t, call in enumerate(criterion.calls, 1):
+        assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t)), t
+
+
 def test_the_calls_end_when_every_row_has_stopped_and_so_does_decoding(model):
     """A criterion that stops every row at step 2 (a plain True, as lm-eval's return) is called twice; decoding ends
     with the first block (fewer steps than the free run) and every row keeps 2 new tokens."""
@@ -85,6 +115,16 @@ def test_the_calls_end_when_every_row_has_stopped_and_so_does_decoding(model):
     assert len(criterion.calls) == 2 and out.new_tokens.tolist() == [2, 2, 2]
     assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, [2] * 3, 20))
     assert out.batch_steps < free.batch_steps
+
+
+def test_a_row_stopped_early_lets_the_calls_go_on_to_the_other_rows_last_step(model):
+    """Row 1's criterion stops it at step 1, which it has decoded with step 2 (a block of 4 holds both); row 0's only
+    block holds all 3 of its tokens: at that one check both rows end, and the calls go on for row 0 to step 3."""
+    ids, mask = padded_batch([random_prompts(1, n, seed=b)[0] for b, n in enumerate([1, 2])], "left")
+    criterion = StopAtSteps(steps=[None, 1], width=2)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, eos_token_id=[], pad_token_id=PAD,
+                         stopping_criteria=[criterion], return_dict_in_generate=True)
+    assert out.new_tokens.tolist() == [3, 1] and len(criterion.calls) == 3
 
 
 def test_rows_an_eos_ended_are_padded_in_later_calls_which_stop_after_the_last_row_ends(model):
