@@ -83,19 +83,21 @@ def test_criteria_are_called_token_by_token_and_stop_each_row_at_its_step(model,
        kwargs=st.sampled_from([dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
                                dict(strategy="direct", mrp_steps=2), dict(strategy="speculative", mrp_steps=3),
                                dict(strategy="remask")]),
-       max_new=st.integers(1, 12), eos=st.integers(0, 62), graphs=st.booleans(), seed=st.integers(0, 10**4),
-       data=st.data())
+       max_new=st.integers(1, 12), eos=st.integers(0, 62), graphs=st.booleans(), loop=st.booleans(),
+       seed=st.integers(0, 10**4), data=st.data())
 def test_any_batch_keeps_the_free_run_up_to_each_rows_first_stop(model, lens, side, kwargs, max_new, eos, graphs,
-                                                                   seed, data):
-    """Drawn prompts, padding side, strategy, EOS and step at which a criterion stops each row (or never): each row
-    keeps the free run's tokens up to its EOS or its step, whichever comes first; the criterion is called for steps
-    1, 2, ... up to the last row's end, each call holding the batch as the output would be at that step."""
+                                                                   loop, seed, data):
+    """Drawn prompts, padding side, strategy, EOS, engine (steps replayed or not, in a device loop or not) and
+    step at which a criterion stops each row (or never): each row keeps the free run's tokens up to its EOS or its
+    step, whichever comes first; the criterion is called for steps 1, 2, ... up to the last row's end, each call
+    holding the batch as the output would be at that step."""
     ids, mask = padded_batch([random_prompts(1, n, seed=seed + b)[0] for b, n in enumerate(lens)], side)
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
     free = model.generate(ids, attention_mask=mask, **common)
     steps = data.draw(st.lists(st.none() | st.integers(1, max_new), min_size=len(lens), max_size=len(lens)))
     criterion = StopAtSteps(steps, width=ids.shape[1])
-    out = model.generate(ids, attention_mask=mask, stopping_criteria=[criterion], cuda_graphs=graphs, **common)
+    out = model.generate(ids, attention_mask=mask, stopping_criteria=[criterion], cuda_graphs=graphs,
+                         device_loop=graphs and loop, **common)
     kept = [min(n, step or max_new) for n, step in zip(free.new_tokens.tolist(), steps)]
     assert out.new_tokens.tolist() == kept
     assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, max_new))
@@ -189,6 +191,27 @@ def test_a_criterion_cuts_the_stream_too(model):
     out = model.generate(ids, max_new_tokens=16, eos_token_id=[], pad_token_id=PAD, streamer=streamer,
                          stopping_criteria=[StopAtSteps(steps=[5], width=4)])
     assert sum(streamer.puts[1:], []) == out[0, 4:9].tolist() and (out[0, 9:] == PAD).all()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_criterion_that_raises_leaves_the_model_usable(model, graphs):
+    """The error of a criterion raising mid-call (after another stopped a row) reaches the caller; the model's next
+    calls, on the same batch and on a smaller one, decode as a fresh model does."""
+    ids, mask = _batch("left")
+    common = dict(max_new_tokens=20, eos_token_id=[], pad_token_id=PAD, strategy="speculative", cuda_graphs=graphs)
+
+    def fails_at_step_6(input_ids, scores):
+        if input_ids.shape[1] == WIDTH + 6:
+            raise KeyError("criterion failed")
+        return False
+
+    with pytest.raises(KeyError, match="criterion failed"):
+        model.generate(ids, attention_mask=mask, stopping_criteria=[StopAtSteps([2, None, None]), fails_at_step_6],
+                       **common)
+    fresh = tiny_model()
+    for rows in (slice(None), slice(1, None)):
+        assert torch.equal(model.generate(ids[rows], attention_mask=mask[rows], **common),
+                           fresh.generate(ids[rows], attention_mask=mask[rows], **common))
 
 
 def test_an_empty_list_asks_for_nothing(model):
