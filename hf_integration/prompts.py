@@ -110,36 +110,44 @@ class PromptBatch:
 
     def assemble(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
                  mask_id: int, new_tokens_kept: dict[int, int]) -> tuple[torch.Tensor, list[int]]:
-        """Decoded layout x [B, total] -> output [B, W + max_new_tokens] (W: the input's width), and per row the new
-        tokens it keeps.
-
-        Row b keeps its padding side; tokens after its first EOS, and after its first
-        ``new_tokens_kept[b]`` new tokens (a stop string or criterion ended it), become ``pad_id``."""
-        kept = []
-        for b, n in enumerate(self.lens):
-            new = x[b, n : n + max_new_tokens]
-            count = min(new_tokens_kept.get(b, max_new_tokens), max_new_tokens)
-            if eos_ids:
-                is_eos = torch.isin(new[:count], torch.tensor(eos_ids, device=new.device))
-                if is_eos.any():
-                    count = int(is_eos.nonzero()[0]) + 1
-            if (new[:count] == mask_id).any():
-                raise RuntimeError(f"row {b} still holds mask tokens after decoding: the model produced no "
-                                   "finite logits for some position")
-            kept.append(count)
+        """Decoded layout x [B', total] (its first B rows the prompts', each holding its prompt, then its new tokens)
+        -> output [B, W + max_new_tokens] (W: the input's width), and per row the new tokens it keeps
+        (:meth:`kept_counts`). Row b keeps its padding side; the tokens it does not keep become ``pad_id``."""
+        kept = self.kept_counts(x, max_new_tokens, eos_ids, mask_id, new_tokens_kept)
         return self.lay_out(x, kept, max_new_tokens, pad_id), kept
+
+    def kept_counts(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], mask_id: int,
+                    new_tokens_kept: dict[int, int]) -> list[int]:
+        """Per row of the decoded layout x [B', total], the new tokens it keeps: up to its first EOS, at most
+        ``max_new_tokens`` and its first ``new_tokens_kept[b]`` where given (a stop string or criterion ended it).
+        One host read; raises a RuntimeError if a kept token is still the mask token."""
+        B, device = len(self.lens), x.device
+        steps = torch.arange(max_new_tokens, device=device)
+        new = x[:B].gather(1, torch.tensor(self.lens, device=device)[:, None] + steps)  # [B, max_new_tokens]
+        count = torch.tensor([min(new_tokens_kept.get(b, max_new_tokens), max_new_tokens) for b in range(B)],
+                             device=device)
+        if eos_ids:
+            is_eos = torch.isin(new, torch.tensor(eos_ids, device=device)) & (steps < count[:, None])
+            count = torch.where(is_eos, steps + 1, count[:, None]).amin(1)  # through the first EOS
+        unfilled = ((new == mask_id) & (steps < count[:, None])).any(1)
+        host = torch.cat([count, unfilled.long()]).tolist()
+        if any(host[B:]):
+            raise RuntimeError(f"row {host[B:].index(1)} still holds mask tokens after decoding: the model produced no "
+                               "finite logits for some position")
+        return host[:B]
 
     def lay_out(self, x: torch.Tensor, kept: list[int], max_new_tokens: int, pad: int,
                 prompt: bool = True) -> torch.Tensor:
-        """Per-position values of the decoded layout x [B, total] -> [B, W + max_new_tokens] (W: the input's width), as
-        the output lays out tokens: row b's prompt (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new
-        positions, ``pad`` elsewhere, on the row's padding side (as transformers does: ``out[:, W:]`` are the new
-        tokens of a left-padded batch)."""
-        B, P = self.ids.shape[0], self.width
-        out = torch.full((B, P + max_new_tokens), pad, dtype=x.dtype, device=x.device)
-        for b, (n, count) in enumerate(zip(self.lens, kept)):
-            start = P - n if self.left_padded[b] else 0
-            if prompt:
-                out[b, start : start + n] = self.ids[b, :n]
-            out[b, start + n : start + n + count] = x[b, n : n + count]
-        return out
+        """Per-position values of the decoded layout x [B', total] (row b's prompt positions first, then its new
+        ones) -> [B, W + max_new_tokens] (W: the input's width), as the output lays out tokens: row b's prompt
+        (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new positions, ``pad`` elsewhere, on the row's
+        padding side (as transformers does: ``out[:, W:]`` are the new tokens of a left-padded batch)."""
+        device = x.device
+        lens = torch.tensor(self.lens, device=device)
+        start = torch.tensor([self.width - n if left else 0 for n, left in zip(self.lens, self.left_padded)],
+                             device=device)
+        source = torch.arange(self.width + max_new_tokens, device=device) - start[:, None]  # [B, W + new]: x's column
+        shown = (source >= (0 if prompt else lens[:, None])) & \
+            (source < lens[:, None] + torch.tensor(kept, device=device)[:, None])
+        values = x[: len(self.lens)].gather(1, source.clamp(0, x.shape[1] - 1))
+        return torch.where(shown, values, torch.tensor(pad, dtype=x.dtype, device=device))

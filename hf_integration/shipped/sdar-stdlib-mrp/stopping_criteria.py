@@ -34,8 +34,7 @@ class CriteriaCheck:
         stopped: dict[int, int] = {}
         while self.called < min(self.decoded):  # (a row stopped here waits for no later step: the others may go on)
             ready = min(self.decoded)
-            _, kept = self.prompts.assemble(x, ready, self.eos_ids, self.pad_id, self.mask_id,
-                                            {**new_tokens_kept, **stopped})
+            kept = self.prompts.kept_counts(x, ready, self.eos_ids, self.mask_id, {**new_tokens_kept, **stopped})
             for t in range(self.called + 1, ready + 1):
                 if max(kept) < t:  # every row ended before this step: transformers' loop is over
                     self.called = self.max_new
