@@ -127,8 +127,8 @@ class PromptBatch:
         count = torch.tensor([min(new_tokens_kept.get(b, max_new_tokens), max_new_tokens) for b in range(B)],
                              device=device)
         if eos_ids:
-            is_eos = torch.isin(new, torch.tensor(eos_ids, device=device)) & (steps < count[:, None])
-            count = torch.where(is_eos, steps + 1, count[:, None]).amin(1)  # through the first EOS
+            is_eos = torch.isin(new, torch.tensor(eos_ids, device=device))
+            count = torch.where(is_eos, steps + 1, count[:, None]).amin(1)  # through the first EOS before the cut
         unfilled = ((new == mask_id) & (steps < count[:, None])).any(1)
         host = torch.cat([count, unfilled.long()]).tolist()
         if any(host[B:]):
