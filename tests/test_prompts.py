@@ -47,6 +47,9 @@ def test_lay_out_puts_each_row_on_its_padding_side():
     assert out.tolist() == [[0, 0, 1, 2, 10, 11, 12],
                             [3, 4, 5, 20, 21, 22, 0],
                             [0, 0, 0, 6, 30, 0, 0]]
+    # 7 new tokens: the right-padded row's last output column lies past x's width (the input is wider than its
+    # longest prompt), which no kept token reaches
+    assert prompts.lay_out(x, [7] * 3, 7, PAD)[1].tolist() == [3, 4, 5, 20, 21, 22, 23, 24, 25, 26, 0]
     assert prompts.lay_out(x, kept, 3, pad=-1, prompt=False).tolist() == [[-1, -1, -1, -1, 10, 11, 12],
                                                                           [-1, -1, -1, 20, 21, 22, -1],
                                                                           [-1, -1, -1, -1, 30, -1, -1]]
