@@ -55,7 +55,7 @@ HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
 # starts).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
-                     "device_loop", "stop_strings", "stopping_criteria", "tokenizer", "use_cache", "seed",
+                     "device_loop", "stop_strings", "stopping_criteria", "max_time", "tokenizer", "use_cache", "seed",
                      "denoising_steps")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
@@ -122,7 +122,9 @@ class GenerationSettings:
     in transformers) end a row once its new text contains one of them: checked as its blocks fill, the
     tokens after the one completing it become padding; ``stopping_criteria`` (transformers' criteria, called as
     its generate calls them, once per new token in order as soon as every row has decoded it: :mod:`.stopping_criteria`)
-    end a row at the first token at which one holds; ``progress`` shows a bar over blocks; ``streamer`` (one
+    end a row at the first token at which one holds; ``max_time`` (seconds, as in transformers) ends every row with
+    the block it is decoding once that much time has passed since the call began (checked as blocks fill, so a
+    call may run past it by the rest of a block); ``progress`` shows a bar over blocks; ``streamer`` (one
     prompt at a time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
     prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
     ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per output position, the row's decoding
@@ -186,6 +188,7 @@ class GenerationSettings:
     streamer: object | None = None
     stop_strings: str | list[str] | tuple[str, ...] | None = None
     stopping_criteria: Sequence | None = None  # validated: a non-empty tuple of callables, or None
+    max_time: float | None = None
     tokenizer: object | None = None
     use_cache: bool = True
     eos_ids: tuple[int, ...] = field(default=(), init=False)
@@ -387,6 +390,8 @@ class GenerationSettings:
                                                        all(map(callable, self.stopping_criteria))):
             raise TypeError(f"stopping_criteria must be a list (or transformers.StoppingCriteriaList) of criteria "
                             f"called as criterion(input_ids, scores), got {reprlib.repr(self.stopping_criteria)}")
+        if self.max_time is not None and not _number("max_time", self.max_time) > 0.0:
+            raise ValueError(f"max_time={self.max_time} must be > 0 seconds (or None: no time limit)")
         self.eos_ids = tuple(_token_id("eos_token_id", i, config.vocab_size) for i in self.eos_ids)
         if config.mask_token_id in self.eos_ids:
             raise ValueError(f"eos_token_id {config.mask_token_id} is the mask token, which decoding never commits "

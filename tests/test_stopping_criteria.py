@@ -1,5 +1,6 @@
 """``stopping_criteria``: transformers' criteria, called once per new token in order, as transformers' generate calls
-them, as soon as every row has decoded that token; a row they stop keeps its tokens up to that step."""
+them, as soon as every row has decoded that token; a row they stop keeps its tokens up to that step. ``max_time``:
+every row ends with the block it is decoding once the time has run out."""
 
 from __future__ import annotations
 
@@ -212,6 +213,63 @@ def test_a_criterion_that_raises_leaves_the_model_usable(model, graphs):
     for rows in (slice(None), slice(1, None)):
         assert torch.equal(model.generate(ids[rows], attention_mask=mask[rows], **common),
                            fresh.generate(ids[rows], attention_mask=mask[rows], **common))
+
+
+class Clock:
+    """A stand-in for the time module: monotonic() reads ``times`` in turn, then the last one again (the decoder
+    reads it once when the call begins, then at each check of rows whose blocks filled)."""
+
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def monotonic(self):
+        return self.times.pop(0) if len(self.times) > 1 else self.times[0]
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
+                                    dict(strategy="speculative", mrp_steps=2)], ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_max_time_ends_every_row_with_the_block_it_is_decoding(model, kwargs, graphs, monkeypatch):
+    """Out of time at the first check: each row keeps its first block's new tokens (prompts of 4, 7 and 2 in blocks
+    of 4: 4, 1 and 2 of them), those of the free run, in fewer steps; the criteria are still called up to them. With
+    time left, the free run's output."""
+    from hf_integration import decoding
+
+    ids, mask = _batch("left")
+    common = dict(max_new_tokens=20, eos_token_id=[], pad_token_id=PAD, return_dict_in_generate=True,
+                  cuda_graphs=graphs, **kwargs)
+    free = model.generate(ids, attention_mask=mask, **common)
+    criterion = StopAtSteps(steps=[None] * 3)
+    monkeypatch.setattr(decoding, "time", Clock(0.0, 2.0))
+    out = model.generate(ids, attention_mask=mask, max_time=1.0, stopping_criteria=[criterion], **common)
+    assert out.new_tokens.tolist() == [4, 1, 2] and len(criterion.calls) == 4
+    assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, [4, 1, 2], 20))
+    assert out.batch_steps < free.batch_steps
+    monkeypatch.undo()
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_time=60.0, **common).sequences, free.sequences)
+
+
+def test_max_time_running_out_later_keeps_the_blocks_decoded_by_then(model, monkeypatch):
+    """Rows starting their blocks together: time left at the first check, out at the second: each row keeps two
+    blocks' new tokens (4 + 4, 1 + 4, 2 + 4)."""
+    from hf_integration import decoding
+
+    ids, mask = _batch("left")
+    common = dict(max_new_tokens=20, eos_token_id=[], pad_token_id=PAD, return_dict_in_generate=True)
+    free = model.generate(ids, attention_mask=mask, **common)
+    monkeypatch.setattr(decoding, "time", Clock(0.0, 0.5, 2.0))
+    out = model.generate(ids, attention_mask=mask, max_time=1.0, **common)
+    assert out.new_tokens.tolist() == [8, 5, 6]
+    assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, [8, 5, 6], 20))
+
+
+@pytest.mark.parametrize("max_time, error, match", [(0, ValueError, "max_time=0 must be > 0 seconds"),
+                                                     (-1.5, ValueError, "max_time=-1.5 must be > 0"),
+                                                     ("1", TypeError, "max_time must be a number"),
+                                                     (True, TypeError, "max_time must be a number")])
+def test_max_time_must_be_a_positive_number(model, max_time, error, match):
+    with pytest.raises(error, match=match):
+        model.generate(random_prompts(1, 5), max_new_tokens=4, max_time=max_time)
 
 
 def test_an_empty_list_asks_for_nothing(model):

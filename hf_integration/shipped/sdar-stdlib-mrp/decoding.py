@@ -21,6 +21,7 @@ Strategies run whole steps through :meth:`BlockDecoder.step`, which with CUDA gr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -153,6 +154,7 @@ class BlockDecoder:
         self.lagged_checks = self.graphs is not None and not settings.device_loop and bool(settings.eos_ids)
         self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
         self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop ended it)
+        self.deadline = None if settings.max_time is None else time.monotonic() + settings.max_time
         self.stream = None if settings.streamer is None else BlockStream(
             settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids, T)
 
@@ -670,7 +672,9 @@ class BlockDecoder:
         ended = [end <= start + T for end, start in zip(ends, starts)]  # the row's output ends in this block
         if self.stops is not None:
             self._stop_at_strings(full, starts, ends, ended)
-        if self.criteria is not None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self._out_of_time(full, starts, ended)
+        if self.criteria is not None:  # last: it sees where the others ended the rows
             self._stop_by_criteria(full, starts, ended)
         if self.stream is not None:  # one prompt: row 0 is the working batch
             self.stream.block(block[0])
@@ -717,6 +721,15 @@ class BlockDecoder:
                 self.stream.cut(keep)
         for i in full:
             ended[i] = ended[i] or rows[i] in self.new_tokens_kept
+
+    def _out_of_time(self, full: list[int], starts: list[int], ended: list[bool]) -> None:
+        """``max_time`` has passed: the ``full`` rows end with this block (``ended``), keeping its new tokens
+        (``starts``: each working row's block start); the others end with theirs when it fills."""
+        rows = self.rows.tolist()
+        for i in full:
+            if not ended[i]:
+                ended[i] = True
+                self.new_tokens_kept[rows[i]] = starts[i] + self.block - self.prompts.lens[rows[i]]
 
     def _next_blocks(self, block: torch.Tensor, positions: torch.Tensor) -> None:
         """Rows with a full block (no masks left) and blocks left make it their pending commit and move on to
