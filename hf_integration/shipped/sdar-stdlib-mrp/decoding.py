@@ -658,10 +658,11 @@ class BlockDecoder:
         theirs and move on to their next block (``together``: only once every row's block is full). Returns the
         working rows' block and positions [B'', T]."""
         B, T = block.shape
-        counts = torch.cat([self.masked_kept(block, positions).sum(-1), self.engine.ends, positions[:, 0],
+        counts = torch.cat([self.masked_kept(block, positions).sum(-1), self.engine.ends, positions[:, 0], self.rows,
                             self.engine.loop_steps.view(1)]).tolist()
         self.block_steps += counts[-1] - self.loop_steps  # the steps the device loops ran count in the block too
-        self.masks_left, ends, starts, self.loop_steps = counts[:B], counts[B : 2 * B], counts[2 * B : -1], counts[-1]
+        self.masks_left, ends, starts, rows = (counts[i * B : (i + 1) * B] for i in range(4))
+        self.loop_steps = counts[-1]
         live = sum(1 for b in self.blocks_left if b)
         full = [i for i, m in enumerate(self.masks_left) if m == 0 and self.blocks_left[i]]
         if not full or (together and len(full) < live):
@@ -671,11 +672,11 @@ class BlockDecoder:
         self.x[self.rows[index, None], positions[index]] = block[index]
         ended = [end <= start + T for end, start in zip(ends, starts)]  # the row's output ends in this block
         if self.stops is not None:
-            self._stop_at_strings(full, starts, ends, ended)
+            self._stop_at_strings(full, rows, starts, ends, ended)
         if self.deadline is not None and time.monotonic() > self.deadline:
-            self._out_of_time(full, starts, ended)
+            self._out_of_time(full, rows, starts, ended)
         if self.criteria is not None:  # last: it sees where the others ended the rows
-            self._stop_by_criteria(full, starts, ended)
+            self._stop_by_criteria(full, rows, starts, ended)
         if self.stream is not None:  # one prompt: row 0 is the working batch
             self.stream.block(block[0])
         for i in full:
@@ -689,11 +690,11 @@ class BlockDecoder:
         self._next_blocks(block, positions)
         return block, positions
 
-    def _stop_at_strings(self, full: list[int], starts: list[int], ends: list[int], ended: list[bool]) -> None:
+    def _stop_at_strings(self, full: list[int], rows: list[int], starts: list[int], ends: list[int],
+                         ended: list[bool]) -> None:
         """The ``full`` rows whose new text (up to their ``ends``) now holds a stop string end with this block
-        (``ended``), keeping their new tokens up to and with the one that completes it; ``starts``: each working
-        row's block start."""
-        rows = self.rows.tolist()
+        (``ended``), keeping their new tokens up to and with the one that completes it; ``rows``: each working row's
+        original row, ``starts``: its block start."""
         for i in full:
             r, first_new = rows[i], self.prompts.lens[rows[i]]
             if r in self.new_tokens_kept:  # stopping criteria ended it at an earlier token
@@ -706,11 +707,10 @@ class BlockDecoder:
                 if self.stream is not None:
                     self.stream.cut(keep)
 
-    def _stop_by_criteria(self, full: list[int], starts: list[int], ended: list[bool]) -> None:
+    def _stop_by_criteria(self, full: list[int], rows: list[int], starts: list[int], ended: list[bool]) -> None:
         """Call the stopping criteria for the new tokens every row has now decoded (:class:`.CriteriaCheck`): a
         row they stop keeps its new tokens up to that step and ends with its current block (``ended``, for the
-        ``full`` rows; ``starts``: each working row's block start)."""
-        rows = self.rows.tolist()
+        ``full`` rows; ``rows``: each working row's original row, ``starts``: its block start)."""
         for i in full:  # (a graphed batch's padding rows have no blocks: never full)
             r = rows[i]
             self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
@@ -722,10 +722,10 @@ class BlockDecoder:
         for i in full:
             ended[i] = ended[i] or rows[i] in self.new_tokens_kept
 
-    def _out_of_time(self, full: list[int], starts: list[int], ended: list[bool]) -> None:
+    def _out_of_time(self, full: list[int], rows: list[int], starts: list[int], ended: list[bool]) -> None:
         """``max_time`` has passed: the ``full`` rows end with this block (``ended``), keeping its new tokens
-        (``starts``: each working row's block start); the others end with theirs when it fills."""
-        rows = self.rows.tolist()
+        (``rows``: each working row's original row, ``starts``: its block start); the others end with theirs when it
+        fills."""
         for i in full:
             if not ended[i]:
                 ended[i] = True
