@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="with --do-sample: the seed of the sampling noise")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
+    p.add_argument("--max-time", type=float, metavar="SECONDS",
+                   help="end the completion with the block being decoded once this much time has passed")
     p.add_argument("--compare", action="store_true", help="run static, dynamic, direct, speculative and remask (the "
                    "first two on a model without an MRP head) and print each completion that differs from static's")
     p.add_argument("--show-steps", action="store_true", help="after the completion, list each decoding step's "
@@ -275,7 +277,7 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
                 residual_delta=args.residual_delta, do_sample=args.do_sample,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                progress=args.max_new_tokens >= 256, stop_strings=args.stop,
+                progress=args.max_new_tokens >= 256, stop_strings=args.stop, max_time=args.max_time,
                 tokenizer=tokenizer if args.stop else None)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -251,16 +251,17 @@ def test_max_time_ends_every_row_with_the_block_it_is_decoding(model, kwargs, gr
 
 def test_max_time_running_out_later_keeps_the_blocks_decoded_by_then(model, monkeypatch):
     """Rows starting their blocks together: time left at the first check, out at the second: each row keeps two
-    blocks' new tokens (4 + 4, 1 + 4, 2 + 4)."""
+    blocks' new tokens (4 + 4, 1 + 4, 2 + 4); as a keyword or from a GenerationConfig."""
     from hf_integration import decoding
 
     ids, mask = _batch("left")
     common = dict(max_new_tokens=20, eos_token_id=[], pad_token_id=PAD, return_dict_in_generate=True)
     free = model.generate(ids, attention_mask=mask, **common)
-    monkeypatch.setattr(decoding, "time", Clock(0.0, 0.5, 2.0))
-    out = model.generate(ids, attention_mask=mask, max_time=1.0, **common)
-    assert out.new_tokens.tolist() == [8, 5, 6]
-    assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, [8, 5, 6], 20))
+    for limit in (dict(max_time=1.0), dict(generation_config=GenerationConfig(max_time=1.0))):
+        monkeypatch.setattr(decoding, "time", Clock(0.0, 0.5, 2.0))
+        out = model.generate(ids, attention_mask=mask, **limit, **common)
+        assert out.new_tokens.tolist() == [8, 5, 6], limit
+        assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, [8, 5, 6], 20))
 
 
 @pytest.mark.parametrize("max_time, error, match", [(0, ValueError, "max_time=0 must be > 0 seconds"),
