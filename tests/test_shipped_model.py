@@ -126,6 +126,35 @@ def test_transformers_stop_string_criterion_stops_rows_where_stop_strings_do():
     assert torch.equal(by_criterion.new_tokens, by_strings.new_tokens) and by_strings.new_tokens[0] < 32
 
 
+def test_an_evaluation_harness_style_call_scores_as_the_unbounded_run():
+    """The call lm-eval-harness makes (max_length, pad_token_id, use_cache, do_sample=False and a stateful criterion
+    per stop sequence that watches each row's decoded tail and says True, one bool for the batch, once every row
+    holds it): decoding ends early, and each row's text up to the stop sequence is the unbounded run's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+    class UntilEveryRowHolds(StoppingCriteria):
+        def __init__(self, text, prompt_width, rows):
+            self.text, self.width, self.done = text, prompt_width, [False] * rows
+
+        def __call__(self, input_ids, scores, **kwargs):
+            tails = tok.batch_decode(input_ids[:, self.width:][:, -4:])
+            self.done = [done or self.text in tail for done, tail in zip(self.done, tails)]
+            return all(self.done)
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True).eval()
+    batch = tok(["def add(a, b):\n", "import os\n"], return_tensors="pt", padding=True, padding_side="left")
+    width, stop = batch.input_ids.shape[1], "s"
+    free = model.generate(**batch, max_new_tokens=48)
+    out = model.generate(**batch, max_length=width + 48, pad_token_id=tok.pad_token_id, use_cache=True,
+                         do_sample=False, return_dict_in_generate=True,
+                         stopping_criteria=StoppingCriteriaList([UntilEveryRowHolds(stop, width, 2)]))
+    assert (out.new_tokens < 48).all()
+    for b in range(2):
+        text, unbounded = (tok.decode(t[b, width:], skip_special_tokens=True) for t in (out.sequences, free))
+        assert stop in text and text.split(stop)[0] == unbounded.split(stop)[0], b
+
+
 def _run(args: list[str], timeout: int = 600) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
