@@ -714,7 +714,7 @@ class BlockDecoder:
         for i in full:  # (a graphed batch's padding rows have no blocks: never full)
             r = rows[i]
             self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
-                                      starts[i] + self.block - self.prompts.lens[r])
+                                      self._new_tokens_through_block(r, starts[i]))
         for r, keep in self.criteria.stopped_rows(self.x, self.new_tokens_kept).items():
             self.new_tokens_kept[r] = keep
             if self.stream is not None:
@@ -729,7 +729,11 @@ class BlockDecoder:
         for i in full:
             if not ended[i]:
                 ended[i] = True
-                self.new_tokens_kept[rows[i]] = starts[i] + self.block - self.prompts.lens[rows[i]]
+                self.new_tokens_kept[rows[i]] = self._new_tokens_through_block(rows[i], starts[i])
+
+    def _new_tokens_through_block(self, row: int, start: int) -> int:
+        """How many of original row ``row``'s new tokens lie up to the end of its block starting at ``start``."""
+        return start + self.block - self.prompts.lens[row]
 
     def _next_blocks(self, block: torch.Tensor, positions: torch.Tensor) -> None:
         """Rows with a full block (no masks left) and blocks left make it their pending commit and move on to

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_float
 from .backend import differentiated, select_backend
 from .rms_norm import backward_grid
 from .reference.qk_norm_rope import qk_norm_rope as qk_norm_rope_reference
@@ -125,11 +126,13 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
                 cos: torch.Tensor, sin: torch.Tensor) -> None:
     """:func:`qk_norm_rope`'s argument checks, run on either backend (the reference would broadcast a weight or
     table of another shape, and rotate an odd head_dim's halves of unequal size)."""
-    for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    def float_beside_q(name: str, t: torch.Tensor) -> None:
+        check_float(name, t)
         if t.device != q.device:
             raise ValueError(f"q is on {q.device} but {name} is on {t.device}")
+
+    for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
+        float_beside_q(name, t)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, T, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, _, D = q.shape
@@ -141,10 +144,7 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
         raise ValueError(f"q_weight and k_weight must have shape ({D},), got "
                          f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"q is on {q.device} but {name} is on {t.device}")
+        float_beside_q(name, t)
         if t.dim() != 3 or t.shape[-1] != D or t.shape[1] != T or t.shape[0] not in (1, B):
             raise ValueError(f"{name} must have shape [B={B} (or 1), T={T}, D={D}], got {tuple(t.shape)}")
 
