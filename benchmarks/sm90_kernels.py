@@ -59,23 +59,25 @@ def _ptrs_divisible(signature: dict, *more: str) -> tuple[str, ...]:
 def _confidence() -> list[Variant]:
     out = []
     for dt in ("*bf16", "*fp16", "*fp32"):
-        for has_res, has_skip, sample, cut, final, t_tensor, prefetch, bv, nw in [
-                (True, True, False, False, True, False, True, 2048, 8),
-                (True, False, True, True, False, True, True, 1024, 4),  # top-k / top-p
-                (False, True, True, False, True, False, True, 2048, 8),
-                (False, False, False, False, False, True, True, 1024, 4),
-                (False, True, False, False, True, False, True, 2048, 8),
-                (False, True, False, False, True, False, False, 2048, 8)]:
+        for has_res, has_skip, ban, sample, cut, final, t_tensor, prefetch, bv, nw in [
+                (True, True, False, False, False, True, False, True, 2048, 8),
+                (True, False, False, True, True, False, True, True, 1024, 4),  # top-k / top-p
+                (False, True, False, True, False, True, False, True, 2048, 8),
+                (False, False, False, False, False, False, True, True, 1024, 4),
+                (False, True, False, False, False, True, False, True, 2048, 8),
+                (False, True, True, False, False, True, False, True, 2048, 8),  # banned tokens (min_new_tokens)
+                (False, True, False, False, False, True, False, False, 2048, 8)]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
-                   "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "tau_ptr": "*fp32",
-                   "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
+                   "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "tau_ptr": "*fp32", "ban_tok_ptr": "*u8",
+                   "ban_rows_ptr": "*u8", "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
                    "lse_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32", "inv_t": "fp32",
                    "t_ptr": "*fp64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
-                   "HAS_SKIP": "constexpr", "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr", "FINAL": "constexpr",
-                   "T_TENSOR": "constexpr", "PREFETCH": "constexpr", "BLOCK_V": "constexpr"}
-            consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "DO_SAMPLE": sample, "HAS_CUT": cut, "FINAL": final,
-                      "T_TENSOR": t_tensor, "PREFETCH": prefetch, "BLOCK_V": bv}
-            out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={sample}{' cut' if cut else ''} "
+                   "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr",
+                   "FINAL": "constexpr", "T_TENSOR": "constexpr", "PREFETCH": "constexpr", "BLOCK_V": "constexpr"}
+            consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "HAS_BAN": ban, "DO_SAMPLE": sample, "HAS_CUT": cut,
+                      "FINAL": final, "T_TENSOR": t_tensor, "PREFETCH": prefetch, "BLOCK_V": bv}
+            out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={sample}{' cut' if cut else ''}"
+                               f"{' ban' if ban else ''} "
                                f"prefetch={prefetch} {bv}",
                                "confidence",
                                "_conf_partial_kernel", sig, consts, nw,
@@ -152,22 +154,23 @@ def _cached_attention() -> list[Variant]:
 
 
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
-                     "kept_ptr": "*i64", "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32",
+                     "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32",
                      "topv_ptr": "*fp32", "topi_ptr": "*i32", "N": "i32", "V": "i32",
                      "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
                      "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
-LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA", "FLATTEN",
+LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA", "FLATTEN",
                       "TOP_M", "BLOCK_N", "BLOCK_V", "BLOCK_K")
 
 
 def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,
-                    skip: bool = True) -> Variant:
-    """The partials kernel of lm_head_confidence with tile ``config`` (the keys of its ``_config``)."""
+                    skip: bool = True, ban: bool = False) -> Variant:
+    """The partials kernel of lm_head_confidence with tile ``config`` (the keys of its ``_config``; ``ban``: with
+    banned tokens)."""
     tma = bool(config.get("tma"))
     w_desc = f"tensordesc<{dtype}[{config['BLOCK_V']}, {config['BLOCK_K']}]>" if tma else f"*{dtype}"
     sig = dict(LM_HEAD_SIGNATURE, h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", w_desc=w_desc, base_ptr=f"*{base or 'fp32'}",
                **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
-    consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "DOT_FP32": False,
+    consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "HAS_BAN": ban, "DOT_FP32": False,
               "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "W_TMA": tma,
               "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "BLOCK_N": config["BLOCK_N"],
               "BLOCK_V": config["BLOCK_V"], "BLOCK_K": config["BLOCK_K"]}
@@ -192,6 +195,9 @@ def _lm_head() -> list[Variant]:
     # a verify forward's call with the drafts' candidate lists (draft_candidates=16): the default tile of N <= 64
     out.append(lm_head_variant("lm_head_confidence bf16 skip=True top_m=16 64x128x128", dict(
         BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4, top_m=16)))
+    # a decoding step before min_new_tokens: EOS banned in the rows that have not reached it
+    out.append(lm_head_variant("lm_head_confidence bf16 skip=True ban 64x128x128", dict(
+        BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), ban=True))
     sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
     out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
                        {"BLOCK": 1024}, 4, divisible=_ptrs_divisible(sig)))

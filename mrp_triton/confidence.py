@@ -2,7 +2,7 @@
 
 ``z = (logits + scale * sum_r residual[r]) / temperature`` (fp32), then per row: the argmax (greedy)
 or Gumbel-max sample of ``z``, the probability of that token under the *full* softmax of ``z`` and
-``lse = logsumexp(z)``. Exact semantics (NaN, mask column, skipped rows, hash) are defined in
+``lse = logsumexp(z)``. Exact semantics (NaN, mask column, banned tokens, skipped rows, hash) are defined in
 :mod:`mrp_triton.reference.confidence`, which is also the CPU path and the test oracle.
 
 Cost model (N rows, V vocab, R residual slices, b bytes per element):
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_device_scalar, check_kernel_device, check_skip_rows
+from ._checks import check_banned, check_device_scalar, check_kernel_device, check_skip_rows
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import effective_logits, seed_hash, top_k_top_p_cut
@@ -83,10 +83,11 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
-    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, tau_ptr,
+    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, tau_ptr, ban_tok_ptr, ban_rows_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
     V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
-    HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, DO_SAMPLE: tl.constexpr, HAS_CUT: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, DO_SAMPLE: tl.constexpr,
+    HAS_CUT: tl.constexpr,
     FINAL: tl.constexpr, T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -112,6 +113,8 @@ def _conf_partial_kernel(
             h = _mix32(h ^ ((k >> 32) & M32))
     if HAS_CUT:  # top-k / top-p: draw among the tokens at or above the row's cut
         tau = tl.load(tau_ptr + row)
+    if HAS_BAN:  # banned_tokens (uint8 [V]) are excluded in this row when its ban_rows flag is set: the table is
+        ban_hi = tl.where(tl.load(ban_rows_ptr + row) != 0, hi, 0)  # read below ban_hi (nowhere in other rows)
     # One cross-warp reduction per tile (the running max m); the rescaled sum and the argmax are
     # kept per lane (lane i sees offsets i, i + BLOCK_V, ... in increasing order, and only a strictly
     # larger score replaces, so each lane holds its earliest maximum) and reduced once at the end.
@@ -144,6 +147,8 @@ def _conf_partial_kernel(
         x = x * inv_t
         x = comparable(x)
         x = tl.where(msk & (offs != mask_id), x, float("-inf"))
+        if HAS_BAN:
+            x = tl.where(tl.load(ban_tok_ptr + offs, mask=offs < ban_hi, other=0) != 0, float("-inf"), x)
         m_new = tl.maximum(m, tl.max(x, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         d_vec = d_vec * tl.exp(m - m_safe) + tl.exp(x - m_safe)
@@ -252,8 +257,8 @@ def check_temperature(temperature: float) -> None:
                          "use do_sample=False for greedy decoding")
 
 
-def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
-                top_k, top_p, top_k_max):
+def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
+                noise_keys, top_k, top_p, top_k_max):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -280,6 +285,7 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
     if mask_token_id is not None and (isinstance(mask_token_id, bool) or
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
+    check_banned(banned_tokens, ban_rows, N, V, logits.device, "logits")
     check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max)
 
 
@@ -313,7 +319,8 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
 CUT_CHUNK = 1 << 24  # logits the top-k / top-p cut of a sampled launch handles at once (about 64 MB in fp32)
 
 
-def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, top_k, top_p, top_k_max) -> torch.Tensor:
+def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, top_k, top_p,
+                       top_k_max) -> torch.Tensor:
     """tau [N]: each row's top-k / top-p cut (:func:`top_k_top_p_cut`), a chunk of rows at a time: top-p alone sorts
     whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V] temporaries."""
     N, V = logits.shape
@@ -322,22 +329,23 @@ def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, top_
     for i in range(0, N, step):
         res = None if residual is None else residual[..., i:i + step, :]
         z = effective_logits(logits[i:i + step], res, scale=scale, temperature=temperature,
-                             mask_token_id=mask_token_id)
+                             mask_token_id=mask_token_id, banned_tokens=banned_tokens,
+                             ban_rows=None if ban_rows is None else ban_rows[i:i + step])
         cuts.append(top_k_top_p_cut(z, top_k, top_p, top_k_max))
     return torch.cat(cuts) if len(cuts) > 1 else cuts[0]
 
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-                      do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None,
-                      splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
+                      banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
+                      top_p=None, top_k_max=None, splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
     ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
     loads each tile when it is processed instead of one tile ahead (tests, the benchmark's sweep);
     ``out = (tokens, probs, lse)`` preallocated outputs (tests poison them).
     """
-    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
-                top_k, top_p, top_k_max)
+    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
+                noise_keys, top_k, top_p, top_k_max)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -352,7 +360,8 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     sample = bool(do_sample)
     cut = None
     if sample and (top_k is not None or top_p is not None):
-        cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, top_k, top_p, top_k_max)
+        cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, top_k,
+                                 top_p, top_k_max)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     res = residual
@@ -367,6 +376,9 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     dummy = tok
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else dummy  # read at skip + row
     keys = noise_keys.contiguous() if sample else dummy
+    ban_tok = banned_tokens.contiguous().view(torch.uint8) if banned_tokens is not None else dummy
+    ban_flags = (ban_rows.contiguous().view(torch.uint8) if ban_rows is not None else
+                 torch.ones(N, dtype=torch.uint8, device=dev)) if banned_tokens is not None else dummy
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     t_tensor = isinstance(temperature, torch.Tensor)
@@ -382,9 +394,10 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         logits, logits.stride(0),
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
-        skip, keys, cut if cut is not None else prob, part, part_idx, tok, prob, lse,
+        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, part, part_idx, tok, prob, lse,
         V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
-        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, DO_SAMPLE=sample, HAS_CUT=cut is not None,
+        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None, DO_SAMPLE=sample,
+        HAS_CUT=cut is not None,
         FINAL=S == 1,
         T_TENSOR=t_tensor, PREFETCH=bool(prefetch), BLOCK_V=BLOCK_V, num_warps=nw,
         enable_fp_fusion=False,  # no FMA: same rounding as the reference
@@ -396,11 +409,13 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None):
+               banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+               top_k_max=None):
     """Per-row token, full-softmax probability and logsumexp of the effective logits.
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
-    skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); noise_keys: int64 [N, 3] =
+    skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool [V] (tokens excluded like the mask
+    column, in the rows ``ban_rows``, bool [N], marks; None: in every row); noise_keys: int64 [N, 3] =
     (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k`` and ``top_p``
     are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
     caller checks such a tensor's value: > 0, >= 1, in (0, 1]); ``top_k_max`` (an int) is the largest value a
@@ -412,10 +427,12 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
     if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
-                                 mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
-                                 noise_keys=noise_keys, top_k=top_k, top_p=top_p, top_k_max=top_k_max)
-    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, do_sample, noise_keys,
-                top_k, top_p, top_k_max)
+                                 mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
+                                 do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
+                                 top_k_max=top_k_max)
+    _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
+                noise_keys, top_k, top_p, top_k_max)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
-                                mask_token_id=mask_token_id, do_sample=do_sample, seed=seed,
-                                noise_keys=noise_keys, top_k=top_k, top_p=top_p, top_k_max=top_k_max)
+                                mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
+                                do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
+                                top_k_max=top_k_max)

@@ -2,7 +2,8 @@
 
 For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` over the vocabulary
 V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
-``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three. As in ``confidence``,
+``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three, and so are the columns
+``banned_tokens`` marks in the rows ``ban_rows`` marks (how decoding holds back EOS before ``min_new_tokens``). As in ``confidence``,
 NaN in z counts as -inf, +inf as the largest fp32, and a row with no finite z gives token -1, prob 0,
 lse -inf. The [N, V] logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
 a one-program kernel lists the kept rows first (prefix sums on the device, no host synchronisation,
@@ -65,7 +66,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._checks import check_skip_rows, check_top_m
+from ._checks import check_banned, check_skip_rows, check_top_m
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
 from .confidence import comparable
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
@@ -97,10 +98,11 @@ def _kept_first_kernel(skip_ptr, order_ptr, kept_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
-def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr, d_ptr, idx_ptr, topv_ptr, topi_ptr,
+def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_tok_ptr, ban_rows_ptr,
+                     m_ptr, d_ptr, idx_ptr, topv_ptr, topi_ptr,
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
-                     HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr,
+                     HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr,
                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr, ROWS_MAJOR: tl.constexpr,
                      W_TMA: tl.constexpr, FLATTEN: tl.constexpr, TOP_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -123,6 +125,8 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr,
     v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
 
+    if HAS_BAN:  # banned_tokens (uint8 [V]) are excluded in the rows whose ban_rows flag is set
+        ban_row = tl.expand_dims(tl.load(ban_rows_ptr + rows64, mask=row_mask, other=0) != 0, V_AXIS)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     d = tl.zeros([BLOCK_N], tl.float32)
     best = tl.zeros([BLOCK_N], tl.int32) + v_start
@@ -160,6 +164,9 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, m_ptr,
         if HAS_MASK:
             valid = valid & (cols != mask_token)
         z = tl.where(tl.expand_dims(valid, 1 - V_AXIS), z, float("-inf"))
+        if HAS_BAN:
+            banned = tl.expand_dims(tl.load(ban_tok_ptr + cols, mask=col_mask, other=0) != 0, 1 - V_AXIS)
+            z = tl.where(banned & ban_row, float("-inf"), z)
         tile_max, tile_arg = tl.max(z, axis=V_AXIS, return_indices=True, return_indices_tie_break_left=True)
         best = tl.where(tile_max > m, v0 + tile_arg.to(tl.int32), best)
         new_m = tl.maximum(m, tile_max)
@@ -271,7 +278,7 @@ def _weight_descriptor(w: torch.Tensor, block_v: int, block_k: int) -> TensorDes
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, base_logits: torch.Tensor | None, mask_token_id,
-                temperature, skip_rows: torch.Tensor | None, top_m: int) -> None:
+                banned_tokens, ban_rows, temperature, skip_rows: torch.Tensor | None, top_m: int) -> None:
     """:func:`lm_head_confidence`'s argument checks, run on either backend (the reference would broadcast
     ``base_logits`` of another shape and score an empty vocabulary)."""
     if not hidden.dtype.is_floating_point or not weight.dtype.is_floating_point:
@@ -298,18 +305,20 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, base_logits: torch.T
             raise ValueError("the vocabulary has only the mask token: nothing left to pick")
     if not float(temperature) > 0.0:
         raise ValueError(f"temperature must be > 0, got {float(temperature)}")
+    check_banned(banned_tokens, ban_rows, N, V, hidden.device, "hidden")
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
     check_top_m(top_m, V)
 
 
 def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
-                              mask_token_id: int | None = None, temperature: float = 1.0,
+                              mask_token_id: int | None = None, banned_tokens: torch.Tensor | None = None,
+                              ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
                               skip_rows: torch.Tensor | None = None, top_m: int = 0, config: dict | None = None):
     """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
 
     ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
     """
-    _check_args(hidden, weight, base_logits, mask_token_id, temperature, skip_rows, top_m)
+    _check_args(hidden, weight, base_logits, mask_token_id, banned_tokens, ban_rows, temperature, skip_rows, top_m)
     if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
     (N, H), V = hidden.shape, weight.shape[0]
@@ -349,12 +358,18 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
         kept = torch.empty(1, dtype=torch.int64, device=hidden.device)
         _kept_first_kernel[(1,)](skip_rows.contiguous().view(torch.uint8), order, kept, N,
                                  BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
+    ban_tok = ban_flags = tokens  # dummy pointers when HAS_BAN=False
+    if banned_tokens is not None:
+        ban_tok = banned_tokens.contiguous().view(torch.uint8)
+        ban_flags = ban_rows.contiguous().view(torch.uint8) if ban_rows is not None else \
+            torch.ones(N, dtype=torch.uint8, device=hidden.device)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
-        h, w, w_desc, base, order, kept, m_part, d_part, i_part, topv_part, topi_part,
+        h, w, w_desc, base, order, kept, ban_tok, ban_flags, m_part, d_part, i_part, topv_part, topi_part,
         N, V, H, h.stride(0), w.stride(0), base.stride(0), 1.0 / temperature,
         mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
         HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None, HAS_SKIP=skip_rows is not None,
+        HAS_BAN=banned_tokens is not None,
         DOT_FP32=interpreter_on() and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
         ROWS_MAJOR=cfg.get("rows_major", False), W_TMA=bool(cfg.get("tma")), FLATTEN=bool(cfg.get("flatten")),
         TOP_M=top_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
@@ -379,22 +394,24 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
-                       mask_token_id: int | None = None, temperature: float = 1.0,
+                       mask_token_id: int | None = None, banned_tokens: torch.Tensor | None = None,
+                       ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
                        skip_rows: torch.Tensor | None = None, top_m: int = 0):
     """Greedy pick and its full-softmax confidence, never materialising the logits.
 
     hidden: [N, H], weight: [V, H] (the lm_head), base_logits: [N, V] or None,
-    mask_token_id: a column excluded from the argmax and the softmax, temperature > 0,
+    mask_token_id: a column excluded from the argmax and the softmax, banned_tokens: bool [V] (columns excluded so in
+    the rows ``ban_rows``, bool [N], marks; None: in every row), temperature > 0,
     skip_rows: bool [N] or None (rows not to score: token -1, prob 0, lse -inf; on the GPU they cost nothing).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) for
     ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index. With ``top_m`` (0 to
     64) also (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): each row's top_m largest z, largest first,
     ties to the lowest id (-inf / -1 past the row's scored tokens and in skipped rows).
     """
-    kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, temperature=temperature, skip_rows=skip_rows,
-              top_m=top_m)
+    kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
+              temperature=temperature, skip_rows=skip_rows, top_m=top_m)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)
-    _check_args(hidden, weight, base_logits, mask_token_id, temperature, skip_rows, top_m)
+    _check_args(hidden, weight, base_logits, mask_token_id, banned_tokens, ban_rows, temperature, skip_rows, top_m)
     return lm_head_confidence_reference(hidden, weight, **kw)

@@ -35,6 +35,15 @@ def _check(got, exp):
     torch.testing.assert_close(lse.cpu(), else_.cpu(), atol=2e-5, rtol=2e-5)
 
 
+def _drawn_ban(draw, g: torch.Generator, N: int, V: int):
+    """(banned_tokens bool [V] or None, ban_rows bool [N] or None): none, some tokens (a fraction of them, or all) in
+    every row or in drawn rows."""
+    p_ban = draw(st.sampled_from([None, 0.05, 0.3, 1.0]))
+    if p_ban is None:
+        return None, None
+    return torch.rand(V, generator=g) < p_ban, torch.rand(N, generator=g) < 0.5 if draw(st.booleans()) else None
+
+
 @st.composite
 def _cases(draw):
     N = draw(st.integers(1, 64))
@@ -57,11 +66,14 @@ def _cases(draw):
     elif res_kind == "3d":
         residual = torch.randn(draw(st.integers(1, 3)), N, V, generator=g).to(dtype)
     skip = torch.rand(N, generator=g) < 0.3 if draw(st.booleans()) else None
+    banned, ban_rows = _drawn_ban(draw, g, N, V)
     kw = dict(
         scale=draw(st.sampled_from([1.0, 0.5, -2.0])),
         temperature=draw(st.sampled_from([1.0, 0.7, 2.5])),
         skip_rows=skip,
         mask_token_id=draw(st.sampled_from([None, 0, V - 1, V + 5])),
+        banned_tokens=banned,
+        ban_rows=ban_rows,
         do_sample=draw(st.booleans()),
         seed=draw(st.integers(0, 2**40)),
         noise_keys=torch.randint(-5, 2**33, (N, 3), generator=g),
@@ -91,6 +103,29 @@ def test_kernel_matches_reference(case):
     got = confidence_triton(L, R, splits=splits, block_v=block_v, prefetch=prefetch, out=_poisoned(L.shape[0]),
                             **dev_kw)
     _check(got, confidence_ref(logits, residual, **kw))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_banned_tokens_count_as_minus_infinity_in_their_rows(backend, do_sample):
+    """A banned token in a banning row is excluded as if its logit were -inf (never picked, not in the softmax), and
+    the other rows are untouched: the op on the logits equals the op on them with -inf written in (the most likely
+    token of the first rows is banned, so the ban changes their picks)."""
+    torch.manual_seed(0)
+    L = torch.randn(5, 97, device=DEV)
+    banned = torch.zeros(97, dtype=torch.bool, device=DEV)
+    banned[L[:3].argmax(-1)] = True
+    banned[11] = True
+    ban_rows = torch.tensor([True, True, False, True, False], device=DEV)
+    cleared = L.masked_fill(ban_rows[:, None] & banned, float("-inf"))
+    kw = dict(do_sample=do_sample, seed=5, noise_keys=torch.randint(0, 99, (5, 3), device=DEV))
+    with mt.use_backend(backend):
+        got = mt.confidence(L, banned_tokens=banned, ban_rows=ban_rows, **kw)
+        _check(got, mt.confidence(cleared, **kw))
+        assert not banned[got[0][ban_rows]].any()
+        assert got[0][2] == mt.confidence(L, **kw)[0][2]  # the ban does not apply there
+        _check(mt.confidence(L, banned_tokens=banned, **kw),  # no ban_rows: every row bans
+               mt.confidence(L.masked_fill(banned, float("-inf")), **kw))
 
 
 def test_greedy_exact_cases():
@@ -359,6 +394,12 @@ def test_reference_backend_on_cpu_matches():
     (dict(top_k=5, top_k_max=0), "top_k_max must be a positive int"),
     (dict(top_k=torch.tensor(5.0), top_k_max=4.5), "top_k_max must be a positive int"),
     (dict(top_k=70, top_k_max=64), "top_k=70 exceeds top_k_max=64"),
+    (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool tensor of shape \\[10\\]"),
+    (dict(banned_tokens=torch.zeros(10, dtype=torch.long)), "banned_tokens must be a bool tensor"),
+    (dict(banned_tokens=torch.zeros(10, dtype=torch.bool, device="meta")), "banned_tokens is on meta"),
+    (dict(ban_rows=torch.ones(2, dtype=torch.bool)), "pass banned_tokens too"),
+    (dict(banned_tokens=torch.zeros(10, dtype=torch.bool), ban_rows=torch.ones(3, dtype=torch.bool)),
+     "ban_rows must be a bool tensor of shape \\[2\\]"),
 ])
 def test_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

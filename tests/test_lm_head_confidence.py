@@ -42,6 +42,14 @@ def _row_strided(x: torch.Tensor) -> torch.Tensor:
     return wide[:, : x.shape[1]]
 
 
+def _drawn_ban(ban: str | None, N: int, V: int, g: torch.Generator) -> dict:
+    """banned_tokens (about a third of the vocabulary) and ban_rows: none, in every row, or in some rows."""
+    if ban is None:
+        return {}
+    return dict(banned_tokens=(torch.rand(V, generator=g) < 0.3).to(DEV),
+                ban_rows=None if ban == "every row" else (torch.rand(N, generator=g) < 0.5).to(DEV))
+
+
 def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
     assert len(out) == len(expect)
     if len(out) == 5:  # with top_m: exact (integer logits)
@@ -59,11 +67,11 @@ def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
 @given(N=st.integers(1, 20), H=st.integers(1, 40), V=st.integers(2, 300), dtype=st.sampled_from(DTYPES),
        base=st.sampled_from((None, torch.float32, torch.bfloat16)), use_mask=st.booleans(),
        temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, top_m=st.integers(0, 8), strided=st.booleans(),
-       seed=st.integers(0, 2**16))
+       ban=st.sampled_from((None, "every row", "some rows")), seed=st.integers(0, 2**16))
 def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, top_m, strided,
-                                              seed):
-    """Every tile layout, with and without the top_m list (which makes every split one tile); hidden states and
-    base logits also as row-strided views."""
+                                              ban, seed):
+    """Every tile layout, with and without the top_m list (which makes every split one tile) and banned tokens (in
+    every row or some); hidden states and base logits also as row-strided views."""
     if cfg["tma"]:
         H = -(-H // 8) * 8  # TMA needs 16-byte aligned weight rows
     g = torch.Generator().manual_seed(seed)
@@ -73,7 +81,8 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
     if strided:
         hidden, base_logits = _row_strided(hidden), base_logits if base is None else _row_strided(base_logits)
     mask = int(torch.randint(0, V, (1,), generator=g)) if use_mask else None
-    kw = dict(base_logits=base_logits, mask_token_id=mask, temperature=temperature, top_m=min(top_m, V))
+    kw = dict(base_logits=base_logits, mask_token_id=mask, temperature=temperature, top_m=min(top_m, V),
+              **_drawn_ban(ban, N, V, g))
     with poisoned_allocations():
         out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
     expect = lm_head_confidence_reference(hidden, weight, **kw)
@@ -86,8 +95,8 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
 @given(N=st.integers(1, 40), H=st.integers(1, 24), V=st.integers(2, 120), dtype=st.sampled_from(DTYPES),
        skip=st.sampled_from(("none", "all", "first", "last", "random")), with_base=st.booleans(),
        block_n=st.sampled_from((16, 32)), rows_major=st.booleans(), top_m=st.sampled_from((0, 1, 5)),
-       seed=st.integers(0, 2**16))
-def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, top_m, seed):
+       ban=st.sampled_from((None, "every row", "some rows")), seed=st.integers(0, 2**16))
+def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, top_m, ban, seed):
     """Skipped rows give (-1, 0, -inf); the kept rows, gathered to the front on the device, give what they
     give unskipped, whichever row blocks they end up in."""
     g = torch.Generator().manual_seed(seed)
@@ -97,7 +106,8 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
     skip_rows = {"none": torch.zeros(N, dtype=torch.bool), "all": torch.ones(N, dtype=torch.bool),
                  "first": torch.arange(N) < N // 2, "last": torch.arange(N) >= N // 2,
                  "random": torch.rand(N, generator=g) < 0.5}[skip].to(DEV)
-    kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows, top_m=min(top_m, V))
+    bans = _drawn_ban(ban, N, V, g)
+    kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows, top_m=min(top_m, V), **bans)
     with poisoned_allocations():
         cfg = dict(BLOCK_N=block_n, BLOCK_V=32, BLOCK_K=16, rows_major=rows_major)
         out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
@@ -106,7 +116,7 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
     assert (out[0][skip_rows] == -1).all() and (out[1][skip_rows] == 0).all() and (out[2][skip_rows] == -inf).all()
     if top_m:
         assert (out[3][skip_rows] == -inf).all() and (out[4][skip_rows] == -1).all()
-    unskipped = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V - 1)
+    unskipped = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V - 1, **bans)
     assert torch.equal(out[0][~skip_rows], unskipped[0][~skip_rows])
 
 
@@ -348,6 +358,22 @@ def test_the_public_op_refuses_on_the_reference_path_what_its_kernel_refuses(cas
     refused_alike(lm_head_confidence, lm_head_confidence_triton, *args, **kwargs)
 
 
+@pytest.mark.parametrize("op", [lm_head_confidence, lm_head_confidence_triton])
+@pytest.mark.parametrize("ban_rows", [None, [True, False, True, True]])
+def test_banned_tokens_count_as_minus_infinity_base_logits(op, ban_rows):
+    """A banned token in a banning row is excluded as a base logit of -inf would exclude it (never picked, not in
+    the softmax, not listed in top_m); the most likely token of each row is banned, so every banning row changes."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(4, 16, device=DEV), torch.randn(50, 16, device=DEV)
+    banned = torch.zeros(50, dtype=torch.bool, device=DEV)
+    banned[(hidden @ weight.T).argmax(-1)] = True
+    rows = torch.ones(4, dtype=torch.bool, device=DEV) if ban_rows is None else torch.tensor(ban_rows, device=DEV)
+    base = torch.zeros(4, 50, device=DEV).masked_fill(rows[:, None] & banned, -inf)
+    out = op(hidden, weight, banned_tokens=banned, ban_rows=None if ban_rows is None else rows, top_m=5)
+    _check(out, lm_head_confidence_reference(hidden, weight, base_logits=base, top_m=5), prob_tol=1e-6)
+    assert not banned[out[0][rows]].any() and not banned[out[4][rows]].any()
+
+
 def test_errors():
     h, w = torch.randn(2, 8), torch.randn(10, 8)
     with pytest.raises(ValueError, match="hidden must be"):
@@ -378,6 +404,13 @@ def test_errors():
         lm_head_confidence_triton(h, w.to("meta"))
     with pytest.raises(ValueError, match="empty vocabulary or hidden size"):
         lm_head_confidence_triton(h, w[:0])
+    for op in (lm_head_confidence_triton, lm_head_confidence):
+        with pytest.raises(ValueError, match="banned_tokens must be a bool tensor of shape \\[10\\]"):
+            op(h, w, banned_tokens=torch.zeros(9, dtype=torch.bool))
+        with pytest.raises(ValueError, match="ban_rows must be a bool tensor of shape \\[2\\]"):
+            op(h, w, banned_tokens=torch.zeros(10, dtype=torch.bool), ban_rows=torch.ones(3, dtype=torch.bool))
+        with pytest.raises(ValueError, match="pass banned_tokens too"):
+            op(h, w, ban_rows=torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="empty vocabulary or hidden size"):
         lm_head_confidence_triton(h[:, :0], w[:, :0])
     with pytest.raises(TypeError, match="base_logits must be floating point"):

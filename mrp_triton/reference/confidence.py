@@ -7,7 +7,9 @@ Defined behaviour (shared with the Triton kernel):
   rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
   on the device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
-* the ``mask_token_id`` column is excluded (never chosen, not in the softmax);
+* the ``mask_token_id`` column is excluded (never chosen, not in the softmax), and so are the tokens
+  ``banned_tokens`` (bool [V]) marks in the rows ``ban_rows`` (bool [N]; None: every row) marks
+  (:func:`exclude_banned`: how decoding holds back EOS before ``min_new_tokens``);
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
@@ -98,8 +100,9 @@ def comparable(z: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(z, nan=float("-inf"), posinf=FLT_MAX, neginf=float("-inf"))
 
 
-def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_token_id=None):
-    """z: [N, V] float32 with NaN -> -inf, +inf -> FLT_MAX, mask column -> -inf."""
+def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_token_id=None, banned_tokens=None,
+                     ban_rows=None):
+    """z: [N, V] float32 with NaN -> -inf, +inf -> FLT_MAX, mask column and banned tokens -> -inf."""
     z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if residual is not None:
         res = residual if residual.dim() == 3 else residual.unsqueeze(0)
@@ -111,7 +114,16 @@ def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_
     z = comparable(z)
     if mask_token_id is not None and 0 <= mask_token_id < z.shape[-1]:
         z[:, mask_token_id] = float("-inf")
-    return z
+    return exclude_banned(z, banned_tokens, ban_rows)
+
+
+def exclude_banned(z: torch.Tensor, banned_tokens: torch.Tensor | None, ban_rows: torch.Tensor | None) -> torch.Tensor:
+    """z [N, V] with -inf at the tokens ``banned_tokens`` (bool [V], or None: none) marks in the rows ``ban_rows``
+    (bool [N], or None: every row) marks: excluded as the mask column is, from the pick and the softmax."""
+    if banned_tokens is None:
+        return z
+    banned = banned_tokens[None, :] if ban_rows is None else ban_rows[:, None] & banned_tokens[None, :]
+    return z.masked_fill(banned, float("-inf"))
 
 
 def top_k_top_p_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None) -> torch.Tensor:
@@ -179,13 +191,16 @@ def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, to
 
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None):
-    """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; noise_keys: int64 [N, 3].
+               banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+               top_k_max=None):
+    """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; banned_tokens: bool [V];
+    ban_rows: bool [N]; noise_keys: int64 [N, 3].
 
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])`` (see the module docstring).
     Argument checking lives in :func:`mrp_triton.confidence.confidence`.
     """
-    z = effective_logits(logits, residual, scale=scale, temperature=temperature, mask_token_id=mask_token_id)
+    z = effective_logits(logits, residual, scale=scale, temperature=temperature, mask_token_id=mask_token_id,
+                         banned_tokens=banned_tokens, ban_rows=ban_rows)
     lse = torch.logsumexp(z, dim=-1)
     tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
                       top_k_max=top_k_max)

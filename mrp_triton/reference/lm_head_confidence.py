@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import comparable, mark_skipped
+from .confidence import comparable, exclude_banned, mark_skipped
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
-                       mask_token_id: int | None = None, temperature: float = 1.0,
+                       mask_token_id: int | None = None, banned_tokens: torch.Tensor | None = None,
+                       ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
                        skip_rows: torch.Tensor | None = None, top_m: int = 0):
     """Per row: the argmax of ``z = (hidden @ weight.T [+ base_logits]) / temperature`` and its
-    probability under the full softmax of z, the ``mask_token_id`` column excluded from both.
+    probability under the full softmax of z, the ``mask_token_id`` column excluded from both, and so are the columns
+    ``banned_tokens`` (bool [V]) marks in the rows ``ban_rows`` (bool [N]; None: every row) marks
+    (:func:`.confidence.exclude_banned`).
     NaN in z counts as -inf and +inf as the largest fp32; rows in ``skip_rows`` (bool [N]) and rows with no finite z
     give token -1, prob 0, lse -inf (all as in ``confidence``).
 
@@ -30,6 +33,7 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     z = comparable(z / temperature)
     if mask_token_id is not None:
         z[:, mask_token_id] = float("-inf")
+    z = exclude_banned(z, banned_tokens, ban_rows)
     lse = torch.logsumexp(z, dim=-1)
     tokens = torch.argmax(z, dim=-1)  # documented: first maximal index
     zmax = z.gather(1, tokens[:, None]).squeeze(1)
