@@ -31,7 +31,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils.logging import tqdm
 
 import mrp_triton
-from mrp_triton.reference.confidence import inverse_temperature
+from mrp_triton.reference.confidence import exclude_banned, inverse_temperature
 
 from .decode_engine import DecodeStats, EngineShape, engine_for
 from .draft_candidates import refresh_vocab_mean
@@ -464,9 +464,20 @@ class BlockDecoder:
             return None
         return self.counter + offset if isinstance(offset, int) else self.counter[:, None] + offset
 
+    def eos_ban(self, positions: torch.Tensor, banned_tokens: torch.Tensor) -> dict:
+        """The ops' ``banned_tokens`` / ``ban_rows`` arguments that hold EOS back at the positions [B, T] before each
+        row's ``min_new_tokens``-th new token (read on the device: one captured step serves every value);
+        ``banned_tokens``: bool over the columns the op scores (``engine.is_eos``, or a draft vocabulary's part of
+        it). Empty without ``min_new_tokens``."""
+        if self.settings.min_new_tokens is None:
+            return {}
+        before = positions < self.engine.starts[:, None] + self.engine.on_device["min_new_tokens"]
+        return dict(banned_tokens=banned_tokens, ban_rows=before.reshape(-1))
+
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
              counter: torch.Tensor | None):
-        """Per position the token to commit and its confidence (never the mask token).
+        """Per position the token to commit and its confidence (never the mask token, nor EOS before the row's
+        ``min_new_tokens``: :meth:`eos_ban`).
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
         counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling).
@@ -477,7 +488,8 @@ class BlockDecoder:
         keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
-            mask_token_id=self.mask_among(V), do_sample=s.do_sample, seed=0, noise_keys=keys,
+            mask_token_id=self.mask_among(V), **self.eos_ban(positions, self.engine.is_eos[:V]),
+            do_sample=s.do_sample, seed=0, noise_keys=keys,
             top_k=self.on_device("top_k") if s.do_sample else None, top_k_max=s.top_k_max,
             top_p=self.on_device("top_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
@@ -501,11 +513,15 @@ class BlockDecoder:
                 return picks
             z = logits.float().masked_fill(~candidates[..., None], float("-inf"))
             z[..., self.mask_id] = float("-inf")
+            ban = self.eos_ban(positions, self.engine.is_eos)
+            if ban:
+                z = exclude_banned(z.view(B * T, -1), **ban).view(B, T, -1)
             top, ids = z.topk(top_m, dim=-1)  # the order among equal logits does not matter to a draft
             return *picks, top * inverse_temperature(self.temperature), ids.masked_fill(top == float("-inf"), -1)
-        out = mrp_triton.lm_head_confidence(hidden.reshape(B * T, H), weight,
-                                            mask_token_id=self.mask_id if draft is None else draft.mask_column,
-                                            skip_rows=~candidates.reshape(-1), top_m=top_m)
+        out = mrp_triton.lm_head_confidence(
+            hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
+            **self.eos_ban(positions, self.engine.is_eos if draft is None else draft.columns(self.engine.is_eos)),
+            skip_rows=~candidates.reshape(-1), top_m=top_m)
         tok = out[0] if draft is None else draft.tokens(out[0])
         return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
 

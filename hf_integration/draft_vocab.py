@@ -61,6 +61,10 @@ class DraftHead:
             return columns
         return torch.where(columns >= 0, self.ids[columns.clamp(min=0)], columns)
 
+    def columns(self, by_token: torch.Tensor) -> torch.Tensor:
+        """A table by token id [V, ...] (such as which tokens are EOS) -> by draft column [N, ...]."""
+        return by_token[: self.weight.shape[0]] if self.ids is None else by_token[self.ids]
+
     def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """logits [..., N] over the draft columns -> [..., V] with -inf at the other ids: a column is its token id
         again, so sampled drafts draw the Gumbel noise the backbone's pick of the same token draws. The ids below N

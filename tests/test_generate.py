@@ -20,42 +20,13 @@ from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from hf_integration.generation_settings import READ_BY, GenerationSettings
 from hf_integration.kv_cache import StaticKVCache
 from hf_integration.stop_strings import StopStrings
-from tiny_models import (MASK_ID, VOCAB, LetterTokenizer, RecordingStreamer, padded_batch, random_prompts, tiny_config,
-                         tiny_model)
+from tiny_models import (MASK_ID, VOCAB, LetterTokenizer, RecordingStreamer, naive_static_decode, padded_batch,
+                         random_prompts, tiny_config, tiny_model)
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(seed=0)
-
-
-def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None,
-                        reveal_steps: torch.Tensor | None = None):
-    """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
-    until its positions up to the last new token are committed (the last block's positions past it are masks
-    the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
-    forwards it ran are appended to ``forwards``, and the step (1, 2, ...) that revealed each position is written
-    into ``reveal_steps`` [P + max_new]."""
-    P = prompt.shape[0]
-    end = -(-(P + max_new) // block) * block
-    x = torch.full((1, end), MASK_ID, dtype=torch.long)
-    x[0, :P] = prompt
-    step = 0
-    for start in range(P // block * block, end, block):
-        while (x[0, start : min(start + block, P + max_new)] == MASK_ID).any():
-            step += 1
-            if forwards is not None:
-                forwards.append(start)
-            logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
-            logits[:, MASK_ID] = float("-inf")
-            probs = logits.softmax(-1)
-            conf, tok = probs.max(-1)
-            conf = torch.where(x[0, start : start + block] == MASK_ID, conf, torch.full_like(conf, -1.0))
-            pos = int(conf.argmax())
-            x[0, start + pos] = tok[pos]
-            if reveal_steps is not None and start + pos < P + max_new:
-                reveal_steps[start + pos] = step
-    return x[0, : P + max_new]
 
 
 @pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (5, 12), (2, 7), (6, 1)])

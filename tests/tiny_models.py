@@ -45,6 +45,39 @@ def padded_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
+def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None,
+                        reveal_steps: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (), min_new: int = 0):
+    """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
+    until its positions up to the last new token are committed (the last block's positions past it are masks
+    the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
+    forwards it ran are appended to ``forwards``, and the step (1, 2, ...) that revealed each position is written
+    into ``reveal_steps`` [P + max_new]. ``eos_ids`` get a logit of -inf at the first ``min_new`` new tokens (as
+    transformers' min_new_tokens processor sets them); nothing stops at them."""
+    P = prompt.shape[0]
+    end = -(-(P + max_new) // block) * block
+    x = torch.full((1, end), MASK_ID, dtype=torch.long)
+    x[0, :P] = prompt
+    step = 0
+    for start in range(P // block * block, end, block):
+        while (x[0, start : min(start + block, P + max_new)] == MASK_ID).any():
+            step += 1
+            if forwards is not None:
+                forwards.append(start)
+            logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
+            logits[:, MASK_ID] = float("-inf")
+            before_min = torch.arange(start, start + block) < P + min_new
+            is_eos = torch.isin(torch.arange(logits.shape[1]), torch.tensor(eos_ids, dtype=torch.long))
+            logits[before_min[:, None] & is_eos] = float("-inf")
+            probs = logits.softmax(-1)
+            conf, tok = probs.max(-1)
+            conf = torch.where(x[0, start : start + block] == MASK_ID, conf, torch.full_like(conf, -1.0))
+            pos = int(conf.argmax())
+            x[0, start + pos] = tok[pos]
+            if reveal_steps is not None and start + pos < P + max_new:
+                reveal_steps[start + pos] = step
+    return x[0, : P + max_new]
+
+
 def spy_on_drafts(monkeypatch) -> list[torch.Tensor]:
     """From now on, the draft tokens [B, K] of every verify round (``mrp_triton.verify_drafts``'s input), in order."""
     import mrp_triton

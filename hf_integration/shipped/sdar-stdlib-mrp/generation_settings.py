@@ -53,14 +53,14 @@ HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
 # Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
 # computes, or reach it through a buffer (the seed; denoising_steps, through each row's quota set when its block
 # starts).
-OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "num_return_sequences", "eos_token_id", "pad_token_id",
+OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_sequences", "eos_token_id", "pad_token_id",
                      "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
                      "device_loop", "stop_strings", "stopping_criteria", "max_time", "tokenizer", "use_cache", "seed",
                      "denoising_steps")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
-ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta")
+ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta", "min_new_tokens")
 SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
 # Settings only some strategies read. A call that asks for one (a value other than its default) with another strategy
 # is refused: the value would change nothing. A checkpoint's generation config serves every strategy: its values apply
@@ -107,6 +107,10 @@ def _model_fields(diff: dict, config) -> dict:
 class GenerationSettings:
     """Everything that steers decoding. ``max_new_tokens`` defaults to ``max_length`` minus the width of
     ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64;
+    ``min_new_tokens`` holds EOS back (every ``eos_token_id``, excluded from the picks and their softmax, as
+    transformers' logits processor sets its logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no
+    row ends before them (stop strings, stopping criteria and ``max_time`` still may); ``min_length`` asks the same
+    of the width of ``input_ids`` plus the new tokens (as in transformers; both given: the larger).
     ``num_return_sequences`` (sampling only) decodes each prompt that many times, the copies next to each
     other in the output and each drawing its own noise. ``seed`` keys the sampling noise: a call without one draws it
     from torch's default generator, so sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed``
@@ -157,6 +161,8 @@ class GenerationSettings:
 
     max_new_tokens: int | None = None
     max_length: int | None = None
+    min_new_tokens: int | None = None
+    min_length: int | None = None
     num_return_sequences: int = 1
     block_length: int | None = None
     denoising_steps: int | None = None
@@ -320,6 +326,10 @@ class GenerationSettings:
             self.max_new_tokens = self.max_length - prompt_width
         if self.max_new_tokens is None:
             self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        if self.min_length is not None:
+            _int_at_least("min_length", self.min_length, 0)
+            _int_at_least("min_new_tokens", 0 if self.min_new_tokens is None else self.min_new_tokens, 0)
+            self.min_new_tokens = max(self.min_new_tokens or 0, self.min_length - prompt_width)
         if self.block_length is None:
             self.block_length = config.block_size
         if self.denoising_steps is None:
@@ -338,6 +348,8 @@ class GenerationSettings:
             self.eos_token_id = config.eos_token_id
         eos = self.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        if self.min_new_tokens == 0 and type(self.min_new_tokens) is int:  # asks nothing: no ban in the steps
+            self.min_new_tokens = None
         if self.pad_token_id is None:
             self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else (
                 self.eos_ids[0] if self.eos_ids else config.mask_token_id)
@@ -345,6 +357,12 @@ class GenerationSettings:
     def validate(self, model) -> None:
         config = model.config
         _int_at_least("max_new_tokens", self.max_new_tokens, 1)
+        if self.min_new_tokens is not None:
+            _int_at_least("min_new_tokens", self.min_new_tokens, 0)
+            if not self.eos_ids:
+                raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back EOS, but this call has no "
+                                 "eos_token_id (nothing ends a row early): pass eos_token_id=... (or drop "
+                                 "min_new_tokens / min_length)")
         _int_at_least("block_length", self.block_length, 1)
         _int_at_least("num_return_sequences", self.num_return_sequences, 1)
         if self.num_return_sequences > 1 and not self.do_sample:

@@ -1,0 +1,215 @@
+"""generate(min_new_tokens=..., min_length=...): EOS held back at each row's first new tokens (float64)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig
+
+from hf_integration.decoding import BlockDecoder
+from hf_integration.generation_settings import GenerationSettings
+from tiny_models import MASK_ID, naive_static_decode, padded_batch, random_prompts, tiny_model
+
+STRATEGIES = [
+    dict(strategy="static"),
+    dict(strategy="static", denoising_steps=2),
+    dict(strategy="dynamic", threshold=0.3),
+    dict(strategy="direct", mrp_steps=2),
+    dict(strategy="speculative", mrp_steps=3),
+    dict(strategy="remask", threshold=0.4),
+    dict(strategy="remask", threshold=0.4, remask_rule="delta", residual_delta=0.5),
+]
+DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
+          dict(mrp_steps=3, draft_candidates=4)]
+SAMPLED = dict(do_sample=True, temperature=0.9, top_k=30, seed=7)
+PAD = MASK_ID - 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+def _batch(lens=(5, 2, 9), seed=3):
+    rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
+    return rows, *padded_batch(rows, "left")
+
+
+def _early_tokens(model, ids, mask, count: int = 2) -> list[int]:
+    """The ``count`` tokens the rows' free (greedy, EOS-less) runs give most often among their first 4 new tokens:
+    as EOS ids, they end the rows early unless held back."""
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=4, eos_token_id=[])[:, ids.shape[1]:]
+    return [t for t, _ in Counter(free.flatten().tolist()).most_common(count)]
+
+
+def _kept_new_tokens(out, width: int) -> list[list[int]]:
+    return [out.sequences[b, width : width + n].tolist() for b, n in enumerate(out.new_tokens.tolist())]
+
+
+@pytest.mark.parametrize("prompt_len,min_new", [(3, 2), (5, 4), (2, 7), (6, 9), (4, 1)])
+def test_static_decoding_equals_the_oracle_that_sets_eos_logits_to_minus_infinity(model, prompt_len, min_new):
+    """The uncached one-token-a-step oracle, its EOS logits set to -inf at the first ``min_new`` new tokens (as
+    transformers' processor sets them), gives the tokens up to its first EOS; the output ends there. The EOS ids are
+    tokens the free run gives before ``min_new``, so without the ban the output would end sooner."""
+    prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
+    free = model.generate(prompt[None], max_new_tokens=12, eos_token_id=[])[0, prompt_len:].tolist()
+    eos = sorted({free[0], free[(min_new - 1) // 2]})
+    oracle = naive_static_decode(model, prompt, 12, model.config.block_size, eos_ids=tuple(eos), min_new=min_new)
+    new = oracle[prompt_len:].tolist()
+    k = next((i for i, token in enumerate(new) if token in eos), 11)  # the oracle's first EOS (or its last token)
+    assert k >= min_new
+    out = model.generate(prompt[None], max_new_tokens=12, eos_token_id=eos, min_new_tokens=min_new, pad_token_id=PAD,
+                         return_dict_in_generate=True)
+    assert out.new_tokens.tolist() == [k + 1]
+    assert torch.equal(out.sequences[0, : prompt_len + k + 1], oracle[: prompt_len + k + 1])
+    unbanned = model.generate(prompt[None], max_new_tokens=12, eos_token_id=eos, return_dict_in_generate=True)
+    assert unbanned.new_tokens.tolist() == [1]  # free[0] is an EOS
+
+
+@pytest.mark.parametrize("sampled", [{}, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafts", DRAFTS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_speculative_decoding_stays_lossless_with_eos_held_back(model, drafts, sampled):
+    """Drafts (from the whole vocabulary, a draft vocabulary or the seed's candidate lists) and the verify forward's
+    targets hold EOS back at the same positions, so speculative decoding commits what static decoding commits, greedy
+    or sampled (shared noise), in a batch whose rows reach ``min_new_tokens`` at different positions."""
+    rows, ids, mask = _batch()
+    eos = _early_tokens(model, ids, mask)
+    for min_new in (3, 8):
+        common = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=eos, min_new_tokens=min_new,
+                      pad_token_id=PAD, return_dict_in_generate=True, **sampled)
+        static = model.generate(ids, strategy="static", **common)
+        spec = model.generate(ids, strategy="speculative", **drafts, **common)
+        assert torch.equal(spec.sequences, static.sequences), min_new
+        assert all(n > min_new for n in static.new_tokens.tolist()), static.new_tokens  # no row ends before it
+        assert not any(set(row[:min_new]) & set(eos) for row in _kept_new_tokens(static, ids.shape[1]))
+
+
+def _spy_on_picks(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """From now on, (positions [B, T], tokens [B, T, ...]) of every pick: the tokens picked, and with ``top_m`` the
+    candidate lists a pick makes for the next round's drafts."""
+    seen = []
+
+    def spy(name: str, at: int):
+        method = getattr(BlockDecoder, name)
+
+        def recorded(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            seen.append((args[at].clone(), out[0].clone()))  # the decoder moves its position buffers on
+            if len(out) == 5:
+                seen.append((args[at].clone(), out[4].clone()))
+            return out
+
+        monkeypatch.setattr(BlockDecoder, name, recorded)
+
+    for name, at in (("pick", 1), ("pick_hidden", 1), ("pick_listed", 2)):  # where each takes the positions
+        spy(name, at)
+    return seen
+
+
+@pytest.mark.parametrize("kwargs", STRATEGIES + [dict(strategy="speculative", **d) for d in DRAFTS] + [
+    dict(strategy="speculative", draft_candidates=4, **SAMPLED), dict(strategy="direct", **SAMPLED)],
+    ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_no_pick_nor_draft_candidate_is_an_eos_before_the_minimum(model, monkeypatch, kwargs):
+    """Every pick (the backbone's, each draft's) and every candidate list for the next round's drafts holds EOS
+    back before the minimum: a draft proposing one there would only be rejected (the output stays lossless), so
+    this is what keeps the drafts' acceptance."""
+    prompt = random_prompts(1, 5, seed=11)
+    eos = _early_tokens(model, prompt, None, count=3)
+    seen = _spy_on_picks(monkeypatch)
+    out = model.generate(prompt, max_new_tokens=12, eos_token_id=eos, min_new_tokens=7, pad_token_id=PAD,
+                         return_dict_in_generate=True, **kwargs)
+    assert out.new_tokens.item() > 7
+    banned = 0
+    for positions, tokens in seen:
+        before = (positions < 5 + 7).view(*positions.shape, *[1] * (tokens.dim() - 2)).expand_as(tokens)
+        assert not torch.isin(tokens[before], torch.tensor(eos)).any(), (positions, tokens)
+        banned += int(before.sum())
+    assert banned > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 13), min_size=1, max_size=4), kwargs=st.sampled_from(STRATEGIES + [
+           dict(strategy="speculative", mrp_steps=2, **SAMPLED), dict(strategy="dynamic", threshold=0.3, **SAMPLED)]),
+       max_new=st.integers(1, 13), min_new=st.integers(0, 15), graphs=st.booleans(), loop=st.booleans(),
+       seed=st.integers(0, 10**4))
+def test_any_batch_holds_eos_back_at_each_rows_first_new_tokens(model, lens, kwargs, max_new, min_new, graphs, loop,
+                                                               seed):
+    """Drawn prompt lengths, strategy, new tokens and minimum (EOS ids: tokens the rows' free runs give early):
+    no row keeps an EOS among its first ``min_new_tokens`` new tokens, so none ends before them (or its last new
+    token); steps replayed or not (with or without a device loop) give the same output; with greedy decoding each
+    row of the left-padded batch gives exactly what it gives alone."""
+    rows, ids, mask = _batch(lens, seed)
+    eos = _early_tokens(model, ids, mask)
+    common = dict(max_new_tokens=max_new, eos_token_id=eos, min_new_tokens=min_new, pad_token_id=PAD,
+                  return_dict_in_generate=True, **kwargs)
+    out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
+    other = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, device_loop=not graphs and loop, **common)
+    assert torch.equal(out.sequences, other.sequences)
+    for row in _kept_new_tokens(out, ids.shape[1]):
+        assert len(row) >= min(min_new + 1, max_new), row
+        assert not set(row[:min_new]) & set(eos), row
+    if kwargs.get("do_sample"):
+        return
+    for b, r in enumerate(rows):
+        alone = model.generate(r[None], **common)
+        assert torch.equal(out.sequences[b, ids.shape[1] - len(r):], alone.sequences[0]), b
+
+
+def test_min_length_counts_the_inputs_width(model):
+    """``min_length`` is ``min_new_tokens`` plus the width of ``input_ids`` (padding included, as in transformers);
+    both given, the larger holds; one at or below the width asks nothing; a GenerationConfig carries either."""
+    rows, ids, mask = _batch()
+    W = ids.shape[1]
+    eos = _early_tokens(model, ids, mask)
+
+    def run(**kwargs):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD,
+                              **kwargs)
+
+    five = run(min_new_tokens=5)
+    assert not torch.equal(five, run())
+    for kwargs in (dict(min_length=W + 5), dict(min_length=W + 5, min_new_tokens=2),
+                   dict(min_length=W + 2, min_new_tokens=5),
+                   dict(generation_config=GenerationConfig(min_new_tokens=5, max_new_tokens=12)),
+                   dict(generation_config=GenerationConfig(min_length=W + 5, max_new_tokens=12))):
+        assert torch.equal(run(**kwargs), five), kwargs
+    assert torch.equal(run(min_length=W), run())
+    assert torch.equal(run(min_new_tokens=0), run())
+
+
+def test_one_set_of_graphed_steps_serves_every_minimum(model):
+    """The minimum is read on the device: calls with other values reuse the graphed engine and its steps (one
+    step key), and give what eager decoding gives; a call without one runs steps that read no ban."""
+    rows, ids, mask = _batch()
+    eos = _early_tokens(model, ids, mask)
+    keys = {GenerationSettings.resolve(model, None, dict(min_new_tokens=n, eos_token_id=eos), ids.shape[1]).step_key()
+            for n in (2, 6, 9)}
+    assert len(keys) == 1
+    assert keys != {GenerationSettings.resolve(model, None, dict(eos_token_id=eos), ids.shape[1]).step_key()}
+    engines = set()
+    for min_new in (2, 6, None, 9):
+        common = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=eos, min_new_tokens=min_new,
+                      pad_token_id=PAD, strategy="speculative")
+        graphed = model.generate(ids, cuda_graphs=True, **common)
+        engines.add(id(model._decode_engine[1]))
+        assert torch.equal(graphed, model.generate(ids, cuda_graphs=False, **common)), min_new
+    assert len(engines) == 1
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(min_new_tokens=-1), ValueError, "min_new_tokens=-1 must be >= 0"),
+    (dict(min_new_tokens=2.5), TypeError, "min_new_tokens must be an int"),
+    (dict(min_new_tokens=True), TypeError, "min_new_tokens must be an int"),
+    (dict(min_length=-3), ValueError, "min_length=-3 must be >= 0"),
+    (dict(min_length="9"), TypeError, "min_length must be an int"),
+    (dict(min_length=20, min_new_tokens="2"), TypeError, "min_new_tokens must be an int"),
+    (dict(min_new_tokens=3, eos_token_id=[]), ValueError, "min_new_tokens=3 holds back EOS, but this call has no "
+                                                          "eos_token_id"),
+])
+def test_bad_minimums_are_refused_by_name(model, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        model.generate(random_prompts(1, 4), max_new_tokens=8, **{"eos_token_id": 3, **kwargs})
