@@ -24,6 +24,7 @@ STRATEGIES = [
     dict(strategy="remask", threshold=0.4, remask_rule="delta", residual_delta=0.5),
 ]
 DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
+          dict(mrp_steps=3, draft_vocab=[0, 1, *range(3, MASK_ID)]),  # listed ids: draft column c is not token c
           dict(mrp_steps=3, draft_candidates=4)]
 SAMPLED = dict(do_sample=True, temperature=0.9, top_k=30, seed=7)
 PAD = MASK_ID - 1
@@ -189,7 +190,9 @@ def test_one_set_of_graphed_steps_serves_every_minimum(model):
     keys = {GenerationSettings.resolve(model, None, dict(min_new_tokens=n, eos_token_id=eos), ids.shape[1]).step_key()
             for n in (2, 6, 9)}
     assert len(keys) == 1
-    assert keys != {GenerationSettings.resolve(model, None, dict(eos_token_id=eos), ids.shape[1]).step_key()}
+    unbanned = {GenerationSettings.resolve(model, None, dict(min_new_tokens=n, eos_token_id=eos), ids.shape[1])
+                .step_key() for n in (None, 0)}  # 0 asks nothing: the steps read no ban
+    assert len(unbanned) == 1 and keys != unbanned
     engines = set()
     for min_new in (2, 6, None, 9):
         common = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=eos, min_new_tokens=min_new,
