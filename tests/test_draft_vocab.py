@@ -75,6 +75,17 @@ def test_draft_head_picks_the_argmax_among_its_ids(data):
     assert torch.isneginf(full[:, ~listed]).all()
 
 
+@pytest.mark.parametrize("vocab", [5, (1, 4, 7, 30)])
+def test_a_table_by_token_id_is_read_by_draft_column(vocab):
+    """``columns`` turns a table by token id (which tokens are EOS) into one by draft column: column c is token c
+    below N, and the c-th listed id otherwise."""
+    weight = torch.randn(VOCAB, 8)
+    head = draft_head(weight, vocab, MASK_ID, {})
+    table = torch.arange(VOCAB) * 10
+    ids = list(range(vocab)) if isinstance(vocab, int) else list(vocab)
+    assert head.columns(table).tolist() == [10 * i for i in ids]
+
+
 def test_listed_rows_live_in_one_buffer_refreshed_from_the_weights_at_every_call():
     weight = torch.randn(12, 4)
     buffers: dict = {}
