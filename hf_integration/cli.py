@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", choices=STRATEGIES, help="decoding mode (docs/decoding.md; default: "
                    "speculative, or static for a model without an MRP head)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to decode")
+    p.add_argument("--min-new-tokens", type=int, metavar="N", help="hold EOS back at the first N new tokens, so the "
+                   "completion ends no sooner")
     p.add_argument("--block-length", type=int, help="default: the model's block size")
     p.add_argument("--denoising-steps", type=int, help="static / dynamic / remask: steps a block takes at most "
                    "(default: the block length, one token a step)")
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
     """The keywords of ``generate()`` the options give (None: not given, generate()'s default)."""
-    return dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length,
+    return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, block_length=args.block_length,
                 denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
                 draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,

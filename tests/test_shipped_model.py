@@ -126,6 +126,29 @@ def test_transformers_stop_string_criterion_stops_rows_where_stop_strings_do():
     assert torch.equal(by_criterion.new_tokens, by_strings.new_tokens) and by_strings.new_tokens[0] < 32
 
 
+def test_min_new_tokens_holds_a_line_end_back_on_the_shipped_model():
+    """With its newline token as EOS, the shipped model ends each row of a left-padded batch at its first line end;
+    ``min_new_tokens`` holds it back, so each row runs to a line end after the minimum (or to its last new token),
+    none among its first new tokens, and speculative decoding gives static's tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True).eval()
+    batch = tok(["def add(a, b):\n", "import os\n"], return_tensors="pt", padding=True, padding_side="left")
+    newline = tok.convert_tokens_to_ids(tok.tokenize("\n"))
+    assert len(newline) == 1
+    common = dict(max_new_tokens=40, eos_token_id=newline, pad_token_id=tok.pad_token_id,
+                  return_dict_in_generate=True)
+    free = model.generate(**batch, **common)
+    assert (free.new_tokens < 12).all(), free.new_tokens  # a line ends early
+    held = model.generate(**batch, min_new_tokens=12, strategy="static", **common)
+    assert (held.new_tokens > 12).all(), held.new_tokens
+    for row, n in zip(held.sequences[:, batch.input_ids.shape[1]:], held.new_tokens.tolist()):
+        assert newline[0] not in row[:12].tolist() and (n == 40 or row[n - 1] == newline[0])
+    speculative = model.generate(**batch, min_new_tokens=12, strategy="speculative", **common)
+    assert torch.equal(speculative.sequences, held.sequences)
+
+
 def test_an_evaluation_harness_style_call_scores_as_the_unbounded_run():
     """The call lm-eval-harness makes (max_length, pad_token_id, use_cache, do_sample=False and a stateful criterion
     per stop sequence that watches each row's decoded tail and says True, one bool for the batch, once every row
@@ -340,7 +363,7 @@ def test_mrp_generate_passes_each_option_to_generate_as_its_keyword():
     from hf_integration.generation_settings import DEFAULT_MAX_NEW_TOKENS, GenerationSettings
 
     tokenizer = object()
-    given = dict(max_new_tokens=300, block_length=8, denoising_steps=2, threshold=0.6, mrp_steps=4,
+    given = dict(max_new_tokens=300, min_new_tokens=3, block_length=8, denoising_steps=2, threshold=0.6, mrp_steps=4,
                  draft_schedule="authors", draft_vocab=20, draft_candidates=5, remask_rule="delta", residual_delta=0.25,
                  do_sample=True, temperature=0.7, top_k=9, top_p=0.8, seed=11, max_time=2.5)
     options = [part for name, value in given.items() if name != "do_sample"
