@@ -69,7 +69,8 @@ def _confidence() -> list[Variant]:
                 (False, True, False, False, False, True, False, False, 2048, 8)]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
                    "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "tau_ptr": "*fp32", "ban_tok_ptr": "*u8",
-                   "ban_rows_ptr": "*u8", "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
+                   "ban_rows_ptr": "*u8", "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64",
+                   "prob_ptr": "*fp32",
                    "lse_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32", "inv_t": "fp32",
                    "t_ptr": "*fp64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
                    "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr",
@@ -154,12 +155,12 @@ def _cached_attention() -> list[Variant]:
 
 
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
-                     "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32",
-                     "topv_ptr": "*fp32", "topi_ptr": "*i32", "N": "i32", "V": "i32",
-                     "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
+                     "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "m_ptr": "*fp32",
+                     "d_ptr": "*fp32", "idx_ptr": "*i32", "topv_ptr": "*fp32", "topi_ptr": "*i32", "N": "i32",
+                     "V": "i32", "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
                      "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
-LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA", "FLATTEN",
-                      "TOP_M", "BLOCK_N", "BLOCK_V", "BLOCK_K")
+LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA",
+                      "FLATTEN", "TOP_M", "BLOCK_N", "BLOCK_V", "BLOCK_K")
 
 
 def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,

@@ -53,10 +53,10 @@ HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
 # Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
 # computes, or reach it through a buffer (the seed; denoising_steps, through each row's quota set when its block
 # starts).
-OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_sequences", "eos_token_id", "pad_token_id",
-                     "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids", "per_row_blocks",
-                     "device_loop", "stop_strings", "stopping_criteria", "max_time", "tokenizer", "use_cache", "seed",
-                     "denoising_steps")
+OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_sequences", "eos_token_id",
+                     "pad_token_id", "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids",
+                     "per_row_blocks", "device_loop", "stop_strings", "stopping_criteria", "max_time", "tokenizer",
+                     "use_cache", "seed", "denoising_steps")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).

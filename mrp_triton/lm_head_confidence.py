@@ -3,8 +3,8 @@
 For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` over the vocabulary
 V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
 ``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three, and so are the columns
-``banned_tokens`` marks in the rows ``ban_rows`` marks (how decoding holds back EOS before ``min_new_tokens``). As in ``confidence``,
-NaN in z counts as -inf, +inf as the largest fp32, and a row with no finite z gives token -1, prob 0,
+``banned_tokens`` marks in the rows ``ban_rows`` marks (how decoding holds back EOS before ``min_new_tokens``). As
+in ``confidence``, NaN in z counts as -inf, +inf as the largest fp32, and a row with no finite z gives token -1, prob 0,
 lse -inf. The [N, V] logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
 a one-program kernel lists the kept rows first (prefix sums on the device, no host synchronisation,
 so the op stays capturable in a CUDA graph) and row blocks past the kept count return at once.

@@ -20,8 +20,8 @@ from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from hf_integration.generation_settings import READ_BY, GenerationSettings
 from hf_integration.kv_cache import StaticKVCache
 from hf_integration.stop_strings import StopStrings
-from tiny_models import (MASK_ID, VOCAB, LetterTokenizer, RecordingStreamer, naive_static_decode, padded_batch,
-                         random_prompts, tiny_config, tiny_model)
+from tiny_models import (MASK_ID, STRATEGIES, VOCAB, LetterTokenizer, RecordingStreamer, naive_static_decode,
+                         padded_batch, random_prompts, tiny_config, tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -105,18 +105,6 @@ def test_cached_denoising_forward_equals_uncached_logits(model):
     cached = model.lm_head(dec.backbone(block, torch.arange(8, 8 + T).expand(2, -1)))
     full = model(torch.cat([ids[:, :8], block], dim=1)).logits[:, 8:]
     torch.testing.assert_close(cached, full, rtol=1e-10, atol=1e-10)
-
-
-STRATEGIES = [
-    dict(strategy="static"),
-    dict(strategy="static", denoising_steps=2),
-    dict(strategy="dynamic", threshold=0.3),
-    dict(strategy="direct", mrp_steps=2),
-    dict(strategy="speculative", mrp_steps=3),
-    dict(strategy="speculative", mrp_steps=2, draft_schedule="authors"),
-    dict(strategy="remask", threshold=0.4),
-    dict(strategy="remask", threshold=0.4, remask_rule="delta", residual_delta=0.5),
-]
 
 
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))

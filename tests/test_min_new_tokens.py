@@ -12,17 +12,8 @@ from transformers import GenerationConfig
 
 from hf_integration.decoding import BlockDecoder
 from hf_integration.generation_settings import GenerationSettings
-from tiny_models import MASK_ID, naive_static_decode, padded_batch, random_prompts, tiny_model
+from tiny_models import MASK_ID, STRATEGIES, naive_static_decode, padded_batch, random_prompts, tiny_model
 
-STRATEGIES = [
-    dict(strategy="static"),
-    dict(strategy="static", denoising_steps=2),
-    dict(strategy="dynamic", threshold=0.3),
-    dict(strategy="direct", mrp_steps=2),
-    dict(strategy="speculative", mrp_steps=3),
-    dict(strategy="remask", threshold=0.4),
-    dict(strategy="remask", threshold=0.4, remask_rule="delta", residual_delta=0.5),
-]
 DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
           dict(mrp_steps=3, draft_vocab=[0, 1, *range(3, MASK_ID)]),  # listed ids: draft column c is not token c
           dict(mrp_steps=3, draft_candidates=4)]

@@ -8,6 +8,17 @@ from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
 
 VOCAB = 67
 MASK_ID = 66
+# each decoding strategy, and a variant of most (greedy)
+STRATEGIES = [
+    dict(strategy="static"),
+    dict(strategy="static", denoising_steps=2),
+    dict(strategy="dynamic", threshold=0.3),
+    dict(strategy="direct", mrp_steps=2),
+    dict(strategy="speculative", mrp_steps=3),
+    dict(strategy="speculative", mrp_steps=2, draft_schedule="authors"),
+    dict(strategy="remask", threshold=0.4),
+    dict(strategy="remask", threshold=0.4, remask_rule="delta", residual_delta=0.5),
+]
 
 
 def tiny_config(**overrides) -> SDARMRPConfig:
