@@ -491,7 +491,8 @@ class BlockDecoder:
             mask_token_id=self.mask_among(V), **self.eos_ban(positions, self.engine.is_eos[:V]),
             do_sample=s.do_sample, seed=0, noise_keys=keys,
             top_k=self.on_device("top_k") if s.do_sample else None, top_k_max=s.top_k_max,
-            top_p=self.on_device("top_p") if s.do_sample else None)
+            top_p=self.on_device("top_p") if s.do_sample else None,
+            min_p=self.on_device("min_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T), lse.view(B, T)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
@@ -540,7 +541,8 @@ class BlockDecoder:
             skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
             noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
             top_k=self.on_device("top_k") if s.do_sample else None,
-            top_p=self.on_device("top_p") if s.do_sample else None)
+            top_p=self.on_device("top_p") if s.do_sample else None,
+            min_p=self.on_device("min_p") if s.do_sample else None)
         return tok.view(B, T), conf.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

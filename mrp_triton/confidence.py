@@ -27,10 +27,11 @@ second launch merges them (two launches, no atomics, deterministic).
 
 Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
 (seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
-< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p (sampling only: the greedy pick
-is always kept) need a row's largest values: the launcher materialises z [N, V] in fp32 with torch ops and finds
-where the filters cut them (``reference.confidence.top_k_top_p_cut``: one value per row, from ``torch.topk`` of
-top_k (or ``top_k_max``) values, or a sort of the row for top-p alone); the kernel then draws only among the
+< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p / min_p (sampling only: the greedy
+pick is always kept) need a row's largest values: the launcher materialises z [N, V] in fp32 with torch ops and
+finds where the filters cut them (``reference.confidence.sampling_cut``: one value per row, from ``torch.topk`` of
+top_k (or ``top_k_max``) values, or a sort of the row for top-p alone; min_p needs only the row's max); the
+kernel then draws only among the
 tokens at or above it, with the same in-kernel noise, and prob stays the full-softmax probability.
 """
 
@@ -47,7 +48,7 @@ import triton.language as tl
 from ._checks import check_banned, check_device_scalar, check_kernel_device, check_skip_rows
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
-from .reference.confidence import effective_logits, seed_hash, top_k_top_p_cut
+from .reference.confidence import effective_logits, seed_hash, sampling_cut
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -111,7 +112,7 @@ def _conf_partial_kernel(
             k = tl.load(keys_ptr + row * 3 + j)
             h = _mix32(h ^ (k & M32))
             h = _mix32(h ^ ((k >> 32) & M32))
-    if HAS_CUT:  # top-k / top-p: draw among the tokens at or above the row's cut
+    if HAS_CUT:  # top-k / top-p / min-p: draw among the tokens at or above the row's cut
         tau = tl.load(tau_ptr + row)
     if HAS_BAN:  # banned_tokens (uint8 [V]) are excluded in this row when its ban_rows flag is set: the table is
         ban_hi = tl.where(tl.load(ban_rows_ptr + row) != 0, hi, 0)  # read below ban_hi (nowhere in other rows)
@@ -258,7 +259,7 @@ def check_temperature(temperature: float) -> None:
 
 
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max):
+                noise_keys, top_k, top_p, top_k_max, min_p):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -286,14 +287,14 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
     check_banned(banned_tokens, ban_rows, N, V, logits.device, "logits")
-    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max)
+    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max, min_p)
 
 
 def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
-                   top_p, top_k_max=None) -> None:
+                   top_p, top_k_max=None, min_p=None) -> None:
     """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number or
-    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1 and top_p in (0, 1] (or None), and
-    top_k_max an int >= 1 not below an int top_k (or None)."""
+    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p in (0, 1] and min_p in [0, 1]
+    (or None), and top_k_max an int >= 1 not below an int top_k (or None)."""
     if not check_device_scalar("temperature", temperature, device):
         check_temperature(temperature)
     if do_sample:
@@ -309,6 +310,9 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_p is not None and not check_device_scalar("top_p", top_p, device) and \
             not (0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if min_p is not None and not check_device_scalar("min_p", min_p, device) and \
+            (isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0.0 <= float(min_p) <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1] or None, got {min_p!r}")
     if top_k_max is not None:
         if isinstance(top_k_max, bool) or not isinstance(top_k_max, int) or top_k_max < 1:
             raise ValueError(f"top_k_max must be a positive int or None, got {top_k_max!r}")
@@ -316,13 +320,13 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
             raise ValueError(f"top_k={top_k} exceeds top_k_max={top_k_max}; raise top_k_max or leave it None")
 
 
-CUT_CHUNK = 1 << 24  # logits the top-k / top-p cut of a sampled launch handles at once (about 64 MB in fp32)
+CUT_CHUNK = 1 << 24  # logits the sampling cut of a sampled launch handles at once (about 64 MB in fp32)
 
 
 def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, top_k, top_p,
-                       top_k_max) -> torch.Tensor:
-    """tau [N]: each row's top-k / top-p cut (:func:`top_k_top_p_cut`), a chunk of rows at a time: top-p alone sorts
-    whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V] temporaries."""
+                       top_k_max, min_p) -> torch.Tensor:
+    """tau [N]: each row's top-k / top-p / min-p cut (:func:`sampling_cut`), a chunk of rows at a time: top-p alone
+    sorts whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V] temporaries."""
     N, V = logits.shape
     step = max(1, CUT_CHUNK // max(1, V))
     cuts = []
@@ -331,13 +335,14 @@ def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, bann
         z = effective_logits(logits[i:i + step], res, scale=scale, temperature=temperature,
                              mask_token_id=mask_token_id, banned_tokens=banned_tokens,
                              ban_rows=None if ban_rows is None else ban_rows[i:i + step])
-        cuts.append(top_k_top_p_cut(z, top_k, top_p, top_k_max))
+        cuts.append(sampling_cut(z, top_k, top_p, top_k_max, min_p))
     return torch.cat(cuts) if len(cuts) > 1 else cuts[0]
 
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
-                      top_p=None, top_k_max=None, splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
+                      top_p=None, top_k_max=None, min_p=None, splits=None, block_v=None, num_warps=None, prefetch=True,
+                      out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
     ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
@@ -345,7 +350,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     ``out = (tokens, probs, lse)`` preallocated outputs (tests poison them).
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max)
+                noise_keys, top_k, top_p, top_k_max, min_p)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -359,9 +364,9 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         return tok, prob, lse
     sample = bool(do_sample)
     cut = None
-    if sample and (top_k is not None or top_p is not None):
+    if sample and (top_k is not None or top_p is not None or min_p is not None):
         cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, top_k,
-                                 top_p, top_k_max)
+                                 top_p, top_k_max, min_p)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     res = residual
@@ -410,15 +415,16 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None):
+               top_k_max=None, min_p=None):
     """Per-row token, full-softmax probability and logsumexp of the effective logits.
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool [V] (tokens excluded like the mask
     column, in the rows ``ban_rows``, bool [N], marks; None: in every row); noise_keys: int64 [N, 3] =
-    (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k`` and ``top_p``
-    are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
-    caller checks such a tensor's value: > 0, >= 1, in (0, 1]); ``top_k_max`` (an int) is the largest value a
+    (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p`` and
+    ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely) are numbers or 0-d
+    tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
+    caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]); ``top_k_max`` (an int) is the largest value a
     ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead of sorting
     the row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
@@ -429,10 +435,10 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                  mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                  do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                 top_k_max=top_k_max)
+                                 top_k_max=top_k_max, min_p=min_p)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max)
+                noise_keys, top_k, top_p, top_k_max, min_p)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                 mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                 do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                top_k_max=top_k_max)
+                                top_k_max=top_k_max, min_p=min_p)

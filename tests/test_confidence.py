@@ -8,12 +8,12 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mrp_triton as mt
 from mrp_triton.confidence import confidence_triton
-from mrp_triton.reference.confidence import effective_logits, gumbel_uniform, kept_by_cut, seed_hash, top_k_top_p_cut
+from mrp_triton.reference.confidence import effective_logits, gumbel_uniform, kept_by_cut, seed_hash, sampling_cut
 from mrp_triton.reference.confidence import confidence as confidence_ref
 
 from kernel_utils import DEV, DTYPES
@@ -79,6 +79,7 @@ def _cases(draw):
         noise_keys=torch.randint(-5, 2**33, (N, 3), generator=g),
         top_k=draw(st.none() | st.integers(1, 40)),  # greedy picks ignore them (the best token is always kept)
         top_p=draw(st.none() | st.floats(0.05, 1.0)),
+        min_p=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(0.001, 0.5)),
     )
     top_k_max = draw(st.sampled_from([None, 0, 64]))  # with a top_k tensor: none, top_k itself, or above it
     return (logits.to(dtype), residual, kw, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([64, 512])),
@@ -88,12 +89,12 @@ def _cases(draw):
 @given(_cases())
 def test_kernel_matches_reference(case):
     """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-k /
-    top-p keep); a temperature, top_k and top_p given to the kernel as float64 0-d tensors (read on the device) scale,
-    filter and sample exactly as the numbers do, top_k with or without a top_k_max."""
+    top-p / min-p keep); a temperature, top_k, top_p and min_p given to the kernel as float64 0-d tensors (read on
+    the device) scale, filter and sample exactly as the numbers do, top_k with or without a top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
-        for name in ("temperature", "top_k", "top_p"):
+        for name in ("temperature", "top_k", "top_p", "min_p"):
             if kw[name] is not None:
                 dev_kw[name] = torch.tensor(float(kw[name]), dtype=torch.float64, device=DEV)
         if kw["top_k"] is not None and top_k_max is not None:
@@ -280,7 +281,7 @@ def test_top_k_top_p(top_k, top_p, on_device):
                          temperature=0.7)
     _check(got, exp)
     z = effective_logits(L, temperature=0.7, mask_token_id=0)
-    kept = kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p))
+    kept = kept_by_cut(z, sampling_cut(z, top_k, top_p))
     assert kept.gather(1, got[0].cpu()[:, None]).all()
     if top_k is not None:
         assert (kept.sum(1) <= top_k).all()
@@ -291,10 +292,10 @@ def test_top_k_top_p(top_k, top_p, on_device):
 def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_it():
     """As transformers' top-p: the smallest set of most likely tokens whose probability sums to at least top_p."""
     z = torch.tensor([[3.0, 2.0, 1.0, 0.0]])  # probabilities 0.64, 0.24, 0.09, 0.03
-    assert kept_by_cut(z, top_k_top_p_cut(z, top_p=0.7)).tolist() == [[True, True, False, False]]
+    assert kept_by_cut(z, sampling_cut(z, top_p=0.7)).tolist() == [[True, True, False, False]]
     z = torch.tensor([[math.log(2), 0.0, 0.0]], dtype=torch.float64)  # exactly 0.5, 0.25, 0.25
-    assert kept_by_cut(z, top_k_top_p_cut(z, top_p=0.5)).tolist() == [[True, False, False]]  # 0.5 reaches 0.5
-    assert kept_by_cut(z, top_k_top_p_cut(z, top_p=0.5001)).tolist() == [[True, True, True]]  # the tied pair
+    assert kept_by_cut(z, sampling_cut(z, top_p=0.5)).tolist() == [[True, False, False]]  # 0.5 reaches 0.5
+    assert kept_by_cut(z, sampling_cut(z, top_p=0.5001)).tolist() == [[True, True, True]]  # the tied pair
 
 
 ONES, ZEROS = list(range(0, 21, 3)), list(range(1, 21, 3))
@@ -327,7 +328,7 @@ def test_filters_that_keep_every_token(top_k, top_p, top_k_max):
     49th value ties with the 50th. V = 50."""
     z = torch.zeros(2, 50)
     z[:, 0] = 40.0
-    assert kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p, top_k_max)).all()
+    assert kept_by_cut(z, sampling_cut(z, top_k, top_p, top_k_max)).all()
 
 
 def _kept_by_the_filters(z, top_k=None, top_p=None):
@@ -347,7 +348,7 @@ def _kept_by_the_filters(z, top_k=None, top_p=None):
 @given(N=st.integers(1, 6), V=st.integers(1, 40), ties=st.booleans(), p_inf=st.sampled_from([0.0, 0.3, 1.0]),
        top_k=st.none() | st.integers(1, 45), top_p=st.none() | st.floats(0.01, 1.0),
        given_as=st.sampled_from(["numbers", "tensors", "tensors with top_k_max"]), seed=st.integers(0, 2**31))
-def test_top_k_top_p_cut_keeps_what_the_two_filters_keep(N, V, ties, p_inf, top_k, top_p, given_as, seed):
+def test_sampling_cut_keeps_what_the_two_filters_keep(N, V, ties, p_inf, top_k, top_p, given_as, seed):
     """The cut (one value per row) keeps exactly the finite tokens that top-k then top-p keep, ties with the cut all
     kept, -inf rows and filters larger than the row included; top_k / top_p as numbers or as the 0-d float64 tensors
     the decode engine passes (top_k selected by torch.topk with a top_k_max, else the row sorted)."""
@@ -358,10 +359,33 @@ def test_top_k_top_p_cut_keeps_what_the_two_filters_keep(N, V, ties, p_inf, top_
     if given_as != "numbers":
         given_k, given_p = (None if x is None else torch.tensor(float(x), dtype=torch.float64) for x in (top_k, top_p))
         top_k_max = top_k if given_as == "tensors with top_k_max" else None
-    kept = kept_by_cut(z, top_k_top_p_cut(z, given_k, given_p, top_k_max))
+    kept = kept_by_cut(z, sampling_cut(z, given_k, given_p, top_k_max))
     finite = z > float("-inf")
     assert torch.equal(kept & finite, _kept_by_the_filters(z, top_k, top_p) & finite)
     assert kept.any(-1).all()  # the first ranked token is always kept (a greedy pick needs no filter)
+
+
+@settings(max_examples=40)
+@given(N=st.integers(1, 6), V=st.integers(1, 60), p_inf=st.sampled_from([0.0, 0.3, 1.0]),
+       top_k=st.none() | st.integers(1, 45), top_p=st.none() | st.floats(0.01, 1.0),
+       min_p=st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.9), as_tensor=st.booleans(), seed=st.integers(0, 2**31))
+def test_min_p_cuts_after_top_k_and_top_p_as_transformers_warper_does(N, V, p_inf, top_k, top_p, min_p, as_tensor,
+                                                                     seed):
+    """min-p keeps what transformers' MinPLogitsWarper keeps of what top-k and top-p kept (the tokens at least min_p
+    times as likely as the most likely one; min_p = 1 keeps the most likely alone, 0 every one), given as a number
+    or as the 0-d float64 tensor the decode engine passes."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, V, generator=g) * 3
+    z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
+    given = torch.tensor(min_p, dtype=torch.float64) if as_tensor else min_p
+    kept = kept_by_cut(z, sampling_cut(z, top_k, top_p, None, given))
+    before = z.masked_fill(~_kept_by_the_filters(z, top_k, top_p), float("-inf"))
+    hf = MinPLogitsWarper(min_p=min_p, min_tokens_to_keep=1)(None, before) > float("-inf")
+    finite = z > float("-inf")
+    assert torch.equal(kept & finite, hf & finite)
+    assert (kept & finite).any(-1).equal(finite.any(-1))  # the most likely token stays
 
 
 @pytest.mark.triton
@@ -394,6 +418,10 @@ def test_reference_backend_on_cpu_matches():
     (dict(top_k=5, top_k_max=0), "top_k_max must be a positive int"),
     (dict(top_k=torch.tensor(5.0), top_k_max=4.5), "top_k_max must be a positive int"),
     (dict(top_k=70, top_k_max=64), "top_k=70 exceeds top_k_max=64"),
+    (dict(min_p=1.5), "min_p must be in \\[0, 1\\]"),
+    (dict(min_p=-0.1), "min_p must be in \\[0, 1\\]"),
+    (dict(min_p=True), "min_p must be in \\[0, 1\\]"),
+    (dict(min_p=torch.ones(2)), "min_p must be a number or a 0-d real tensor"),
     (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool tensor of shape \\[10\\]"),
     (dict(banned_tokens=torch.zeros(10, dtype=torch.long)), "banned_tokens must be a bool tensor"),
     (dict(banned_tokens=torch.zeros(10, dtype=torch.bool, device="meta")), "banned_tokens is on meta"),

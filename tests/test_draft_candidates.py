@@ -20,17 +20,18 @@ def small_vocab_model(seed: int):
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10_000), batch=st.integers(1, 3), k=st.integers(1, 4), max_new=st.integers(1, 20),
-       m=st.sampled_from((1, 3, 16, 64)), do_sample=st.booleans(), filters=st.sampled_from(((None, None), (3, None),
-                                                                                           (None, 0.8), (5, 0.9))),
+       m=st.sampled_from((1, 3, 16, 64)), do_sample=st.booleans(),
+       filters=st.sampled_from(((None, None, None), (3, None, None), (None, 0.8, None), (5, 0.9, None),
+                                (None, None, 0.1), (6, 0.95, 0.02))),
        schedule=st.sampled_from(("mrp", "authors")), mix=st.sampled_from(("logits_sum", "none")))
 def test_speculative_with_draft_candidates_equals_static(seed, batch, k, max_new, m, do_sample, filters, schedule,
                                                          mix):
-    """Lossless whatever the candidates: greedy and sampled (draft and target share the noise; top-k / top-p are
-    applied among the listed tokens by the drafts and exactly by the verification)."""
+    """Lossless whatever the candidates: greedy and sampled (draft and target share the noise; top-k / top-p /
+    min-p are applied among the listed tokens by the drafts and exactly by the verification)."""
     model = tiny_model(seed=seed % 5, block_size=8)
     prompts = random_prompts(batch, 6, seed=seed)
-    top_k, top_p = filters
-    sampling = dict(temperature=1.2, top_k=top_k, top_p=top_p) if do_sample else {}
+    top_k, top_p, min_p = filters
+    sampling = dict(temperature=1.2, top_k=top_k, top_p=top_p, min_p=min_p) if do_sample else {}
     kwargs = dict(max_new_tokens=max_new, do_sample=do_sample, seed=seed, **sampling)
     static = model.generate(prompts, **kwargs)
     spec = model.generate(prompts, strategy="speculative", mrp_steps=k, draft_candidates=m, draft_schedule=schedule,

@@ -58,8 +58,9 @@ def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, blo
 
 
 @pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, temperature=1.3, seed=4),
-                                      dict(do_sample=True, temperature=1.3, seed=4, draft_candidates=64)],
-                         ids=["greedy", "sampled", "sampled-candidates"])
+                                      dict(do_sample=True, temperature=1.3, seed=4, draft_candidates=64),
+                                      dict(do_sample=True, temperature=2.0, seed=4, min_p=0.05, draft_candidates=64)],
+                         ids=["greedy", "sampled", "sampled-candidates", "sampled-min-p-candidates"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_oracle_mrp_reaches_k_plus_one_tokens_per_verify_forward(monkeypatch, k, sampling):
     """Sampled too: each draft step draws the noise the verify forward draws at that state, so an exact MRP's
@@ -294,11 +295,12 @@ def test_remask_with_infinite_delta_equals_dynamic():
                                              ("mrp", dict(draft_candidates=3)), ("authors", dict(draft_candidates=3))])
 def test_speculative_sampling_commits_exact_backbone_samples(schedule, drafts):
     """Draft and target share Gumbel noise per (row, position, state): with the same seed, speculative
-    sampling commits exactly the tokens that static one-token-a-step sampling commits."""
+    sampling commits exactly the tokens that static one-token-a-step sampling commits (min-p too: the drafts cut
+    their own tails, the verification exactly)."""
     model = tiny_model(seed=7, block_size=8)
     ids = random_prompts(3, 5, seed=9)
-    for seed in (0, 1):
-        kwargs = dict(max_new_tokens=14, do_sample=True, temperature=1.3, seed=seed)
+    for seed, min_p in ((0, None), (1, None), (2, 0.05)):
+        kwargs = dict(max_new_tokens=14, do_sample=True, temperature=1.3, seed=seed, min_p=min_p)
         static = model.generate(ids, **kwargs)
         spec = model.generate(ids, strategy="speculative", mrp_steps=3, draft_schedule=schedule, **drafts, **kwargs)
         assert torch.equal(spec, static)

@@ -13,8 +13,8 @@ Defined behaviour (shared with the Triton kernel):
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
-  top-k / top-p keep (:func:`top_k_top_p_cut`: a value per row, ties at it all kept);
-* ``prob`` = full-softmax probability of ``token`` under ``z`` (before top-k / top-p), ``lse`` =
+  top-k / top-p / min-p keep (:func:`sampling_cut`: a value per row, ties at it all kept);
+* ``prob`` = full-softmax probability of ``token`` under ``z`` (before the filters), ``lse`` =
   logsumexp of ``z`` over the non-excluded vocabulary;
 * skipped rows and rows with no finite candidate: ``token = -1, prob = 0, lse = -inf``.
 """
@@ -126,11 +126,14 @@ def exclude_banned(z: torch.Tensor, banned_tokens: torch.Tensor | None, ban_rows
     return z.masked_fill(banned, float("-inf"))
 
 
-def top_k_top_p_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None) -> torch.Tensor:
-    """Where top-k, then top-p (HF's order) cut each row of z [N, V]: tau [N], the value of the r-th largest entry
-    of the row, r = top_k (at most V) or, when sooner, the first rank >= 1 at which the probability mass ranked
-    before it, under the softmax over the top_k largest values, reaches ``top_p`` (a ``top_p`` of 1 keeps every
-    token). The filters keep the tokens with ``z >= tau`` (:func:`kept_by_cut`): every token equal to the r-th
+def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None, min_p=None) -> torch.Tensor:
+    """Where top-k, then top-p, then min-p (HF's order) cut each row of z [N, V]: tau [N], the value of the r-th
+    largest entry of the row, r = top_k (at most V) or, when sooner, the first rank >= 1 at which the probability
+    mass ranked before it, under the softmax over the top_k largest values, reaches ``top_p`` (a ``top_p`` of 1
+    keeps every token); then at least ``max z + log(min_p)``: min-p keeps the tokens whose probability is at least
+    ``min_p`` times the most likely one's, a ratio no normalisation changes, so it cuts after the other two by
+    raising tau (log(min_p) computed in float64, rounded to z's dtype, whether min_p is a number or a tensor).
+    The filters keep the tokens with ``z >= tau`` (:func:`kept_by_cut`): every token equal to the r-th
     value, ties all kept (as transformers' top-k keeps them), so which tokens a cut keeps never depends on their
     ids, and a kernel applies it with one comparison in its pass over the vocabulary.
 
@@ -139,6 +142,17 @@ def top_k_top_p_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | No
     tensors (read on the device, so a captured CUDA graph serves every value); ``top_k_max`` (a host int) is the
     largest value such a ``top_k`` tensor holds, which the selection then needs (without it the whole row is
     sorted; an int ``top_k`` is its own)."""
+    N, V = z.shape
+    tau = z.new_full((N,), float("-inf")) if top_k is None and top_p is None else \
+        _rank_cut(z, top_k, top_p, top_k_max)
+    if min_p is None:
+        return tau
+    log_min_p = torch.log(torch.as_tensor(min_p, dtype=torch.float64, device=z.device)).to(z.dtype)
+    return torch.maximum(tau, z.amax(-1) + log_min_p)
+
+
+def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None) -> torch.Tensor:
+    """The top-k / top-p part of :func:`sampling_cut`: tau [N], the value of the last rank they keep."""
     N, V = z.shape
     width = V  # how many of each row's largest values the cut may need
     if isinstance(top_k, torch.Tensor):
@@ -159,22 +173,23 @@ def top_k_top_p_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | No
 
 
 def kept_by_cut(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """bool [N, V]: the tokens of z [N, V] a :func:`top_k_top_p_cut` tau [N] keeps (``z >= tau``)."""
+    """bool [N, V]: the tokens of z [N, V] a :func:`sampling_cut` tau [N] keeps (``z >= tau``)."""
     return z >= tau[:, None]
 
 
-def drop_filtered(score: torch.Tensor, z: torch.Tensor, top_k=None, top_p=None, top_k_max=None) -> torch.Tensor:
-    """``score`` [N, V] with -inf at the tokens of z [N, V] that top-k / top-p drop (:func:`top_k_top_p_cut`); as it
-    is when neither is set."""
-    if top_k is None and top_p is None:
+def drop_filtered(score: torch.Tensor, z: torch.Tensor, top_k=None, top_p=None, top_k_max=None,
+                  min_p=None) -> torch.Tensor:
+    """``score`` [N, V] with -inf at the tokens of z [N, V] that top-k / top-p / min-p drop (:func:`sampling_cut`);
+    as it is when none is set."""
+    if top_k is None and top_p is None and min_p is None:
         return score
-    return score.masked_fill(~kept_by_cut(z, top_k_top_p_cut(z, top_k, top_p, top_k_max)), float("-inf"))
+    return score.masked_fill(~kept_by_cut(z, sampling_cut(z, top_k, top_p, top_k_max, min_p)), float("-inf"))
 
 
 def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-                top_k_max=None):
+                top_k_max=None, min_p=None):
     """Token per row of effective logits z [N, V]: -1 where no finite candidate. Sampling draws among the tokens
-    top-k / top-p keep (:func:`top_k_top_p_cut`); a greedy pick needs no filter (the most likely token is kept).
+    top-k / top-p / min-p keep (:func:`sampling_cut`); a greedy pick needs no filter (the most likely token is kept).
     The noise is hashed a few rows at a time (about NOISE_CHUNK elements): on a CPU its int64 temporaries then stay
     in cache, which makes a pick over a large vocabulary several times faster than one [N, V] pass."""
     if not do_sample:
@@ -185,14 +200,14 @@ def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, to
         for i in range(0, max(1, z.shape[0]), step):  # one (empty) chunk for N = 0
             zi = z[i:i + step]  # the cut is a row's own: cut chunk by chunk
             score = zi + gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1])
-            picks.append(drop_filtered(score, zi, top_k, top_p, top_k_max).max(dim=-1))
+            picks.append(drop_filtered(score, zi, top_k, top_p, top_k_max, min_p).max(dim=-1))
         best, tok = (torch.cat(x) for x in zip(*picks)) if len(picks) > 1 else picks[0]
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
 
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None):
+               top_k_max=None, min_p=None):
     """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; banned_tokens: bool [V];
     ban_rows: bool [N]; noise_keys: int64 [N, 3].
 
@@ -203,7 +218,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
                          banned_tokens=banned_tokens, ban_rows=ban_rows)
     lse = torch.logsumexp(z, dim=-1)
     tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                      top_k_max=top_k_max)
+                      top_k_max=top_k_max, min_p=min_p)
     valid = tok >= 0
     zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
     prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))

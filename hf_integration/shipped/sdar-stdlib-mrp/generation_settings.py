@@ -40,7 +40,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # _model_fields).
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
-SAMPLING = ("temperature", "top_k", "top_p")  # what only sampled decoding reads
+SAMPLING = ("temperature", "top_k", "top_p", "min_p")  # what only sampled decoding reads
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
 # Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
@@ -60,8 +60,7 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
-ON_THE_DEVICE = ("temperature", "top_k", "top_p", "threshold", "residual_delta", "min_new_tokens")
-SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # greedy steps never read them
+ON_THE_DEVICE = ("temperature", "top_k", "top_p", "min_p", "threshold", "residual_delta", "min_new_tokens")
 # Settings only some strategies read. A call that asks for one (a value other than its default) with another strategy
 # is refused: the value would change nothing. A checkpoint's generation config serves every strategy: its values apply
 # to the calls whose strategy reads them (e.g. a draft_vocab to the speculative calls).
@@ -172,6 +171,7 @@ class GenerationSettings:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     seed: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -209,7 +209,7 @@ class GenerationSettings:
         config may set top_k or top_p that greedy decoding ignores)."""
         def part(name: str):
             value = getattr(self, name)
-            if name in SAMPLING_ONLY and not self.do_sample:
+            if name in SAMPLING and not self.do_sample:  # greedy steps never read them
                 return None
             if name == "top_k":
                 return self.top_k_max
@@ -289,8 +289,8 @@ class GenerationSettings:
         return value is None if default is None else value == default
 
     def _check_sampling(self, asked: set[str]) -> None:
-        """Raise if the call asked for a sampling setting (``temperature``, ``top_k``, ``top_p``) without sampling,
-        which would change nothing (greedy decoding reads none of them)."""
+        """Raise if the call asked for a sampling setting (``temperature``, ``top_k``, ``top_p``, ``min_p``) without
+        sampling, which would change nothing (greedy decoding reads none of them)."""
         given = [f"{name}={getattr(self, name)!r}" for name in SAMPLING
                  if name in asked and getattr(self, name) is not None and not self._at_default(name)]
         if given and not self.do_sample:
@@ -340,6 +340,8 @@ class GenerationSettings:
             self.threshold = DEFAULT_THRESHOLD.get(self.strategy)
         if self.top_k == 0 and type(self.top_k) is int:  # transformers' "no top-k cut" (a checkpoint may carry it)
             self.top_k = None
+        if self.min_p == 0 and not isinstance(self.min_p, bool):  # keeps every token: no cut in the steps
+            self.min_p = None
         if isinstance(self.stop_strings, (str, list)):
             self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if isinstance(self.stopping_criteria, (list, tuple)):  # transformers' StoppingCriteriaList is a list
@@ -394,6 +396,8 @@ class GenerationSettings:
             _int_at_least("top_k", self.top_k, 0, " (0 or None: no top-k cut)")
         if self.top_p is not None and not 0.0 < _number("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
+        if self.min_p is not None and not 0.0 <= _number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (or None to disable)")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")
