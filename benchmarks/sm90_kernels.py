@@ -157,8 +157,8 @@ def _cached_attention() -> list[Variant]:
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
                      "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "m_ptr": "*fp32",
                      "d_ptr": "*fp32", "idx_ptr": "*i32", "topv_ptr": "*fp32", "topi_ptr": "*i32", "N": "i32",
-                     "V": "i32", "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64", "inv_temp": "fp32",
-                     "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
+                     "V": "i32", "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64",
+                     "inv_temp": "fp32", "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
 LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA",
                       "FLATTEN", "TOP_M", "BLOCK_N", "BLOCK_V", "BLOCK_K")
 

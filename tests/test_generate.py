@@ -982,8 +982,8 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
 
 @pytest.mark.parametrize("strategy", ["static", "speculative"])
 def test_graphed_sampling_reads_seed_temperature_top_k_top_p_and_min_p_from_buffers(model, strategy):
-    """The seed, temperature, top-k, top-p and min-p reach the captured steps through the engine's buffers, not as baked-in
-    arguments (a graph per value would capture again and pile up): each call samples what it samples without
+    """The seed, temperature, top-k, top-p and min-p reach the captured steps through the engine's buffers, not as
+    baked-in arguments (a graph per value would capture again and pile up): each call samples what it samples without
     graphs, and with static decoding and no EOS (the same steps whatever is sampled) every call replays the
     first call's steps."""
     ids = random_prompts(2, 6, seed=41)
