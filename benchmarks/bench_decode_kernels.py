@@ -165,18 +165,22 @@ def main(argv=None) -> int:
                     print(f"torch.compile failed for {kname} {shape}: {exc!r}", file=sys.stderr)
             if args.sweep and cuda:
                 sweeps.append((kname, shape, nbytes, e, L, res))
-        # Sampling among the tokens top-k / top-p keep (what chat checkpoints ask for), at the N of a decoding step's
-        # picks (up to a verify round's at batch 8): the launcher finds each row's cut among its top_k largest
-        # effective logits (torch.topk; top-p alone: a sort of the row), the kernel draws in its pass; eager: the
-        # reference (noise over all of V).
+        # Sampling among the tokens top-k / top-p / min-p keep (what chat checkpoints ask for), at the N of a decoding
+        # step's picks (up to a verify round's at batch 8): the launcher finds each row's cut among its top_k largest
+        # effective logits (torch.topk; top-p alone: a sort of the row; min-p: its max), the kernel draws in its
+        # pass; eager: the reference (noise over all of V). Then a greedy pick holding two EOS ids back in half the
+        # rows (min_new_tokens), against the plain confidence_nores rows.
         if N <= 512:
             keys = torch.randint(0, 2**31, (N, 3), device=dev, generator=gen)
             sampled = dict(do_sample=True, seed=1, noise_keys=keys, mask_token_id=151669 % V)
-            for kname, filters in (("confidence_topkp", dict(top_k=50, top_p=0.9)), ("confidence_topp",
-                                                                                     dict(top_p=0.9))):
+            eos = torch.zeros(V, dtype=torch.bool, device=dev)
+            eos[[151643 % V, 151645 % V]] = True
+            banned = dict(mask_token_id=151669 % V, banned_tokens=eos, ban_rows=torch.arange(N, device=dev) % 2 == 0)
+            for kname, kw in (("confidence_topkp", dict(top_k=50, top_p=0.9, **sampled)),
+                              ("confidence_topp", dict(top_p=0.9, **sampled)),
+                              ("confidence_minp", dict(min_p=0.05, **sampled)), ("confidence_ban", banned)):
                 eager_and_triton(kname, f"N={N},V={V},bf16", N * V * 2,
-                                 lambda: ref.confidence(L, **sampled, **filters),
-                                 lambda: mt.confidence_triton(L, **sampled, **filters))
+                                 lambda: ref.confidence(L, **kw), lambda: mt.confidence_triton(L, **kw))
         del L, Rr
         if cuda:
             torch.cuda.empty_cache()

@@ -276,6 +276,7 @@ class GenerationSettings:
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         settings._check_sampling(asked)
+        settings._check_minimum(asked)
         return settings
 
     @classmethod
@@ -296,6 +297,17 @@ class GenerationSettings:
         if given and not self.do_sample:
             raise ValueError(f"{', '.join(given)} {'steers' if len(given) == 1 else 'steer'} sampling, which this "
                              "call does not do: pass do_sample=True (or drop them)")
+
+    def _check_minimum(self, asked: set[str]) -> None:
+        """A minimum (``min_new_tokens`` / ``min_length``) with no EOS id holds nothing back: refused when the call
+        asked for it, set aside when it comes from the checkpoint's generation config."""
+        if self.min_new_tokens is None or self.eos_ids:
+            return
+        if asked & {"min_new_tokens", "min_length"}:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back EOS, but this call has no "
+                             "eos_token_id (nothing ends a row early): pass eos_token_id=... (or drop "
+                             "min_new_tokens / min_length)")
+        self.min_new_tokens = None
 
     def _drop_unread(self, asked: set[str]) -> None:
         """Reset the settings this call's strategy does not read (:data:`READ_BY`) to their defaults; raise if the
@@ -361,10 +373,6 @@ class GenerationSettings:
         _int_at_least("max_new_tokens", self.max_new_tokens, 1)
         if self.min_new_tokens is not None:
             _int_at_least("min_new_tokens", self.min_new_tokens, 0)
-            if not self.eos_ids:
-                raise ValueError(f"min_new_tokens={self.min_new_tokens} holds back EOS, but this call has no "
-                                 "eos_token_id (nothing ends a row early): pass eos_token_id=... (or drop "
-                                 "min_new_tokens / min_length)")
         _int_at_least("block_length", self.block_length, 1)
         _int_at_least("num_return_sequences", self.num_return_sequences, 1)
         if self.num_return_sequences > 1 and not self.do_sample:

@@ -208,3 +208,21 @@ def test_one_set_of_graphed_steps_serves_every_minimum(model):
 def test_bad_minimums_are_refused_by_name(model, kwargs, error, message):
     with pytest.raises(error, match=message):
         model.generate(random_prompts(1, 4), max_new_tokens=8, **{"eos_token_id": 3, **kwargs})
+
+
+def test_a_checkpoints_minimum_waits_for_calls_with_an_eos(model):
+    """A minimum in the checkpoint's generation config holds EOS back in the calls that have one, and is set aside
+    in a call without EOS ids (which it would refuse if the call asked for it)."""
+    rows, ids, mask = _batch()
+    eos = _early_tokens(model, ids, mask)
+    common = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=PAD)
+    held, plain = model.generate(ids, min_new_tokens=5, **common), model.generate(ids, **common)
+    assert not torch.equal(held, plain)
+    shipped = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(min_new_tokens=5)
+        assert torch.equal(model.generate(ids, **common), held)
+        assert torch.equal(model.generate(ids, **dict(common, min_new_tokens=0)), plain)  # the call's value wins
+        model.generate(ids, **dict(common, eos_token_id=[]))  # no EOS: nothing to hold back, nothing refused
+    finally:
+        model.generation_config = shipped
