@@ -89,6 +89,10 @@ def test_shipped_model_runs_in_a_text_generation_pipeline():
     # The pipeline samples unless told otherwise (its own default); greedy speculative equals static.
     greedy = generator(prompt, max_new_tokens=32, do_sample=False)[0]["generated_text"]
     assert greedy == generator(prompt, max_new_tokens=32, do_sample=False, strategy="speculative")[0]["generated_text"]
+    # min_p reaches generate() too: at 1 a sampled run keeps the most likely token alone, greedy's (at temperature 1:
+    # the same confidences; the pipeline's sampled calls default to 0.7)
+    sampled = generator(prompt, max_new_tokens=32, do_sample=True, temperature=1.0, min_p=1.0)
+    assert sampled[0]["generated_text"] == greedy
     new_text = greedy[len(prompt):]
     stop = new_text[len(new_text) // 2 : len(new_text) // 2 + 2]  # stop strings need the tokenizer, as in transformers
     stopped = generator(prompt, max_new_tokens=32, do_sample=False, stop_strings=stop, tokenizer=generator.tokenizer)
