@@ -4,8 +4,9 @@ The per-row state is which original row each row of the working batch is (``rows
 and the stats), how many tokens each has committed (``counter``: the state index in the noise key), where its
 new tokens start and where its output ends (``starts``, ``ends``: past its last new token, or past its first EOS
 once it has committed one), the per-row stats and the steps device loops have run (``loop_steps``); beside it the
-call's sampling seed (``seed_key``), EOS ids (``is_eos``) and the settings read on the device (``on_device``:
-temperature, top-k, top-p, thresholds, denoising steps), so one set of captured steps serves every value. Like the
+call's sampling seed (``seed_key``), EOS ids (``is_eos``), token bans (``ban_table``) and the settings read on the
+device (``on_device``: temperature, top-k, top-p, min-p, thresholds, min_new_tokens), so one set of captured steps
+serves every value. Like the
 cache, it lives in buffers whose storage never moves: ``rows``, ``counter``, ``starts`` and ``ends`` are views of
 the first B' entries, finished rows are dropped by moving the kept ones to the front, and the stats (and, for
 ``output_reveal_steps``, each row's decoding steps and the step that revealed each of its positions) are indexed by
@@ -27,6 +28,11 @@ from .generation_settings import ON_THE_DEVICE, GenerationSettings
 from .kv_cache import StaticKVCache
 from .modeling_sdar import rotary_cos_sin
 from .step_graphs import LaggedFlags, StepGraphs
+
+
+# The classes of token ban (bits of DecodeEngine.ban_table and of a pick's rows: mrp_triton.confidence's banned_tokens
+# and ban_rows): EOS before min_new_tokens, suppress_tokens everywhere, begin_suppress_tokens at a row's first new token
+BAN_EOS, BAN_SUPPRESS, BAN_FIRST = 1, 2, 4
 
 
 @dataclass
@@ -107,6 +113,8 @@ class DecodeEngine:
         self._starts = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self._ends = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self.is_eos = torch.zeros(config.vocab_size, dtype=torch.bool, device=s.device)  # bool [V], by token id
+        # uint8 [V], by token id: the classes of ban each token is in (BAN_EOS, BAN_SUPPRESS, BAN_FIRST bits)
+        self.ban_table = torch.zeros(config.vocab_size, dtype=torch.uint8, device=s.device)
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
         # output_reveal_steps: by original row, the decoding steps it has taken [B] and the step that revealed each
         # position [B, max_len]
@@ -132,6 +140,10 @@ class DecodeEngine:
             value.fill_(1.0 if getattr(settings, name) is None else float(getattr(settings, name)))
         self.is_eos.zero_()
         self.is_eos[list(settings.eos_ids)] = True
+        self.ban_table.zero_()
+        for bit, ids in ((BAN_EOS, settings.eos_ids), (BAN_SUPPRESS, settings.suppress_tokens),
+                         (BAN_FIRST, settings.begin_suppress_tokens)):
+            self.ban_table[list(ids or ())] |= bit
 
     def use_layout(self, starts: torch.Tensor, ends: torch.Tensor) -> None:
         """This call's rows (every row of the engine's batch): where each one's new tokens start and end, int64

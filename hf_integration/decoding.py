@@ -33,7 +33,7 @@ from transformers.utils.logging import tqdm
 import mrp_triton
 from mrp_triton.reference.confidence import exclude_banned, inverse_temperature
 
-from .decode_engine import DecodeStats, EngineShape, engine_for
+from .decode_engine import BAN_EOS, BAN_FIRST, BAN_SUPPRESS, DecodeStats, EngineShape, engine_for
 from .draft_candidates import refresh_vocab_mean
 from .draft_vocab import DraftHead, draft_head
 from .generation_settings import MRP_STRATEGIES, GenerationSettings
@@ -464,20 +464,28 @@ class BlockDecoder:
             return None
         return self.counter + offset if isinstance(offset, int) else self.counter[:, None] + offset
 
-    def eos_ban(self, positions: torch.Tensor, banned_tokens: torch.Tensor) -> dict:
-        """The ops' ``banned_tokens`` / ``ban_rows`` arguments that hold EOS back at the positions [B, T] before each
-        row's ``min_new_tokens``-th new token (read on the device: one captured step serves every value);
-        ``banned_tokens``: bool over the columns the op scores (``engine.is_eos``, or a draft vocabulary's part of
-        it). Empty without ``min_new_tokens``."""
-        if self.settings.min_new_tokens is None:
+    def token_bans(self, positions: torch.Tensor, vocab: int | None = None, draft: DraftHead | None = None) -> dict:
+        """The ops' ``banned_tokens`` / ``ban_rows`` arguments for the positions [B, T]: each position's classes of
+        ban (``decode_engine.BAN_*`` bits): EOS before the row's ``min_new_tokens``-th new token (the minimum read on
+        the device), ``suppress_tokens`` everywhere, ``begin_suppress_tokens`` at the row's first new token; and the
+        classes of each column the op scores (``engine.ban_table``: its first ``vocab`` ids, or ``draft``'s columns).
+        Empty when the call bans nothing."""
+        s, engine = self.settings, self.engine
+        if s.min_new_tokens is None and s.suppress_tokens is None and s.begin_suppress_tokens is None:
             return {}
-        before = positions < self.engine.starts[:, None] + self.engine.on_device["min_new_tokens"]
-        return dict(banned_tokens=banned_tokens, ban_rows=before.reshape(-1))
+        table = engine.ban_table[:vocab] if draft is None else draft.columns(engine.ban_table)
+        starts = engine.starts[:, None]
+        classes = torch.full_like(positions, BAN_SUPPRESS if s.suppress_tokens is not None else 0, dtype=torch.uint8)
+        if s.min_new_tokens is not None:
+            classes |= (positions < starts + engine.on_device["min_new_tokens"]).to(torch.uint8) * BAN_EOS
+        if s.begin_suppress_tokens is not None:
+            classes |= (positions == starts).to(torch.uint8) * BAN_FIRST
+        return dict(banned_tokens=table, ban_rows=classes.reshape(-1))
 
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
              counter: torch.Tensor | None):
-        """Per position the token to commit and its confidence (never the mask token, nor EOS before the row's
-        ``min_new_tokens``: :meth:`eos_ban`).
+        """Per position the token to commit and its confidence (never the mask token, nor a token the call bans there:
+        :meth:`token_bans`).
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
         counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling).
@@ -488,7 +496,7 @@ class BlockDecoder:
         keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
         tok, conf, lse = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
-            mask_token_id=self.mask_among(V), **self.eos_ban(positions, self.engine.is_eos[:V]),
+            mask_token_id=self.mask_among(V), **self.token_bans(positions, V),
             do_sample=s.do_sample, seed=0, noise_keys=keys,
             top_k=self.on_device("top_k") if s.do_sample else None, top_k_max=s.top_k_max,
             top_p=self.on_device("top_p") if s.do_sample else None,
@@ -514,15 +522,14 @@ class BlockDecoder:
                 return picks
             z = logits.float().masked_fill(~candidates[..., None], float("-inf"))
             z[..., self.mask_id] = float("-inf")
-            ban = self.eos_ban(positions, self.engine.is_eos)
+            ban = self.token_bans(positions)
             if ban:
                 z = exclude_banned(z.view(B * T, -1), **ban).view(B, T, -1)
             top, ids = z.topk(top_m, dim=-1)  # the order among equal logits does not matter to a draft
             return *picks, top * inverse_temperature(self.temperature), ids.masked_fill(top == float("-inf"), -1)
         out = mrp_triton.lm_head_confidence(
             hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
-            **self.eos_ban(positions, self.engine.is_eos if draft is None else draft.columns(self.engine.is_eos)),
-            skip_rows=~candidates.reshape(-1), top_m=top_m)
+            **self.token_bans(positions, draft=draft), skip_rows=~candidates.reshape(-1), top_m=top_m)
         tok = out[0] if draft is None else draft.tokens(out[0])
         return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
 

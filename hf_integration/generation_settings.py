@@ -61,6 +61,9 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
 ON_THE_DEVICE = ("temperature", "top_k", "top_p", "min_p", "threshold", "residual_delta", "min_new_tokens")
+# Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
+# whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
+IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
 # Settings only some strategies read. A call that asks for one (a value other than its default) with another strategy
 # is refused: the value would change nothing. A checkpoint's generation config serves every strategy: its values apply
 # to the calls whose strategy reads them (e.g. a draft_vocab to the speculative calls).
@@ -110,6 +113,10 @@ class GenerationSettings:
     transformers' logits processor sets its logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no
     row ends before them (stop strings, stopping criteria and ``max_time`` still may); ``min_length`` asks the same
     of the width of ``input_ids`` plus the new tokens (as in transformers; both given: the larger).
+    ``suppress_tokens`` are never decoded (excluded from every pick and its softmax, as transformers' processor sets
+    their logits to -inf), ``begin_suppress_tokens`` not as a row's first new token; ``bad_words_ids`` of one token
+    each are suppressed tokens (a sequence of several tokens is refused: which of its tokens comes last depends on the
+    order a block is decoded in).
     ``num_return_sequences`` (sampling only) decodes each prompt that many times, the copies next to each
     other in the output and each drawing its own noise. ``seed`` keys the sampling noise: a call without one draws it
     from torch's default generator, so sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed``
@@ -172,6 +179,9 @@ class GenerationSettings:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    suppress_tokens: Sequence[int] | None = None  # validated: a sorted tuple of distinct ids, or None
+    begin_suppress_tokens: Sequence[int] | None = None  # validated: as suppress_tokens
+    bad_words_ids: Sequence[Sequence[int]] | None = None  # validated: folded into suppress_tokens, then None
     seed: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -213,7 +223,7 @@ class GenerationSettings:
                 return None
             if name == "top_k":
                 return self.top_k_max
-            return value is None if name in ON_THE_DEVICE else repr(value)
+            return value is None if name in ON_THE_DEVICE + IN_THE_BAN_TABLE else repr(value)
 
         return tuple((f.name, part(f.name)) for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
 
@@ -420,6 +430,7 @@ class GenerationSettings:
                                                        all(map(callable, self.stopping_criteria))):
             raise TypeError(f"stopping_criteria must be a list (or transformers.StoppingCriteriaList) of criteria "
                             f"called as criterion(input_ids, scores), got {reprlib.repr(self.stopping_criteria)}")
+        self._normalize_bans(config.vocab_size)
         if self.max_time is not None and not _number("max_time", self.max_time) > 0.0:
             raise ValueError(f"max_time={self.max_time} must be > 0 seconds (or None: no time limit)")
         self.eos_ids = tuple(_token_id("eos_token_id", i, config.vocab_size) for i in self.eos_ids)
@@ -453,6 +464,30 @@ class GenerationSettings:
             if self.draft_vocab is not None:
                 raise ValueError("draft_candidates and draft_vocab both choose the tokens a draft scores: give one "
                                  "of them (one a call gives overrides the other's value in a generation config)")
+
+    def _normalize_bans(self, vocab_size: int) -> None:
+        """``suppress_tokens`` and ``begin_suppress_tokens`` as sorted tuples of distinct token ids (None when empty),
+        the former with the ids of ``bad_words_ids`` (one token each) folded in."""
+        banned = {}
+        for name in IN_THE_BAN_TABLE:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a list of token ids{' lists' if name == 'bad_words_ids' else ''}, "
+                                f"got {type(value).__name__}")
+            if name == "bad_words_ids":
+                several = [list(w) for w in value if not isinstance(w, Sequence) or len(w) != 1]
+                if several:
+                    raise ValueError(f"bad_words_ids {reprlib.repr(several)} are not single tokens: block diffusion "
+                                     "decodes a block in no fixed order, so a ban on a token sequence has no last "
+                                     "token to ban; ban single tokens ([[id], ...], or suppress_tokens)")
+                value = [w[0] for w in value]
+            banned[name] = {_token_id(name, i, vocab_size) for i in value}
+        suppressed = banned.get("suppress_tokens", set()) | banned.get("bad_words_ids", set())
+        self.suppress_tokens = tuple(sorted(suppressed)) or None
+        self.begin_suppress_tokens = tuple(sorted(banned.get("begin_suppress_tokens", ()))) or None
+        self.bad_words_ids = None
 
 
 def _number(name: str, value) -> float:

@@ -62,35 +62,36 @@ def check_token_id(mask_token_id) -> None:
         raise TypeError(f"mask_token_id must be an int, got {type(mask_token_id).__name__}")
 
 
-def check_skip_rows(skip_rows, rows: int, device: torch.device, data: str, name: str = "skip_rows",
-                    none_means: str = "") -> None:
-    """``skip_rows`` (or the row flags called ``name``) must be None or a bool tensor [rows] on ``device``, one per
-    row of the tensor named ``data``; ``none_means`` says what None asks for, in the message."""
+def check_skip_rows(skip_rows, rows: int, device: torch.device, data: str) -> None:
+    """``skip_rows`` must be None or a bool tensor [rows] on ``device``, one per row of the tensor named ``data``."""
     if skip_rows is None:
         return
     if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or tuple(skip_rows.shape) != (rows,):
-        raise ValueError(f"{name} must be a bool tensor of shape [{rows}] (one per row of {data}), or None"
-                         + (f" ({none_means})" if none_means else ""))
+        raise ValueError(f"skip_rows must be a bool tensor of shape [{rows}] (one per row of {data}), or None")
     if skip_rows.device != device:
-        raise ValueError(f"{name} is on {skip_rows.device} but {data} is on {device}")
+        raise ValueError(f"skip_rows is on {skip_rows.device} but {data} is on {device}")
+
+
+BAN_DTYPES = (torch.bool, torch.uint8)
 
 
 def check_banned(banned_tokens, ban_rows, rows: int, vocab: int, device: torch.device, data: str) -> None:
-    """``banned_tokens`` must be None or a bool tensor [vocab] on ``device`` (the tokens excluded like the mask
-    column), and ``ban_rows`` None or a bool tensor [rows] there (the rows of ``data`` they are excluded in; None:
-    all), given only with ``banned_tokens``."""
+    """``banned_tokens`` must be None or a bool / uint8 tensor [vocab] on ``device`` (the tokens excluded like the
+    mask column; uint8: each bit a class of ban), and ``ban_rows`` None or a bool / uint8 tensor [rows] there (the
+    classes in force in each row of ``data``; None: all), given only with ``banned_tokens``."""
     if banned_tokens is None:
         if ban_rows is not None:
             raise ValueError("ban_rows marks the rows banned_tokens are excluded in: pass banned_tokens too (or drop "
                              "ban_rows)")
         return
-    if not isinstance(banned_tokens, torch.Tensor) or banned_tokens.dtype != torch.bool or \
-            tuple(banned_tokens.shape) != (vocab,):
-        raise ValueError(f"banned_tokens must be a bool tensor of shape [{vocab}] (one per token of {data}'s "
-                         "vocabulary), or None")
-    if banned_tokens.device != device:
-        raise ValueError(f"banned_tokens is on {banned_tokens.device} but {data} is on {device}")
-    check_skip_rows(ban_rows, rows, device, data, "ban_rows", "banned_tokens excluded in every row")
+    for name, t, shape, what in (("banned_tokens", banned_tokens, vocab, f"one per token of {data}'s vocabulary"),
+                                 ("ban_rows", ban_rows, rows, f"one per row of {data}")):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in BAN_DTYPES or tuple(t.shape) != (shape,):
+            raise ValueError(f"{name} must be a bool or uint8 tensor of shape [{shape}] ({what}), or None")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {data} is on {device}")
 
 
 MAX_TOP_M = 64

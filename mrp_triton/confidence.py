@@ -114,8 +114,9 @@ def _conf_partial_kernel(
             h = _mix32(h ^ ((k >> 32) & M32))
     if HAS_CUT:  # top-k / top-p / min-p: draw among the tokens at or above the row's cut
         tau = tl.load(tau_ptr + row)
-    if HAS_BAN:  # banned_tokens (uint8 [V]) are excluded in this row when its ban_rows flag is set: the table is
-        ban_hi = tl.where(tl.load(ban_rows_ptr + row) != 0, hi, 0)  # read below ban_hi (nowhere in other rows)
+    if HAS_BAN:  # token v is excluded where banned_tokens[v] & this row's ban classes (uint8 bits) is nonzero: the
+        ban_bits = tl.load(ban_rows_ptr + row)  # table is read below ban_hi (nowhere in a row with no class)
+        ban_hi = tl.where(ban_bits != 0, hi, 0)
     # One cross-warp reduction per tile (the running max m); the rescaled sum and the argmax are
     # kept per lane (lane i sees offsets i, i + BLOCK_V, ... in increasing order, and only a strictly
     # larger score replaces, so each lane holds its earliest maximum) and reduced once at the end.
@@ -149,7 +150,7 @@ def _conf_partial_kernel(
         x = comparable(x)
         x = tl.where(msk & (offs != mask_id), x, float("-inf"))
         if HAS_BAN:
-            x = tl.where(tl.load(ban_tok_ptr + offs, mask=offs < ban_hi, other=0) != 0, float("-inf"), x)
+            x = tl.where((tl.load(ban_tok_ptr + offs, mask=offs < ban_hi, other=0) & ban_bits) != 0, float("-inf"), x)
         m_new = tl.maximum(m, tl.max(x, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         d_vec = d_vec * tl.exp(m - m_safe) + tl.exp(x - m_safe)
@@ -383,7 +384,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     keys = noise_keys.contiguous() if sample else dummy
     ban_tok = banned_tokens.contiguous().view(torch.uint8) if banned_tokens is not None else dummy
     ban_flags = (ban_rows.contiguous().view(torch.uint8) if ban_rows is not None else
-                 torch.ones(N, dtype=torch.uint8, device=dev)) if banned_tokens is not None else dummy
+                 torch.full((N,), 0xFF, dtype=torch.uint8, device=dev)) if banned_tokens is not None else dummy
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     t_tensor = isinstance(temperature, torch.Tensor)
@@ -419,8 +420,9 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     """Per-row token, full-softmax probability and logsumexp of the effective logits.
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
-    skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool [V] (tokens excluded like the mask
-    column, in the rows ``ban_rows``, bool [N], marks; None: in every row); noise_keys: int64 [N, 3] =
+    skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool or uint8 [V] and ban_rows: bool or
+    uint8 [N] (token v excluded like the mask column in row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero:
+    each bit a class of ban; ban_rows None: every class in every row); noise_keys: int64 [N, 3] =
     (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p`` and
     ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely) are numbers or 0-d
     tensors on the logits' device (read there, so a captured CUDA graph serves every value; the

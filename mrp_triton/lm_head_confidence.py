@@ -2,8 +2,8 @@
 
 For each of N rows: ``z = (hidden @ weight.T [+ base_logits]) / temperature`` over the vocabulary
 V, the argmax token (lowest index on ties), its probability ``exp(max z - logsumexp z)`` and
-``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three, and so are the columns
-``banned_tokens`` marks in the rows ``ban_rows`` marks (how decoding holds back EOS before ``min_new_tokens``). As
+``lse = logsumexp z``, with the ``mask_token_id`` column excluded from all three, and so is column v in row n when
+``banned_tokens[v] & ban_rows[n]`` is nonzero (how decoding holds EOS back and suppresses tokens). As
 in ``confidence``, NaN in z counts as -inf, +inf as the largest fp32, and a row with no finite z gives token -1, prob 0,
 lse -inf. The [N, V] logits are never written. Rows in ``skip_rows`` give token -1, prob 0, lse -inf and cost nothing:
 a one-program kernel lists the kept rows first (prefix sums on the device, no host synchronisation,
@@ -125,8 +125,8 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
     v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
 
-    if HAS_BAN:  # banned_tokens (uint8 [V]) are excluded in the rows whose ban_rows flag is set
-        ban_row = tl.expand_dims(tl.load(ban_rows_ptr + rows64, mask=row_mask, other=0) != 0, V_AXIS)
+    if HAS_BAN:  # column v is excluded in a row where banned_tokens[v] & the row's ban classes (uint8 bits) != 0
+        ban_bits = tl.expand_dims(tl.load(ban_rows_ptr + rows64, mask=row_mask, other=0), V_AXIS)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     d = tl.zeros([BLOCK_N], tl.float32)
     best = tl.zeros([BLOCK_N], tl.int32) + v_start
@@ -165,8 +165,8 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
             valid = valid & (cols != mask_token)
         z = tl.where(tl.expand_dims(valid, 1 - V_AXIS), z, float("-inf"))
         if HAS_BAN:
-            banned = tl.expand_dims(tl.load(ban_tok_ptr + cols, mask=col_mask, other=0) != 0, 1 - V_AXIS)
-            z = tl.where(banned & ban_row, float("-inf"), z)
+            banned = tl.expand_dims(tl.load(ban_tok_ptr + cols, mask=col_mask, other=0), 1 - V_AXIS)
+            z = tl.where((banned & ban_bits) != 0, float("-inf"), z)
         tile_max, tile_arg = tl.max(z, axis=V_AXIS, return_indices=True, return_indices_tie_break_left=True)
         best = tl.where(tile_max > m, v0 + tile_arg.to(tl.int32), best)
         new_m = tl.maximum(m, tile_max)
@@ -362,7 +362,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     if banned_tokens is not None:
         ban_tok = banned_tokens.contiguous().view(torch.uint8)
         ban_flags = ban_rows.contiguous().view(torch.uint8) if ban_rows is not None else \
-            torch.ones(N, dtype=torch.uint8, device=hidden.device)
+            torch.full((N,), 0xFF, dtype=torch.uint8, device=hidden.device)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
         h, w, w_desc, base, order, kept, ban_tok, ban_flags, m_part, d_part, i_part, topv_part, topi_part,
@@ -400,8 +400,9 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     """Greedy pick and its full-softmax confidence, never materialising the logits.
 
     hidden: [N, H], weight: [V, H] (the lm_head), base_logits: [N, V] or None,
-    mask_token_id: a column excluded from the argmax and the softmax, banned_tokens: bool [V] (columns excluded so in
-    the rows ``ban_rows``, bool [N], marks; None: in every row), temperature > 0,
+    mask_token_id: a column excluded from the argmax and the softmax, banned_tokens: bool or uint8 [V] and ban_rows:
+    bool or uint8 [N] (column v excluded so in row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero; ban_rows
+    None: in every row), temperature > 0,
     skip_rows: bool [N] or None (rows not to score: token -1, prob 0, lse -inf; on the GPU they cost nothing).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) for
     ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index. With ``top_m`` (0 to

@@ -36,12 +36,16 @@ def _check(got, exp):
 
 
 def _drawn_ban(draw, g: torch.Generator, N: int, V: int):
-    """(banned_tokens bool [V] or None, ban_rows bool [N] or None): none, some tokens (a fraction of them, or all) in
-    every row or in drawn rows."""
+    """(banned_tokens [V] or None, ban_rows [N] or None): none; some tokens (a fraction of them, or all) as bools, in
+    every row or in drawn rows; or three classes of ban as uint8 bits, in every row or drawn classes in each row."""
     p_ban = draw(st.sampled_from([None, 0.05, 0.3, 1.0]))
     if p_ban is None:
         return None, None
-    return torch.rand(V, generator=g) < p_ban, torch.rand(N, generator=g) < 0.5 if draw(st.booleans()) else None
+    every_row = draw(st.booleans())
+    if draw(st.booleans()):
+        return torch.rand(V, generator=g) < p_ban, None if every_row else torch.rand(N, generator=g) < 0.5
+    classes = sum((torch.rand(V, generator=g) < p_ban).to(torch.uint8) << bit for bit in range(3))
+    return classes, None if every_row else torch.randint(0, 8, (N,), generator=g).to(torch.uint8)
 
 
 @st.composite
@@ -127,6 +131,12 @@ def test_banned_tokens_count_as_minus_infinity_in_their_rows(backend, do_sample)
         assert got[0][2] == mt.confidence(L, **kw)[0][2]  # the ban does not apply there
         _check(mt.confidence(L, banned_tokens=banned, **kw),  # no ban_rows: every row bans
                mt.confidence(L.masked_fill(banned, float("-inf")), **kw))
+        # classes as uint8 bits: token 11 in class 1, the first row's best in class 2; a row excludes its classes
+        classes = torch.zeros(97, dtype=torch.uint8, device=DEV)
+        classes[11], classes[L[0].argmax()] = 1, 2
+        bits = torch.tensor([2, 1, 3, 0, 2], dtype=torch.uint8, device=DEV)
+        _check(mt.confidence(L, banned_tokens=classes, ban_rows=bits, **kw),
+               mt.confidence(L.masked_fill((bits[:, None] & classes) != 0, float("-inf")), **kw))
 
 
 def test_greedy_exact_cases():
@@ -422,12 +432,13 @@ def test_reference_backend_on_cpu_matches():
     (dict(min_p=-0.1), "min_p must be in \\[0, 1\\]"),
     (dict(min_p=True), "min_p must be in \\[0, 1\\]"),
     (dict(min_p=torch.ones(2)), "min_p must be a number or a 0-d real tensor"),
-    (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool tensor of shape \\[10\\]"),
-    (dict(banned_tokens=torch.zeros(10, dtype=torch.long)), "banned_tokens must be a bool tensor"),
+    (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool or uint8 tensor of shape "
+                                                           "\\[10\\]"),
+    (dict(banned_tokens=torch.zeros(10, dtype=torch.long)), "banned_tokens must be a bool or uint8 tensor"),
     (dict(banned_tokens=torch.zeros(10, dtype=torch.bool, device="meta")), "banned_tokens is on meta"),
     (dict(ban_rows=torch.ones(2, dtype=torch.bool)), "pass banned_tokens too"),
     (dict(banned_tokens=torch.zeros(10, dtype=torch.bool), ban_rows=torch.ones(3, dtype=torch.bool)),
-     "ban_rows must be a bool tensor of shape \\[2\\]"),
+     "ban_rows must be a bool or uint8 tensor of shape \\[2\\]"),
 ])
 def test_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

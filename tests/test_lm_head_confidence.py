@@ -43,9 +43,13 @@ def _row_strided(x: torch.Tensor) -> torch.Tensor:
 
 
 def _drawn_ban(ban: str | None, N: int, V: int, g: torch.Generator) -> dict:
-    """banned_tokens (about a third of the vocabulary) and ban_rows: none, in every row, or in some rows."""
+    """banned_tokens (about a third of the vocabulary) and ban_rows: none, in every row, or in some rows; or three
+    classes of ban (uint8 bits), each row excluding drawn classes."""
     if ban is None:
         return {}
+    if ban == "classes":
+        classes = sum((torch.rand(V, generator=g) < 0.3).to(torch.uint8) << bit for bit in range(3))
+        return dict(banned_tokens=classes.to(DEV), ban_rows=torch.randint(0, 8, (N,), generator=g).to(DEV, torch.uint8))
     return dict(banned_tokens=(torch.rand(V, generator=g) < 0.3).to(DEV),
                 ban_rows=None if ban == "every row" else (torch.rand(N, generator=g) < 0.5).to(DEV))
 
@@ -67,7 +71,7 @@ def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
 @given(N=st.integers(1, 20), H=st.integers(1, 40), V=st.integers(2, 300), dtype=st.sampled_from(DTYPES),
        base=st.sampled_from((None, torch.float32, torch.bfloat16)), use_mask=st.booleans(),
        temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, top_m=st.integers(0, 8), strided=st.booleans(),
-       ban=st.sampled_from((None, "every row", "some rows")), seed=st.integers(0, 2**16))
+       ban=st.sampled_from((None, "every row", "some rows", "classes")), seed=st.integers(0, 2**16))
 def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, top_m, strided,
                                               ban, seed):
     """Every tile layout, with and without the top_m list (which makes every split one tile) and banned tokens (in
@@ -95,7 +99,7 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
 @given(N=st.integers(1, 40), H=st.integers(1, 24), V=st.integers(2, 120), dtype=st.sampled_from(DTYPES),
        skip=st.sampled_from(("none", "all", "first", "last", "random")), with_base=st.booleans(),
        block_n=st.sampled_from((16, 32)), rows_major=st.booleans(), top_m=st.sampled_from((0, 1, 5)),
-       ban=st.sampled_from((None, "every row", "some rows")), seed=st.integers(0, 2**16))
+       ban=st.sampled_from((None, "every row", "some rows", "classes")), seed=st.integers(0, 2**16))
 def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, top_m, ban, seed):
     """Skipped rows give (-1, 0, -inf); the kept rows, gathered to the front on the device, give what they
     give unskipped, whichever row blocks they end up in."""
@@ -405,9 +409,9 @@ def test_errors():
     with pytest.raises(ValueError, match="empty vocabulary or hidden size"):
         lm_head_confidence_triton(h, w[:0])
     for op in (lm_head_confidence_triton, lm_head_confidence):
-        with pytest.raises(ValueError, match="banned_tokens must be a bool tensor of shape \\[10\\]"):
+        with pytest.raises(ValueError, match="banned_tokens must be a bool or uint8 tensor of shape \\[10\\]"):
             op(h, w, banned_tokens=torch.zeros(9, dtype=torch.bool))
-        with pytest.raises(ValueError, match="ban_rows must be a bool tensor of shape \\[2\\]"):
+        with pytest.raises(ValueError, match="ban_rows must be a bool or uint8 tensor of shape \\[2\\]"):
             op(h, w, banned_tokens=torch.zeros(10, dtype=torch.bool), ban_rows=torch.ones(3, dtype=torch.bool))
         with pytest.raises(ValueError, match="pass banned_tokens too"):
             op(h, w, ban_rows=torch.ones(2, dtype=torch.bool))

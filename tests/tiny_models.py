@@ -57,13 +57,15 @@ def padded_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, tor
 
 
 def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None,
-                        reveal_steps: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (), min_new: int = 0):
+                        reveal_steps: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (), min_new: int = 0,
+                        suppress: tuple[int, ...] = (), begin_suppress: tuple[int, ...] = ()):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
     the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
     forwards it ran are appended to ``forwards``, and the step (1, 2, ...) that revealed each position is written
     into ``reveal_steps`` [P + max_new]. ``eos_ids`` get a logit of -inf at the first ``min_new`` new tokens (as
-    transformers' min_new_tokens processor sets them); nothing stops at them."""
+    transformers' min_new_tokens processor sets them; nothing stops at them), ``suppress`` everywhere and
+    ``begin_suppress`` at the first new token."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
@@ -76,9 +78,11 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
                 forwards.append(start)
             logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
             logits[:, MASK_ID] = float("-inf")
-            before_min = torch.arange(start, start + block) < P + min_new
-            is_eos = torch.isin(torch.arange(logits.shape[1]), torch.tensor(eos_ids, dtype=torch.long))
-            logits[before_min[:, None] & is_eos] = float("-inf")
+            new_index = torch.arange(start, start + block)[:, None] - P
+            bans = ((eos_ids, new_index < min_new), (suppress, new_index >= 0), (begin_suppress, new_index == 0))
+            for ids, where in bans:
+                banned = torch.isin(torch.arange(logits.shape[1]), torch.tensor(ids, dtype=torch.long))
+                logits[where & banned] = float("-inf")
             probs = logits.softmax(-1)
             conf, tok = probs.max(-1)
             conf = torch.where(x[0, start : start + block] == MASK_ID, conf, torch.full_like(conf, -1.0))

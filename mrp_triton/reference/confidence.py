@@ -7,9 +7,10 @@ Defined behaviour (shared with the Triton kernel):
   rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
   on the device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
-* the ``mask_token_id`` column is excluded (never chosen, not in the softmax), and so are the tokens
-  ``banned_tokens`` (bool [V]) marks in the rows ``ban_rows`` (bool [N]; None: every row) marks
-  (:func:`exclude_banned`: how decoding holds back EOS before ``min_new_tokens``);
+* the ``mask_token_id`` column is excluded (never chosen, not in the softmax), and so is token v in row n when
+  ``banned_tokens[v] & ban_rows[n]`` is nonzero (bool or uint8, each bit a class of ban; ``ban_rows`` None: every
+  class in every row; :func:`exclude_banned`: how decoding holds EOS back before ``min_new_tokens`` and suppresses
+  tokens);
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
@@ -118,12 +119,15 @@ def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_
 
 
 def exclude_banned(z: torch.Tensor, banned_tokens: torch.Tensor | None, ban_rows: torch.Tensor | None) -> torch.Tensor:
-    """z [N, V] with -inf at the tokens ``banned_tokens`` (bool [V], or None: none) marks in the rows ``ban_rows``
-    (bool [N], or None: every row) marks: excluded as the mask column is, from the pick and the softmax."""
+    """z [N, V] with -inf where ``banned_tokens[v] & ban_rows[n]`` is nonzero (bool or uint8 [V] and [N], each bit
+    a class of ban; ``banned_tokens`` None: no ban; ``ban_rows`` None: every class in every row): excluded as the
+    mask column is, from the pick and the softmax."""
     if banned_tokens is None:
         return z
-    banned = banned_tokens[None, :] if ban_rows is None else ban_rows[:, None] & banned_tokens[None, :]
-    return z.masked_fill(banned, float("-inf"))
+    if ban_rows is None:
+        return z.masked_fill(banned_tokens[None, :] != 0, float("-inf"))
+    classes = ban_rows.to(torch.uint8)[:, None] & banned_tokens.to(torch.uint8)[None, :]
+    return z.masked_fill(classes != 0, float("-inf"))
 
 
 def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None, min_p=None) -> torch.Tensor:

@@ -12,9 +12,8 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
                        ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
                        skip_rows: torch.Tensor | None = None, top_m: int = 0):
     """Per row: the argmax of ``z = (hidden @ weight.T [+ base_logits]) / temperature`` and its
-    probability under the full softmax of z, the ``mask_token_id`` column excluded from both, and so are the columns
-    ``banned_tokens`` (bool [V]) marks in the rows ``ban_rows`` (bool [N]; None: every row) marks
-    (:func:`.confidence.exclude_banned`).
+    probability under the full softmax of z, the ``mask_token_id`` column excluded from both, and so is column v in
+    row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero (:func:`.confidence.exclude_banned`).
     NaN in z counts as -inf and +inf as the largest fp32; rows in ``skip_rows`` (bool [N]) and rows with no finite z
     give token -1, prob 0, lse -inf (all as in ``confidence``).
 

@@ -1,4 +1,6 @@
-"""generate(min_new_tokens=..., min_length=...): EOS held back at each row's first new tokens (float64)."""
+"""Token bans in generate(): EOS held back at each row's first new tokens (min_new_tokens, min_length), tokens never
+decoded (suppress_tokens, bad_words_ids of one token) or not as a row's first new token (begin_suppress_tokens);
+float64."""
 
 from __future__ import annotations
 
@@ -105,10 +107,10 @@ def _spy_on_picks(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("kwargs", STRATEGIES + [dict(strategy="speculative", **d) for d in DRAFTS] + [
     dict(strategy="speculative", draft_candidates=4, **SAMPLED), dict(strategy="direct", **SAMPLED)],
     ids=lambda k: "-".join(str(v) for v in k.values()))
-def test_no_pick_nor_draft_candidate_is_an_eos_before_the_minimum(model, monkeypatch, kwargs):
+def test_no_pick_nor_draft_candidate_is_a_banned_token(model, monkeypatch, kwargs):
     """Every pick (the backbone's, each draft's) and every candidate list for the next round's drafts holds EOS
-    back before the minimum: a draft proposing one there would only be rejected (the output stays lossless), so
-    this is what keeps the drafts' acceptance."""
+    back before the minimum, and a suppressed token everywhere: a draft proposing one there would only be rejected
+    (the output stays lossless), so this is what keeps the drafts' acceptance."""
     prompt = random_prompts(1, 5, seed=13)
     eos = _early_tokens(model, prompt, None, count=3)
     assert max(eos) > 2  # in the listed draft vocabulary, an EOS whose draft column is not its id
@@ -122,6 +124,9 @@ def test_no_pick_nor_draft_candidate_is_an_eos_before_the_minimum(model, monkeyp
         assert not torch.isin(tokens[before], torch.tensor(eos)).any(), (positions, tokens)
         banned += int(before.sum())
     assert banned > 0
+    seen.clear()
+    model.generate(prompt, max_new_tokens=12, eos_token_id=[], suppress_tokens=eos, **kwargs)
+    assert seen and not any(torch.isin(tokens, torch.tensor(eos)).any() for _, tokens in seen)
 
 
 @settings(max_examples=25, deadline=None)
@@ -226,3 +231,75 @@ def test_a_checkpoints_minimum_waits_for_calls_with_an_eos(model):
         model.generate(ids, **dict(common, eos_token_id=[]))  # no EOS: nothing to hold back, nothing refused
     finally:
         model.generation_config = shipped
+
+
+@pytest.mark.parametrize("prompt_len", [3, 4, 6])
+def test_static_decoding_with_suppressed_tokens_equals_the_oracle(model, prompt_len):
+    """suppress_tokens (the free run's most frequent tokens) and begin_suppress_tokens (the first token decoding
+    without it gives) give the oracle's tokens with their logits set to -inf (everywhere, and at the first new
+    token); bad_words_ids of one token each are suppressed tokens, also from a GenerationConfig."""
+    prompt = random_prompts(1, prompt_len, seed=20 + prompt_len)[0]
+    common = dict(max_new_tokens=12, eos_token_id=[])
+    free = model.generate(prompt[None], **common)[0, prompt_len:].tolist()
+    suppress = tuple(sorted({t for t, _ in Counter(free).most_common(2)} | {48}))[:2]
+    begin = (int(model.generate(prompt[None], suppress_tokens=list(suppress), **common)[0, prompt_len]),)
+    oracle = naive_static_decode(model, prompt, 12, model.config.block_size, suppress=suppress, begin_suppress=begin)
+    out = model.generate(prompt[None], suppress_tokens=list(suppress), begin_suppress_tokens=list(begin), **common)
+    assert torch.equal(out[0], oracle)
+    new = oracle[prompt_len:].tolist()
+    assert not set(new) & set(suppress) and new[0] not in begin
+    words = model.generate(prompt[None], bad_words_ids=[[t] for t in suppress], begin_suppress_tokens=list(begin),
+                           **common)
+    assert torch.equal(words[0], oracle)
+    config = GenerationConfig(bad_words_ids=[[suppress[0]]], suppress_tokens=[suppress[1]], max_new_tokens=12)
+    assert torch.equal(model.generate(prompt[None], generation_config=config, begin_suppress_tokens=list(begin),
+                                      eos_token_id=[])[0], oracle)
+
+
+@pytest.mark.parametrize("sampled", [{}, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafts", DRAFTS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_speculative_decoding_stays_lossless_with_suppressed_tokens(model, drafts, sampled):
+    """Drafts and targets exclude the same tokens at the same positions (every ban at once: EOS before the minimum,
+    suppressed tokens, and the first new token's), so speculative decoding commits what static decoding commits."""
+    rows, ids, mask = _batch()
+    early = _early_tokens(model, ids, mask, count=3)
+    common = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=early[0], min_new_tokens=5,
+                  suppress_tokens=[early[1]], begin_suppress_tokens=[early[2]], pad_token_id=PAD,
+                  return_dict_in_generate=True, **sampled)
+    static = model.generate(ids, strategy="static", **common)
+    spec = model.generate(ids, strategy="speculative", **drafts, **common)
+    assert torch.equal(spec.sequences, static.sequences)
+    for row in _kept_new_tokens(static, ids.shape[1]):
+        assert early[1] not in row and row[0] != early[2] and early[0] not in row[:5], row
+
+
+def test_one_set_of_graphed_steps_serves_every_suppressed_list(model):
+    """The bans reach the steps through the engine's ban table: calls suppressing other tokens reuse the graphed
+    engine and its steps (one step key) and give what eager decoding gives."""
+    rows, ids, mask = _batch()
+    early = _early_tokens(model, ids, mask, count=3)
+    lists = ([early[0]], [early[1], early[2]], [early[2]])
+    keys = {GenerationSettings.resolve(model, None, dict(suppress_tokens=s), ids.shape[1]).step_key() for s in lists}
+    assert len(keys) == 1
+    engines = set()
+    for suppress in lists:
+        common = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=[], suppress_tokens=suppress,
+                      strategy="speculative")
+        graphed = model.generate(ids, cuda_graphs=True, **common)
+        engines.add(id(model._decode_engine[1]))
+        assert torch.equal(graphed, model.generate(ids, cuda_graphs=False, **common)), suppress
+        assert not torch.isin(graphed[:, ids.shape[1]:], torch.tensor(suppress)).any()
+    assert len(engines) == 1
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(bad_words_ids=[[3, 4]]), ValueError, "bad_words_ids \\[\\[3, 4\\]\\] are not single tokens"),
+    (dict(bad_words_ids=[[]]), ValueError, "are not single tokens"),
+    (dict(suppress_tokens=[70]), ValueError, "suppress_tokens 70 is not a token id of the vocabulary"),
+    (dict(begin_suppress_tokens=[-1]), ValueError, "begin_suppress_tokens -1 is not a token id"),
+    (dict(suppress_tokens=5), TypeError, "suppress_tokens must be a list of token ids, got int"),
+    (dict(bad_words_ids="ab"), TypeError, "bad_words_ids must be a list of token ids lists, got str"),
+])
+def test_bad_bans_are_refused_by_name(model, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        model.generate(random_prompts(1, 4), max_new_tokens=8, **kwargs)
