@@ -132,24 +132,27 @@ def test_no_pick_nor_draft_candidate_is_a_banned_token(model, monkeypatch, kwarg
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.integers(1, 13), min_size=1, max_size=4), kwargs=st.sampled_from(STRATEGIES + [
            dict(strategy="speculative", mrp_steps=2, **SAMPLED), dict(strategy="dynamic", threshold=0.3, **SAMPLED)]),
-       max_new=st.integers(1, 13), min_new=st.integers(0, 15), graphs=st.booleans(), loop=st.booleans(),
-       seed=st.integers(0, 10**4))
-def test_any_batch_holds_eos_back_at_each_rows_first_new_tokens(model, lens, kwargs, max_new, min_new, graphs, loop,
-                                                               seed):
-    """Drawn prompt lengths, strategy, new tokens and minimum (EOS ids: tokens the rows' free runs give early):
-    no row keeps an EOS among its first ``min_new_tokens`` new tokens, so none ends before them (or its last new
-    token); steps replayed or not (with or without a device loop) give the same output; with greedy decoding each
-    row of the left-padded batch gives exactly what it gives alone."""
+       max_new=st.integers(1, 13), min_new=st.integers(0, 15), suppress=st.booleans(), graphs=st.booleans(),
+       loop=st.booleans(), seed=st.integers(0, 10**4))
+def test_any_batch_holds_banned_tokens_back(model, lens, kwargs, max_new, min_new, suppress, graphs, loop, seed):
+    """Drawn prompt lengths, strategy, new tokens, minimum (EOS ids: tokens the rows' free runs give early) and
+    suppressed tokens (drawn: another early token everywhere, the first EOS at the first new token): no row keeps an
+    EOS among its first ``min_new_tokens`` new tokens, so none ends before them (or its last new token), nor a
+    suppressed token; steps replayed or not (with or without a device loop) give the same output; with greedy
+    decoding each row of the left-padded batch gives exactly what it gives alone."""
     rows, ids, mask = _batch(lens, seed)
-    eos = _early_tokens(model, ids, mask)
+    early = _early_tokens(model, ids, mask, count=3)
+    eos, suppressed = early[:2], early[2:] if suppress else []
+    bans = dict(suppress_tokens=suppressed or None, begin_suppress_tokens=eos[:1] if suppress else None)
     common = dict(max_new_tokens=max_new, eos_token_id=eos, min_new_tokens=min_new, pad_token_id=PAD,
-                  return_dict_in_generate=True, **kwargs)
+                  return_dict_in_generate=True, **bans, **kwargs)
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
     other = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, device_loop=not graphs and loop, **common)
     assert torch.equal(out.sequences, other.sequences)
     for row in _kept_new_tokens(out, ids.shape[1]):
         assert len(row) >= min(min_new + 1, max_new), row
-        assert not set(row[:min_new]) & set(eos), row
+        assert not set(row[:min_new]) & set(eos) and not set(row) & set(suppressed), row
+        assert not suppress or row[0] != eos[0], row
     if kwargs.get("do_sample"):
         return
     for b, r in enumerate(rows):
