@@ -82,11 +82,19 @@ READ_BY = {
 }
 
 
+# transformers' settings at values that ask for what block-diffusion decoding does anyway: its KV cache is static
+# (allocated once for the call), and it never compiles the model with torch.compile (graphed steps replay instead)
+DONE_ANYWAY = {"cache_implementation": "static", "disable_compile": True}
+
+
 def _asks_nothing(name: str, value) -> bool:
     """Whether transformers' generation setting ``name`` (a GenerationConfig field or a parameter of its
-    ``generate``) at ``value`` asks for nothing: False, None, its default or the value transformers fills in."""
+    ``generate``) at ``value`` asks for nothing: False, None, its default, the value transformers fills in, or what
+    decoding does anyway (:data:`DONE_ANYWAY`)."""
     plain = isinstance(value, (bool, numbers.Number, str))
-    return value is None or plain and value in (False, getattr(HF_DEFAULTS, name, None), FILLED_DEFAULTS.get(name))
+    return value is None or plain and (value in (False, getattr(HF_DEFAULTS, name, None), FILLED_DEFAULTS.get(name))
+                                       or name in DONE_ANYWAY and type(value) is type(DONE_ANYWAY[name])
+                                       and value == DONE_ANYWAY[name])
 
 
 def _model_fields(diff: dict, config) -> dict:

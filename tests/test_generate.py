@@ -458,6 +458,13 @@ def test_transformers_keywords_that_ask_for_nothing_pass_and_others_are_refused(
     nothing = dict(num_beams=1, repetition_penalty=1.0, output_scores=False, logits_processor=None,
                    stopping_criteria=None, synced_gpus=False, min_new_tokens=None)
     assert torch.equal(model.generate(ids, max_new_tokens=6, **nothing), plain)
+    # what decoding does anyway (a static KV cache, no torch.compile), as code written for transformers may ask
+    done = dict(cache_implementation="static", disable_compile=True)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, **done), plain)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, generation_config=GenerationConfig(**done)), plain)
+    for other in (dict(cache_implementation="offloaded"), dict(cache_implementation="dynamic")):
+        with pytest.raises(TypeError, match=f"got cache_implementation='{other['cache_implementation']}'"):
+            model.generate(ids, max_new_tokens=6, **other)
     with pytest.raises(TypeError, match=r"generate\(\) got num_beams=2, output_scores=True, which block-diffusion "
                                         r"decoding does not support; drop them"):
         model.generate(ids, max_new_tokens=6, output_scores=True, num_beams=2)
