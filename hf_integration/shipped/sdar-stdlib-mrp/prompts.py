@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -123,7 +124,7 @@ class PromptBatch:
         One host read; raises a RuntimeError if a kept token is still the mask token."""
         B, device = len(self.lens), x.device
         steps = torch.arange(max_new_tokens, device=device)
-        new = x[:B].gather(1, torch.tensor(self.lens, device=device)[:, None] + steps)  # [B, max_new_tokens]
+        new = x[:B].gather(1, self._row_layout[0].to(device)[:, None] + steps)  # [B, max_new_tokens]
         count = torch.tensor([min(new_tokens_kept.get(b, max_new_tokens), max_new_tokens) for b in range(B)],
                              device=device)
         if eos_ids:
@@ -136,6 +137,15 @@ class PromptBatch:
                                "finite logits for some position")
         return host[:B]
 
+    @cached_property
+    def _row_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 [B] each on the ids' device, made once (the stopping criteria lay the output out at every step):
+        each row's prompt length, and the output column its prompt starts at (past its left padding)."""
+        device = self.ids.device
+        return (torch.tensor(self.lens, device=device),
+                torch.tensor([self.width - n if left else 0 for n, left in zip(self.lens, self.left_padded)],
+                             device=device))
+
     def lay_out(self, x: torch.Tensor, kept: list[int], max_new_tokens: int, pad: int,
                 prompt: bool = True) -> torch.Tensor:
         """Per-position values of the decoded layout x [B', total] (row b's prompt positions first, then its new
@@ -143,9 +153,7 @@ class PromptBatch:
         (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new positions, ``pad`` elsewhere, on the row's
         padding side (as transformers does: ``out[:, W:]`` are the new tokens of a left-padded batch)."""
         device = x.device
-        lens = torch.tensor(self.lens, device=device)
-        start = torch.tensor([self.width - n if left else 0 for n, left in zip(self.lens, self.left_padded)],
-                             device=device)
+        lens, start = (t.to(device) for t in self._row_layout)
         source = torch.arange(self.width + max_new_tokens, device=device) - start[:, None]  # [B, W + new]: x's column
         shown = (source >= (0 if prompt else lens[:, None])) & \
             (source < lens[:, None] + torch.tensor(kept, device=device)[:, None])
