@@ -94,6 +94,17 @@ def check_banned(banned_tokens, ban_rows, rows: int, vocab: int, device: torch.d
             raise ValueError(f"{name} is on {t.device} but {data} is on {device}")
 
 
+def ban_operands(banned_tokens, ban_rows, rows: int, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a kernel with ``HAS_BAN`` reads (checked by :func:`check_banned`): the table and each of the ``rows``
+    rows' classes as uint8 (every class, 0xFF, in every row without ``ban_rows``); ``dummy`` for both without a ban
+    (the kernel then reads neither)."""
+    if banned_tokens is None:
+        return dummy, dummy
+    classes = ban_rows.contiguous().view(torch.uint8) if ban_rows is not None else \
+        torch.full((rows,), 0xFF, dtype=torch.uint8, device=banned_tokens.device)
+    return banned_tokens.contiguous().view(torch.uint8), classes
+
+
 MAX_TOP_M = 64
 
 

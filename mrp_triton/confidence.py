@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_banned, check_device_scalar, check_kernel_device, check_skip_rows
+from ._checks import ban_operands, check_banned, check_device_scalar, check_kernel_device, check_skip_rows
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import effective_logits, seed_hash, sampling_cut
@@ -382,9 +382,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     dummy = tok
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else dummy  # read at skip + row
     keys = noise_keys.contiguous() if sample else dummy
-    ban_tok = banned_tokens.contiguous().view(torch.uint8) if banned_tokens is not None else dummy
-    ban_flags = (ban_rows.contiguous().view(torch.uint8) if ban_rows is not None else
-                 torch.full((N,), 0xFF, dtype=torch.uint8, device=dev)) if banned_tokens is not None else dummy
+    ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, dummy)
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     t_tensor = isinstance(temperature, torch.Tensor)

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._checks import check_banned, check_skip_rows, check_top_m
+from ._checks import ban_operands, check_banned, check_skip_rows, check_top_m
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
 from .confidence import comparable
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
@@ -358,11 +358,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
         kept = torch.empty(1, dtype=torch.int64, device=hidden.device)
         _kept_first_kernel[(1,)](skip_rows.contiguous().view(torch.uint8), order, kept, N,
                                  BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
-    ban_tok = ban_flags = tokens  # dummy pointers when HAS_BAN=False
-    if banned_tokens is not None:
-        ban_tok = banned_tokens.contiguous().view(torch.uint8)
-        ban_flags = ban_rows.contiguous().view(torch.uint8) if ban_rows is not None else \
-            torch.full((N,), 0xFF, dtype=torch.uint8, device=hidden.device)
+    ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, tokens)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
         h, w, w_desc, base, order, kept, ban_tok, ban_flags, m_part, d_part, i_part, topv_part, topi_part,
