@@ -28,6 +28,7 @@ SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
 COMPARE = [
     ("static", {}),
     ("dynamic", {"threshold": 0.7}),
+    ("sequential", {}),
     ("direct", {"mrp_steps": 2}),
     ("speculative", {"mrp_steps": 3}),
     ("remask", {"threshold": 0.5}),

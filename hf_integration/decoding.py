@@ -858,13 +858,21 @@ def _graphed_width(total: int, limit: int) -> int:
     return min(-(-total // GRAPHED_WIDTH_MULTIPLE) * GRAPHED_WIDTH_MULTIPLE, max(limit, total))
 
 
-def denoising_step(dec: BlockDecoder, threshold: float | None = None):
+def leading_masks(masked: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: each row's first ``quota`` [B] positions of ``masked`` [B, T] (bool), left to right."""
+    return masked & (masked.cumsum(-1) <= quota[:, None])
+
+
+def denoising_step(dec: BlockDecoder, threshold: float | None = None, leftmost: bool = False):
     """The step ``(block [B, T], positions [B, T], quota [B]) -> h_A [B, T, H]``: one backbone forward over
     the block, then commit the quota's most confident masked positions (with ``threshold``: all above it,
-    else the quota) into ``block`` in place."""
+    else the quota; ``leftmost``: the quota's first masked positions, picking at those only) into ``block`` in
+    place."""
 
     def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
         masked = dec.masked(block)
+        if leftmost:
+            masked = leading_masks(masked, quota)
         hidden = dec.backbone(block, positions)
         dec.commit_picks(block, hidden, positions, masked, quota, threshold)
         return hidden
@@ -872,11 +880,11 @@ def denoising_step(dec: BlockDecoder, threshold: float | None = None):
     return step
 
 
-def scheduled_step(dec: BlockDecoder, threshold: float | None = None):
+def scheduled_step(dec: BlockDecoder, threshold: float | None = None, leftmost: bool = False):
     """The step ``(block [B, T], positions [B, T], quota_base [B], quota_extra [B], steps_taken [B]) -> h_A`` of
-    static / dynamic decoding: :func:`denoising_step` with each row's quota from SDAR's schedule (see
+    static / dynamic / sequential decoding: :func:`denoising_step` with each row's quota from SDAR's schedule (see
     :meth:`BlockDecoder.scheduled_quota`; ``steps_taken`` is incremented in place)."""
-    denoise = denoising_step(dec, threshold)
+    denoise = denoising_step(dec, threshold, leftmost)
 
     def step(block: torch.Tensor, positions: torch.Tensor, quota_base: torch.Tensor, quota_extra: torch.Tensor,
              steps_taken: torch.Tensor) -> torch.Tensor:
@@ -885,10 +893,12 @@ def scheduled_step(dec: BlockDecoder, threshold: float | None = None):
     return step
 
 
-def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
-    """Static (n most confident per step) and dynamic (all above the threshold, else the top n) decoding."""
+def decode_scheduled(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
+    """Static (n most confident per step), dynamic (all above the threshold, else the top n) and sequential (the
+    first n masked positions, left to right: SDAR's ``sequential`` rule) decoding."""
     s = dec.settings
-    step = scheduled_step(dec, dec.on_device("threshold") if s.strategy == "dynamic" else None)
+    step = scheduled_step(dec, dec.on_device("threshold") if s.strategy == "dynamic" else None,
+                          leftmost=s.strategy == "sequential")
     state = dec.row_state
     dec.steps((("denoise", step),), block, positions, state["quota_base"], state["quota_extra"], state["steps_taken"],
               count=steps, mutated=(0, 4))
@@ -896,6 +906,6 @@ def decode_threshold(dec: BlockDecoder, block: torch.Tensor, positions: torch.Te
 
 # Static: a step commits at most ceil(T / S) tokens per row (SDAR's schedule), and every full block takes
 # the same steps: moving on per row would save nothing. Dynamic: a step may fill the block.
-STATIC = Strategy(decode_threshold, most_per_step=lambda dec: -(-dec.block // dec.settings.denoising_steps),
+STATIC = Strategy(decode_scheduled, most_per_step=lambda dec: -(-dec.block // dec.settings.denoising_steps),
                   synchronous=True)
-DYNAMIC = Strategy(decode_threshold)
+DYNAMIC = Strategy(decode_scheduled)

@@ -14,7 +14,8 @@ from .generation_settings import GenerationSettings
 from .mrp_decoding import MRP_DECODING
 from .prompts import PromptBatch
 
-DECODING = {"static": STATIC, "dynamic": DYNAMIC, **MRP_DECODING}
+# sequential decoding runs static decoding's schedule (decode_scheduled commits its leftmost masks)
+DECODING = {"static": STATIC, "dynamic": DYNAMIC, "sequential": STATIC, **MRP_DECODING}
 
 
 class _OneCallAtATime:

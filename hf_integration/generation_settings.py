@@ -26,7 +26,7 @@ from .draft_vocab import normalize_draft_vocab
 
 logger = logging.get_logger(__name__)
 
-STRATEGIES = ("static", "dynamic", "direct", "speculative", "remask")
+STRATEGIES = ("static", "dynamic", "sequential", "direct", "speculative", "remask")
 MRP_STRATEGIES = ("direct", "speculative", "remask")
 DRAFT_SCHEDULES = ("mrp", "authors")
 REMASK_RULES = ("tau", "delta")
@@ -69,7 +69,8 @@ IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
 # to the calls whose strategy reads them (e.g. a draft_vocab to the speculative calls).
 READ_BY = {
     "threshold": ("dynamic", "remask"),
-    "denoising_steps": ("static", "dynamic", "remask"),  # direct and speculative commit by their own rules
+    # direct and speculative decoding commit by their own rules
+    "denoising_steps": ("static", "dynamic", "sequential", "remask"),
     "mrp_steps": ("direct", "speculative"),
     "draft_schedule": ("speculative",),
     "draft_vocab": ("speculative",),
@@ -78,7 +79,7 @@ READ_BY = {
     "residual_delta": ("remask",),
     "mrp_mix": MRP_STRATEGIES,
     "mrp_scale": MRP_STRATEGIES,
-    "per_row_blocks": ("dynamic", "remask", "speculative"),  # static and direct rows move through blocks together
+    "per_row_blocks": ("dynamic", "remask", "speculative"),  # static, sequential, direct rows: blocks together
 }
 
 
@@ -129,6 +130,8 @@ class GenerationSettings:
     other in the output and each drawing its own noise. ``seed`` keys the sampling noise: a call without one draws it
     from torch's default generator, so sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed``
     repeat them, as in transformers; with one, the draw is fixed whatever torch's generator holds.
+    ``strategy="sequential"`` commits each step's quota at the first masked positions, left to right (the
+    ``sequential`` rule of SDAR's ``generate.py``), picking tokens there only.
     ``block_length`` defaults to the model's block size
     and ``denoising_steps`` to ``block_length`` (one token a step); ``threshold`` defaults to 0.9 (dynamic) or
     0.5 (remask). ``fuse_commit`` writes a finished block's cache entries in the row's next forward (same output,
@@ -155,19 +158,20 @@ class GenerationSettings:
     data flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the
     steps after those that surely have work inside one graph, each only while no row has filled its block, tested
     on the device (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after
-    every step (same output; a static, direct or speculative row that an EOS settles stops with that step, not one
-    step later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up projections as
-    another (the model's weights are laid out for it once, in place: ``model.pack_projections()``); the same output
-    up to the rounding of a differently blocked GEMM (``False``: one GEMM per projection, to measure what packing
-    saves). ``draft_vocab`` (speculative) lets the drafts choose among some token ids only: an int N (the ids below
-    N; BPE ids are in merge order, so roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor,
-    e.g. the most frequent tokens of your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the
-    lm_head instead of all of them (the lm_head is most of a draft step's weights at large vocabularies);
-    verification uses the whole vocabulary: the output stays lossless, only the acceptance may drop
-    (:mod:`.draft_vocab`). ``draft_candidates`` M (speculative, 1 to 64) lets each draft choose among the M tokens
-    the round's seed forward found most likely at that position (listed by the same pass over the lm_head that picks
-    the backbone's tokens), so a draft step reads M rows of the lm_head per position instead of all of them
-    (:mod:`.draft_candidates`); lossless like ``draft_vocab``, with which it does not combine.
+    every step (same output; a static, sequential, direct or speculative row that an EOS settles stops with that
+    step, not one step later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its
+    gate/up projections as another (the model's weights are laid out for it once, in place:
+    ``model.pack_projections()``); the same output up to the rounding of a differently blocked GEMM (``False``: one
+    GEMM per projection, to measure what packing saves).
+    ``draft_vocab`` (speculative) lets the drafts choose among some token ids only: an int N (the ids below N; BPE ids
+    are in merge order, so roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor, e.g. the most
+    frequent tokens of your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the lm_head instead of
+    all of them (the lm_head is most of a draft step's weights at large vocabularies); verification uses the whole
+    vocabulary: the output stays lossless, only the acceptance may drop (:mod:`.draft_vocab`). ``draft_candidates`` M
+    (speculative, 1 to 64) lets each draft choose among the M tokens the round's seed forward found most likely at that
+    position (listed by the same pass over the lm_head that picks the backbone's tokens), so a draft step reads M rows
+    of the lm_head per position instead of all of them (:mod:`.draft_candidates`); lossless like ``draft_vocab``, with
+    which it does not combine.
 
     Settings that only some strategies read (:data:`READ_BY`: ``threshold``, ``mrp_steps``, ``draft_vocab``, ...)
     are refused when a call asks for them (a value other than the default) with a strategy that does not read

@@ -23,35 +23,45 @@ from hf_integration.stop_strings import StopStrings
 from tiny_models import (MASK_ID, STRATEGIES, VOCAB, LetterTokenizer, RecordingStreamer, naive_static_decode,
                          padded_batch, random_prompts, tiny_config, tiny_model)
 
+# the strategies whose rows move on to their next block as soon as their own is full (per_row_blocks)
+MOVING_ON = [k for k in STRATEGIES if k["strategy"] in READ_BY["per_row_blocks"]]
+
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(seed=0)
 
 
+@pytest.mark.parametrize("strategy", ["static", "sequential"])
 @pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (5, 12), (2, 7), (6, 1)])
-def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new):
+def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new, strategy):
     """Tokens and backbone forwards (blocks of 4: the last block ending at the block's end, or 1-3 positions
-    before it)."""
+    before it), committing the most confident masked position a step (static) or the first (sequential)."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
-    out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True)
+    out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], strategy=strategy,
+                         return_dict_in_generate=True)
     forwards = []
     assert torch.equal(out.sequences[0], naive_static_decode(model, prompt, max_new, model.config.block_size,
-                                                             forwards))
+                                                             forwards, leftmost=strategy == "sequential"))
     assert out.stats.backbone_forwards.tolist() == [len(forwards)]
 
 
+@pytest.mark.parametrize("strategy", ["static", "sequential"])
 @pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (2, 7)])
-def test_reveal_steps_give_the_order_in_which_the_oracle_reveals(model, prompt_len, max_new):
+def test_reveal_steps_give_the_order_in_which_the_oracle_reveals(model, prompt_len, max_new, strategy):
     """output_reveal_steps: the step that revealed each new token is the uncached oracle's (one token a step, the
-    most confident masked position first; the last block's positions past the last new token count steps but are
-    not output); prompt positions hold 0. Steps replayed (cuda_graphs on a CPU model) note the same."""
+    most confident masked position first, or with sequential decoding the first; the last block's positions past
+    the last new token count steps but are not output); prompt positions hold 0. Steps replayed (cuda_graphs on a
+    CPU model) note the same."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
     expected = torch.zeros(prompt_len + max_new, dtype=torch.long)
-    tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected)
+    tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected,
+                                 leftmost=strategy == "sequential")
+    if strategy == "sequential":  # left to right
+        assert expected[prompt_len:].tolist() == list(range(1, max_new + 1))
     for graphs in (False, True):
         out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True,
-                             output_reveal_steps=True, cuda_graphs=graphs)
+                             output_reveal_steps=True, cuda_graphs=graphs, strategy=strategy)
         assert torch.equal(out.sequences[0], tokens)
         assert out.reveal_steps.tolist() == [expected.tolist()], graphs
 
@@ -239,38 +249,45 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
 
 
 def _spy_select(monkeypatch):
+    """From now on, each select_commit call's (masked, tokens, conf, n, threshold, committed), in order."""
     calls = []
     original = mrp_triton.select_commit
 
     def spy(block, tokens, conf, *, mask_token_id, n, threshold=None):
         masked = (block == mask_token_id).clone()
         committed = original(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)
-        calls.append((masked, conf.clone(), torch.as_tensor(n).clone(), threshold, committed.clone()))
+        calls.append((masked, tokens.clone(), conf.clone(), torch.as_tensor(n).clone(), threshold, committed.clone()))
         return committed
 
     monkeypatch.setattr(mrp_triton, "select_commit", spy)
     return calls
 
 
+@pytest.mark.parametrize("strategy", ["static", "sequential"])
 @pytest.mark.parametrize("prompt_len", [4, 3, 6])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
-def test_static_commits_exactly_the_scheduled_count(model, monkeypatch, steps, prompt_len):
+def test_static_and_sequential_commit_exactly_the_scheduled_count(model, monkeypatch, steps, prompt_len, strategy):
     """SDAR's schedule, n = T // S a step (the first T % S steps one more), in every block: a first block holding
-    the prompt's tail keeps it and so runs out of masks in fewer steps (SDAR's generate.py)."""
+    the prompt's tail keeps it and so runs out of masks in fewer steps (SDAR's generate.py). Static commits the n
+    most confident masked positions; sequential the first n, left to right, picking tokens at those only."""
     calls = _spy_select(monkeypatch)
     ids = random_prompts(2, prompt_len, seed=3)
     T = model.config.block_size
-    out = model.generate(ids, max_new_tokens=3 * T - prompt_len, denoising_steps=steps, return_dict_in_generate=True)
+    out = model.generate(ids, max_new_tokens=3 * T - prompt_len, denoising_steps=steps, strategy=strategy,
+                         return_dict_in_generate=True)
     schedule = [T // steps + (i < T % steps) for i in range(steps)]
     first_masks = T - prompt_len % T
     first_steps = next(k for k in range(1, steps + 1) if sum(schedule[:k]) >= first_masks)
     expected_n = (schedule[:first_steps] if prompt_len % T else []) + schedule * (3 - (prompt_len + T - 1) // T)
-    assert [int(n[0]) for _, _, n, _, _ in calls] == expected_n  # the row's quota, step by step
-    for masked, conf, n, _, committed in calls:
+    assert [int(n[0]) for _, _, _, n, _, _ in calls] == expected_n  # the row's quota, step by step
+    for masked, tokens, conf, n, _, committed in calls:
         assert torch.equal(committed.sum(-1), torch.minimum(n, masked.sum(-1)))
-        # the committed positions are the most confident masked ones
         for b in range(committed.shape[0]):
-            if committed[b].any() and (masked[b] & ~committed[b]).any():
+            if strategy == "sequential":  # the first n masked positions, and tokens picked there only
+                leading = masked[b] & (masked[b].cumsum(0) <= n[b])
+                assert torch.equal(committed[b], leading)
+                assert torch.equal(tokens[b] >= 0, leading)
+            elif committed[b].any() and (masked[b] & ~committed[b]).any():  # the most confident masked ones
                 assert conf[b][committed[b]].min() >= conf[b][masked[b] & ~committed[b]].max()
     assert out.stats.backbone_forwards.tolist() == [len(expected_n)] * 2
 
@@ -279,7 +296,7 @@ def test_static_commits_exactly_the_scheduled_count(model, monkeypatch, steps, p
 def test_dynamic_commits_every_position_above_threshold_or_the_top_n(model, monkeypatch, threshold):
     calls = _spy_select(monkeypatch)
     model.generate(random_prompts(2, 5, seed=4), max_new_tokens=11, strategy="dynamic", threshold=threshold)
-    for masked, conf, n, thr, committed in calls:
+    for masked, _, conf, n, thr, committed in calls:
         above = masked & (conf > threshold)
         for b in range(masked.shape[0]):
             if above[b].sum() >= n[b]:
@@ -650,8 +667,11 @@ BAD_INPUTS = [
     (dict(strategy="speculative", mrp_scale="1"), ValueError, "mrp_scale='1' must be a finite number"),
     (dict(strategy="direct", mrp_scale=True), ValueError, "mrp_scale=True must be a finite number"),
     (dict(strategy="speculative", denoising_steps=2), ValueError,
-     "denoising_steps=2 steers strategy 'static' or 'dynamic' or 'remask', not 'speculative'"),
+     "denoising_steps=2 steers strategy 'static' or 'dynamic' or 'sequential' or 'remask', not 'speculative'"),
     (dict(threshold=0.7), ValueError, "threshold=0.7 steers strategy 'dynamic' or 'remask', not 'static': drop it"),
+    (dict(strategy="sequential", threshold=0.7), ValueError, "threshold=0.7 steers strategy 'dynamic' or 'remask', "
+     "not 'sequential'"),
+    (dict(strategy="sequential", per_row_blocks=False), ValueError, "per_row_blocks=False steers strategy 'dynamic'"),
     (dict(mrp_steps=2), ValueError, "mrp_steps=2 steers strategy 'direct' or 'speculative', not 'static'"),
     (dict(strategy="direct", draft_schedule="authors"), ValueError, "draft_schedule='authors' steers strategy"),
     (dict(strategy="dynamic", remask_rule="delta"), ValueError, "remask_rule='delta' steers strategy 'remask'"),
@@ -829,8 +849,7 @@ def test_rows_progress_through_their_own_blocks(model, monkeypatch):
     assert torch.equal(out[0, 27:], alone[0][0]) and torch.equal(out[1], alone[1][0])
 
 
-@pytest.mark.parametrize("kwargs", [k for k in STRATEGIES if k["strategy"] not in ("static", "direct")],
-                         ids=lambda k: "-".join(str(v) for v in k.values()))
+@pytest.mark.parametrize("kwargs", MOVING_ON, ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_rows_move_to_their_next_block_without_waiting(model, kwargs):
     """Rows whose blocks fill at different steps (prompts of 3, 9 and 6 tokens: 1, 3 and 2 masks in their
     first blocks of 4) each move on as soon as their own block is full: the batch takes as many steps as
@@ -899,8 +918,7 @@ def test_rows_starting_blocks_together_wait_for_the_slowest(model, kwargs, lens,
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("kwargs", [k for k in STRATEGIES if k["strategy"] not in ("static", "direct")]
-                         + [dict(strategy="speculative", mrp_steps=3, packed_projections=False)],
+@pytest.mark.parametrize("kwargs", MOVING_ON + [dict(strategy="speculative", mrp_steps=3, packed_projections=False)],
                          ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_a_riding_commit_computes_only_the_committing_rows_blocks(model, monkeypatch, kwargs, graphs):
     """Rows that move on at different steps: the forward that carries a finished block computes it for the

@@ -210,7 +210,7 @@ def test_mrp_generate_cli_runs_end_to_end():
     tokens = int(stopped.split("[speculative] ")[1].split(" new tokens")[0])
     assert tokens < 16 and "\n" in stopped[len("def add(a, b):"):]  # stopped in the first block, at a newline
     table = _run(["-m", "hf_integration.cli", "import os", "--max-new-tokens", "8", "--compare"])
-    for strategy in ("static", "dynamic", "direct", "speculative", "remask"):
+    for strategy in ("static", "dynamic", "sequential", "direct", "speculative", "remask"):
         assert strategy in table
 
 
@@ -273,7 +273,7 @@ def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
 
 
 def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
-    """Without --strategy it decodes static (speculative needs the head it lacks), and --compare runs the two
+    """Without --strategy it decodes static (speculative needs the head it lacks), and --compare runs the three
     strategies that need none, printing the completions after the table."""
     from hf_integration import cli
 
@@ -285,7 +285,8 @@ def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
     assert "[static] 4 new tokens" in capsys.readouterr().err
     assert cli.main(["def f(x):", "--model", str(backbone), "--max-new-tokens", "4", "--compare"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in table[1:3]] == ["static", "dynamic"] and table[3] == "--- static's completion"
+    assert [line.split()[0] for line in table[1:4]] == ["static", "dynamic", "sequential"]
+    assert table[4] == "--- static's completion"
     assert not any(line.startswith(("direct", "speculative", "remask")) for line in table)
 
 
@@ -340,7 +341,8 @@ def test_mrp_generate_refuses_an_empty_prompt(monkeypatch, capsys):
     ([], dict(dynamic=dict(threshold=0.7), direct=dict(mrp_steps=2), speculative=dict(mrp_steps=3),
               remask=dict(threshold=0.5))),
     (["--threshold", "0.6", "-K", "4", "--draft-candidates", "8", "--remask-rule", "delta", "--denoising-steps", "8"],
-     dict(static=dict(denoising_steps=8), dynamic=dict(threshold=0.6, denoising_steps=8), direct=dict(mrp_steps=4),
+     dict(static=dict(denoising_steps=8), dynamic=dict(threshold=0.6, denoising_steps=8),
+          sequential=dict(denoising_steps=8), direct=dict(mrp_steps=4),
           speculative=dict(mrp_steps=4, draft_candidates=8),
           remask=dict(threshold=0.6, remask_rule="delta", denoising_steps=8))),
 ])

@@ -13,6 +13,8 @@ STRATEGIES = [
     dict(strategy="static"),
     dict(strategy="static", denoising_steps=2),
     dict(strategy="dynamic", threshold=0.3),
+    dict(strategy="sequential"),
+    dict(strategy="sequential", denoising_steps=3),
     dict(strategy="direct", mrp_steps=2),
     dict(strategy="speculative", mrp_steps=3),
     dict(strategy="speculative", mrp_steps=2, draft_schedule="authors"),
@@ -58,14 +60,15 @@ def padded_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, tor
 
 def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None,
                         reveal_steps: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (), min_new: int = 0,
-                        suppress: tuple[int, ...] = (), begin_suppress: tuple[int, ...] = ()):
+                        suppress: tuple[int, ...] = (), begin_suppress: tuple[int, ...] = (), leftmost: bool = False):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
     the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
     forwards it ran are appended to ``forwards``, and the step (1, 2, ...) that revealed each position is written
     into ``reveal_steps`` [P + max_new]. ``eos_ids`` get a logit of -inf at the first ``min_new`` new tokens (as
     transformers' min_new_tokens processor sets them; nothing stops at them), ``suppress`` everywhere and
-    ``begin_suppress`` at the first new token."""
+    ``begin_suppress`` at the first new token. ``leftmost``: each step commits the first masked position (SDAR's
+    sequential rule) instead of the most confident."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
@@ -86,7 +89,7 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
             probs = logits.softmax(-1)
             conf, tok = probs.max(-1)
             conf = torch.where(x[0, start : start + block] == MASK_ID, conf, torch.full_like(conf, -1.0))
-            pos = int(conf.argmax())
+            pos = int((conf >= 0).nonzero()[0]) if leftmost else int(conf.argmax())
             x[0, start + pos] = tok[pos]
             if reveal_steps is not None and start + pos < P + max_new:
                 reveal_steps[start + pos] = step
