@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     blk = blk0.clone()
     shape = f"B={B},L={Lb},K={K}"
     # thresholds as the decode engine passes them: 0-d device tensors (one captured graph serves every value)
-    tau, tau_remask = (torch.tensor(t, dtype=torch.float64, device=dev) for t in (0.9, 0.5))
+    tau, tau_remask, bound = (torch.tensor(t, dtype=torch.float64, device=dev) for t in (0.9, 0.5, 0.1))
+    entropy = conf * 4  # the entropy-bounded rule ranks and sums these instead of conf
     small = {
         "select_static": (lambda: mt.select_commit_triton(blk.copy_(blk0), tok, conf, mask_token_id=M, n=2),
                           lambda: ref.select_commit(blk.copy_(blk0), tok, conf, mask_token_id=M, n=2)),
@@ -135,6 +136,10 @@ def main(argv=None) -> int:
                                                            threshold=tau),
                            lambda: ref.select_commit(blk.copy_(blk0), tok, conf, mask_token_id=M, n=1,
                                                      threshold=tau)),
+        "select_entropy": (lambda: mt.select_commit_triton(blk.copy_(blk0), tok, conf, mask_token_id=M, n=1,
+                                                           entropy=entropy, entropy_bound=bound),
+                           lambda: ref.select_commit(blk.copy_(blk0), tok, conf, mask_token_id=M, n=1,
+                                                     entropy=entropy, entropy_bound=bound)),
         "verify": (lambda: mt.verify_drafts_triton(blk.copy_(blk0), dpos, dtok, ttok, tconf, mask_token_id=M),
                    lambda: ref.verify_drafts(blk.copy_(blk0), dpos, dtok, ttok, tconf, mask_token_id=M)),
         "remask_tau": (lambda: mt.remask_triton(blk.copy_(blk0), rev, conf, tau_remask, mask_token_id=M),
@@ -169,7 +174,8 @@ def main(argv=None) -> int:
         # step's picks (up to a verify round's at batch 8): the launcher finds each row's cut among its top_k largest
         # effective logits (torch.topk; top-p alone: a sort of the row; min-p: its max), the kernel draws in its
         # pass; eager: the reference (noise over all of V). Then a greedy pick holding two EOS ids back in half the
-        # rows (min_new_tokens), against the plain confidence_nores rows.
+        # rows (min_new_tokens), and one with each row's entropy too (entropy-bounded decoding), against the plain
+        # confidence_nores rows.
         if N <= 512:
             keys = torch.randint(0, 2**31, (N, 3), device=dev, generator=gen)
             sampled = dict(do_sample=True, seed=1, noise_keys=keys, mask_token_id=151669 % V)
@@ -178,7 +184,8 @@ def main(argv=None) -> int:
             banned = dict(mask_token_id=151669 % V, banned_tokens=eos, ban_rows=torch.arange(N, device=dev) % 2 == 0)
             for kname, kw in (("confidence_topkp", dict(top_k=50, top_p=0.9, **sampled)),
                               ("confidence_topp", dict(top_p=0.9, **sampled)),
-                              ("confidence_minp", dict(min_p=0.05, **sampled)), ("confidence_ban", banned)):
+                              ("confidence_minp", dict(min_p=0.05, **sampled)), ("confidence_ban", banned),
+                              ("confidence_entropy", dict(mask_token_id=151669 % V, entropy=True))):
                 eager_and_triton(kname, f"N={N},V={V},bf16", N * V * 2,
                                  lambda: ref.confidence(L, **kw), lambda: mt.confidence_triton(L, **kw))
         del L, Rr

@@ -53,6 +53,8 @@ MostFrequent = namedtuple("MostFrequent", "size")
 MODES = (
     [("static", {})]
     + [("sequential", {"strategy": "sequential"})]
+    + [(f"entropy_bounded bound={b}", {"strategy": "entropy_bounded", "entropy_bound": b})
+       for b in (0.01, 0.1, 0.35, 1.0)]
     + [(f"dynamic tau={t}", {"strategy": "dynamic", "threshold": t}) for t in (0.5, 0.6, 0.7, 0.8, 0.9)]
     + [(f"direct K={k}", {"strategy": "direct", "mrp_steps": k}) for k in (1, 2)]
     + [(f"speculative K={k} {s}", {"strategy": "speculative", "mrp_steps": k, "draft_schedule": s})
@@ -355,8 +357,8 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    families = {"static": "k", "sequential": "tab:gray", "dynamic": "tab:blue", "direct": "tab:orange",
-                "speculative": "tab:green", "remask": "tab:red"}
+    families = {"static": "k", "sequential": "tab:gray", "entropy_bounded": "tab:purple", "dynamic": "tab:blue",
+                "direct": "tab:orange", "speculative": "tab:green", "remask": "tab:red"}
     for family, color in families.items():
         pts = [r for r in rows if r["mode"].startswith(family)]
         ax.scatter([r["tpf"] for r in pts], [r["agreement_with_static"] for r in pts], c=color, label=family)

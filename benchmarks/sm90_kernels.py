@@ -59,34 +59,37 @@ def _ptrs_divisible(signature: dict, *more: str) -> tuple[str, ...]:
 def _confidence() -> list[Variant]:
     out = []
     for dt in ("*bf16", "*fp16", "*fp32"):
-        for has_res, has_skip, ban, sample, cut, final, t_tensor, prefetch, bv, nw in [
-                (True, True, False, False, False, True, False, True, 2048, 8),
-                (True, False, False, True, True, False, True, True, 1024, 4),  # top-k / top-p
-                (False, True, False, True, False, True, False, True, 2048, 8),
-                (False, False, False, False, False, False, True, True, 1024, 4),
-                (False, True, False, False, False, True, False, True, 2048, 8),
-                (False, True, True, False, False, True, False, True, 2048, 8),  # banned tokens (min_new_tokens)
-                (False, True, False, False, False, True, False, False, 2048, 8)]:
+        for has_res, has_skip, ban, sample, cut, ent, final, t_tensor, prefetch, bv, nw in [
+                (True, True, False, False, False, False, True, False, True, 2048, 8),
+                (True, False, False, True, True, False, False, True, True, 1024, 4),  # top-k / top-p
+                (False, True, False, True, False, False, True, False, True, 2048, 8),
+                (False, False, False, False, False, False, False, True, True, 1024, 4),
+                (False, True, False, False, False, False, True, False, True, 2048, 8),
+                (False, True, True, False, False, False, True, False, True, 2048, 8),  # banned tokens (min_new_tokens)
+                (False, True, False, True, False, True, True, True, True, 2048, 8),  # sampled entropy-bounded step
+                (False, True, False, False, False, False, True, False, False, 2048, 8)]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
                    "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "tau_ptr": "*fp32", "ban_tok_ptr": "*u8",
                    "ban_rows_ptr": "*u8", "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64",
                    "prob_ptr": "*fp32",
-                   "lse_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32", "inv_t": "fp32",
+                   "lse_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32",
+                   "inv_t": "fp32",
                    "t_ptr": "*fp64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
                    "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr",
-                   "FINAL": "constexpr", "T_TENSOR": "constexpr", "PREFETCH": "constexpr", "BLOCK_V": "constexpr"}
+                   "ENTROPY": "constexpr", "FINAL": "constexpr", "T_TENSOR": "constexpr", "PREFETCH": "constexpr",
+                   "BLOCK_V": "constexpr"}
             consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "HAS_BAN": ban, "DO_SAMPLE": sample, "HAS_CUT": cut,
-                      "FINAL": final, "T_TENSOR": t_tensor, "PREFETCH": prefetch, "BLOCK_V": bv}
+                      "ENTROPY": ent, "FINAL": final, "T_TENSOR": t_tensor, "PREFETCH": prefetch, "BLOCK_V": bv}
             out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={sample}{' cut' if cut else ''}"
-                               f"{' ban' if ban else ''} "
+                               f"{' ban' if ban else ''}{' entropy' if ent else ''} "
                                f"prefetch={prefetch} {bv}",
                                "confidence",
                                "_conf_partial_kernel", sig, consts, nw,
                                divisible=_ptrs_divisible(sig, "stride_ln", "stride_rr", "stride_rn", "V")))
     sig = {"part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32",
-           "S": "i32", "BLOCK_S": "constexpr"}
-    out.append(Variant("confidence merge", "confidence", "_conf_merge_kernel", sig, {"BLOCK_S": 64}, 1,
-                       divisible=_ptrs_divisible(sig)))
+           "ent_ptr": "*fp32", "S": "i32", "ENTROPY": "constexpr", "BLOCK_S": "constexpr"}
+    out += [Variant(f"confidence merge entropy={ent}", "confidence", "_conf_merge_kernel", sig,
+                    {"ENTROPY": ent, "BLOCK_S": 64}, 1, divisible=_ptrs_divisible(sig)) for ent in (False, True)]
     return out
 
 
@@ -94,11 +97,13 @@ def _decisions() -> list[Variant]:
     out = []
     sig = {"block_ptr": "*i64", "tok_ptr": "*i64", "conf_ptr": "*fp32", "n_ptr": "*i64", "out_ptr": "*u8", "L": "i32",
            "n_scalar": "i32", "mask_id": "i32", "thr": "fp32", "thr_ptr": "*fp64", "N_TENSOR": "constexpr",
-           "DYNAMIC": "constexpr", "THR_TENSOR": "constexpr", "BLOCK_L": "constexpr", "JB": "constexpr"}
+           "DYNAMIC": "constexpr", "BY_ENTROPY": "constexpr", "THR_TENSOR": "constexpr", "BLOCK_L": "constexpr",
+           "JB": "constexpr"}
     for n_t in (True, False):
-        for dyn, thr_t in ((True, True), (True, False), (False, False)):
-            out.append(Variant(f"select n_tensor={n_t} dynamic={dyn} thr_tensor={thr_t}", "select", "_select_kernel",
-                               sig, {"N_TENSOR": n_t, "DYNAMIC": dyn, "THR_TENSOR": thr_t, "BLOCK_L": 16, "JB": 16},
+        for dyn, eb, thr_t in ((True, False, True), (True, False, False), (False, False, False), (False, True, True)):
+            out.append(Variant(f"select n_tensor={n_t} dynamic={dyn} entropy={eb} thr_tensor={thr_t}", "select",
+                               "_select_kernel", sig, {"N_TENSOR": n_t, "DYNAMIC": dyn, "BY_ENTROPY": eb,
+                                                       "THR_TENSOR": thr_t, "BLOCK_L": 16, "JB": 16},
                                4, divisible=_ptrs_divisible(sig)))
     sig = {"block_ptr": "*i64", "dpos_ptr": "*i64", "dtok_ptr": "*i64", "ttok_ptr": "*i64", "tconf_ptr": "*fp32",
            "acc_ptr": "*i32", "bonus_ptr": "*i64", "L": "i32", "K": "i32", "mask_id": "i32", "BLOCK_L": "constexpr"}
@@ -156,24 +161,26 @@ def _cached_attention() -> list[Variant]:
 
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
                      "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "m_ptr": "*fp32",
-                     "d_ptr": "*fp32", "idx_ptr": "*i32", "topv_ptr": "*fp32", "topi_ptr": "*i32", "N": "i32",
+                     "d_ptr": "*fp32", "t_ptr": "*fp32", "idx_ptr": "*i32", "topv_ptr": "*fp32", "topi_ptr": "*i32",
+                     "N": "i32",
                      "V": "i32", "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64",
                      "inv_temp": "fp32", "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
 LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA",
-                      "FLATTEN", "TOP_M", "BLOCK_N", "BLOCK_V", "BLOCK_K")
+                      "FLATTEN", "TOP_M", "ENTROPY", "BLOCK_N", "BLOCK_V", "BLOCK_K")
 
 
 def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,
-                    skip: bool = True, ban: bool = False) -> Variant:
+                    skip: bool = True, ban: bool = False, entropy: bool = False) -> Variant:
     """The partials kernel of lm_head_confidence with tile ``config`` (the keys of its ``_config``; ``ban``: with
-    banned tokens)."""
+    banned tokens; ``entropy``: with the entropy's running sum)."""
     tma = bool(config.get("tma"))
     w_desc = f"tensordesc<{dtype}[{config['BLOCK_V']}, {config['BLOCK_K']}]>" if tma else f"*{dtype}"
     sig = dict(LM_HEAD_SIGNATURE, h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", w_desc=w_desc, base_ptr=f"*{base or 'fp32'}",
                **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
     consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "HAS_BAN": ban, "DOT_FP32": False,
               "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "W_TMA": tma,
-              "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "BLOCK_N": config["BLOCK_N"],
+              "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "ENTROPY": entropy,
+              "BLOCK_N": config["BLOCK_N"],
               "BLOCK_V": config["BLOCK_V"], "BLOCK_K": config["BLOCK_K"]}
     return Variant(name, "lm_head_confidence", "_partials_kernel", sig, consts, config["num_warps"],
                    config.get("num_stages"),
@@ -199,14 +206,18 @@ def _lm_head() -> list[Variant]:
     # a decoding step before min_new_tokens: EOS banned in the rows that have not reached it
     out.append(lm_head_variant("lm_head_confidence bf16 skip=True ban 64x128x128", dict(
         BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), ban=True))
+    # a greedy entropy-bounded step: the entropy's running sum beside the softmax's
+    out.append(lm_head_variant("lm_head_confidence bf16 skip=True entropy 64x128x128", dict(
+        BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), entropy=True))
     sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
     out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
                        {"BLOCK": 1024}, 4, divisible=_ptrs_divisible(sig)))
-    sig = {"m_ptr": "*fp32", "d_ptr": "*fp32", "idx_ptr": "*i32", "order_ptr": "*i64", "kept_ptr": "*i64",
-           "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32", "n_splits": "i32", "HAS_SKIP": "constexpr",
-           "BLOCK_S": "constexpr"}
-    out += [Variant(f"lm_head_confidence merge skip={skip}", "lm_head_confidence", "_merge_kernel", sig,
-                    {"HAS_SKIP": skip, "BLOCK_S": 64}, 4, divisible=_ptrs_divisible(sig)) for skip in (True, False)]
+    sig = {"m_ptr": "*fp32", "d_ptr": "*fp32", "t_ptr": "*fp32", "idx_ptr": "*i32", "order_ptr": "*i64",
+           "kept_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32", "lse_ptr": "*fp32", "ent_ptr": "*fp32",
+           "n_splits": "i32", "HAS_SKIP": "constexpr", "ENTROPY": "constexpr", "BLOCK_S": "constexpr"}
+    out += [Variant(f"lm_head_confidence merge skip={skip} entropy={ent}", "lm_head_confidence", "_merge_kernel", sig,
+                    {"HAS_SKIP": skip, "ENTROPY": ent, "BLOCK_S": 64}, 4, divisible=_ptrs_divisible(sig))
+            for skip, ent in ((True, False), (False, False), (True, True))]
     return out
 
 

@@ -29,6 +29,7 @@ COMPARE = [
     ("static", {}),
     ("dynamic", {"threshold": 0.7}),
     ("sequential", {}),
+    ("entropy_bounded", {}),
     ("direct", {"mrp_steps": 2}),
     ("speculative", {"mrp_steps": 3}),
     ("remask", {"threshold": 0.5}),
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--denoising-steps", type=int, help="static / dynamic / remask: steps a block takes at most "
                    "(default: the block length, one token a step)")
     p.add_argument("--threshold", type=float, help="dynamic / remask confidence threshold in (0, 1]")
+    p.add_argument("--entropy-bound", type=float, metavar="NATS", help="entropy_bounded: the entropy a step's run of "
+                   "commits may sum to, its largest left out (default 0.1)")
     p.add_argument("--mrp-steps", "-K", type=int, help="direct / speculative: MRP steps (drafts) per backbone forward "
                    "(default: 3)")
     p.add_argument("--draft-schedule", choices=DRAFT_SCHEDULES, help="speculative (default: mrp)")
@@ -277,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
     """The keywords of ``generate()`` the options give (None: not given, generate()'s default)."""
     return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, block_length=args.block_length,
-                denoising_steps=args.denoising_steps, threshold=args.threshold, mrp_steps=args.mrp_steps,
+                denoising_steps=args.denoising_steps, threshold=args.threshold, entropy_bound=args.entropy_bound,
+                mrp_steps=args.mrp_steps,
                 draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
                 residual_delta=args.residual_delta, do_sample=args.do_sample,

@@ -483,41 +483,44 @@ class BlockDecoder:
         return dict(banned_tokens=table, ban_rows=classes.reshape(-1))
 
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-             counter: torch.Tensor | None):
+             counter: torch.Tensor | None, entropy: bool = False):
         """Per position the token to commit and its confidence (never the mask token, nor a token the call bans there:
         :meth:`token_bans`).
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
         counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling).
-        Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T]."""
+        Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T], and with
+        ``entropy`` the entropy of each position's softmax, float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
         # the temperature, top-k and top-p are read on the device too
         keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
-        tok, conf, lse = mrp_triton.confidence(
+        picks = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), **self.token_bans(positions, V),
             do_sample=s.do_sample, seed=0, noise_keys=keys,
             top_k=self.on_device("top_k") if s.do_sample else None, top_k_max=s.top_k_max,
             top_p=self.on_device("top_p") if s.do_sample else None,
-            min_p=self.on_device("min_p") if s.do_sample else None)
-        return tok.view(B, T), conf.view(B, T), lse.view(B, T)
+            min_p=self.on_device("min_p") if s.do_sample else None, entropy=entropy)
+        return tuple(x.view(B, T) for x in picks)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor | None, draft: DraftHead | None = None, top_m: int = 0):
+                    counter: torch.Tensor | None, draft: DraftHead | None = None, top_m: int = 0,
+                    entropy: bool = False):
         """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``draft``, among its token ids only (its
         rows of the lm_head; confidences under the softmax over them). Greedy picks go through the fused LM-head
         confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that are not
         candidates (committed ones: about half of a step's); sampling builds the logits. With ``top_m`` (whole
         vocabulary only) also each scored position's top_m logits / temperature (float32) and their token ids
-        (-1 elsewhere), [B, T, top_m] each: the draft candidates of the next round (:mod:`.draft_candidates`)."""
+        (-1 elsewhere), [B, T, top_m] each: the draft candidates of the next round (:mod:`.draft_candidates`). With
+        ``entropy`` (whole vocabulary only) each position's entropy comes after the lse (:meth:`pick`)."""
         weight = self.model.lm_head.weight if draft is None else draft.weight
         B, T, H = hidden.shape
         if self.settings.do_sample:
             logits = F.linear(hidden, weight)
             if draft is not None:
                 logits = draft.full_logits(logits, self.model.lm_head.weight.shape[0])
-            picks = self.pick(logits, positions, candidates, counter)
+            picks = self.pick(logits, positions, candidates, counter, entropy)
             if not top_m:
                 return picks
             z = logits.float().masked_fill(~candidates[..., None], float("-inf"))
@@ -529,7 +532,7 @@ class BlockDecoder:
             return *picks, top * inverse_temperature(self.temperature), ids.masked_fill(top == float("-inf"), -1)
         out = mrp_triton.lm_head_confidence(
             hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
-            **self.token_bans(positions, draft=draft), skip_rows=~candidates.reshape(-1), top_m=top_m)
+            **self.token_bans(positions, draft=draft), skip_rows=~candidates.reshape(-1), top_m=top_m, entropy=entropy)
         tok = out[0] if draft is None else draft.tokens(out[0])
         return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
 
@@ -554,13 +557,16 @@ class BlockDecoder:
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      masked: torch.Tensor, n: int | torch.Tensor, threshold: float | None = None,
-                     mrp: bool = False, top_m: int = 0) -> tuple:
+                     mrp: bool = False, top_m: int = 0, entropy_bound: torch.Tensor | None = None) -> tuple:
         """Pick on ``lm_head(hidden)`` [B, T, H] over the ``masked`` positions, commit into ``block`` in place
-        (static top-n, or dynamic with ``threshold``; n: an int or one per row [B]) and count the forward. Returns
-        the picks of :meth:`pick_hidden` (with ``top_m``, the positions' top_m lists too)."""
-        picks = self.pick_hidden(hidden, positions, masked, self.noise_counter(), top_m=top_m)
+        (static top-n, dynamic with ``threshold``, or entropy-bounded with ``entropy_bound``; n: an int or one per
+        row [B]) and count the forward. Returns the picks of :meth:`pick_hidden` (with ``top_m``, the positions'
+        top_m lists too; with ``entropy_bound``, their entropies)."""
+        by_entropy = entropy_bound is not None
+        picks = self.pick_hidden(hidden, positions, masked, self.noise_counter(), top_m=top_m, entropy=by_entropy)
         committed = mrp_triton.select_commit(block, picks[0], picks[1], mask_token_id=self.mask_id, n=n,
-                                             threshold=threshold)
+                                             threshold=threshold, entropy=picks[3] if by_entropy else None,
+                                             entropy_bound=entropy_bound)
         self.record(masked.any(-1), committed, mrp=mrp)
         return picks
 
@@ -863,28 +869,30 @@ def leading_masks(masked: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
     return masked & (masked.cumsum(-1) <= quota[:, None])
 
 
-def denoising_step(dec: BlockDecoder, threshold: float | None = None, leftmost: bool = False):
+def denoising_step(dec: BlockDecoder, threshold: float | None = None, leftmost: bool = False,
+                   entropy_bound: torch.Tensor | None = None):
     """The step ``(block [B, T], positions [B, T], quota [B]) -> h_A [B, T, H]``: one backbone forward over
     the block, then commit the quota's most confident masked positions (with ``threshold``: all above it,
-    else the quota; ``leftmost``: the quota's first masked positions, picking at those only) into ``block`` in
-    place."""
+    else the quota; ``leftmost``: the quota's first masked positions, picking at those only; ``entropy_bound``: the
+    entropy-bounded run, else the quota) into ``block`` in place."""
 
     def step(block: torch.Tensor, positions: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
         masked = dec.masked(block)
         if leftmost:
             masked = leading_masks(masked, quota)
         hidden = dec.backbone(block, positions)
-        dec.commit_picks(block, hidden, positions, masked, quota, threshold)
+        dec.commit_picks(block, hidden, positions, masked, quota, threshold, entropy_bound=entropy_bound)
         return hidden
 
     return step
 
 
-def scheduled_step(dec: BlockDecoder, threshold: float | None = None, leftmost: bool = False):
+def scheduled_step(dec: BlockDecoder, **rule):
     """The step ``(block [B, T], positions [B, T], quota_base [B], quota_extra [B], steps_taken [B]) -> h_A`` of
-    static / dynamic / sequential decoding: :func:`denoising_step` with each row's quota from SDAR's schedule (see
-    :meth:`BlockDecoder.scheduled_quota`; ``steps_taken`` is incremented in place)."""
-    denoise = denoising_step(dec, threshold, leftmost)
+    static / dynamic / sequential / entropy-bounded decoding: :func:`denoising_step` with the commit ``rule`` (its
+    keywords) and each row's quota from SDAR's schedule (see :meth:`BlockDecoder.scheduled_quota`; ``steps_taken``
+    is incremented in place)."""
+    denoise = denoising_step(dec, **rule)
 
     def step(block: torch.Tensor, positions: torch.Tensor, quota_base: torch.Tensor, quota_extra: torch.Tensor,
              steps_taken: torch.Tensor) -> torch.Tensor:
@@ -894,11 +902,12 @@ def scheduled_step(dec: BlockDecoder, threshold: float | None = None, leftmost: 
 
 
 def decode_scheduled(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, steps: int) -> None:
-    """Static (n most confident per step), dynamic (all above the threshold, else the top n) and sequential (the
-    first n masked positions, left to right: SDAR's ``sequential`` rule) decoding."""
+    """Static (n most confident per step), dynamic (all above the threshold, else the top n), sequential (the
+    first n masked positions, left to right: SDAR's ``sequential`` rule) and entropy-bounded (the lowest-entropy
+    run within the bound, else the n lowest) decoding."""
     s = dec.settings
-    step = scheduled_step(dec, dec.on_device("threshold") if s.strategy == "dynamic" else None,
-                          leftmost=s.strategy == "sequential")
+    step = scheduled_step(dec, threshold=dec.on_device("threshold") if s.strategy == "dynamic" else None,
+                          leftmost=s.strategy == "sequential", entropy_bound=dec.on_device("entropy_bound"))
     state = dec.row_state
     dec.steps((("denoise", step),), block, positions, state["quota_base"], state["quota_extra"], state["steps_taken"],
               count=steps, mutated=(0, 4))

@@ -14,8 +14,9 @@ from .generation_settings import GenerationSettings
 from .mrp_decoding import MRP_DECODING
 from .prompts import PromptBatch
 
-# sequential decoding runs static decoding's schedule (decode_scheduled commits its leftmost masks)
-DECODING = {"static": STATIC, "dynamic": DYNAMIC, "sequential": STATIC, **MRP_DECODING}
+# sequential decoding runs static decoding's schedule and entropy-bounded decoding dynamic's (a step may fill the
+# block): decode_scheduled commits by each one's rule
+DECODING = {"static": STATIC, "dynamic": DYNAMIC, "sequential": STATIC, "entropy_bounded": DYNAMIC, **MRP_DECODING}
 
 
 class _OneCallAtATime:

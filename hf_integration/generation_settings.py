@@ -26,12 +26,13 @@ from .draft_vocab import normalize_draft_vocab
 
 logger = logging.get_logger(__name__)
 
-STRATEGIES = ("static", "dynamic", "sequential", "direct", "speculative", "remask")
+STRATEGIES = ("static", "dynamic", "sequential", "entropy_bounded", "direct", "speculative", "remask")
 MRP_STRATEGIES = ("direct", "speculative", "remask")
 DRAFT_SCHEDULES = ("mrp", "authors")
 REMASK_RULES = ("tau", "delta")
 MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
+DEFAULT_ENTROPY_BOUND = 0.1  # nats (entropy_bounded)
 # Settings that take True or False only (a string such as "no" would read as True).
 FLAGS = ("do_sample", "return_dict_in_generate", "output_reveal_steps", "progress", "fuse_commit", "per_row_blocks",
          "use_cache", "device_loop", "packed_projections")
@@ -60,7 +61,8 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
-ON_THE_DEVICE = ("temperature", "top_k", "top_p", "min_p", "threshold", "residual_delta", "min_new_tokens")
+ON_THE_DEVICE = ("temperature", "top_k", "top_p", "min_p", "threshold", "entropy_bound", "residual_delta",
+                 "min_new_tokens")
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -69,8 +71,9 @@ IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
 # to the calls whose strategy reads them (e.g. a draft_vocab to the speculative calls).
 READ_BY = {
     "threshold": ("dynamic", "remask"),
+    "entropy_bound": ("entropy_bounded",),
     # direct and speculative decoding commit by their own rules
-    "denoising_steps": ("static", "dynamic", "sequential", "remask"),
+    "denoising_steps": ("static", "dynamic", "sequential", "entropy_bounded", "remask"),
     "mrp_steps": ("direct", "speculative"),
     "draft_schedule": ("speculative",),
     "draft_vocab": ("speculative",),
@@ -79,7 +82,8 @@ READ_BY = {
     "residual_delta": ("remask",),
     "mrp_mix": MRP_STRATEGIES,
     "mrp_scale": MRP_STRATEGIES,
-    "per_row_blocks": ("dynamic", "remask", "speculative"),  # static, sequential, direct rows: blocks together
+    # static, sequential, direct rows: blocks together
+    "per_row_blocks": ("dynamic", "entropy_bounded", "remask", "speculative"),
 }
 
 
@@ -131,38 +135,38 @@ class GenerationSettings:
     from torch's default generator, so sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed``
     repeat them, as in transformers; with one, the draw is fixed whatever torch's generator holds.
     ``strategy="sequential"`` commits each step's quota at the first masked positions, left to right (the
-    ``sequential`` rule of SDAR's ``generate.py``), picking tokens there only.
+    ``sequential`` rule of SDAR's ``generate.py``), picking tokens there only. ``strategy="entropy_bounded"`` is the
+    EB-sampler (Ben-Hamu et al. 2025): each step ranks the masked positions by the entropy of their softmax (lowest
+    first) and commits the longest run of them whose entropies, the largest left out, sum to at most
+    ``entropy_bound`` nats (default 0.1; so at least one a step), or the step's quota when that is more.
     ``block_length`` defaults to the model's block size
     and ``denoising_steps`` to ``block_length`` (one token a step); ``threshold`` defaults to 0.9 (dynamic) or
     0.5 (remask). ``fuse_commit`` writes a finished block's cache entries in the row's next forward (same output,
     one forward fewer per block);
-    ``per_row_blocks`` (dynamic, remask, speculative) lets each row of a batch move on to its next block as
-    soon as its own is full, so a batch takes as many steps as its slowest row alone, at the price of the
-    finished block riding in the next forward of every row (``False``: rows start their blocks together;
-    the output is the same either way); ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as
-    in transformers) end a row once its new text contains one of them: checked as its blocks fill, the
-    tokens after the one completing it become padding; ``stopping_criteria`` (transformers' criteria, called as
-    its generate calls them, once per new token in order as soon as every row has decoded it: :mod:`.stopping_criteria`)
-    end a row at the first token at which one holds; ``max_time`` (seconds, as in transformers) ends every row with
-    the block it is decoding once that much time has passed since the call began (checked as blocks fill, so a
-    call may run past it by the rest of a block); ``progress`` shows a bar over blocks; ``streamer`` (one
-    prompt at a time) is an object with ``put(ids)`` and ``end()``, like transformers' ``TextStreamer``: it receives the
-    prompt ids, then each finished block's new tokens (up to the first EOS), then ``end()``.
-    ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per output position, the row's decoding
-    step that revealed its token for good (1 for the row's first step; 0 at prompt and padding positions): the
-    order in which decoding filled each block.
-    ``use_cache`` is accepted as transformers' ``generate`` takes it: decoding always runs on its KV cache,
-    which gives the tokens a forward over the whole sequence would.
-    ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured CUDA
-    graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's
-    data flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the
-    steps after those that surely have work inside one graph, each only while no row has filled its block, tested
-    on the device (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after
-    every step (same output; a static, sequential, direct or speculative row that an EOS settles stops with that
-    step, not one step later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its
-    gate/up projections as another (the model's weights are laid out for it once, in place:
-    ``model.pack_projections()``); the same output up to the rounding of a differently blocked GEMM (``False``: one
-    GEMM per projection, to measure what packing saves).
+    ``per_row_blocks`` (dynamic, entropy_bounded, remask, speculative) lets each row of a batch move on to its next
+    block as soon as its own is full, so a batch takes as many steps as its slowest row alone, at the price of the
+    finished block riding in the next forward of every row (``False``: rows start their blocks together; the output is
+    the same either way); ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as in transformers) end a row
+    once its new text contains one of them: checked as its blocks fill, the tokens after the one completing it become
+    padding; ``stopping_criteria`` (transformers' criteria, called as its generate calls them, once per new token in
+    order as soon as every row has decoded it: :mod:`.stopping_criteria`) end a row at the first token at which one
+    holds; ``max_time`` (seconds, as in transformers) ends every row with the block it is decoding once that much time
+    has passed since the call began (checked as blocks fill, so a call may run past it by the rest of a block);
+    ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a time) is an object with ``put(ids)`` and
+    ``end()``, like transformers' ``TextStreamer``: it receives the prompt ids, then each finished block's new tokens
+    (up to the first EOS), then ``end()``. ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per
+    output position, the row's decoding step that revealed its token for good (1 for the row's first step; 0 at prompt
+    and padding positions): the order in which decoding filled each block. ``use_cache`` is accepted as transformers'
+    ``generate`` takes it: decoding always runs on its KV cache, which gives the tokens a forward over the whole
+    sequence would. ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured
+    CUDA graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's data
+    flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the steps after
+    those that surely have work inside one graph, each only while no row has filled its block, tested on the device
+    (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after every step (same
+    output; a static, sequential, direct or speculative row that an EOS settles stops with that step, not one step
+    later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up projections as
+    another (the model's weights are laid out for it once, in place: ``model.pack_projections()``); the same output up
+    to the rounding of a differently blocked GEMM (``False``: one GEMM per projection, to measure what packing saves).
     ``draft_vocab`` (speculative) lets the drafts choose among some token ids only: an int N (the ids below N; BPE ids
     are in merge order, so roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor, e.g. the most
     frequent tokens of your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the lm_head instead of
@@ -186,6 +190,7 @@ class GenerationSettings:
     denoising_steps: int | None = None
     strategy: str = "static"
     threshold: float | None = None
+    entropy_bound: float | None = None
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
@@ -372,6 +377,8 @@ class GenerationSettings:
             self.seed = int(torch.randint(0, 2**63 - 1, ())) if self.do_sample is True else 0
         if self.threshold is None:
             self.threshold = DEFAULT_THRESHOLD.get(self.strategy)
+        if self.entropy_bound is None and self.strategy == "entropy_bounded":
+            self.entropy_bound = DEFAULT_ENTROPY_BOUND
         if self.top_k == 0 and type(self.top_k) is int:  # transformers' "no top-k cut" (a checkpoint may carry it)
             self.top_k = None
         if self.min_p == 0 and not isinstance(self.min_p, bool):  # keeps every token: no cut in the steps
@@ -408,6 +415,8 @@ class GenerationSettings:
             raise ValueError(f"strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
         if self.threshold is not None and not 0.0 < _number("threshold", self.threshold) <= 1.0:
             raise ValueError(f"threshold={self.threshold} must be in (0, 1]")
+        if self.entropy_bound is not None and not 0.0 <= _number("entropy_bound", self.entropy_bound) < math.inf:
+            raise ValueError(f"entropy_bound={self.entropy_bound} must be a finite number >= 0 (nats)")
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -72,6 +72,29 @@ def _mix32(x):
 
 
 @triton.jit
+def rescaled_terms(t, d, m, m_new):
+    """Entropy sums t = sum exp(z - m) (z - m) (with their d = sum exp(z - m)) moved to a max m_new >= m:
+    exp(m - m_new) * (t + (m - m_new) * d); 0 where that factor is (no finite z yet, or m too far below m_new, where
+    (m - m_new) * d could overflow). Any matching shapes."""
+    scale = tl.exp(m - m_new)
+    return tl.where(scale > 0, scale * (t + (m - m_new) * d), 0.0)
+
+
+@triton.jit
+def entropy_terms(t, d, m, m_new, e, z):
+    """t after a tile: the sums so far (:func:`rescaled_terms`) plus the tile's e * (z - m_new), e = exp(z - m_new)
+    (0 where e is: -inf z)."""
+    return rescaled_terms(t, d, m, m_new) + tl.where(e > 0, e * (z - m_new), 0.0)
+
+
+@triton.jit
+def softmax_entropy(d, t, valid):
+    """The entropy log d - t / d of a row's softmax from its final sums (reference:
+    :func:`.reference.confidence.softmax_entropy`); +inf where not ``valid``."""
+    return tl.where(valid, tl.log(tl.maximum(d, 1e-38)) - t / tl.maximum(d, 1e-38), float("inf"))
+
+
+@triton.jit
 def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
     """The raw (not yet converted) loads of one tile at ``offs`` (those < hi): the logits and the first residual
     slice (the logits again without a residual), so a caller can hold them in flight while it works."""
@@ -85,10 +108,10 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, tau_ptr, ban_tok_ptr, ban_rows_ptr,
-    part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr,
+    part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
     V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, DO_SAMPLE: tl.constexpr,
-    HAS_CUT: tl.constexpr,
+    HAS_CUT: tl.constexpr, ENTROPY: tl.constexpr,
     FINAL: tl.constexpr, T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -122,6 +145,7 @@ def _conf_partial_kernel(
     # larger score replaces, so each lane holds its earliest maximum) and reduced once at the end.
     m = tl.full([], float("-inf"), tl.float32)
     d_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    t_vec = tl.zeros([BLOCK_V], dtype=tl.float32)  # with ENTROPY: sum of exp(x - m) * (x - m), rescaled as d_vec
     best_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
     z_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
     idx_vec = tl.full([BLOCK_V], -1, tl.int32)
@@ -153,7 +177,10 @@ def _conf_partial_kernel(
             x = tl.where((tl.load(ban_tok_ptr + offs, mask=offs < ban_hi, other=0) & ban_bits) != 0, float("-inf"), x)
         m_new = tl.maximum(m, tl.max(x, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d_vec = d_vec * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        e = tl.exp(x - m_safe)
+        if ENTROPY:  # moving the sums to the new max adds (m - m_new) * d to t (nothing while m is -inf)
+            t_vec = entropy_terms(t_vec, d_vec, m, m_safe, e, x)
+        d_vec = d_vec * tl.exp(m - m_safe) + e
         m = m_new
         if DO_SAMPLE:
             e = _mix32(h ^ offs.to(tl.int64))
@@ -170,6 +197,7 @@ def _conf_partial_kernel(
             best_vec = tl.where(upd, x, best_vec)
         idx_vec = tl.where(upd, offs, idx_vec)
     d = tl.sum(d_vec, 0)
+    t = tl.sum(t_vec, 0)
     best = tl.max(best_vec, 0)
     cand = (best_vec == best) & (idx_vec >= 0)
     best_i = tl.min(tl.where(cand, idx_vec, 0x7FFFFFFF), 0)
@@ -189,21 +217,26 @@ def _conf_partial_kernel(
         tl.store(tok_ptr + row, best_idx)
         tl.store(prob_ptr + row, prob)
         tl.store(lse_ptr + row, lse)
+        if ENTROPY:
+            tl.store(ent_ptr + row, softmax_entropy(d, t, valid))
     else:
-        base = (row * S + split) * 4
+        base = (row * S + split) * (5 if ENTROPY else 4)
         tl.store(part_ptr + base + 0, m)
         tl.store(part_ptr + base + 1, d)
         tl.store(part_ptr + base + 2, best)
         tl.store(part_ptr + base + 3, best_z)
+        if ENTROPY:
+            tl.store(part_ptr + base + 4, t)
         tl.store(part_idx_ptr + row * S + split, best_idx)
 
 
 @triton.jit(do_not_specialize=["S"])
-def _conf_merge_kernel(part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, S, BLOCK_S: tl.constexpr):
+def _conf_merge_kernel(part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr, S, ENTROPY: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_S)
     msk = offs < S
-    base = (row * S + offs) * 4
+    base = (row * S + offs) * (5 if ENTROPY else 4)
     m_s = tl.load(part_ptr + base + 0, mask=msk, other=float("-inf"))
     d_s = tl.load(part_ptr + base + 1, mask=msk, other=0.0)
     b_s = tl.load(part_ptr + base + 2, mask=msk, other=float("-inf"))
@@ -212,6 +245,9 @@ def _conf_merge_kernel(part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, S, BL
     m = tl.max(m_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     d = tl.sum(d_s * tl.exp(m_s - m_safe), 0)
+    if ENTROPY:
+        t_s = tl.load(part_ptr + base + 4, mask=msk, other=0.0)
+        t = tl.sum(rescaled_terms(t_s, d_s, m_s, m_safe), 0)
     best = tl.max(b_s, 0)
     cand = (b_s == best) & (i_s >= 0)
     idx = tl.min(tl.where(cand, i_s, 0x7FFFFFFFFFFFFFFF), 0)
@@ -223,6 +259,8 @@ def _conf_merge_kernel(part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, S, BL
     tl.store(tok_ptr + row, idx)
     tl.store(prob_ptr + row, prob)
     tl.store(lse_ptr + row, lse)
+    if ENTROPY:
+        tl.store(ent_ptr + row, softmax_entropy(d, t, valid))
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -342,13 +380,14 @@ def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, bann
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
-                      top_p=None, top_k_max=None, min_p=None, splits=None, block_v=None, num_warps=None, prefetch=True,
-                      out=None):
+                      top_p=None, top_k_max=None, min_p=None, entropy=False, splits=None, block_v=None, num_warps=None,
+                      prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
     ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
     loads each tile when it is processed instead of one tile ahead (tests, the benchmark's sweep);
-    ``out = (tokens, probs, lse)`` preallocated outputs (tests poison them).
+    ``out = (tokens, probs, lse)`` (with ``entropy``, ``(tokens, probs, lse, entropy)``) preallocated outputs (tests
+    poison them).
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
                 noise_keys, top_k, top_p, top_k_max, min_p)
@@ -356,13 +395,12 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     N, V = logits.shape
     dev = logits.device
     if out is None:
-        tok = torch.empty(N, dtype=torch.int64, device=dev)
-        prob = torch.empty(N, dtype=torch.float32, device=dev)
-        lse = torch.empty(N, dtype=torch.float32, device=dev)
-    else:
-        tok, prob, lse = out
+        out = (torch.empty(N, dtype=torch.int64, device=dev),
+               *(torch.empty(N, dtype=torch.float32, device=dev) for _ in range(3 if entropy else 2)))
+    tok, prob, lse = out[:3]
+    ent = out[3] if entropy else prob  # a dummy pointer without entropy
     if N == 0:
-        return tok, prob, lse
+        return out
     sample = bool(do_sample)
     cut = None
     if sample and (top_k is not None or top_p is not None or min_p is not None):
@@ -390,7 +428,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     # computed by the kernel from it
     inv_t = 1.0 if t_tensor else struct.unpack("f", struct.pack("f", 1.0 / float(temperature)))[0]
     if S > 1:
-        part = torch.empty(N * S * 4, dtype=torch.float32, device=dev)
+        part = torch.empty(N * S * (5 if entropy else 4), dtype=torch.float32, device=dev)
         part_idx = torch.empty(N * S, dtype=torch.int64, device=dev)
     else:
         part, part_idx = prob, tok
@@ -398,24 +436,24 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         logits, logits.stride(0),
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
-        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, part, part_idx, tok, prob, lse,
+        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, part, part_idx, tok, prob, lse, ent,
         V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None, DO_SAMPLE=sample,
-        HAS_CUT=cut is not None,
+        HAS_CUT=cut is not None, ENTROPY=bool(entropy),
         FINAL=S == 1,
         T_TENSOR=t_tensor, PREFETCH=bool(prefetch), BLOCK_V=BLOCK_V, num_warps=nw,
         enable_fp_fusion=False,  # no FMA: same rounding as the reference
     )
     if S > 1:
-        _conf_merge_kernel[(N,)](part, part_idx, tok, prob, lse, S,
+        _conf_merge_kernel[(N,)](part, part_idx, tok, prob, lse, ent, S, ENTROPY=bool(entropy),
                                  BLOCK_S=max(16, triton.next_power_of_2(S)), num_warps=1)
-    return tok, prob, lse
+    return out
 
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None):
-    """Per-row token, full-softmax probability and logsumexp of the effective logits.
+               top_k_max=None, min_p=None, entropy=False):
+    """Per-row token, full-softmax probability and logsumexp of the effective logits (and its entropy).
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool or uint8 [V] and ban_rows: bool or
@@ -428,17 +466,19 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead of sorting
     the row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
-    for a row with no finite candidate. Dispatches with :func:`mrp_triton.backend.select_backend`.
+    for a row with no finite candidate. With ``entropy`` also the entropy (nats) of each row's full softmax, float32
+    [N] (+inf where the token is -1), from the same pass (one more running sum).
+    Dispatches with :func:`mrp_triton.backend.select_backend`.
     """
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
     if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                  mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                  do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                 top_k_max=top_k_max, min_p=min_p)
+                                 top_k_max=top_k_max, min_p=min_p, entropy=entropy)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
                 noise_keys, top_k, top_p, top_k_max, min_p)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                 mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                 do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                top_k_max=top_k_max, min_p=min_p)
+                                top_k_max=top_k_max, min_p=min_p, entropy=entropy)

@@ -68,7 +68,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import ban_operands, check_banned, check_skip_rows, check_top_m
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
-from .confidence import comparable
+from .confidence import comparable, rescaled_terms, softmax_entropy
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 from .reference.lm_head_confidence import top_by_value
 
@@ -99,12 +99,12 @@ def _kept_first_kernel(skip_ptr, order_ptr, kept_ptr, N, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
 def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_tok_ptr, ban_rows_ptr,
-                     m_ptr, d_ptr, idx_ptr, topv_ptr, topi_ptr,
+                     m_ptr, d_ptr, t_ptr, idx_ptr, topv_ptr, topi_ptr,
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
                      HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr,
                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr, ROWS_MAJOR: tl.constexpr,
-                     W_TMA: tl.constexpr, FLATTEN: tl.constexpr, TOP_M: tl.constexpr,
+                     W_TMA: tl.constexpr, FLATTEN: tl.constexpr, TOP_M: tl.constexpr, ENTROPY: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -129,6 +129,7 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
         ban_bits = tl.expand_dims(tl.load(ban_rows_ptr + rows64, mask=row_mask, other=0), V_AXIS)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     d = tl.zeros([BLOCK_N], tl.float32)
+    t = tl.zeros([BLOCK_N], tl.float32)  # with ENTROPY: sum of exp(z - m) * (z - m)
     best = tl.zeros([BLOCK_N], tl.int32) + v_start
     for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLATTEN):
         cols = v0 + tl.arange(0, BLOCK_V)
@@ -171,7 +172,10 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
         best = tl.where(tile_max > m, v0 + tile_arg.to(tl.int32), best)
         new_m = tl.maximum(m, tile_max)
         safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-        p = tl.exp(z - tl.expand_dims(safe_m, V_AXIS))
+        shifted = z - tl.expand_dims(safe_m, V_AXIS)
+        p = tl.exp(shifted)
+        if ENTROPY:
+            t = rescaled_terms(t, d, m, safe_m) + tl.sum(tl.where(p > 0, p * shifted, 0.0), axis=V_AXIS)
         d = d * tl.exp(m - safe_m) + tl.sum(p, axis=V_AXIS)
         m = new_m
         if TOP_M > 0:  # the split's only tile (the launcher's rule): its top_m per row, each winner taken out
@@ -186,12 +190,14 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
     out = slots.to(tl.int64) * n_splits + pid_s
     tl.store(m_ptr + out, m, mask=row_mask)
     tl.store(d_ptr + out, d, mask=row_mask)
+    if ENTROPY:
+        tl.store(t_ptr + out, t, mask=row_mask)
     tl.store(idx_ptr + out, best, mask=row_mask)
 
 
 @triton.jit
-def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr, lse_ptr, n_splits,
-                  HAS_SKIP: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(m_ptr, d_ptr, t_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr, n_splits,
+                  HAS_SKIP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_S: tl.constexpr):
     slot = tl.program_id(0).to(tl.int64)
     row = slot
     if HAS_SKIP:
@@ -200,6 +206,8 @@ def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr,
             tl.store(tok_ptr + row, -1)
             tl.store(lse_ptr + row, float("-inf"))
             tl.store(prob_ptr + row, 0.0)
+            if ENTROPY:
+                tl.store(ent_ptr + row, float("inf"))
             return
     base = slot * n_splits
     offs = tl.arange(0, BLOCK_S)
@@ -219,15 +227,21 @@ def _merge_kernel(m_ptr, d_ptr, idx_ptr, order_ptr, kept_ptr, tok_ptr, prob_ptr,
     found = M > float("-inf")
     safe_M = tl.where(found, M, 0.0)
     d_vec = tl.zeros([BLOCK_S], tl.float32)
+    t_vec = tl.zeros([BLOCK_S], tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         mask = s0 + offs < n_splits
         ms = tl.load(m_ptr + base + s0 + offs, mask=mask, other=float("-inf"))
         ds = tl.load(d_ptr + base + s0 + offs, mask=mask, other=0.0)
+        if ENTROPY:
+            t_vec += rescaled_terms(tl.load(t_ptr + base + s0 + offs, mask=mask, other=0.0), ds, ms, safe_M)
         d_vec += ds * tl.exp(ms - safe_M)
-    lse = safe_M + tl.log(tl.sum(d_vec, axis=0))
+    d = tl.sum(d_vec, axis=0)
+    lse = safe_M + tl.log(d)
     tl.store(tok_ptr + row, tl.where(found, tok, -1))
     tl.store(lse_ptr + row, tl.where(found, lse, float("-inf")))
     tl.store(prob_ptr + row, tl.where(found, tl.exp(M - lse), 0.0))
+    if ENTROPY:
+        tl.store(ent_ptr + row, softmax_entropy(d, tl.sum(t_vec, axis=0), found))
 
 
 def _config(N: int, V: int, H: int, dtype: torch.dtype, shared_limit: int | None = None) -> dict:
@@ -313,7 +327,8 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, base_logits: torch.T
 def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                               mask_token_id: int | None = None, banned_tokens: torch.Tensor | None = None,
                               ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
-                              skip_rows: torch.Tensor | None = None, top_m: int = 0, config: dict | None = None):
+                              skip_rows: torch.Tensor | None = None, top_m: int = 0, entropy: bool = False,
+                              config: dict | None = None):
     """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
 
     ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
@@ -330,11 +345,13 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     tokens = torch.empty(N, dtype=torch.int64, device=hidden.device)
     probs = torch.empty(N, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty(N, dtype=torch.float32, device=hidden.device) if entropy else lse  # (a dummy pointer)
+    picks = (tokens, probs, lse, ent) if entropy else (tokens, probs, lse)
     if top_m:
         top_logits = torch.empty((N, top_m), dtype=torch.float32, device=hidden.device)
         top_ids = torch.empty((N, top_m), dtype=torch.int64, device=hidden.device)
     if N == 0:
-        return (tokens, probs, lse, top_logits, top_ids) if top_m else (tokens, probs, lse)
+        return (*picks, top_logits, top_ids) if top_m else picks
     cfg = _config(N, V, H, weight.dtype, shared_memory_limit(hidden.device))
     if config:
         cfg.update(config)
@@ -346,6 +363,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     n_splits = triton.cdiv(V, v_per_split)
     m_part = torch.empty((N, n_splits), dtype=torch.float32, device=hidden.device)
     d_part = torch.empty_like(m_part)
+    t_part = torch.empty_like(m_part) if entropy else m_part  # (a dummy pointer without entropy)
     i_part = torch.empty((N, n_splits), dtype=torch.int32, device=hidden.device)
     # per (row slot, split): the tile's top_m values and ids (dummy pointers without top_m)
     topv_part = torch.empty((N, n_splits * top_m), dtype=torch.float32, device=hidden.device) if top_m else m_part
@@ -361,20 +379,20 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, tokens)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
-        h, w, w_desc, base, order, kept, ban_tok, ban_flags, m_part, d_part, i_part, topv_part, topi_part,
+        h, w, w_desc, base, order, kept, ban_tok, ban_flags, m_part, d_part, t_part, i_part, topv_part, topi_part,
         N, V, H, h.stride(0), w.stride(0), base.stride(0), 1.0 / temperature,
         mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
         HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None, HAS_SKIP=skip_rows is not None,
         HAS_BAN=banned_tokens is not None,
         DOT_FP32=interpreter_on() and w.dtype != torch.float32, IEEE=w.dtype == torch.float32,
         ROWS_MAJOR=cfg.get("rows_major", False), W_TMA=bool(cfg.get("tma")), FLATTEN=bool(cfg.get("flatten")),
-        TOP_M=top_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+        TOP_M=top_m, ENTROPY=bool(entropy), BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block_s = cfg.get("BLOCK_S") or min(triton.next_power_of_2(n_splits), 1024)
-    _merge_kernel[(N,)](m_part, d_part, i_part, order, kept, tokens, probs, lse, n_splits,
-                        HAS_SKIP=skip_rows is not None, BLOCK_S=block_s, num_warps=4)
+    _merge_kernel[(N,)](m_part, d_part, t_part, i_part, order, kept, tokens, probs, lse, ent, n_splits,
+                        HAS_SKIP=skip_rows is not None, ENTROPY=bool(entropy), BLOCK_S=block_s, num_warps=4)
     if not top_m:
-        return tokens, probs, lse
+        return picks
     # slot s holds row order[s] (with skip_rows); slots past the kept count were never written
     top, at = top_by_value(topv_part, top_m)
     ids = topi_part.gather(1, at).long()
@@ -386,14 +404,14 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     else:
         top_logits.copy_(top)
         top_ids.copy_(ids)
-    return tokens, probs, lse, top_logits, top_ids
+    return (*picks, top_logits, top_ids)
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                        mask_token_id: int | None = None, banned_tokens: torch.Tensor | None = None,
                        ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
-                       skip_rows: torch.Tensor | None = None, top_m: int = 0):
-    """Greedy pick and its full-softmax confidence, never materialising the logits.
+                       skip_rows: torch.Tensor | None = None, top_m: int = 0, entropy: bool = False):
+    """Greedy pick and its full-softmax confidence (and entropy), never materialising the logits.
 
     hidden: [N, H], weight: [V, H] (the lm_head), base_logits: [N, V] or None,
     mask_token_id: a column excluded from the argmax and the softmax, banned_tokens: bool or uint8 [V] and ban_rows:
@@ -401,12 +419,14 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     None: in every row), temperature > 0,
     skip_rows: bool [N] or None (rows not to score: token -1, prob 0, lse -inf; on the GPU they cost nothing).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) for
-    ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index. With ``top_m`` (0 to
+    ``z = (hidden @ weight.T [+ base_logits]) / temperature``; ties go to the lowest index. With ``entropy`` the
+    entropy (nats) of each row's softmax of z, float32 [N], comes fourth (+inf where the token is -1; one more running
+    sum in the same pass). With ``top_m`` (0 to
     64) also (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): each row's top_m largest z, largest first,
     ties to the lowest id (-inf / -1 past the row's scored tokens and in skipped rows).
     """
     kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
-              temperature=temperature, skip_rows=skip_rows, top_m=top_m)
+              temperature=temperature, skip_rows=skip_rows, top_m=top_m, entropy=entropy)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)

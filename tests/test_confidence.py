@@ -21,18 +21,21 @@ from kernel_utils import DEV, DTYPES
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy inf - inf inside the interpreter
 
 
-def _poisoned(N):
+def _poisoned(N, entropy=False):
+    """Outputs for ``out=``, filled with values no result has (tokens, probs, lse, and with ``entropy`` the entropy)."""
     return (torch.full((N,), -7777, dtype=torch.int64, device=DEV),
-            torch.full((N,), float("nan"), dtype=torch.float32, device=DEV),
-            torch.full((N,), float("nan"), dtype=torch.float32, device=DEV))
+            *(torch.full((N,), float("nan"), dtype=torch.float32, device=DEV) for _ in range(3 if entropy else 2)))
 
 
 def _check(got, exp):
-    tok, prob, lse = got
-    etok, eprob, else_ = exp
+    assert len(got) == len(exp)
+    tok, prob, lse = got[:3]
+    etok, eprob, else_ = exp[:3]
     assert torch.equal(tok.cpu(), etok.cpu()), (tok, etok)
     torch.testing.assert_close(prob.cpu(), eprob.cpu(), atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(lse.cpu(), else_.cpu(), atol=2e-5, rtol=2e-5)
+    if len(got) == 4:  # the entropy
+        torch.testing.assert_close(got[3].cpu(), exp[3].cpu(), atol=1e-4, rtol=1e-4)
 
 
 def _drawn_ban(draw, g: torch.Generator, N: int, V: int):
@@ -84,6 +87,7 @@ def _cases(draw):
         top_k=draw(st.none() | st.integers(1, 40)),  # greedy picks ignore them (the best token is always kept)
         top_p=draw(st.none() | st.floats(0.05, 1.0)),
         min_p=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(0.001, 0.5)),
+        entropy=draw(st.booleans()),
     )
     top_k_max = draw(st.sampled_from([None, 0, 64]))  # with a top_k tensor: none, top_k itself, or above it
     return (logits.to(dtype), residual, kw, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([64, 512])),
@@ -92,9 +96,10 @@ def _cases(draw):
 
 @given(_cases())
 def test_kernel_matches_reference(case):
-    """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-k /
-    top-p / min-p keep); a temperature, top_k, top_p and min_p given to the kernel as float64 0-d tensors (read on
-    the device) scale, filter and sample exactly as the numbers do, top_k with or without a top_k_max."""
+    """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-k / top-p
+    / min-p keep, the entropy asked for or not); a temperature, top_k, top_p and min_p given to the kernel as float64
+    0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k with or without a
+    top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
@@ -105,8 +110,8 @@ def test_kernel_matches_reference(case):
             dev_kw["top_k_max"] = top_k_max or kw["top_k"]
     L = logits.to(DEV)
     R = residual.to(DEV) if residual is not None else None
-    got = confidence_triton(L, R, splits=splits, block_v=block_v, prefetch=prefetch, out=_poisoned(L.shape[0]),
-                            **dev_kw)
+    got = confidence_triton(L, R, splits=splits, block_v=block_v, prefetch=prefetch,
+                            out=_poisoned(L.shape[0], kw["entropy"]), **dev_kw)
     _check(got, confidence_ref(logits, residual, **kw))
 
 
@@ -164,6 +169,31 @@ def test_greedy_exact_cases():
         assert lse[3].item() == pytest.approx(torch.logsumexp(z3, 0).item(), rel=1e-6)
         assert prob[4].item() == pytest.approx(1.0)
         _check((tok, prob, lse), confidence_ref(L.to(DEV), mask_token_id=7, skip_rows=skip.to(DEV)))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_entropy_is_the_categorical_entropy_of_the_full_softmax(splits):
+    """The entropy (nats) equals torch.distributions.Categorical's over the effective logits (temperature applied;
+    the mask column and banned tokens excluded; the sampling filters not applied), also where +inf logits tie (two
+    at the largest fp32: log 2) or one dominates (0); +inf where the row has nothing to pick or is skipped."""
+    g = torch.Generator().manual_seed(5)
+    L = torch.randn(6, 300, generator=g) * 4
+    L[1, :] = float("-inf")
+    L[2, 4], L[2, 9] = float("inf"), float("inf")
+    L[3, 8] = float("inf")
+    L[4, 11] = 50.0  # almost all the mass on one token
+    skip = torch.tensor([False, False, False, False, False, True])
+    banned = torch.zeros(300, dtype=torch.bool)
+    banned[::7] = True
+    kw = dict(temperature=0.7, mask_token_id=5, banned_tokens=banned.to(DEV), skip_rows=skip.to(DEV), do_sample=True,
+              noise_keys=torch.zeros(6, 3, dtype=torch.long, device=DEV), top_k=3, entropy=True)
+    *_, ent = confidence_triton(L.to(DEV), splits=splits, block_v=64, out=_poisoned(6, entropy=True), **kw)
+    z = effective_logits(L.double(), temperature=0.7, mask_token_id=5, banned_tokens=banned)
+    z = torch.where(z > 1e30, 1e4, z)  # +inf (the largest fp32 in z): a value whose softmax float64 resolves
+    expected = torch.distributions.Categorical(logits=z[[0, 2, 3, 4]]).entropy()
+    torch.testing.assert_close(ent[[0, 2, 3, 4]].cpu().double(), expected, atol=1e-5, rtol=1e-5)
+    assert ent[2].item() == pytest.approx(math.log(2)) and ent[3].item() == 0.0
+    assert ent[[1, 5]].tolist() == [float("inf")] * 2
 
 
 def test_residual_sum_and_temperature():

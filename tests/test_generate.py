@@ -32,36 +32,44 @@ def model():
     return tiny_model(seed=0)
 
 
-@pytest.mark.parametrize("strategy", ["static", "sequential"])
+# one token a step by confidence (static) or position (sequential); entropy-bounded runs of one (bound 0) or more
+ORACLE_RULES = [(dict(strategy="static"), {}), (dict(strategy="sequential"), dict(leftmost=True)),
+                (dict(strategy="entropy_bounded", entropy_bound=0.0), dict(entropy_bound=0.0)),
+                (dict(strategy="entropy_bounded", entropy_bound=6.0), dict(entropy_bound=6.0))]
+
+
+@pytest.mark.parametrize("kwargs,rule", ORACLE_RULES, ids=lambda x: "-".join(map(str, x.values())))
 @pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (5, 12), (2, 7), (6, 1)])
-def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new, strategy):
+def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new, kwargs, rule):
     """Tokens and backbone forwards (blocks of 4: the last block ending at the block's end, or 1-3 positions
-    before it), committing the most confident masked position a step (static) or the first (sequential)."""
+    before it), committing the most confident masked position a step (static), the first (sequential), or the
+    lowest-entropy run within the bound (entropy-bounded)."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
-    out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], strategy=strategy,
-                         return_dict_in_generate=True)
+    out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True,
+                         **kwargs)
     forwards = []
     assert torch.equal(out.sequences[0], naive_static_decode(model, prompt, max_new, model.config.block_size,
-                                                             forwards, leftmost=strategy == "sequential"))
+                                                             forwards, **rule))
     assert out.stats.backbone_forwards.tolist() == [len(forwards)]
 
 
-@pytest.mark.parametrize("strategy", ["static", "sequential"])
+@pytest.mark.parametrize("kwargs,rule", ORACLE_RULES, ids=lambda x: "-".join(map(str, x.values())))
 @pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (2, 7)])
-def test_reveal_steps_give_the_order_in_which_the_oracle_reveals(model, prompt_len, max_new, strategy):
+def test_reveal_steps_give_the_order_in_which_the_oracle_reveals(model, prompt_len, max_new, kwargs, rule):
     """output_reveal_steps: the step that revealed each new token is the uncached oracle's (one token a step, the
-    most confident masked position first, or with sequential decoding the first; the last block's positions past
-    the last new token count steps but are not output); prompt positions hold 0. Steps replayed (cuda_graphs on a
-    CPU model) note the same."""
+    most confident masked position first, or with sequential decoding the first; entropy-bounded runs; the last
+    block's positions past the last new token count steps but are not output); prompt positions hold 0. Steps
+    replayed (cuda_graphs on a CPU model) note the same."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
     expected = torch.zeros(prompt_len + max_new, dtype=torch.long)
-    tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected,
-                                 leftmost=strategy == "sequential")
-    if strategy == "sequential":  # left to right
+    tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected, **rule)
+    if kwargs["strategy"] == "sequential":  # left to right
         assert expected[prompt_len:].tolist() == list(range(1, max_new + 1))
+    if rule.get("entropy_bound"):  # some steps reveal several tokens
+        assert expected.max() < max_new
     for graphs in (False, True):
         out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True,
-                             output_reveal_steps=True, cuda_graphs=graphs, strategy=strategy)
+                             output_reveal_steps=True, cuda_graphs=graphs, **kwargs)
         assert torch.equal(out.sequences[0], tokens)
         assert out.reveal_steps.tolist() == [expected.tolist()], graphs
 
@@ -253,9 +261,9 @@ def _spy_select(monkeypatch):
     calls = []
     original = mrp_triton.select_commit
 
-    def spy(block, tokens, conf, *, mask_token_id, n, threshold=None):
+    def spy(block, tokens, conf, *, mask_token_id, n, threshold=None, **rule):
         masked = (block == mask_token_id).clone()
-        committed = original(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)
+        committed = original(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold, **rule)
         calls.append((masked, tokens.clone(), conf.clone(), torch.as_tensor(n).clone(), threshold, committed.clone()))
         return committed
 
@@ -667,7 +675,13 @@ BAD_INPUTS = [
     (dict(strategy="speculative", mrp_scale="1"), ValueError, "mrp_scale='1' must be a finite number"),
     (dict(strategy="direct", mrp_scale=True), ValueError, "mrp_scale=True must be a finite number"),
     (dict(strategy="speculative", denoising_steps=2), ValueError,
-     "denoising_steps=2 steers strategy 'static' or 'dynamic' or 'sequential' or 'remask', not 'speculative'"),
+     "denoising_steps=2 steers strategy 'static' or 'dynamic' or 'sequential' or 'entropy_bounded' or 'remask', "
+     "not 'speculative'"),
+    (dict(entropy_bound=0.5), ValueError, "entropy_bound=0.5 steers strategy 'entropy_bounded', not 'static'"),
+    (dict(strategy="entropy_bounded", entropy_bound=-0.1), ValueError, "entropy_bound=-0.1 must be a finite number"),
+    (dict(strategy="entropy_bounded", entropy_bound=float("nan")), ValueError, "entropy_bound=nan must be a finite"),
+    (dict(strategy="entropy_bounded", entropy_bound="0.5"), TypeError, "entropy_bound must be a number, got str"),
+    (dict(strategy="entropy_bounded", threshold=0.5), ValueError, "threshold=0.5 steers strategy 'dynamic' or"),
     (dict(threshold=0.7), ValueError, "threshold=0.7 steers strategy 'dynamic' or 'remask', not 'static': drop it"),
     (dict(strategy="sequential", threshold=0.7), ValueError, "threshold=0.7 steers strategy 'dynamic' or 'remask', "
      "not 'sequential'"),
@@ -1122,9 +1136,11 @@ def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch)
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
                                                   ("remask", "threshold", (0.9, 0.3)),
                                                   ("remask", "residual_delta", (2.0, 0.05)),
+                                                  ("entropy_bounded", "entropy_bound", (0.0, 8.0)),
                                                   ("static", "denoising_steps", (8, 2, 3))])
 def test_graphed_steps_read_thresholds_from_buffers(strategy, name, values):
-    """Dynamic and remask thresholds reach the captured steps through the engine's buffers, the number of denoising
+    """Dynamic and remask thresholds (and the entropy bound) reach the captured steps through the engine's buffers,
+    the number of denoising
     steps through each row's quota (set when its block starts): every value decodes (tokens, stats, steps) as
     without graphs, the values decode differently, and another value captures nothing new (one row over several
     blocks: the same kinds of step whatever the value)."""

@@ -54,11 +54,17 @@ def _drawn_ban(ban: str | None, N: int, V: int, g: torch.Generator) -> dict:
                 ban_rows=None if ban == "every row" else (torch.rand(N, generator=g) < 0.5).to(DEV))
 
 
-def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
+def _check(out, expect, exact_tokens=True, prob_tol=1e-5, entropy=False):
+    """The op's results ``out`` against ``expect``: (tokens, probs, lse), then with ``entropy`` the entropy, then with
+    top_m the top logits and ids."""
     assert len(out) == len(expect)
-    if len(out) == 5:  # with top_m: exact (integer logits)
-        assert out[3].dtype == torch.float32 and out[4].dtype == torch.int64
-        assert torch.equal(out[3], expect[3]) and torch.equal(out[4], expect[4]), (out[3:], expect[3:])
+    if entropy:
+        assert out[3].dtype == torch.float32
+        torch.testing.assert_close(out[3], expect[3], atol=1e-4, rtol=1e-4)
+    if len(out) - entropy == 5:  # with top_m: exact (integer logits)
+        top, ids = out[-2:]
+        assert top.dtype == torch.float32 and ids.dtype == torch.int64
+        assert torch.equal(top, expect[-2]) and torch.equal(ids, expect[-1]), (out[-2:], expect[-2:])
     tok, prob, lse = out[:3]
     assert tok.dtype == torch.int64 and prob.dtype == torch.float32 and lse.dtype == torch.float32
     if exact_tokens:
@@ -71,11 +77,12 @@ def _check(out, expect, exact_tokens=True, prob_tol=1e-5):
 @given(N=st.integers(1, 20), H=st.integers(1, 40), V=st.integers(2, 300), dtype=st.sampled_from(DTYPES),
        base=st.sampled_from((None, torch.float32, torch.bfloat16)), use_mask=st.booleans(),
        temperature=st.sampled_from((1.0, 0.5, 2.0)), cfg=configs, top_m=st.integers(0, 8), strided=st.booleans(),
-       ban=st.sampled_from((None, "every row", "some rows", "classes")), seed=st.integers(0, 2**16))
+       ban=st.sampled_from((None, "every row", "some rows", "classes")), entropy=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, temperature, cfg, top_m, strided,
-                                              ban, seed):
-    """Every tile layout, with and without the top_m list (which makes every split one tile) and banned tokens (in
-    every row or some); hidden states and base logits also as row-strided views."""
+                                              ban, entropy, seed):
+    """Every tile layout, with and without the top_m list (which makes every split one tile), banned tokens (in
+    every row or some) and the entropy; hidden states and base logits also as row-strided views."""
     if cfg["tma"]:
         H = -(-H // 8) * 8  # TMA needs 16-byte aligned weight rows
     g = torch.Generator().manual_seed(seed)
@@ -86,11 +93,11 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
         hidden, base_logits = _row_strided(hidden), base_logits if base is None else _row_strided(base_logits)
     mask = int(torch.randint(0, V, (1,), generator=g)) if use_mask else None
     kw = dict(base_logits=base_logits, mask_token_id=mask, temperature=temperature, top_m=min(top_m, V),
-              **_drawn_ban(ban, N, V, g))
+              entropy=entropy, **_drawn_ban(ban, N, V, g))
     with poisoned_allocations():
         out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
     expect = lm_head_confidence_reference(hidden, weight, **kw)
-    _check(out, expect)
+    _check(out, expect, entropy=entropy)
     if mask is not None:
         assert not (out[0] == mask).any()
 
@@ -99,9 +106,10 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
 @given(N=st.integers(1, 40), H=st.integers(1, 24), V=st.integers(2, 120), dtype=st.sampled_from(DTYPES),
        skip=st.sampled_from(("none", "all", "first", "last", "random")), with_base=st.booleans(),
        block_n=st.sampled_from((16, 32)), rows_major=st.booleans(), top_m=st.sampled_from((0, 1, 5)),
-       ban=st.sampled_from((None, "every row", "some rows", "classes")), seed=st.integers(0, 2**16))
-def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, top_m, ban, seed):
-    """Skipped rows give (-1, 0, -inf); the kept rows, gathered to the front on the device, give what they
+       ban=st.sampled_from((None, "every row", "some rows", "classes")), entropy=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, top_m, ban, entropy, seed):
+    """Skipped rows give (-1, 0, -inf; entropy +inf); the kept rows, gathered to the front on the device, give what they
     give unskipped, whichever row blocks they end up in."""
     g = torch.Generator().manual_seed(seed)
     hidden = _ints((N, H), -2, 2, dtype, g)
@@ -111,15 +119,18 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
                  "first": torch.arange(N) < N // 2, "last": torch.arange(N) >= N // 2,
                  "random": torch.rand(N, generator=g) < 0.5}[skip].to(DEV)
     bans = _drawn_ban(ban, N, V, g)
-    kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows, top_m=min(top_m, V), **bans)
+    kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows, top_m=min(top_m, V), entropy=entropy,
+              **bans)
     with poisoned_allocations():
         cfg = dict(BLOCK_N=block_n, BLOCK_V=32, BLOCK_K=16, rows_major=rows_major)
         out = lm_head_confidence_triton(hidden, weight, config=cfg, **kw)
     expect = lm_head_confidence_reference(hidden, weight, **kw)
-    _check(out, expect)
+    _check(out, expect, entropy=entropy)
     assert (out[0][skip_rows] == -1).all() and (out[1][skip_rows] == 0).all() and (out[2][skip_rows] == -inf).all()
+    if entropy:
+        assert (out[3][skip_rows] == inf).all()
     if top_m:
-        assert (out[3][skip_rows] == -inf).all() and (out[4][skip_rows] == -1).all()
+        assert (out[-2][skip_rows] == -inf).all() and (out[-1][skip_rows] == -1).all()
     unskipped = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V - 1, **bans)
     assert torch.equal(out[0][~skip_rows], unskipped[0][~skip_rows])
 
@@ -228,8 +239,9 @@ def test_top_m_of_more_tokens_than_a_row_can_score_ends_with_minus_one(mask):
 @pytest.mark.parametrize("rows_major", [False, True])
 def test_non_finite_logits_follow_confidences_rule(top_m, rows_major):
     """NaN counts as -inf (never chosen), +inf as the largest fp32 (ties to the lowest id), and a row with no finite
-    logit gives token -1, prob 0, lse -inf, as ``confidence`` defines it: through a NaN hidden state, an inf base
-    logit, and base logits that leave nothing finite (the mask column is the row's only finite logit)."""
+    logit gives token -1, prob 0, lse -inf (entropy +inf), as ``confidence`` defines it: through a NaN hidden state, an
+    inf base logit, and base logits that leave nothing finite (the mask column is the row's only finite logit); two
+    +inf logits share the mass (entropy log 2)."""
     hidden = torch.tensor([[1.0, 0.0], [float("nan"), 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0]], device=DEV)
     weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [1.0, -1.0]], device=DEV)
     base = torch.zeros(5, 4, device=DEV)
@@ -240,11 +252,13 @@ def test_non_finite_logits_follow_confidences_rule(top_m, rows_major):
     base[4] = float("nan")  # row 4: nothing finite
     cfg = dict(BLOCK_N=16, BLOCK_V=16, BLOCK_K=16, tiles_per_split=1, rows_major=rows_major)
     with poisoned_allocations():
-        out = lm_head_confidence_triton(hidden, weight, base_logits=base, mask_token_id=2, top_m=top_m, config=cfg)
-    expect = lm_head_confidence_reference(hidden, weight, base_logits=base, mask_token_id=2, top_m=top_m)
-    _check(out, expect)
+        out = lm_head_confidence_triton(hidden, weight, base_logits=base, mask_token_id=2, top_m=top_m, entropy=True,
+                                        config=cfg)
+    expect = lm_head_confidence_reference(hidden, weight, base_logits=base, mask_token_id=2, top_m=top_m, entropy=True)
+    _check(out, expect, entropy=True)
     assert out[0].tolist() == [3, -1, 1, -1, -1] and out[1][[1, 3, 4]].tolist() == [0.0] * 3
     assert (out[2][[1, 3, 4]] == -inf).all() and torch.isfinite(out[1]).all()
+    assert out[3][[1, 3, 4]].tolist() == [inf] * 3 and out[3][2].item() == pytest.approx(0.6931472)
 
 
 @settings(max_examples=10)
@@ -255,13 +269,16 @@ def test_random_logits_close_to_reference(N, H, V, dtype, with_base, seed):
     hidden = torch.randn(N, H, generator=g).to(DEV, dtype)
     weight = (torch.randn(V, H, generator=g) * 0.5).to(DEV, dtype)
     base_logits = (torch.randn(N, V, generator=g) * 2).to(DEV) if with_base else None
-    out = lm_head_confidence_triton(hidden, weight, base_logits=base_logits, mask_token_id=V // 2,
+    out = lm_head_confidence_triton(hidden, weight, base_logits=base_logits, mask_token_id=V // 2, entropy=True,
                                     config=dict(BLOCK_V=32, tiles_per_split=2))
-    expect = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V // 2)
-    _check(out, expect, exact_tokens=False, prob_tol=1e-4)
+    expect = lm_head_confidence_reference(hidden, weight, base_logits=base_logits, mask_token_id=V // 2, entropy=True)
+    _check(out, expect, exact_tokens=False, prob_tol=1e-4, entropy=True)
     # the token may differ only on a near-tie: its reference logit must be the max within 1e-4
     z = hidden.to(weight.dtype).float() @ weight.float().T + (base_logits if with_base else 0)
     z[:, V // 2] = float("-inf")
+    # the entropy is the categorical entropy of the softmax (an oracle other than the reference's formula)
+    entropy = torch.distributions.Categorical(logits=z.double()).entropy()
+    torch.testing.assert_close(out[3].double(), entropy, atol=2e-4, rtol=1e-4)
     picked = z.gather(1, out[0][:, None]).squeeze(1)
     torch.testing.assert_close(picked, z.max(-1).values, atol=1e-4, rtol=1e-5)
 

@@ -16,7 +16,7 @@ from mrp_triton.select import select_commit_triton
 M = 50
 
 
-def _oracle(block, tokens, conf, n, threshold):
+def _oracle(block, tokens, conf, n, threshold, entropy=None, bound=None):
     """Plain-Python statement of the rule (one row at a time)."""
     B, L = block.shape
     out = torch.zeros(B, L, dtype=torch.bool)
@@ -25,6 +25,12 @@ def _oracle(block, tokens, conf, n, threshold):
         if nb <= 0:
             continue
         cands = [i for i in range(L) if block[b, i] == M and tokens[b, i] >= 0 and tokens[b, i] != M]
+        if entropy is not None:  # lowest entropy first (NaN last), each while the entropies before sum to <= bound
+            h = [float("inf") if entropy[b, i] != entropy[b, i] else float(entropy[b, i]) for i in range(L)]
+            ranked = sorted(cands, key=lambda i: (h[i], i))
+            within = [i for k, i in enumerate(ranked) if sum(h[j] for j in ranked[:k]) <= bound]
+            out[b, sorted(set(within) | set(ranked[:nb]))] = True
+            continue
         key = lambda i: (-(float("-inf") if conf[b, i] != conf[b, i] else float(conf[b, i])), i)  # noqa: E731
         top = sorted(cands, key=key)[:min(nb, len(cands))]
         chosen = top
@@ -48,24 +54,32 @@ def _cases(draw):
         n = draw(st.integers(0, 6))
     else:
         n = torch.randint(0, 6, (B,), generator=g)
-    threshold = draw(st.sampled_from([None, 0.5, 1.0, 0.25]))
-    return block, tokens, conf, n, threshold, draw(st.booleans()), draw(st.booleans())
+    threshold = draw(st.sampled_from([None, 0.5, 1.0, 0.25, "entropy"]))
+    entropy = bound = None
+    if threshold == "entropy":  # multiples of 1/8: sums exact in any order, so kernel and oracle agree at the bound
+        threshold = None
+        entropy = torch.randint(0, 17, (B, L), generator=g).float() / 8
+        entropy[torch.rand(B, L, generator=g) < 0.05] = float("nan")
+        bound = draw(st.sampled_from([0.0, 0.125, 0.5, 1.0, 3.0]))
+    return block, tokens, conf, n, threshold, entropy, bound, draw(st.booleans()), draw(st.booleans())
 
 
 @given(_cases())
 def test_kernel_matches_reference_and_oracle(case):
-    """A threshold given as a 0-d tensor (read on the device) decides as the float does."""
-    block, tokens, conf, n, threshold, poison, on_device = case
-    as_given = (lambda dev: torch.tensor(threshold, dtype=torch.float64, device=dev)) if on_device and \
-        threshold is not None else (lambda dev: threshold)
+    """Static, dynamic and entropy-bounded rules; a threshold or entropy bound given as a 0-d tensor (read on the
+    device) decides as the float does."""
+    block, tokens, conf, n, threshold, entropy, bound, poison, on_device = case
+    name, value = ("entropy_bound", bound) if entropy is not None else ("threshold", threshold)
+    as_given = (lambda dev: {name: torch.tensor(value, dtype=torch.float64, device=dev)}) if on_device and \
+        value is not None else (lambda dev: {name: value})
+    rule = (lambda dev: dict(entropy=entropy.to(dev), **as_given(dev))) if entropy is not None else as_given
     b_ref = block.clone()
-    exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=n, threshold=as_given("cpu"))
-    assert torch.equal(exp, _oracle(block, tokens, conf, n, threshold))
+    exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=n, **rule("cpu"))
+    assert torch.equal(exp, _oracle(block, tokens, conf, n, threshold, entropy, bound))
     b_k = block.to(DEV)
     out = torch.full(block.shape, poison, dtype=torch.bool, device=DEV)
     nd = n.to(DEV) if isinstance(n, torch.Tensor) else n
-    got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=nd, threshold=as_given(DEV),
-                               out=out)
+    got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=nd, **rule(DEV), out=out)
     assert torch.equal(got.cpu(), exp)
     assert torch.equal(b_k.cpu(), b_ref)
     assert torch.equal(b_ref[exp], tokens[exp])
@@ -89,6 +103,31 @@ def test_exact_cases():
         assert got.cpu().tolist() == [[False, True, True, False, False], [True, True, False, False, True],
                                       [False, True, True, False, False], [False] * 5]
         assert b.cpu()[1].tolist() == [10, 11, 2, M, 14]
+
+
+def test_exact_entropy_bounded_cases():
+    """The EB rule by hand: rank by entropy (lowest first, ties lowest index), commit while the entropies ranked
+    before sum to <= the bound (so the first always), or the first n when that is more; NaN entropy ranks last."""
+    block = torch.tensor([[M, M, M, M, M], [M, M, 2, M, M], [M, M, M, M, M]])
+    tokens = torch.tensor([[10, 11, 12, 13, 14]] * 3)
+    entropy = torch.tensor([[0.5, 0.25, 1.0, 0.25, 2.0],   # ranked 1, 3, 0, 2, 4: sums before 0, .25, .5, 1, 2
+                            [0.0, 0.0, 0.0, 3.0, 0.0],     # a committed position never counts
+                            [float("nan"), 4.0, 4.0, 0.125, 0.125]])
+    for fn in (select_ref, select_commit_triton):
+        # row 1 at bound 0: entropy 3 ranks after three of 0, so the run (0, 0, 0, 3) has 0 without its largest
+        for bound, rows in ((0.0, [[1], [0, 1, 3, 4], [3]]), (0.5, [[0, 1, 3], [0, 1, 3, 4], [1, 3, 4]]),
+                            (1.0, [[0, 1, 2, 3], [0, 1, 3, 4], [1, 3, 4]]),
+                            (100.0, [[0, 1, 2, 3, 4], [0, 1, 3, 4], [0, 1, 2, 3, 4]])):
+            got = fn(block.clone().to(DEV), tokens.to(DEV), torch.zeros(3, 5, device=DEV), mask_token_id=M, n=1,
+                     entropy=entropy.to(DEV), entropy_bound=bound)
+            expected = torch.zeros(3, 5, dtype=torch.bool)
+            for b, cols in enumerate(rows):
+                expected[b, cols] = True
+            assert torch.equal(got.cpu(), expected), (fn, bound, got)
+        got = fn(block.clone().to(DEV), tokens.to(DEV), torch.zeros(3, 5, device=DEV), mask_token_id=M,
+                 n=torch.tensor([3, 0, 1], device=DEV), entropy=entropy.to(DEV), entropy_bound=0.0)
+        assert got.cpu().tolist() == [[True, True, False, True, False], [False] * 5,
+                                      [False, False, False, True, False]]  # the first 3; inactive; the first
 
 
 @pytest.mark.triton
@@ -150,6 +189,15 @@ def test_errors():
         mt.select_commit(b, t, c, mask_token_id=True, n=1)
     with pytest.raises(ValueError, match="block must be contiguous"):
         select_commit_triton(torch.full((4, 2), M).t(), t, c, mask_token_id=M, n=1)
+    with pytest.raises(ValueError, match="entropy and entropy_bound go together"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1, entropy=c)
+    with pytest.raises(ValueError, match="threshold .* and entropy_bound .* exclude each other"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1, threshold=0.5, entropy=c, entropy_bound=0.5)
+    for bound in (-0.1, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="entropy_bound must be a finite number >= 0"):
+            mt.select_commit(b, t, c, mask_token_id=M, n=1, entropy=c, entropy_bound=bound)
+    with pytest.raises(ValueError, match=r"entropy must be a float tensor of block's shape \[2, 4\]"):
+        mt.select_commit(b, t, c, mask_token_id=M, n=1, entropy=c[:, :3], entropy_bound=0.5)
     with pytest.raises(ValueError, match="L=9000"):
         select_commit_triton(torch.full((1, 9000), M), torch.zeros(1, 9000, dtype=torch.int64), torch.zeros(1, 9000),
                              mask_token_id=M, n=1)
@@ -164,3 +212,9 @@ def test_long_row_matches_reference():
     exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=torch.tensor([5, 40]))
     got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=torch.tensor([5, 40]).to(DEV))
     assert torch.equal(got.cpu(), exp) and torch.equal(b_k.cpu(), b_ref) and exp.sum().item() == 45
+    entropy = (torch.rand(2, 300, generator=g) * 8).round() / 64  # 300 positions: sums over many [L, 16] tiles
+    b_ref, b_k = block.clone(), block.clone().to(DEV)
+    exp = select_ref(b_ref, tokens, conf, mask_token_id=M, n=1, entropy=entropy, entropy_bound=2.0)
+    got = select_commit_triton(b_k, tokens.to(DEV), conf.to(DEV), mask_token_id=M, n=1, entropy=entropy.to(DEV),
+                               entropy_bound=2.0)
+    assert torch.equal(got.cpu(), exp) and torch.equal(b_k.cpu(), b_ref) and 1 < exp.sum().item() < 300

@@ -210,7 +210,7 @@ def test_mrp_generate_cli_runs_end_to_end():
     tokens = int(stopped.split("[speculative] ")[1].split(" new tokens")[0])
     assert tokens < 16 and "\n" in stopped[len("def add(a, b):"):]  # stopped in the first block, at a newline
     table = _run(["-m", "hf_integration.cli", "import os", "--max-new-tokens", "8", "--compare"])
-    for strategy in ("static", "dynamic", "sequential", "direct", "speculative", "remask"):
+    for strategy in ("static", "dynamic", "sequential", "entropy_bounded", "direct", "speculative", "remask"):
         assert strategy in table
 
 
@@ -273,7 +273,7 @@ def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
 
 
 def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
-    """Without --strategy it decodes static (speculative needs the head it lacks), and --compare runs the three
+    """Without --strategy it decodes static (speculative needs the head it lacks), and --compare runs the four
     strategies that need none, printing the completions after the table."""
     from hf_integration import cli
 
@@ -285,8 +285,8 @@ def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
     assert "[static] 4 new tokens" in capsys.readouterr().err
     assert cli.main(["def f(x):", "--model", str(backbone), "--max-new-tokens", "4", "--compare"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in table[1:4]] == ["static", "dynamic", "sequential"]
-    assert table[4] == "--- static's completion"
+    assert [line.split()[0] for line in table[1:5]] == ["static", "dynamic", "sequential", "entropy_bounded"]
+    assert table[5] == "--- static's completion"
     assert not any(line.startswith(("direct", "speculative", "remask")) for line in table)
 
 
@@ -340,9 +340,11 @@ def test_mrp_generate_refuses_an_empty_prompt(monkeypatch, capsys):
 @pytest.mark.parametrize("options, expected", [
     ([], dict(dynamic=dict(threshold=0.7), direct=dict(mrp_steps=2), speculative=dict(mrp_steps=3),
               remask=dict(threshold=0.5))),
-    (["--threshold", "0.6", "-K", "4", "--draft-candidates", "8", "--remask-rule", "delta", "--denoising-steps", "8"],
+    (["--threshold", "0.6", "-K", "4", "--draft-candidates", "8", "--remask-rule", "delta", "--denoising-steps", "8",
+      "--entropy-bound", "0.5"],
      dict(static=dict(denoising_steps=8), dynamic=dict(threshold=0.6, denoising_steps=8),
-          sequential=dict(denoising_steps=8), direct=dict(mrp_steps=4),
+          sequential=dict(denoising_steps=8), entropy_bounded=dict(entropy_bound=0.5, denoising_steps=8),
+          direct=dict(mrp_steps=4),
           speculative=dict(mrp_steps=4, draft_candidates=8),
           remask=dict(threshold=0.6, remask_rule="delta", denoising_steps=8))),
 ])
@@ -369,7 +371,8 @@ def test_mrp_generate_passes_each_option_to_generate_as_its_keyword():
     from hf_integration.generation_settings import DEFAULT_MAX_NEW_TOKENS, GenerationSettings
 
     tokenizer = object()
-    given = dict(max_new_tokens=300, min_new_tokens=3, block_length=8, denoising_steps=2, threshold=0.6, mrp_steps=4,
+    given = dict(max_new_tokens=300, min_new_tokens=3, block_length=8, denoising_steps=2, threshold=0.6,
+                 entropy_bound=0.25, mrp_steps=4,
                  draft_schedule="authors", draft_vocab=20, draft_candidates=5, remask_rule="delta", residual_delta=0.25,
                  do_sample=True, temperature=0.7, top_k=9, top_p=0.8, min_p=0.05, seed=11, max_time=2.5)
     options = [part for name, value in given.items() if name != "do_sample"

@@ -302,9 +302,9 @@ def test_a_device_loop_runs_no_step_for_a_row_whose_block_is_full(monkeypatch):
 
     select_commit, idle = mrp_triton.select_commit, []
 
-    def spy(block, tokens, conf, *, mask_token_id, n, threshold=None):
+    def spy(block, tokens, conf, *, mask_token_id, **rule):
         idle.append(int((~(block[:3] == mask_token_id).any(-1)).sum()))  # rows 0-2 (row 3 pads the graphed bucket)
-        return select_commit(block, tokens, conf, mask_token_id=mask_token_id, n=n, threshold=threshold)
+        return select_commit(block, tokens, conf, mask_token_id=mask_token_id, **rule)
 
     monkeypatch.setattr(mrp_triton, "select_commit", spy)
     model = tiny_model(seed=0)

@@ -15,6 +15,7 @@ STRATEGIES = [
     dict(strategy="dynamic", threshold=0.3),
     dict(strategy="sequential"),
     dict(strategy="sequential", denoising_steps=3),
+    dict(strategy="entropy_bounded", entropy_bound=3.0),
     dict(strategy="direct", mrp_steps=2),
     dict(strategy="speculative", mrp_steps=3),
     dict(strategy="speculative", mrp_steps=2, draft_schedule="authors"),
@@ -60,7 +61,8 @@ def padded_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, tor
 
 def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None,
                         reveal_steps: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (), min_new: int = 0,
-                        suppress: tuple[int, ...] = (), begin_suppress: tuple[int, ...] = (), leftmost: bool = False):
+                        suppress: tuple[int, ...] = (), begin_suppress: tuple[int, ...] = (), leftmost: bool = False,
+                        entropy_bound: float | None = None):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
     the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
@@ -68,7 +70,8 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
     into ``reveal_steps`` [P + max_new]. ``eos_ids`` get a logit of -inf at the first ``min_new`` new tokens (as
     transformers' min_new_tokens processor sets them; nothing stops at them), ``suppress`` everywhere and
     ``begin_suppress`` at the first new token. ``leftmost``: each step commits the first masked position (SDAR's
-    sequential rule) instead of the most confident."""
+    sequential rule) instead of the most confident; ``entropy_bound``: the masked positions in order of their
+    softmax's entropy (torch's Categorical), lowest first, while the entropies before sum to at most the bound."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
@@ -89,10 +92,16 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
             probs = logits.softmax(-1)
             conf, tok = probs.max(-1)
             conf = torch.where(x[0, start : start + block] == MASK_ID, conf, torch.full_like(conf, -1.0))
-            pos = int((conf >= 0).nonzero()[0]) if leftmost else int(conf.argmax())
-            x[0, start + pos] = tok[pos]
-            if reveal_steps is not None and start + pos < P + max_new:
-                reveal_steps[start + pos] = step
+            if entropy_bound is not None:
+                entropy = torch.distributions.Categorical(logits=logits).entropy().tolist()
+                ranked = sorted((i for i in range(block) if conf[i] >= 0), key=lambda i: (entropy[i], i))
+                chosen = [i for k, i in enumerate(ranked) if sum(entropy[j] for j in ranked[:k]) <= entropy_bound]
+            else:
+                chosen = [int((conf >= 0).nonzero()[0]) if leftmost else int(conf.argmax())]
+            for pos in chosen:
+                x[0, start + pos] = tok[pos]
+                if reveal_steps is not None and start + pos < P + max_new:
+                    reveal_steps[start + pos] = step
     return x[0, : P + max_new]
 
 

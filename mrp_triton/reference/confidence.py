@@ -16,8 +16,10 @@ Defined behaviour (shared with the Triton kernel):
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
   top-k / top-p / min-p keep (:func:`sampling_cut`: a value per row, ties at it all kept);
 * ``prob`` = full-softmax probability of ``token`` under ``z`` (before the filters), ``lse`` =
-  logsumexp of ``z`` over the non-excluded vocabulary;
-* skipped rows and rows with no finite candidate: ``token = -1, prob = 0, lse = -inf``.
+  logsumexp of ``z`` over the non-excluded vocabulary; with ``entropy=True`` also the entropy (nats) of that full
+  softmax, ``log d - t / d`` with ``d = sum exp(z - max z)`` and ``t = sum exp(z - max z) (z - max z)``
+  (:func:`softmax_entropy`: the form the kernel accumulates, exact where ``lse`` rounds away its terms);
+* skipped rows and rows with no finite candidate: ``token = -1, prob = 0, lse = -inf`` (entropy ``+inf``).
 """
 
 from __future__ import annotations
@@ -209,14 +211,26 @@ def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, to
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
 
 
+def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
+    """[N] float32: the entropy (nats) of each row's softmax over z [N, V] (-inf entries excluded), as ``log d - t / d``
+    with ``d = sum exp(z - m)``, ``t = sum exp(z - m) (z - m)`` and m the row's max; +inf for a row with no finite
+    entry."""
+    m = z.amax(-1, keepdim=True)
+    shifted = z - torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    e = torch.exp(shifted)
+    d = e.sum(-1)
+    t = torch.where(e > 0, e * shifted, torch.zeros_like(e)).sum(-1)
+    return torch.where(d > 0, torch.log(d) - t / d, torch.full_like(d, float("inf"))).float()
+
+
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None):
+               top_k_max=None, min_p=None, entropy=False):
     """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; banned_tokens: bool [V];
     ban_rows: bool [N]; noise_keys: int64 [N, 3].
 
-    Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])`` (see the module docstring).
-    Argument checking lives in :func:`mrp_triton.confidence.confidence`.
+    Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``, with ``entropy`` also the entropy float32 [N]
+    (see the module docstring). Argument checking lives in :func:`mrp_triton.confidence.confidence`.
     """
     z = effective_logits(logits, residual, scale=scale, temperature=temperature, mask_token_id=mask_token_id,
                          banned_tokens=banned_tokens, ban_rows=ban_rows)
@@ -227,12 +241,15 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
     prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))
     lse = torch.where(valid, lse, torch.full_like(lse, float("-inf")))
-    return mark_skipped(tok, prob.float(), lse.float(), skip_rows)
+    return mark_skipped(tok, prob.float(), lse.float(), skip_rows, softmax_entropy(z) if entropy else None)
 
 
-def mark_skipped(tokens: torch.Tensor, probs: torch.Tensor, lse: torch.Tensor, skip_rows: torch.Tensor | None):
-    """The results of a row in ``skip_rows`` (bool [N], or None): token -1, prob 0, lse -inf (the ops' rule)."""
+def mark_skipped(tokens: torch.Tensor, probs: torch.Tensor, lse: torch.Tensor, skip_rows: torch.Tensor | None,
+                 entropy: torch.Tensor | None = None) -> tuple:
+    """The results of a row in ``skip_rows`` (bool [N], or None): token -1, prob 0, lse -inf (the ops' rule), and of
+    ``entropy`` (given: returned fourth), +inf."""
+    out = (tokens, probs, lse) + (() if entropy is None else (entropy,))
     if skip_rows is None:
-        return tokens, probs, lse
-    return (tokens.masked_fill(skip_rows, -1), probs.masked_fill(skip_rows, 0.0),
-            lse.masked_fill(skip_rows, float("-inf")))
+        return out
+    fills = (-1, 0.0, float("-inf"), float("inf"))
+    return tuple(x.masked_fill(skip_rows, fill) for x, fill in zip(out, fills))

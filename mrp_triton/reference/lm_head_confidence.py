@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import comparable, exclude_banned, mark_skipped
+from .confidence import comparable, exclude_banned, mark_skipped, softmax_entropy
 
 
 def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logits: torch.Tensor | None = None,
                        mask_token_id: int | None = None, banned_tokens: torch.Tensor | None = None,
                        ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
-                       skip_rows: torch.Tensor | None = None, top_m: int = 0):
+                       skip_rows: torch.Tensor | None = None, top_m: int = 0, entropy: bool = False):
     """Per row: the argmax of ``z = (hidden @ weight.T [+ base_logits]) / temperature`` and its
     probability under the full softmax of z, the ``mask_token_id`` column excluded from both, and so is column v in
     row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero (:func:`.confidence.exclude_banned`).
@@ -20,7 +20,9 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     hidden: [N, H] (cast to weight's dtype before the matmul, which runs with fp32 accumulation),
     weight: [V, H], base_logits: [N, V] or None (any float dtype, added in fp32; fp64 weights: all in fp64).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) with ``lse = logsumexp(z)``
-    and ``probs = exp(max z - lse)``. Ties: the lowest vocabulary index wins. With ``top_m`` > 0 also
+    and ``probs = exp(max z - lse)``; with ``entropy``, the entropy float32 [N] of the softmax of z fourth
+    (:func:`.confidence.softmax_entropy`; +inf where the token is -1). Ties: the lowest vocabulary index wins. With
+    ``top_m`` > 0 also
     (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): the top_m largest z of each row, largest first,
     ties to the lowest index (:func:`top_by_value`); the mask column and skipped rows give -inf / -1.
     Builds the [N, V] fp32 logits (this is the oracle and the CPU path, not the fast path).
@@ -38,7 +40,8 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     zmax = z.gather(1, tokens[:, None]).squeeze(1)
     no_finite = zmax == float("-inf")
     skip_rows = no_finite if skip_rows is None else skip_rows | no_finite
-    picks = mark_skipped(tokens, torch.exp(zmax - lse).float(), lse.float(), skip_rows)
+    picks = mark_skipped(tokens, torch.exp(zmax - lse).float(), lse.float(), skip_rows,
+                         softmax_entropy(z) if entropy else None)
     if not top_m:
         return picks
     if skip_rows is not None:

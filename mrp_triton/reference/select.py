@@ -8,7 +8,12 @@ Defined behaviour (shared with :mod:`mrp_triton.select`):
 * NaN confidence ranks as ``-inf``; ties go to the lowest position index;
 * ``n`` (int or [B]) is clipped to [0, #candidates]; ``n <= 0`` means the row is inactive;
 * static (``threshold is None``): commit the n most confident candidates;
-  dynamic: commit every candidate with ``conf > threshold`` (compared in fp32); if fewer than n pass, the top n.
+  dynamic: commit every candidate with ``conf > threshold`` (compared in fp32); if fewer than n pass, the top n;
+* entropy-bounded (``entropy`` [B, L] and ``entropy_bound`` given; the EB-sampler of Ben-Hamu et al. 2025, "Accelerated
+  Sampling from Masked Diffusion Models via Entropy Bounded Unmasking"): the candidates ranked by entropy, lowest
+  first (NaN as +inf; ties lowest index), commit each whose better-ranked candidates' entropies sum (fp32) to at most
+  ``entropy_bound``: the longest run whose sum, its largest entropy left out, stays within the bound, so at least
+  one; or the first n when that is more (conf is not read).
 """
 
 from __future__ import annotations
@@ -22,26 +27,38 @@ def _n_per_row(n, B: int, device) -> torch.Tensor:
     return torch.full((B,), int(n), dtype=torch.int64, device=device)
 
 
+def beaten_by(score: torch.Tensor) -> torch.Tensor:
+    """bool [B, L, L]: ``[b, i, j]`` when position j ranks before position i by descending score [B, L] (ties: the
+    lower index first)."""
+    idx = torch.arange(score.shape[-1], device=score.device)
+    si, sj = score[:, :, None], score[:, None, :]
+    return (sj > si) | ((sj == si) & (idx[None, None, :] < idx[None, :, None]))
+
+
 def rank_desc(score: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """[B, L] rank of every position among the candidates by descending score, ties lowest index."""
-    L = score.shape[-1]
-    idx = torch.arange(L, device=score.device)
-    si, sj = score[:, :, None], score[:, None, :]
-    before = (sj > si) | ((sj == si) & (idx[None, None, :] < idx[None, :, None]))
-    return (before & cand[:, None, :]).sum(-1)
+    return (beaten_by(score) & cand[:, None, :]).sum(-1)
 
 
-def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None):
+def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None, entropy=None, entropy_bound=None):
     """block: int64 [B, L] (updated in place), tokens: int64 [B, L], conf: float32 [B, L];
-    n: int or int tensor [B]; threshold: None (static) or in (0, 1] (dynamic; a float or a 0-d tensor).
+    n: int or int tensor [B]; threshold: None (static) or in (0, 1] (dynamic; a float or a 0-d tensor);
+    entropy: float [B, L] with entropy_bound (>= 0; a float or a 0-d tensor): the entropy-bounded rule.
     Returns committed: bool [B, L]."""
     B, L = block.shape
     cand = (block == mask_token_id) & (tokens >= 0) & (tokens != mask_token_id)
-    c = conf.float()
-    c = torch.where(torch.isnan(c), torch.full_like(c, float("-inf")), c)
+    if entropy is not None:
+        h = entropy.float().nan_to_num(nan=float("inf"))
+        c = -h
+    else:
+        c = conf.float()
+        c = torch.where(torch.isnan(c), torch.full_like(c, float("-inf")), c)
     n_row = _n_per_row(n, B, block.device)
     n_eff = torch.minimum(n_row.clamp(min=0), cand.sum(-1))
     commit = cand & (rank_desc(c, cand) < n_eff[:, None])
+    if entropy is not None:
+        ahead = torch.where(beaten_by(c) & cand[:, None, :], h[:, None, :], torch.zeros_like(h)[:, None, :]).sum(-1)
+        commit = commit | (cand & (ahead <= entropy_bound))
     if threshold is not None:
         passed = cand & (c > threshold)  # a float or a 0-d tensor
         commit = torch.where((passed.sum(-1) >= n_eff)[:, None], passed, commit)
