@@ -7,9 +7,9 @@ or Gumbel-max sample of ``z``, the probability of that token under the *full* so
 
 Cost model (N rows, V vocab, R residual slices, b bytes per element):
   read N*V*b (logits) + R*N*V*b (residual); write 16*N bytes (+ 20*N*S bytes of partials when
-  the vocabulary is split in S pieces). ~6 FLOPs and one exp per element (plus a 2x32-bit integer
-  hash and two logs per element when sampling). Memory-bound: the floor is
-  (1 + R) * N * V * b / copy_bandwidth, e.g. N = 256, V = 151936, bf16, R = 1: 156 MB -> 36 us on an
+  the vocabulary is split in S pieces; with the entropy 4 more of each). ~6 FLOPs and one exp per element (plus a
+  2x32-bit integer hash and two logs per element when sampling; 3 more FLOPs with the entropy). Memory-bound: the
+  floor is (1 + R) * N * V * b / copy_bandwidth, e.g. N = 256, V = 151936, bf16, R = 1: 156 MB -> 36 us on an
   H200 (4.28 TB/s measured copy). The probabilities are never materialised: one streaming pass
   over V in BLOCK_V tiles keeps a running max m, a rescaled sum d and the running argmax (lowest
   index on ties; tiles are visited in increasing order and only a strictly larger score replaces).
