@@ -177,10 +177,10 @@ def _conf_partial_kernel(
             x = tl.where((tl.load(ban_tok_ptr + offs, mask=offs < ban_hi, other=0) & ban_bits) != 0, float("-inf"), x)
         m_new = tl.maximum(m, tl.max(x, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.exp(x - m_safe)
+        ex = tl.exp(x - m_safe)
         if ENTROPY:  # moving the sums to the new max adds (m - m_new) * d to t (nothing while m is -inf)
-            t_vec = entropy_terms(t_vec, d_vec, m, m_safe, e, x)
-        d_vec = d_vec * tl.exp(m - m_safe) + e
+            t_vec = entropy_terms(t_vec, d_vec, m, m_safe, ex, x)
+        d_vec = d_vec * tl.exp(m - m_safe) + ex
         m = m_new
         if DO_SAMPLE:
             e = _mix32(h ^ offs.to(tl.int64))
