@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-new-tokens", type=int, metavar="N", help="hold EOS back at the first N new tokens, so the "
                    "completion ends no sooner")
     p.add_argument("--block-length", type=int, help="default: the model's block size")
-    p.add_argument("--denoising-steps", type=int, help="static / dynamic / remask: steps a block takes at most "
+    p.add_argument("--denoising-steps", type=int, help="static / dynamic / sequential / entropy_bounded / remask: "
+                   "steps a block takes at most "
                    "(default: the block length, one token a step)")
     p.add_argument("--threshold", type=float, help="dynamic / remask confidence threshold in (0, 1]")
     p.add_argument("--entropy-bound", type=float, metavar="NATS", help="entropy_bounded: the entropy a step's run of "
@@ -101,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
     p.add_argument("--max-time", type=float, metavar="SECONDS",
                    help="end the completion with the block being decoded once this much time has passed")
-    p.add_argument("--compare", action="store_true", help="run static, dynamic, direct, speculative and remask (the "
-                   "first two on a model without an MRP head) and print each completion that differs from static's")
+    p.add_argument("--compare", action="store_true", help="run static, dynamic, sequential, entropy_bounded, direct, "
+                   "speculative and remask (the first four on a model without an MRP head) and print each completion "
+                   "that differs from static's")
     p.add_argument("--show-steps", action="store_true", help="after the completion, list each decoding step's "
                    "tokens: the order in which decoding revealed them (generate(output_reveal_steps=True))")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")

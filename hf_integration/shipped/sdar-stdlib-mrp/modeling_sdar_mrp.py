@@ -252,8 +252,9 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         if not self.has_mrp:
             raise ValueError(
                 f"{what} needs MRP weights, but this model has none (the checkpoint is a plain SDAR model or "
-                "its mrp_modules.* weights were missing). Use strategy='static' or 'dynamic', or load MRP "
-                "weights with model.add_mrp_head(...) and model.load_mrp_state_dict(state_dict)."
+                "its mrp_modules.* weights were missing). Use strategy='static', 'dynamic', 'sequential' or "
+                "'entropy_bounded', or load MRP weights with model.add_mrp_head(...) and "
+                "model.load_mrp_state_dict(state_dict)."
             )
 
     def mrp_parameters(self):
