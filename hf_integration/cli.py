@@ -232,7 +232,8 @@ def compare_table(model, tokenizer, ids: torch.Tensor, runs: list[dict]) -> str:
     run and each other run's that differs from it. On a GPU each strategy runs once untimed first (Triton
     compilation and CUDA-graph capture), so tok/s is the steady state."""
     rows, reference, texts = [], None, []
-    header = f"{'strategy':<12}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
+    width = max([len("strategy"), *(len(run["strategy"]) for run in runs)]) + 1  # a column wide enough for each
+    header = f"{'strategy':<{width}}{'tokens':>7}{'bb fwd':>8}{'mrp fwd':>8}{'TPF':>7}{'tok/s':>9}{'= static':>10}"
     for settings in runs:
         strategy = settings["strategy"]
         if ids.is_cuda:
@@ -246,7 +247,7 @@ def compare_table(model, tokenizer, ids: torch.Tensor, runs: list[dict]) -> str:
                          f"\n{tokenizer.decode(new[:kept], skip_special_tokens=True)}")
         reference = new if reference is None else reference
         agree = (new == reference).double().mean().item()
-        rows.append(f"{strategy:<12}{kept:>7}{stats['backbone_forwards'][0]:>8}{stats['mrp_forwards'][0]:>8}"
+        rows.append(f"{strategy:<{width}}{kept:>7}{stats['backbone_forwards'][0]:>8}{stats['mrp_forwards'][0]:>8}"
                     f"{stats['tokens_per_forward'][0]:>7.2f}{kept / seconds:>9.1f}{agree:>10.0%}")
     return "\n".join([header, *rows, *texts])
 
