@@ -216,7 +216,9 @@ def test_a_row_moved_up_the_batch_keeps_its_own_start(model):
 
 
 SAMPLING = [dict(strategy="speculative", mrp_steps=2, do_sample=True, temperature=0.8, top_k=20, seed=3),
-            dict(strategy="dynamic", threshold=0.3, do_sample=True, top_p=0.9, seed=4)]
+            dict(strategy="dynamic", threshold=0.3, do_sample=True, top_p=0.9, seed=4),
+            dict(strategy="entropy_bounded", entropy_bound=3.0, do_sample=True, temperature=0.9, min_p=0.05, seed=5),
+            dict(strategy="sequential", do_sample=True, top_k=10, seed=6)]
 
 
 @settings(max_examples=25, deadline=None)
