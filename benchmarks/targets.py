@@ -121,7 +121,7 @@ def _speculative_lossless(rows, model):
 
 
 V = 151936
-SMALL_OPS = ("select_static", "select_dynamic", "verify", "remask_tau", "remask_delta")
+SMALL_OPS = ("select_static", "select_dynamic", "select_entropy", "verify", "remask_tau", "remask_delta")
 LM_HEAD_ROWS, LM_HEAD_HIDDEN = (1, 4, 16, 64, 128), (2048, 4096)
 DECODE_BATCHES = (1, 8, 32)
 

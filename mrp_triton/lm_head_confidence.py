@@ -15,7 +15,7 @@ same read of the weight.
 Cost model (b bytes per weight element, N <= 128 rows, one row block):
     reads  V*H*b (the lm_head weight, once) + N*H*b per V tile (L2-resident)
            [+ N*V*b_base when base_logits is given]
-    writes 3 * N * n_splits partials (12 bytes each; 16 with the entropy) and 3*N results (4*N)
+    writes 3 * N * n_splits partials (12 bytes each; 16 with the entropy) and 3*N results (4*N with it)
     FLOPs  2*N*V*H.
 At decode sizes the weight read dominates: V=151936, H=2048, bf16 is 622 MB, 145 us at the
 4.28 TB/s copy ceiling of an H200; H=4096 doubles it. Materialising the logits instead would

@@ -122,7 +122,8 @@ def test_every_figure_a_target_needs_and_no_row_gives_is_not_measured(results):
         "confidence_nores N=256,V=151936,bf16", "confidence_res N=1024,V=151936,bf16",
         "confidence_nores N=1024,V=151936,bf16", "confidence_nores N=4096,V=151936,bf16"]
     assert missing["select, verify and remask under 10 us each at batch 8"] == [
-        f"{k} B=8,L=16,K=3, in a CUDA graph" for k in ("select_dynamic", "remask_tau", "remask_delta")]
+        f"{k} B=8,L=16,K=3, in a CUDA graph"
+        for k in ("select_dynamic", "select_entropy", "remask_tau", "remask_delta")]
     assert missing[LM_HEAD] == [f"lm_head_confidence N={n} H={h} V=151936" for h in (2048, 4096)
                                 for n in (1, 4, 16, 64, 128) if not (h == 2048 and n in (64, 128))]
     assert missing["static decoding >= 8x the eager loop"] == ["1.7B B=8 static 512+256"]
