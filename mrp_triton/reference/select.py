@@ -27,17 +27,12 @@ def _n_per_row(n, B: int, device) -> torch.Tensor:
     return torch.full((B,), int(n), dtype=torch.int64, device=device)
 
 
-def beaten_by(score: torch.Tensor) -> torch.Tensor:
-    """bool [B, L, L]: ``[b, i, j]`` when position j ranks before position i by descending score [B, L] (ties: the
-    lower index first)."""
+def candidates_before(score: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """bool [B, L, L]: ``[b, i, j]`` when candidate j (``cand`` [B, L]) ranks before position i by descending score
+    [B, L] (ties: the lower index first); summed over j, the rank of position i among the candidates."""
     idx = torch.arange(score.shape[-1], device=score.device)
     si, sj = score[:, :, None], score[:, None, :]
-    return (sj > si) | ((sj == si) & (idx[None, None, :] < idx[None, :, None]))
-
-
-def rank_desc(score: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """[B, L] rank of every position among the candidates by descending score, ties lowest index."""
-    return (beaten_by(score) & cand[:, None, :]).sum(-1)
+    return ((sj > si) | ((sj == si) & (idx[None, None, :] < idx[None, :, None]))) & cand[:, None, :]
 
 
 def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None, entropy=None, entropy_bound=None):
@@ -55,9 +50,10 @@ def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None, entr
         c = torch.where(torch.isnan(c), torch.full_like(c, float("-inf")), c)
     n_row = _n_per_row(n, B, block.device)
     n_eff = torch.minimum(n_row.clamp(min=0), cand.sum(-1))
-    commit = cand & (rank_desc(c, cand) < n_eff[:, None])
+    before = candidates_before(c, cand)
+    commit = cand & (before.sum(-1) < n_eff[:, None])
     if entropy is not None:
-        ahead = torch.where(beaten_by(c) & cand[:, None, :], h[:, None, :], torch.zeros_like(h)[:, None, :]).sum(-1)
+        ahead = torch.where(before, h[:, None, :], torch.zeros_like(h)[:, None, :]).sum(-1)
         commit = commit | (cand & (ahead <= entropy_bound))
     if threshold is not None:
         passed = cand & (c > threshold)  # a float or a 0-d tensor
