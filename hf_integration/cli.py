@@ -5,7 +5,7 @@ Examples::
     mrp-generate "def fibonacci(n):"                     # speculative MRP decoding, K = 3
     mrp-generate --prompt-file snippet.py --strategy remask --threshold 0.5
     mrp-generate "import os" --compare                  # every strategy on one prompt, as a table
-    mrp-generate "import os" --show-steps               # then which tokens each decoding step revealed
+    mrp-generate "import os" --show-steps               # then which tokens each decoding step revealed, how sure
     mrp-generate "def add(a, b):" --stop $'\\n\\n'       # stop at the first blank line
     mrp-generate --model JetLM/SDAR-1.7B-Chat --strategy dynamic --chat "Name three sorting algorithms."
 """
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "speculative and remask (the first four on a model without an MRP head) and print each completion "
                    "that differs from static's")
     p.add_argument("--show-steps", action="store_true", help="after the completion, list each decoding step's "
-                   "tokens: the order in which decoding revealed them (generate(output_reveal_steps=True))")
+                   "tokens, each with its probability when committed: the order in which decoding revealed them "
+                   "(generate(output_reveal_steps=True, output_confidences=True))")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, "
                    "bfloat16 on CUDA")
@@ -186,13 +187,14 @@ def run_one(model, ids: torch.Tensor, settings: dict):
     return out, time.perf_counter() - start
 
 
-def steps_text(tokenizer, new: torch.Tensor, reveal_steps: torch.Tensor) -> str:
+def steps_text(tokenizer, new: torch.Tensor, reveal_steps: torch.Tensor, confidences: torch.Tensor) -> str:
     """One line per decoding step of a completion: the step and the tokens it revealed for good, each as its place
-    among the new tokens and its text. new, reveal_steps: [n] (the output's new positions; a step 0 is padding)."""
+    among the new tokens, its text and its probability when committed. new, reveal_steps, confidences: [n] (the
+    output's new positions; a step 0 is padding)."""
     lines = []
     for step in range(1, int(reveal_steps.max()) + 1):
         places = (reveal_steps == step).nonzero().flatten().tolist()
-        text = "  ".join(f"{i}:{tokenizer.decode(new[i : i + 1])!r}" for i in places)
+        text = "  ".join(f"{i}:{tokenizer.decode(new[i : i + 1])!r}@{float(confidences[i]):.2g}" for i in places)
         lines.append(f"step {step:>3}: " + (text or "(revealed only positions past the completion's end)"))
     return "\n".join(lines)
 
@@ -310,7 +312,8 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
         print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer,
-                                        "output_reveal_steps": args.show_steps})
+                                        "output_reveal_steps": args.show_steps,
+                                        "output_confidences": args.show_steps})
     stats = out.stats.as_dict()
     # decoding fills whole blocks: the last one's positions past the end are decoded (in tokens/forward), not kept
     kept, decoded = int(out.new_tokens[0]), stats["tokens_committed"][0]
@@ -322,7 +325,7 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
                                 if ids.is_cuda else ""), file=sys.stderr)
     if args.show_steps:
         P = ids.shape[1]
-        print(steps_text(tokenizer, out.sequences[0, P:], out.reveal_steps[0, P:]))
+        print(steps_text(tokenizer, out.sequences[0, P:], out.reveal_steps[0, P:], out.confidences[0, P:]))
     return 0
 
 

@@ -96,9 +96,14 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         sequences, kept = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
                                            decoder.mask_id, decoder.new_tokens_kept)
         if settings.return_dict_in_generate:
-            reveal_steps = prompts.lay_out(decoder.engine.reveal_steps, kept, settings.max_new_tokens, pad=0,
-                                           prompt=False) if settings.output_reveal_steps else None
+            def new_positions(noted: torch.Tensor, asked: bool) -> torch.Tensor | None:
+                """The engine's per-position notes [B', total] laid out as ``sequences`` (0 off the new tokens)."""
+                return prompts.lay_out(noted, kept, settings.max_new_tokens, pad=0, prompt=False) if asked else None
+
+            engine = decoder.engine
             return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
-                                      batch_steps=decoder.batch_steps, reveal_steps=reveal_steps,
+                                      batch_steps=decoder.batch_steps,
+                                      reveal_steps=new_positions(engine.reveal_steps, settings.output_reveal_steps),
+                                      confidences=new_positions(engine.confidences, settings.output_confidences),
                                       new_tokens=torch.tensor(kept, dtype=torch.long, device=device))
     return sequences

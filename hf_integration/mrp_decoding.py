@@ -67,6 +67,26 @@ def _drafted(states: torch.Tensor, iota: torch.Tensor):
     return pos.masked_fill(none, -1), tok.masked_fill(none, -1)
 
 
+def verified_confidences(draft_pos: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
+                         target_conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a verify round committed and each token's confidence, from its drafts' positions draft_pos [B, K] (-1:
+    none), the accepted lengths [B], the bonus positions [B] (-1: none) and the backbone's confidences on the
+    candidate states C(0..K), target_conf [B, K+1, T]: accepted draft k at its position under C(k), the bonus under
+    C(accepted) (what ``verify_drafts`` compares and commits). Returns committed (bool [B, T]) and conf [B, T]."""
+    B, copies, T = target_conf.shape
+    K = copies - 1
+    steps = torch.arange(K, device=draft_pos.device).expand(B, K)
+    where = torch.cat([draft_pos, bonus[:, None]], 1)  # [B, K+1]: the positions committed, in order
+    ok = torch.cat([steps < accepted[:, None], bonus[:, None] >= 0], 1)
+    copy = torch.cat([steps, accepted[:, None]], 1)  # the candidate state each was verified on
+    rows = torch.arange(B, device=draft_pos.device)[:, None]
+    value = target_conf[rows, copy, where.clamp(min=0)]
+    slot = torch.where(ok, where, T)  # a spare column T takes what was not committed
+    conf = target_conf.new_zeros((B, T + 1)).scatter_(1, slot, value)
+    committed = ok.new_zeros((B, T + 1)).scatter_(1, slot, ok)
+    return committed[:, :T], conf[:, :T]
+
+
 def direct_steps(dec: BlockDecoder) -> tuple:
     """The two kinds of direct step, each ``(block [B, T], positions [B, T], h_A [B, T, H], carry [B, T, H]) ->
     None``, updating the block and the chain's state (h_A, carry) in place: ``backbone`` commits the backbone's
@@ -180,6 +200,9 @@ def speculation_round(dec: BlockDecoder):
                                                    picks[1].view(B, K + 1, T), mask_token_id=dec.mask_id)
         accepted = accepted.long()
         dec.record(live, accepted + (bonus >= 0))  # a row without masks accepts nothing and has no bonus
+        if dec.settings.output_confidences:
+            dec.note_confidences(positions, *verified_confidences(draft_pos, accepted, bonus,
+                                                                 picks[1].view(B, K + 1, T)))
         dec.stats.accepted_lengths.index_put_((dec.rows, accepted), (live > fresh).long(), accumulate=True)
         fresh.zero_()
         # the accepted candidate's slice of the forward (and of its picks) seeds the next round
@@ -246,6 +269,7 @@ def remask_step(dec: BlockDecoder):
         score = _token_scores(dec, h_a, corrected, tok, revealed, positions)
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
         dec.record(live, revealed & ~remasked)
+        dec.note_confidences(positions, revealed & ~remasked, conf)
         dec.count("mrp_forwards", live)
         dec.count("tokens_remasked", remasked.sum(-1))
 

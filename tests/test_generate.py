@@ -55,23 +55,65 @@ def test_kv_cached_decoding_equals_full_recompute(model, prompt_len, max_new, kw
 
 @pytest.mark.parametrize("kwargs,rule", ORACLE_RULES, ids=lambda x: "-".join(map(str, x.values())))
 @pytest.mark.parametrize("prompt_len,max_new", [(3, 9), (8, 5), (2, 7)])
-def test_reveal_steps_give_the_order_in_which_the_oracle_reveals(model, prompt_len, max_new, kwargs, rule):
+def test_reveal_steps_and_confidences_are_the_oracles(model, prompt_len, max_new, kwargs, rule):
     """output_reveal_steps: the step that revealed each new token is the uncached oracle's (one token a step, the
     most confident masked position first, or with sequential decoding the first; entropy-bounded runs; the last
-    block's positions past the last new token count steps but are not output); prompt positions hold 0. Steps
-    replayed (cuda_graphs on a CPU model) note the same."""
+    block's positions past the last new token count steps but are not output); output_confidences: each new token's
+    probability under the oracle's softmax at that step; prompt positions hold 0. Steps replayed (cuda_graphs on a
+    CPU model) note the same."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
     expected = torch.zeros(prompt_len + max_new, dtype=torch.long)
-    tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected, **rule)
+    conf = torch.zeros(prompt_len + max_new, dtype=torch.float64)
+    tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected,
+                                 confidences=conf, **rule)
     if kwargs["strategy"] == "sequential":  # left to right
         assert expected[prompt_len:].tolist() == list(range(1, max_new + 1))
     if rule.get("entropy_bound"):  # some steps reveal several tokens
         assert expected.max() < max_new
     for graphs in (False, True):
         out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True,
-                             output_reveal_steps=True, cuda_graphs=graphs, **kwargs)
+                             output_reveal_steps=True, output_confidences=True, cuda_graphs=graphs, **kwargs)
         assert torch.equal(out.sequences[0], tokens)
         assert out.reveal_steps.tolist() == [expected.tolist()], graphs
+        assert out.confidences.dtype == torch.float32 and (out.confidences[0, prompt_len:] > 0).all()
+        torch.testing.assert_close(out.confidences[0].double(), conf, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(strategy="static", denoising_steps=2), dict(strategy="dynamic", threshold=0.3),
+    dict(strategy="sequential", denoising_steps=2), dict(strategy="entropy_bounded", entropy_bound=3.0),
+    dict(strategy="remask", threshold=0.4),
+    dict(strategy="remask", threshold=0.2, remask_rule="delta", residual_delta=0.1),
+    dict(strategy="dynamic", threshold=0.3, do_sample=True, temperature=1.7, top_k=3, seed=2),
+    dict(strategy="static", do_sample=True, temperature=0.6, top_p=0.5, seed=3)],
+                         ids=lambda k: "-".join(map(str, k.values())))
+def test_confidences_are_the_committing_forwards_probabilities(model, kwargs):
+    """Each new token's confidence is its probability under the softmax (the mask token out, at the call's
+    temperature, before top-k / top-p cut it) of an uncached forward over the state before the step that revealed
+    it (the prompt and the tokens revealed at earlier steps, masks elsewhere): several tokens a step (dynamic,
+    entropy-bounded, two steps a block), positions remasked and revealed again (remask), sampled tokens. Whole
+    blocks of a padded batch, 3 blocks of new tokens."""
+    T = model.config.block_size
+    ids = random_prompts(2, 2 * T, seed=11)
+    mask = torch.ones_like(ids)
+    mask[0, :T] = 0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3 * T, eos_token_id=[], return_dict_in_generate=True,
+                         output_reveal_steps=True, output_confidences=True, **kwargs)
+    if kwargs.get("remask_rule"):
+        assert (out.stats.tokens_remasked > 0).all()  # positions revealed again after their reveal was taken back
+    inverse_temperature = 1.0 / kwargs.get("temperature", 1.0)
+    for b in range(2):
+        start = int((mask[b] == 0).sum())
+        row, steps, conf = (t[b, start:] for t in (out.sequences, out.reveal_steps, out.confidences))
+        P = 2 * T - start
+        assert not conf[:P].any() and (conf[P:] > 0).all()
+        for i in range(P, P + 3 * T):
+            end = (i // T + 1) * T
+            state = torch.where((steps[:end] < steps[i]) | (torch.arange(end) < P), row[:end], MASK_ID)
+            logits = model(state[None]).logits[0, i].clone()
+            logits[MASK_ID] = float("-inf")
+            expected = (logits * inverse_temperature).softmax(-1)[row[i]]
+            torch.testing.assert_close(conf[i].double(), expected, rtol=1e-5, atol=0, msg=f"row {b} position {i}")
 
 
 REVEALING = [dict(strategy="static"), dict(strategy="dynamic", threshold=0.3), dict(strategy="direct", mrp_steps=2),
@@ -228,23 +270,25 @@ SAMPLING = [dict(strategy="speculative", mrp_steps=2, do_sample=True, temperatur
 def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, graphs, loop, reveal, seed):
     """Drawn prompt lengths, strategy, new tokens and EOS token (rows stop at different blocks): rows moving on
     per row (steps replayed or not) and rows starting blocks together (the other way; the replayed call with or
-    without a device loop) give the same tokens, per-row counts and (drawn: ``output_reveal_steps``) reveal steps,
-    and with greedy decoding each row of the (left-padded) batch gives exactly what it gives alone. (Sampling noise
-    is keyed by the row's index in the batch, so a sampled row alone is another draw.)"""
+    without a device loop) give the same tokens, per-row counts and (drawn: ``output_reveal_steps``,
+    ``output_confidences``) reveal steps and confidences, and with greedy decoding each row of the (left-padded) batch
+    gives exactly what it gives alone. (Sampling noise is keyed by the row's index in the batch, so a sampled row
+    alone is another draw.)"""
     rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
     ids, mask = padded_batch(rows, "left")
     P = ids.shape[1]
     common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
-                  output_reveal_steps=reveal, **kwargs)
+                  output_reveal_steps=reveal, output_confidences=reveal, **kwargs)
     # static and direct rows start their blocks together anyway
     moving = kwargs["strategy"] in READ_BY["per_row_blocks"]
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
     together = model.generate(ids, attention_mask=mask, cuda_graphs=not graphs, per_row_blocks=not moving,
                               device_loop=not graphs and loop, **common)
     assert torch.equal(out.sequences, together.sequences)
-    assert (out.reveal_steps is None) != reveal
+    assert (out.reveal_steps is None) != reveal and (out.confidences is None) != reveal
     if reveal:
         assert torch.equal(out.reveal_steps, together.reveal_steps)
+        torch.testing.assert_close(out.confidences, together.confidences, rtol=1e-6, atol=0)
     for name, value in vars(out.stats).items():
         assert torch.equal(getattr(together.stats, name), value), name
     if kwargs.get("do_sample"):
@@ -254,6 +298,7 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
         assert torch.equal(out.sequences[b, P - len(r):], alone.sequences[0]), b
         if reveal:
             assert torch.equal(out.reveal_steps[b, P - len(r):], alone.reveal_steps[0]), b
+            torch.testing.assert_close(out.confidences[b, P - len(r):], alone.confidences[0], rtol=1e-6, atol=0)
         for name in ("backbone_forwards", "mrp_forwards", "tokens_committed", "tokens_remasked"):
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
 
@@ -327,11 +372,12 @@ def test_the_output_keeps_the_inputs_width(model, left):
     extra = torch.zeros((2, 3), dtype=torch.long)
     wide = torch.cat([extra, tight] if left else [tight, extra], 1)
     wide_mask = torch.cat([extra, mask] if left else [mask, extra], 1)
-    common = dict(pad_token_id=0, eos_token_id=[], return_dict_in_generate=True, output_reveal_steps=True)
+    common = dict(pad_token_id=0, eos_token_id=[], return_dict_in_generate=True, output_reveal_steps=True,
+                  output_confidences=True)
     ref = model.generate(tight, attention_mask=mask, max_new_tokens=6, **common)
     out = model.generate(wide, attention_mask=wide_mask, max_new_tokens=6, **common)
-    assert out.sequences.shape == out.reveal_steps.shape == (2, 8 + 6)
-    for field in ("sequences", "reveal_steps"):
+    assert out.sequences.shape == out.reveal_steps.shape == out.confidences.shape == (2, 8 + 6)
+    for field in ("sequences", "reveal_steps", "confidences"):
         got, want = getattr(out, field), getattr(ref, field)
         pad = torch.zeros_like(want[:, :3])
         expect = torch.cat([pad, want] if left else [want, pad], 1)
@@ -495,6 +541,10 @@ def test_transformers_keywords_that_ask_for_nothing_pass_and_others_are_refused(
     with pytest.raises(TypeError, match=r"generate\(\) got num_beams=2, output_scores=True, which block-diffusion "
                                         r"decoding does not support; drop them"):
         model.generate(ids, max_new_tokens=6, output_scores=True, num_beams=2)
+    with pytest.raises(TypeError, match=r"for output_logits, output_confidences=True \(each new token's probability\)"):
+        model.generate(ids, max_new_tokens=6, output_logits=True)
+    with pytest.raises(TypeError, match=r"\]\); for output_scores, output_confidences=True"):
+        model.generate(ids, generation_config=GenerationConfig(output_scores=True, max_new_tokens=6))
     with pytest.raises(TypeError, match=r"got logits_processor=\[<function .*; drop it \("):
         model.generate(ids, max_new_tokens=6, logits_processor=[lambda i, s: s])
     with pytest.raises(TypeError, match=r"got num_beams=tensor\(1\)"):  # not compared: a tensor asks for something
@@ -723,6 +773,8 @@ BAD_INPUTS = [
     (dict(strategy="dynamic", device_loop=True), ValueError, "device_loop=True .* needs cuda_graphs"),
     (dict(output_reveal_steps=True), ValueError, "output_reveal_steps=True .*: pass return_dict_in_generate=True"),
     (dict(output_reveal_steps=1, return_dict_in_generate=True), TypeError, "output_reveal_steps must be a bool"),
+    (dict(output_confidences=True), ValueError, "output_confidences=True .*: pass return_dict_in_generate=True"),
+    (dict(output_confidences="yes", return_dict_in_generate=True), TypeError, "output_confidences must be a bool"),
 ]
 
 

@@ -38,7 +38,8 @@ def install_oracle_mrp(model, monkeypatch):
        drafts=st.sampled_from([{}, dict(draft_vocab=2), dict(draft_vocab=20), dict(draft_vocab=MASK_ID + 1),
                                dict(draft_candidates=1), dict(draft_candidates=5)]))
 def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, block, schedule, max_new, drafts):
-    """Lossless whatever the drafts: also when they may choose among the first ``draft_vocab`` token ids only
+    """Lossless whatever the drafts (the tokens and their confidences): also when they may choose among the first
+    ``draft_vocab`` token ids only
     (2: the drafts are nearly always wrong; MASK_ID + 1: the whole vocabulary, the mask token among it), or among
     each position's few most likely tokens in the round's seed forward (``draft_candidates``); prompts of
     different lengths, so rows sit in different blocks."""
@@ -46,10 +47,12 @@ def test_speculative_greedy_equals_static_one_token_per_step(seed, batch, k, blo
     lens = torch.randint(1, 12, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
     ids = random_prompts(batch, max(lens), seed=seed)
     mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).long()
-    static = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, return_dict_in_generate=True)
-    spec = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, strategy="speculative", mrp_steps=k,
-                          draft_schedule=schedule, return_dict_in_generate=True, **drafts)
+    common = dict(attention_mask=mask, max_new_tokens=max_new, return_dict_in_generate=True, output_confidences=True)
+    static = model.generate(ids, **common)
+    spec = model.generate(ids, strategy="speculative", mrp_steps=k, draft_schedule=schedule, **common, **drafts)
     assert torch.equal(spec.sequences, static.sequences)
+    # each token's confidence is the verify forward's on the very state static decoding committed it in
+    torch.testing.assert_close(spec.confidences, static.confidences, rtol=1e-5, atol=0)
     assert (spec.stats.tokens_per_forward >= 1.0).all()
     # The same tokens in the same order: static stops once the last new token is committed (a last block's later
     # positions are context), the verify round that commits it at most K tokens after it.
@@ -91,9 +94,12 @@ def test_oracle_direct_decoding_equals_static(monkeypatch, mix, k):
     model = tiny_model(seed=4, block_size=8)
     install_oracle_mrp(model, monkeypatch)["mix"] = mix
     ids = random_prompts(3, 5, seed=6)
-    out = model.generate(ids, max_new_tokens=19, strategy="direct", mrp_steps=k, mrp_mix=mix,
-                         return_dict_in_generate=True)
-    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=19))
+    common = dict(max_new_tokens=19, return_dict_in_generate=True, output_confidences=True)
+    out = model.generate(ids, strategy="direct", mrp_steps=k, mrp_mix=mix, **common)
+    static = model.generate(ids, **common)
+    assert torch.equal(out.sequences, static.sequences)
+    # the MRP steps' tokens get the corrected logits' probabilities: here the backbone's own on the state
+    torch.testing.assert_close(out.confidences, static.confidences, rtol=1e-5, atol=0)
     assert (out.stats.tokens_per_forward > 1.0).all()
 
 
@@ -300,10 +306,12 @@ def test_speculative_sampling_commits_exact_backbone_samples(schedule, drafts):
     model = tiny_model(seed=7, block_size=8)
     ids = random_prompts(3, 5, seed=9)
     for seed, min_p in ((0, None), (1, None), (2, 0.05)):
-        kwargs = dict(max_new_tokens=14, do_sample=True, temperature=1.3, seed=seed, min_p=min_p)
+        kwargs = dict(max_new_tokens=14, do_sample=True, temperature=1.3, seed=seed, min_p=min_p,
+                      return_dict_in_generate=True, output_confidences=True)
         static = model.generate(ids, **kwargs)
         spec = model.generate(ids, strategy="speculative", mrp_steps=3, draft_schedule=schedule, **drafts, **kwargs)
-        assert torch.equal(spec, static)
+        assert torch.equal(spec.sequences, static.sequences)
+        torch.testing.assert_close(spec.confidences, static.confidences, rtol=1e-5, atol=0)
     assert not torch.equal(model.generate(ids, max_new_tokens=14, do_sample=True, seed=0),
                            model.generate(ids, max_new_tokens=14, do_sample=True, seed=1))
 

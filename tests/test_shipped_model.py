@@ -254,10 +254,10 @@ def test_mrp_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path, 
 
 
 def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
-    """--show-steps prints, after the completion, one line per decoding step with the places (among the new tokens)
-    and texts of the tokens it revealed: with static decoding one token a step, every place once (the steps that
-    revealed only the last block's positions past the last new token are not listed); with --compare it is
-    refused."""
+    """--show-steps prints, after the completion, one line per decoding step with the places (among the new tokens),
+    texts and probabilities of the tokens it revealed: with static decoding one token a step, every place once (the
+    steps that revealed only the last block's positions past the last new token are not listed); with --compare it
+    is refused."""
     from hf_integration import cli
 
     assert cli.main(["def f(x):", "--max-new-tokens", "8", "--strategy", "static", "--show-steps"]) == 0
@@ -267,6 +267,8 @@ def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
     listed = [line for line in lines if "past the completion's end" not in line]
     places = [int(line.split(": ")[1].split(":")[0]) for line in listed]
     assert len(listed) == 8 and sorted(places) == list(range(8))
+    probabilities = [float(line.rsplit("@", 1)[1]) for line in listed]
+    assert all(0 < p <= 1 for p in probabilities), listed
     with pytest.raises(SystemExit):
         cli.main(["def f(x):", "--compare", "--show-steps"])
     assert "--show-steps lists one strategy's steps: drop --compare" in capsys.readouterr().err

@@ -105,7 +105,8 @@ DEVICE_LOOPS = [dict(strategy="dynamic", threshold=0.3, device_loop=True),
 @pytest.mark.parametrize("kwargs", STRATEGIES + DEVICE_LOOPS + [
     dict(strategy="static", eos_token_id=1, device_loop=True),
     dict(strategy="direct", mrp_steps=2, eos_token_id=1, device_loop=True),
-    dict(strategy="remask", threshold=0.4, output_reveal_steps=True, device_loop=True)],
+    dict(strategy="remask", threshold=0.4, output_reveal_steps=True, output_confidences=True, device_loop=True),
+    dict(strategy="speculative", mrp_steps=3, output_confidences=True)],
                          ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
     """Each step the decoder hands to StepGraphs (forwards, whole denoising / verify / remask steps) is
@@ -167,6 +168,8 @@ def test_every_graphed_step_traces_as_one_graph(kwargs, monkeypatch):
         assert torch.equal(getattr(graphed.stats, name), value), name
     if kwargs.get("output_reveal_steps"):
         assert torch.equal(graphed.reveal_steps, plain.reveal_steps)
+    if kwargs.get("output_confidences"):  # (a graphed engine's wider cache may round the float32 attention otherwise)
+        torch.testing.assert_close(graphed.confidences, plain.confidences, rtol=1e-5, atol=0)
 
 
 aten = torch.ops.aten
@@ -193,8 +196,8 @@ class NoHostSync(TorchDispatchMode):
 
 @pytest.mark.parametrize("kwargs", STRATEGIES + [
     dict(strategy="static", eos_token_id=1), dict(strategy="direct", mrp_steps=2, eos_token_id=1),
-    dict(strategy="speculative", mrp_steps=3, draft_vocab=40), dict(strategy="remask", threshold=0.4,
-                                                                     remask_rule="delta", output_reveal_steps=True)],
+    dict(strategy="speculative", mrp_steps=3, draft_vocab=40, output_confidences=True),
+    dict(strategy="remask", threshold=0.4, remask_rule="delta", output_reveal_steps=True, output_confidences=True)],
                          ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_no_graphed_step_synchronises_with_the_host(kwargs, monkeypatch):
     """Every op of every step the decoder graphs, on the reference ops (a float64 model, or the reference backend,

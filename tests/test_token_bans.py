@@ -48,18 +48,25 @@ def _kept_new_tokens(out, width: int) -> list[list[int]]:
 def test_static_decoding_equals_the_oracle_that_sets_eos_logits_to_minus_infinity(model, prompt_len, min_new):
     """The uncached one-token-a-step oracle, its EOS logits set to -inf at the first ``min_new`` new tokens (as
     transformers' processor sets them), gives the tokens up to its first EOS; the output ends there. The EOS ids are
-    tokens the free run gives before ``min_new``, so without the ban the output would end sooner."""
+    tokens the free run gives before ``min_new``, so without the ban the output would end sooner. The tokens'
+    confidences are the oracle's."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
     free = model.generate(prompt[None], max_new_tokens=12, eos_token_id=[])[0, prompt_len:].tolist()
     eos = sorted({free[0], free[(min_new - 1) // 2]})
-    oracle = naive_static_decode(model, prompt, 12, model.config.block_size, eos_ids=tuple(eos), min_new=min_new)
+    conf = torch.zeros(prompt_len + 12, dtype=torch.float64)
+    oracle = naive_static_decode(model, prompt, 12, model.config.block_size, confidences=conf, eos_ids=tuple(eos),
+                                 min_new=min_new)
     new = oracle[prompt_len:].tolist()
     k = next((i for i, token in enumerate(new) if token in eos), 11)  # the oracle's first EOS (or its last token)
     assert k >= min_new
     out = model.generate(prompt[None], max_new_tokens=12, eos_token_id=eos, min_new_tokens=min_new, pad_token_id=PAD,
-                         return_dict_in_generate=True)
+                         return_dict_in_generate=True, output_confidences=True)
     assert out.new_tokens.tolist() == [k + 1]
-    assert torch.equal(out.sequences[0, : prompt_len + k + 1], oracle[: prompt_len + k + 1])
+    end = prompt_len + k + 1
+    assert torch.equal(out.sequences[0, :end], oracle[:end])
+    # the tokens' probabilities with the EOS ids out of the softmax where held back; 0 at the padding after the EOS
+    torch.testing.assert_close(out.confidences[0, :end].double(), conf[:end], rtol=1e-5, atol=0)
+    assert not out.confidences[0, end:].any()
     unbanned = model.generate(prompt[None], max_new_tokens=12, eos_token_id=eos, return_dict_in_generate=True)
     assert unbanned.new_tokens.tolist() == [1]  # free[0] is an EOS
 
@@ -239,16 +246,21 @@ def test_a_checkpoints_minimum_waits_for_calls_with_an_eos(model):
 @pytest.mark.parametrize("prompt_len", [3, 4, 6])
 def test_static_decoding_with_suppressed_tokens_equals_the_oracle(model, prompt_len):
     """suppress_tokens (the free run's most frequent tokens) and begin_suppress_tokens (the first token decoding
-    without it gives) give the oracle's tokens with their logits set to -inf (everywhere, and at the first new
-    token); bad_words_ids of one token each are suppressed tokens, also from a GenerationConfig."""
+    without it gives) give the oracle's tokens and confidences with their logits set to -inf (everywhere, and at the
+    first new token); bad_words_ids of one token each are suppressed tokens, also from a GenerationConfig."""
     prompt = random_prompts(1, prompt_len, seed=20 + prompt_len)[0]
     common = dict(max_new_tokens=12, eos_token_id=[])
     free = model.generate(prompt[None], **common)[0, prompt_len:].tolist()
     suppress = tuple(sorted({t for t, _ in Counter(free).most_common(2)} | {48}))[:2]
     begin = (int(model.generate(prompt[None], suppress_tokens=list(suppress), **common)[0, prompt_len]),)
-    oracle = naive_static_decode(model, prompt, 12, model.config.block_size, suppress=suppress, begin_suppress=begin)
-    out = model.generate(prompt[None], suppress_tokens=list(suppress), begin_suppress_tokens=list(begin), **common)
-    assert torch.equal(out[0], oracle)
+    conf = torch.zeros(prompt_len + 12, dtype=torch.float64)
+    oracle = naive_static_decode(model, prompt, 12, model.config.block_size, confidences=conf, suppress=suppress,
+                                 begin_suppress=begin)
+    out = model.generate(prompt[None], suppress_tokens=list(suppress), begin_suppress_tokens=list(begin),
+                         return_dict_in_generate=True, output_confidences=True, **common)
+    assert torch.equal(out.sequences[0], oracle)
+    # each token's probability under the softmax without the banned tokens
+    torch.testing.assert_close(out.confidences[0].double(), conf, rtol=1e-5, atol=0)
     new = oracle[prompt_len:].tolist()
     assert not set(new) & set(suppress) and new[0] not in begin
     words = model.generate(prompt[None], bad_words_ids=[[t] for t in suppress], begin_suppress_tokens=list(begin),

@@ -60,18 +60,20 @@ def padded_batch(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, tor
 
 
 def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, forwards: list | None = None,
-                        reveal_steps: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (), min_new: int = 0,
-                        suppress: tuple[int, ...] = (), begin_suppress: tuple[int, ...] = (), leftmost: bool = False,
+                        reveal_steps: torch.Tensor | None = None, confidences: torch.Tensor | None = None,
+                        eos_ids: tuple[int, ...] = (), min_new: int = 0, suppress: tuple[int, ...] = (),
+                        begin_suppress: tuple[int, ...] = (), leftmost: bool = False,
                         entropy_bound: float | None = None):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
     the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
-    forwards it ran are appended to ``forwards``, and the step (1, 2, ...) that revealed each position is written
-    into ``reveal_steps`` [P + max_new]. ``eos_ids`` get a logit of -inf at the first ``min_new`` new tokens (as
-    transformers' min_new_tokens processor sets them; nothing stops at them), ``suppress`` everywhere and
-    ``begin_suppress`` at the first new token. ``leftmost``: each step commits the first masked position (SDAR's
-    sequential rule) instead of the most confident; ``entropy_bound``: the masked positions in order of their
-    softmax's entropy (torch's Categorical), lowest first, while the entropies before sum to at most the bound."""
+    forwards it ran are appended to ``forwards``, the step (1, 2, ...) that revealed each position is written
+    into ``reveal_steps`` [P + max_new] and its token's softmax probability into ``confidences`` [P + max_new].
+    ``eos_ids`` get a logit of -inf at the first ``min_new`` new tokens (as transformers' min_new_tokens processor
+    sets them; nothing stops at them), ``suppress`` everywhere and ``begin_suppress`` at the first new token.
+    ``leftmost``: each step commits the first masked position (SDAR's sequential rule) instead of the most
+    confident; ``entropy_bound``: the masked positions in order of their softmax's entropy (torch's Categorical),
+    lowest first, while the entropies before sum to at most the bound."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
@@ -100,8 +102,10 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
                 chosen = [int((conf >= 0).nonzero()[0]) if leftmost else int(conf.argmax())]
             for pos in chosen:
                 x[0, start + pos] = tok[pos]
-                if reveal_steps is not None and start + pos < P + max_new:
-                    reveal_steps[start + pos] = step
+                if start + pos < P + max_new:
+                    for noted, value in ((reveal_steps, step), (confidences, conf[pos])):
+                        if noted is not None:
+                            noted[start + pos] = value
     return x[0, : P + max_new]
 
 

@@ -117,9 +117,10 @@ class DecodeEngine:
         self.ban_table = torch.zeros(config.vocab_size, dtype=torch.uint8, device=s.device)
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
         # output_reveal_steps: by original row, the decoding steps it has taken [B] and the step that revealed each
-        # position [B, max_len]
+        # position [B, max_len]; output_confidences: the probability of the token committed at each position
         self.decoding_steps = torch.zeros(s.batch, dtype=torch.long, device=s.device)
         self.reveal_steps = torch.zeros((s.batch, s.max_len), dtype=torch.long, device=s.device)
+        self.confidences = torch.zeros((s.batch, s.max_len), dtype=torch.float32, device=s.device)
         self.loop_steps = torch.zeros((), dtype=torch.long, device=s.device)
         self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
         self.draft_rows: dict = {}  # the lm_head rows of each listed draft vocabulary (draft_vocab.draft_head)
@@ -159,6 +160,7 @@ class DecodeEngine:
         self.stats.zero_()
         self.decoding_steps.zero_()
         self.reveal_steps.zero_()
+        self.confidences.zero_()
         self.loop_steps.zero_()
         self._use_rows(self.shape.batch)
 

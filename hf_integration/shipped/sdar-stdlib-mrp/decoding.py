@@ -75,7 +75,14 @@ class SDARGenerateOutput(ModelOutput):
     about the same for any number of rows, as on a GPU at small batch. reveal_steps (``output_reveal_steps``):
     int64 [B, P + max_new_tokens], laid out as ``sequences``: at each new token the row's decoding step that
     revealed it for good (1, 2, ...: the row's denoising steps, speculative rounds, direct backbone and MRP steps,
-    counted over the whole call), 0 at prompt and padding positions. new_tokens: int64 [B], the new tokens each row
+    counted over the whole call), 0 at prompt and padding positions. confidences (``output_confidences``): float32
+    [B, P + max_new_tokens], laid out as ``sequences``: at each new token its probability under the softmax that
+    committed it for good (that of the call's temperature, without the mask token and the tokens the call bans there,
+    before any top-k / top-p / min-p cut: the confidence the commit rules rank by), the backbone's (a speculative
+    round's tokens: the verify forward's on the candidate state each was verified on, so greedy speculative decoding
+    gives static one-token-a-step decoding's; remask's: that of the reveal the MRP pass let stand), save those of
+    direct decoding's MRP steps (the head's corrected logits'); 0 at prompt and padding positions. new_tokens: int64
+    [B], the new tokens each row
     keeps in ``sequences`` (up to its first EOS, the end of a stop string or the token a stopping criterion stopped
     at; the rest is padding), which may be fewer than ``stats.tokens_committed`` (a verify round or a denoising step
     can commit tokens past the EOS)."""
@@ -84,6 +91,7 @@ class SDARGenerateOutput(ModelOutput):
     stats: DecodeStats | None = None
     batch_steps: int | None = None
     reveal_steps: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
     new_tokens: torch.Tensor | None = None
 
 
@@ -278,10 +286,21 @@ class BlockDecoder:
         engine = self.engine
         step = engine.decoding_steps[self.rows] + before.any(-1).long()
         engine.decoding_steps[self.rows] = step
+        self._note_at(engine.reveal_steps, positions, before & (block != self.mask_id), step[:, None])
+
+    def note_confidences(self, positions: torch.Tensor, committed: torch.Tensor, conf: torch.Tensor) -> None:
+        """With ``output_confidences`` (on the device): note ``conf`` [B', T] of the tokens a step ``committed``
+        (bool [B', T]) at ``positions`` [B', T] in the engine's ``confidences`` (a position that a later step commits
+        again, after a remask, is noted again)."""
+        if self.settings.output_confidences:
+            self._note_at(self.engine.confidences, positions, committed, conf)
+
+    def _note_at(self, buffer: torch.Tensor, positions: torch.Tensor, where: torch.Tensor,
+                 values: torch.Tensor) -> None:
+        """``values`` (broadcast to [B', T]) into ``buffer`` [B, max_len] (by original row) at ``positions`` [B', T]
+        ``where`` (bool [B', T]); the other positions keep theirs."""
         rows = self.rows[:, None].expand_as(positions)
-        revealed = before & (block != self.mask_id)
-        noted = engine.reveal_steps[rows, positions]
-        engine.reveal_steps[rows, positions] = torch.where(revealed, step[:, None], noted)
+        buffer[rows, positions] = torch.where(where, values.to(buffer.dtype), buffer[rows, positions])
 
     def steps(self, kinds: tuple, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
               carry: tuple[int, ...] = (), phase: int = 0) -> None:
@@ -568,6 +587,7 @@ class BlockDecoder:
                                              threshold=threshold, entropy=picks[3] if by_entropy else None,
                                              entropy_bound=entropy_bound)
         self.record(masked.any(-1), committed, mrp=mrp)
+        self.note_confidences(positions, committed, picks[1])
         return picks
 
     def scheduled_quota(self, quota_base: torch.Tensor, quota_extra: torch.Tensor,

@@ -34,8 +34,8 @@ MRP_MIX_MODES = ("logits_sum", "none")
 DEFAULT_THRESHOLD = {"dynamic": 0.9, "remask": 0.5}
 DEFAULT_ENTROPY_BOUND = 0.1  # nats (entropy_bounded)
 # Settings that take True or False only (a string such as "no" would read as True).
-FLAGS = ("do_sample", "return_dict_in_generate", "output_reveal_steps", "progress", "fuse_commit", "per_row_blocks",
-         "use_cache", "device_loop", "packed_projections")
+FLAGS = ("do_sample", "return_dict_in_generate", "output_reveal_steps", "output_confidences", "progress", "fuse_commit",
+         "per_row_blocks", "use_cache", "device_loop", "packed_projections")
 DEFAULT_MAX_NEW_TOKENS = 64
 # GenerationConfig fields that do not steer decoding as such (bookkeeping; the model's block size and mask id, read by
 # _model_fields).
@@ -92,6 +92,17 @@ READ_BY = {
 DONE_ANYWAY = {"cache_implementation": "static", "disable_compile": True}
 
 
+# transformers' settings refused here that have a counterpart, which the error that refuses them names
+COUNTERPARTS = {"output_scores": "output_confidences=True (each new token's probability)",
+                "output_logits": "output_confidences=True (each new token's probability)"}
+
+
+def _counterparts(names: list[str]) -> str:
+    """The refusal's pointer to the counterparts of the refused settings ``names`` (empty when none has one)."""
+    hints = [f"for {name}, {COUNTERPARTS[name]}" for name in names if name in COUNTERPARTS]
+    return "; " + "; ".join(hints) if hints else ""
+
+
 def _asks_nothing(name: str, value) -> bool:
     """Whether transformers' generation setting ``name`` (a GenerationConfig field or a parameter of its
     ``generate``) at ``value`` asks for nothing: False, None, its default, the value transformers fills in, or what
@@ -121,49 +132,47 @@ def _model_fields(diff: dict, config) -> dict:
 @dataclass
 class GenerationSettings:
     """Everything that steers decoding. ``max_new_tokens`` defaults to ``max_length`` minus the width of
-    ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64;
-    ``min_new_tokens`` holds EOS back (every ``eos_token_id``, excluded from the picks and their softmax, as
-    transformers' logits processor sets its logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no
-    row ends before them (stop strings, stopping criteria and ``max_time`` still may); ``min_length`` asks the same
-    of the width of ``input_ids`` plus the new tokens (as in transformers; both given: the larger).
-    ``suppress_tokens`` are never decoded (excluded from every pick and its softmax, as transformers' processor sets
-    their logits to -inf), ``begin_suppress_tokens`` not as a row's first new token; ``bad_words_ids`` of one token
-    each are suppressed tokens (a sequence of several tokens is refused: which of its tokens comes last depends on the
-    order a block is decoded in).
-    ``num_return_sequences`` (sampling only) decodes each prompt that many times, the copies next to each
-    other in the output and each drawing its own noise. ``seed`` keys the sampling noise: a call without one draws it
-    from torch's default generator, so sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed``
-    repeat them, as in transformers; with one, the draw is fixed whatever torch's generator holds.
-    ``strategy="sequential"`` commits each step's quota at the first masked positions, left to right (the
-    ``sequential`` rule of SDAR's ``generate.py``), picking tokens there only. ``strategy="entropy_bounded"`` is the
-    EB-sampler (Ben-Hamu et al. 2025): each step ranks the masked positions by the entropy of their softmax (lowest
-    first) and commits the longest run of them whose entropies, the largest left out, sum to at most
-    ``entropy_bound`` nats (default 0.1; so at least one a step), or the step's quota when that is more.
-    ``block_length`` defaults to the model's block size
-    and ``denoising_steps`` to ``block_length`` (one token a step); ``threshold`` defaults to 0.9 (dynamic) or
-    0.5 (remask). ``fuse_commit`` writes a finished block's cache entries in the row's next forward (same output,
-    one forward fewer per block);
-    ``per_row_blocks`` (dynamic, entropy_bounded, remask, speculative) lets each row of a batch move on to its next
-    block as soon as its own is full, so a batch takes as many steps as its slowest row alone, at the price of the
-    finished block riding in the next forward of every row (``False``: rows start their blocks together; the output is
-    the same either way); ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as in transformers) end a row
-    once its new text contains one of them: checked as its blocks fill, the tokens after the one completing it become
-    padding; ``stopping_criteria`` (transformers' criteria, called as its generate calls them, once per new token in
-    order as soon as every row has decoded it: :mod:`.stopping_criteria`) end a row at the first token at which one
-    holds; ``max_time`` (seconds, as in transformers) ends every row with the block it is decoding once that much time
-    has passed since the call began (checked as blocks fill, so a call may run past it by the rest of a block);
-    ``progress`` shows a bar over blocks; ``streamer`` (one prompt at a time) is an object with ``put(ids)`` and
-    ``end()``, like transformers' ``TextStreamer``: it receives the prompt ids, then each finished block's new tokens
-    (up to the first EOS), then ``end()``. ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per
-    output position, the row's decoding step that revealed its token for good (1 for the row's first step; 0 at prompt
-    and padding positions): the order in which decoding filled each block. ``use_cache`` is accepted as transformers'
-    ``generate`` takes it: decoding always runs on its KV cache, which gives the tokens a forward over the whole
-    sequence would. ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a captured
-    CUDA graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a graph's data
-    flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the steps after
-    those that surely have work inside one graph, each only while no row has filled its block, tested on the device
-    (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after every step (same
-    output; a static, sequential, direct or speculative row that an EOS settles stops with that step, not one step
+    ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64; ``min_new_tokens`` holds EOS back
+    (every ``eos_token_id``, excluded from the picks and their softmax, as transformers' logits processor sets its
+    logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no row ends before them (stop strings,
+    stopping criteria and ``max_time`` still may); ``min_length`` asks the same of the width of ``input_ids`` plus the
+    new tokens (as in transformers; both given: the larger). ``suppress_tokens`` are never decoded (excluded from every
+    pick and its softmax, as transformers' processor sets their logits to -inf), ``begin_suppress_tokens`` not as a
+    row's first new token; ``bad_words_ids`` of one token each are suppressed tokens (a sequence of several tokens is
+    refused: which of its tokens comes last depends on the order a block is decoded in). ``num_return_sequences``
+    (sampling only) decodes each prompt that many times, the copies next to each other in the output and each drawing
+    its own noise. ``seed`` keys the sampling noise: a call without one draws it from torch's default generator, so
+    sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed`` repeat them, as in transformers; with
+    one, the draw is fixed whatever torch's generator holds. ``strategy="sequential"`` commits each step's quota at the
+    first masked positions, left to right (the ``sequential`` rule of SDAR's ``generate.py``), picking tokens there
+    only. ``strategy="entropy_bounded"`` is the EB-sampler (Ben-Hamu et al. 2025): each step ranks the masked positions
+    by the entropy of their softmax (lowest first) and commits the longest run of them whose entropies, the largest left
+    out, sum to at most ``entropy_bound`` nats (default 0.1; so at least one a step), or the step's quota when that is
+    more. ``block_length`` defaults to the model's block size and ``denoising_steps`` to ``block_length`` (one token a
+    step); ``threshold`` defaults to 0.9 (dynamic) or 0.5 (remask). ``fuse_commit`` writes a finished block's cache
+    entries in the row's next forward (same output, one forward fewer per block); ``per_row_blocks`` (dynamic,
+    entropy_bounded, remask, speculative) lets each row of a batch move on to its next block as soon as its own is full,
+    so a batch takes as many steps as its slowest row alone, at the price of the finished block riding in the next
+    forward of every row (``False``: rows start their blocks together; the output is the same either way);
+    ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as in transformers) end a row once its new text
+    contains one of them: checked as its blocks fill, the tokens after the one completing it become padding;
+    ``stopping_criteria`` (transformers' criteria, called as its generate calls them, once per new token in order as
+    soon as every row has decoded it: :mod:`.stopping_criteria`) end a row at the first token at which one holds;
+    ``max_time`` (seconds, as in transformers) ends every row with the block it is decoding once that much time has
+    passed since the call began (checked as blocks fill, so a call may run past it by the rest of a block); ``progress``
+    shows a bar over blocks; ``streamer`` (one prompt at a time) is an object with ``put(ids)`` and ``end()``, like
+    transformers' ``TextStreamer``: it receives the prompt ids, then each finished block's new tokens (up to the first
+    EOS), then ``end()``. ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per output position,
+    the row's decoding step that revealed its token for good (1 for the row's first step; 0 at prompt and padding
+    positions): the order in which decoding filled each block; ``output_confidences`` the probability of each new token
+    under the softmax that committed it for good (:class:`.SDARGenerateOutput`). ``use_cache`` is accepted as
+    transformers' ``generate`` takes it: decoding always runs on its KV cache, which gives the tokens a forward over the
+    whole sequence would. ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a
+    captured CUDA graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a
+    graph's data flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the
+    steps after those that surely have work inside one graph, each only while no row has filled its block, tested on the
+    device (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after every step
+    (same output; a static, sequential, direct or speculative row that an EOS settles stops with that step, not one step
     later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up projections as
     another (the model's weights are laid out for it once, in place: ``model.pack_projections()``); the same output up
     to the rounding of a differently blocked GEMM (``False``: one GEMM per projection, to measure what packing saves).
@@ -204,6 +213,7 @@ class GenerationSettings:
     pad_token_id: int | None = None
     return_dict_in_generate: bool = False
     output_reveal_steps: bool = False
+    output_confidences: bool = False
     mrp_steps: int = 3
     draft_schedule: str = "mrp"
     draft_vocab: int | Sequence[int] | torch.Tensor | None = None  # validated: an int or a sorted tuple of ids
@@ -259,10 +269,12 @@ class GenerationSettings:
         unknown = sorted(foreign - HF_KEYWORDS)
         if unknown:
             raise TypeError(f"generate() got unknown keyword argument(s) {unknown}; accepted: {sorted(names)}")
-        unsupported = [f"{k}={reprlib.repr(kwargs[k])}" for k in sorted(foreign) if not _asks_nothing(k, kwargs[k])]
-        if unsupported:  # transformers' keywords at the values that ask for nothing (num_beams=1, ...) pass
-            raise TypeError(f"generate() got {', '.join(unsupported)}, which block-diffusion decoding does not "
-                            f"support; drop {'them' if len(unsupported) > 1 else 'it'} (supported: {sorted(names)})")
+        refused = [k for k in sorted(foreign) if not _asks_nothing(k, kwargs[k])]
+        if refused:  # transformers' keywords at the values that ask for nothing (num_beams=1, ...) pass
+            shown = ", ".join(f"{k}={reprlib.repr(kwargs[k])}" for k in refused)
+            raise TypeError(f"generate() got {shown}, which block-diffusion decoding does not support; drop "
+                            f"{'them' if len(refused) > 1 else 'it'} (supported: {sorted(names)})"
+                            + _counterparts(refused))
         kwargs = {k: v for k, v in kwargs.items() if k in names}
         if generation_config is not None and not isinstance(generation_config, GenerationConfig):
             raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
@@ -282,7 +294,7 @@ class GenerationSettings:
             unsupported = sorted(k for k in set(given) - names if not _asks_nothing(k, given[k]))
             if unsupported and source is generation_config:
                 raise TypeError(f"generation_config sets {unsupported}, which block-diffusion decoding does not "
-                                f"support; drop them (supported: {sorted(names)})")
+                                f"support; drop them (supported: {sorted(names)})" + _counterparts(unsupported))
             if unsupported:
                 logger.warning_once(f"the model's generation_config sets {unsupported}, which block-diffusion "
                                     "decoding does not support: they are ignored")
@@ -420,9 +432,10 @@ class GenerationSettings:
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.output_reveal_steps and not self.return_dict_in_generate:
-            raise ValueError("output_reveal_steps=True returns the steps in the output's .reveal_steps: pass "
-                             "return_dict_in_generate=True too")
+        for name, field_name in (("output_reveal_steps", "reveal_steps"), ("output_confidences", "confidences")):
+            if getattr(self, name) and not self.return_dict_in_generate:
+                raise ValueError(f"{name}=True returns its values in the output's .{field_name}: pass "
+                                 "return_dict_in_generate=True too")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool or None (on for a CUDA model), got "
                             f"{type(self.cuda_graphs).__name__}")
