@@ -196,13 +196,13 @@ def speculation_round(dec: BlockDecoder):
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copy)
         picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), dec.noise_counter(copy), top_m=top_m)
-        accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, picks[0].view(B, K + 1, T),
-                                                   picks[1].view(B, K + 1, T), mask_token_id=dec.mask_id)
+        target_tok, target_conf = (x.view(B, K + 1, T) for x in picks[:2])
+        accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, target_tok, target_conf,
+                                                   mask_token_id=dec.mask_id)
         accepted = accepted.long()
         dec.record(live, accepted + (bonus >= 0))  # a row without masks accepts nothing and has no bonus
         if dec.settings.output_confidences:
-            dec.note_confidences(positions, *verified_confidences(draft_pos, accepted, bonus,
-                                                                 picks[1].view(B, K + 1, T)))
+            dec.note_confidences(positions, *verified_confidences(draft_pos, accepted, bonus, target_conf))
         dec.stats.accepted_lengths.index_put_((dec.rows, accepted), (live > fresh).long(), accumulate=True)
         fresh.zero_()
         # the accepted candidate's slice of the forward (and of its picks) seeds the next round
