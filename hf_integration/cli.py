@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="with --do-sample: sample among the most likely tokens holding mass p")
     p.add_argument("--min-p", type=float, help="with --do-sample: sample among the tokens at least p times as likely "
                    "as the most likely one")
+    p.add_argument("--epsilon-cutoff", type=float, help="with --do-sample: leave out the tokens less likely than this "
+                   "(epsilon sampling, in [0, 1))")
+    p.add_argument("--eta-cutoff", type=float, help="with --do-sample: eta sampling's cutoff (in [0, 1)), which "
+                   "lowers the floor of epsilon sampling where the distribution is flat")
     p.add_argument("--seed", type=int, default=0, help="with --do-sample: the seed of the sampling noise")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
@@ -290,7 +294,8 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
                 residual_delta=args.residual_delta, do_sample=args.do_sample,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff, seed=args.seed,
                 progress=args.max_new_tokens >= 256, stop_strings=args.stop, max_time=args.max_time,
                 tokenizer=tokenizer if args.stop else None)
 

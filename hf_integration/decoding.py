@@ -31,7 +31,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils.logging import tqdm
 
 import mrp_triton
-from mrp_triton.reference.confidence import exclude_banned, inverse_temperature
+from mrp_triton.reference.confidence import CUTS, exclude_banned, inverse_temperature
 
 from .decode_engine import BAN_EOS, BAN_FIRST, BAN_SUPPRESS, DecodeStats, EngineShape, engine_for
 from .draft_candidates import refresh_vocab_mean
@@ -185,6 +185,12 @@ class BlockDecoder:
         """The 0-d tensor the steps read setting ``name`` from (``DecodeEngine.on_device``; float64), or None
         when it is not set; a captured step reads its value at every replay, so graphs serve every value."""
         return None if getattr(self.settings, name) is None else self.engine.on_device[name]
+
+    def sampling_cuts(self) -> dict:
+        """The filters a sampled pick applies (keyword arguments of the confidence ops: top_k, top_p, min_p,
+        epsilon_cutoff, eta_cutoff), each the 0-d tensor the steps read it from (None where not set); none when
+        greedy (the most likely token is always kept)."""
+        return {name: self.on_device(name) for name in CUTS} if self.settings.do_sample else {}
 
     @property
     def temperature(self) -> torch.Tensor | float:
@@ -512,15 +518,13 @@ class BlockDecoder:
         ``entropy`` the entropy of each position's softmax, float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
-        # the temperature, top-k and top-p are read on the device too
+        # the temperature and the filters are read on the device too
         keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
         picks = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), **self.token_bans(positions, V),
-            do_sample=s.do_sample, seed=0, noise_keys=keys,
-            top_k=self.on_device("top_k") if s.do_sample else None, top_k_max=s.top_k_max,
-            top_p=self.on_device("top_p") if s.do_sample else None,
-            min_p=self.on_device("min_p") if s.do_sample else None, entropy=entropy)
+            do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(),
+            entropy=entropy)
         return tuple(x.view(B, T) for x in picks)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
@@ -569,9 +573,7 @@ class BlockDecoder:
             seed_hidden=seed_h.reshape(B * T, H), vocab_mean=self.engine.vocab_mean, temperature=self.temperature,
             skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
             noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
-            top_k=self.on_device("top_k") if s.do_sample else None,
-            top_p=self.on_device("top_p") if s.do_sample else None,
-            min_p=self.on_device("min_p") if s.do_sample else None)
+            **self.sampling_cuts())
         return tok.view(B, T), conf.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

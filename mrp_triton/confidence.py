@@ -27,12 +27,13 @@ second launch merges them (two launches, no atomics, deterministic).
 
 Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
 (seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
-< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p / min_p (sampling only: the greedy
-pick is always kept) need a row's largest values: the launcher materialises z [N, V] in fp32 with torch ops and
-finds where the filters cut them (``reference.confidence.sampling_cut``: one value per row, from ``torch.topk`` of
-top_k (or ``top_k_max``) values, or a sort of the row for top-p alone; min_p needs only the row's max); the
-kernel then draws only among the
-tokens at or above it, with the same in-kernel noise, and prob stays the full-softmax probability.
+< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p / min_p / epsilon_cutoff / eta_cutoff
+(sampling only: the greedy pick is always kept) need a row's largest values or its softmax: the launcher
+materialises z [N, V] in fp32 with torch ops and finds where the filters cut them
+(``reference.confidence.sampling_cut``: one value per row, from ``torch.topk`` of top_k (or ``top_k_max``) values,
+or a sort of the row for top-p alone; min_p needs only the row's max, epsilon and eta a logsumexp (and eta an
+entropy) over what the filters before them kept); the kernel then draws only among the tokens at or above it, with
+the same in-kernel noise, and prob stays the full-softmax probability.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import triton.language as tl
 from ._checks import ban_operands, check_banned, check_device_scalar, check_kernel_device, check_skip_rows
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
-from .reference.confidence import effective_logits, seed_hash, sampling_cut
+from .reference.confidence import cuts_anything, effective_logits, sampling_cut, seed_hash
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -298,7 +299,7 @@ def check_temperature(temperature: float) -> None:
 
 
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p):
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -326,14 +327,15 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
     check_banned(banned_tokens, ban_rows, N, V, logits.device, "logits")
-    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max, min_p)
+    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max, min_p,
+                   epsilon_cutoff, eta_cutoff)
 
 
 def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
-                   top_p, top_k_max=None, min_p=None) -> None:
+                   top_p, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None) -> None:
     """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number or
-    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p in (0, 1] and min_p in [0, 1]
-    (or None), and top_k_max an int >= 1 not below an int top_k (or None)."""
+    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p in (0, 1] and min_p,
+    epsilon_cutoff and eta_cutoff in [0, 1] (or None), and top_k_max an int >= 1 not below an int top_k (or None)."""
     if not check_device_scalar("temperature", temperature, device):
         check_temperature(temperature)
     if do_sample:
@@ -349,9 +351,10 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_p is not None and not check_device_scalar("top_p", top_p, device) and \
             not (0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    if min_p is not None and not check_device_scalar("min_p", min_p, device) and \
-            (isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0.0 <= float(min_p) <= 1.0):
-        raise ValueError(f"min_p must be in [0, 1] or None, got {min_p!r}")
+    for name, value in (("min_p", min_p), ("epsilon_cutoff", epsilon_cutoff), ("eta_cutoff", eta_cutoff)):
+        if value is not None and not check_device_scalar(name, value, device) and \
+                (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0):
+            raise ValueError(f"{name} must be in [0, 1] or None, got {value!r}")
     if top_k_max is not None:
         if isinstance(top_k_max, bool) or not isinstance(top_k_max, int) or top_k_max < 1:
             raise ValueError(f"top_k_max must be a positive int or None, got {top_k_max!r}")
@@ -362,26 +365,27 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
 CUT_CHUNK = 1 << 24  # logits the sampling cut of a sampled launch handles at once (about 64 MB in fp32)
 
 
-def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, top_k, top_p,
-                       top_k_max, min_p) -> torch.Tensor:
-    """tau [N]: each row's top-k / top-p / min-p cut (:func:`sampling_cut`), a chunk of rows at a time: top-p alone
-    sorts whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V] temporaries."""
+def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows,
+                       **cuts) -> torch.Tensor:
+    """tau [N]: each row's cut by the filters ``cuts`` (keyword arguments of :func:`sampling_cut`), a chunk of rows at
+    a time: top-p alone sorts whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V]
+    temporaries."""
     N, V = logits.shape
     step = max(1, CUT_CHUNK // max(1, V))
-    cuts = []
+    taus = []
     for i in range(0, N, step):
         res = None if residual is None else residual[..., i:i + step, :]
         z = effective_logits(logits[i:i + step], res, scale=scale, temperature=temperature,
                              mask_token_id=mask_token_id, banned_tokens=banned_tokens,
                              ban_rows=None if ban_rows is None else ban_rows[i:i + step])
-        cuts.append(sampling_cut(z, top_k, top_p, top_k_max, min_p))
-    return torch.cat(cuts) if len(cuts) > 1 else cuts[0]
+        taus.append(sampling_cut(z, **cuts))
+    return torch.cat(taus) if len(taus) > 1 else taus[0]
 
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
-                      top_p=None, top_k_max=None, min_p=None, entropy=False, splits=None, block_v=None, num_warps=None,
-                      prefetch=True, out=None):
+                      top_p=None, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, entropy=False,
+                      splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
     ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
@@ -390,7 +394,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     poison them).
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p)
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -403,9 +407,10 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         return out
     sample = bool(do_sample)
     cut = None
-    if sample and (top_k is not None or top_p is not None or min_p is not None):
-        cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, top_k,
-                                 top_p, top_k_max, min_p)
+    cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
+                eta_cutoff=eta_cutoff)
+    if sample and cuts_anything(cuts):
+        cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, **cuts)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     res = residual
@@ -452,16 +457,17 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None, entropy=False):
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, entropy=False):
     """Per-row token, full-softmax probability and logsumexp of the effective logits (and its entropy).
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool or uint8 [V] and ban_rows: bool or
     uint8 [N] (token v excluded like the mask column in row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero:
     each bit a class of ban; ban_rows None: every class in every row); noise_keys: int64 [N, 3] =
-    (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p`` and
-    ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely) are numbers or 0-d
-    tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
+    (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p``,
+    ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely), ``epsilon_cutoff``
+    and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers: :func:`.reference.confidence.sampling_cut`)
+    are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
     caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]); ``top_k_max`` (an int) is the largest value a
     ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead of sorting
     the row (the caller guarantees the bound; ignored without ``top_k``).
@@ -475,10 +481,12 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
         return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                  mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                  do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                 top_k_max=top_k_max, min_p=min_p, entropy=entropy)
+                                 top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
+                                 eta_cutoff=eta_cutoff, entropy=entropy)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p)
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                 mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                 do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                top_k_max=top_k_max, min_p=min_p, entropy=entropy)
+                                top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
+                                eta_cutoff=eta_cutoff, entropy=entropy)

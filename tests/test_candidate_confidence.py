@@ -59,15 +59,17 @@ def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, b
 
 @settings(max_examples=15)
 @given(N=st.integers(1, 8), H=st.integers(1, 40), V=st.integers(2, 60), M=st.integers(1, 20),
-       filters=st.sampled_from(((None, None, None), (2, None, None), (None, 0.7, None), (3, 0.9, None),
-                                (None, None, 0.2), (4, 0.8, 0.05))), seed=st.integers(0, 2**16))
+       filters=st.sampled_from(({}, dict(top_k=2), dict(top_p=0.7), dict(top_k=3, top_p=0.9), dict(min_p=0.2),
+                                dict(top_k=4, top_p=0.8, min_p=0.05), dict(epsilon_cutoff=0.05),
+                                dict(top_p=0.9, eta_cutoff=0.02),
+                                dict(min_p=0.01, epsilon_cutoff=0.02, eta_cutoff=0.1))),
+       seed=st.integers(0, 2**16))
 def test_sampled_kernel_matches_reference(N, H, V, M, filters, seed):
     g = torch.Generator().manual_seed(seed)
     hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, torch.float32, g)
     keys = torch.randint(0, 2**40, (N, 3), generator=g).to(DEV)
-    top_k, top_p, min_p = filters
     kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=0.7, do_sample=True, seed=seed, noise_keys=keys,
-              top_k=top_k, top_p=top_p, min_p=min_p)
+              **filters)
     with poisoned_allocations():
         tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, **kw)
     want_tok, want_prob = candidate_confidence_reference(hidden, weight, ids, rest, **kw)
@@ -77,11 +79,13 @@ def test_sampled_kernel_matches_reference(N, H, V, M, filters, seed):
 
 @settings(max_examples=30)
 @given(V=st.integers(3, 50), H=st.integers(1, 8), do_sample=st.booleans(), temperature=st.sampled_from((1.0, 0.7)),
-       min_p=st.sampled_from((None, 0.3, 1.0)), seed=st.integers(0, 999))
-def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, min_p, seed):
+       filters=st.sampled_from(({}, dict(min_p=0.3), dict(min_p=1.0), dict(epsilon_cutoff=0.1),
+                                dict(eta_cutoff=0.05), dict(min_p=0.1, epsilon_cutoff=0.05, eta_cutoff=0.5))),
+       seed=st.integers(0, 999))
+def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, filters, seed):
     """With every token listed and nothing outside (rest -inf), the pick is the confidence op's on the whole logits:
-    the same token (the same Gumbel noise per token id when sampling, among the same tokens min-p keeps) and
-    full-softmax probability."""
+    the same token (the same Gumbel noise per token id when sampling, among the same tokens min-p, epsilon and eta
+    keep) and full-softmax probability."""
     g = torch.Generator().manual_seed(seed)
     N = 6
     weight = torch.randint(-3, 4, (V, H), generator=g).double()  # integer logits: exact ties
@@ -93,10 +97,10 @@ def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, tempera
     tok, prob = candidate_confidence(hidden, weight, ids, torch.full((N,), float("-inf")), seed_hidden=hidden,
                                      vocab_mean=weight.mean(0), temperature=temperature, skip_rows=skip,
                                      do_sample=do_sample, seed=seed, noise_keys=keys if do_sample else None,
-                                     min_p=min_p)
+                                     **filters)
     want_tok, want_prob, _ = confidence_reference(hidden @ weight.T, temperature=temperature, mask_token_id=mask,
                                                   do_sample=do_sample, seed=seed, noise_keys=keys, skip_rows=skip,
-                                                  min_p=min_p)
+                                                  **filters)
     assert torch.equal(tok, want_tok)
     torch.testing.assert_close(prob, want_prob, rtol=1e-6, atol=1e-7)
 

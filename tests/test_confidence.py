@@ -87,6 +87,8 @@ def _cases(draw):
         top_k=draw(st.none() | st.integers(1, 40)),  # greedy picks ignore them (the best token is always kept)
         top_p=draw(st.none() | st.floats(0.05, 1.0)),
         min_p=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(0.001, 0.5)),
+        epsilon_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
+        eta_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
         entropy=draw(st.booleans()),
     )
     top_k_max = draw(st.sampled_from([None, 0, 64]))  # with a top_k tensor: none, top_k itself, or above it
@@ -97,13 +99,13 @@ def _cases(draw):
 @given(_cases())
 def test_kernel_matches_reference(case):
     """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-k / top-p
-    / min-p keep, the entropy asked for or not); a temperature, top_k, top_p and min_p given to the kernel as float64
-    0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k with or without a
-    top_k_max."""
+    / min-p / epsilon / eta keep, the entropy asked for or not); a temperature and the filters given to the kernel as
+    float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k with or without
+    a top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
-        for name in ("temperature", "top_k", "top_p", "min_p"):
+        for name in ("temperature", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff"):
             if kw[name] is not None:
                 dev_kw[name] = torch.tensor(float(kw[name]), dtype=torch.float64, device=DEV)
         if kw["top_k"] is not None and top_k_max is not None:
@@ -428,6 +430,35 @@ def test_min_p_cuts_after_top_k_and_top_p_as_transformers_warper_does(N, V, p_in
     assert (kept & finite).any(-1).equal(finite.any(-1))  # the most likely token stays
 
 
+@settings(max_examples=40)
+@given(N=st.integers(1, 6), V=st.integers(1, 60), p_inf=st.sampled_from([0.0, 0.3, 1.0]),
+       top_k=st.none() | st.integers(1, 45), top_p=st.none() | st.floats(0.01, 1.0),
+       min_p=st.none() | st.floats(1e-4, 0.9), epsilon=st.none() | st.floats(1e-4, 0.9),
+       eta=st.none() | st.floats(1e-4, 0.9), as_tensor=st.booleans(), seed=st.integers(0, 2**31))
+def test_epsilon_and_eta_cut_after_the_others_as_transformers_warpers_do(N, V, p_inf, top_k, top_p, min_p, epsilon,
+                                                                         eta, as_tensor, seed):
+    """Epsilon and eta sampling keep what transformers' EpsilonLogitsWarper and EtaLogitsWarper keep of what top-k,
+    top-p and min-p kept, each after the one before (probabilities and entropy under the softmax over the tokens
+    still kept; the most likely token always), given as numbers or as the 0-d float64 tensors the decode engine
+    passes."""
+    from transformers.generation.logits_process import EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, V, generator=g) * 3
+    z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
+    given = {name: None if x is None else torch.tensor(x, dtype=torch.float64) if as_tensor else x
+             for name, x in (("min_p", min_p), ("epsilon_cutoff", epsilon), ("eta_cutoff", eta))}
+    kept = kept_by_cut(z, sampling_cut(z, top_k, top_p, None, **given))
+    finite = z > float("-inf")
+    rows = finite.any(-1)  # the eta warper's entropy fails on a row with nothing finite
+    hf = z.masked_fill(~_kept_by_the_filters(z, top_k, top_p), float("-inf"))[rows]
+    for warper, value in ((MinPLogitsWarper, min_p), (EpsilonLogitsWarper, epsilon), (EtaLogitsWarper, eta)):
+        if value is not None and rows.any():
+            hf = warper(value, min_tokens_to_keep=1)(None, hf)
+    assert torch.equal((kept & finite)[rows], (hf > float("-inf")) & finite[rows])
+    assert (kept & finite)[rows].any(-1).all()  # the most likely token stays
+
+
 @pytest.mark.triton
 def test_public_function_dispatches_to_kernel():
     g = torch.Generator().manual_seed(4)
@@ -462,6 +493,9 @@ def test_reference_backend_on_cpu_matches():
     (dict(min_p=-0.1), "min_p must be in \\[0, 1\\]"),
     (dict(min_p=True), "min_p must be in \\[0, 1\\]"),
     (dict(min_p=torch.ones(2)), "min_p must be a number or a 0-d real tensor"),
+    (dict(epsilon_cutoff=1.5), "epsilon_cutoff must be in \\[0, 1\\]"),
+    (dict(eta_cutoff=-0.1), "eta_cutoff must be in \\[0, 1\\]"),
+    (dict(eta_cutoff=torch.ones(2)), "eta_cutoff must be a number or a 0-d real tensor"),
     (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool or uint8 tensor of shape "
                                                            "\\[10\\]"),
     (dict(banned_tokens=torch.zeros(10, dtype=torch.long)), "banned_tokens must be a bool or uint8 tensor"),

@@ -1074,17 +1074,18 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
 
 
 @pytest.mark.parametrize("strategy", ["static", "speculative"])
-def test_graphed_sampling_reads_seed_temperature_top_k_top_p_and_min_p_from_buffers(model, strategy):
-    """The seed, temperature, top-k, top-p and min-p reach the captured steps through the engine's buffers, not as
-    baked-in arguments (a graph per value would capture again and pile up): each call samples what it samples without
-    graphs, and with static decoding and no EOS (the same steps whatever is sampled) every call replays the
-    first call's steps."""
+def test_graphed_sampling_reads_seed_temperature_and_filters_from_buffers(model, strategy):
+    """The seed, temperature, top-k, top-p, min-p, epsilon and eta cutoffs reach the captured steps through the
+    engine's buffers, not as baked-in arguments (a graph per value would capture again and pile up): each call
+    samples what it samples without graphs, and with static decoding and no EOS (the same steps whatever is
+    sampled) every call replays the first call's steps."""
     ids = random_prompts(2, 6, seed=41)
     kw = dict(max_new_tokens=10, do_sample=True, strategy=strategy, eos_token_id=[])
     outputs, keys = [], None
-    first = dict(seed=0, temperature=2.0, top_k=30, top_p=0.9, min_p=0.01)
+    first = dict(seed=0, temperature=2.0, top_k=30, top_p=0.9, min_p=0.01, epsilon_cutoff=1e-3, eta_cutoff=1e-3)
     for setting in (first, dict(first, seed=1), dict(first, seed=2**40 + 5), dict(first, temperature=0.5),
-                    dict(first, top_k=3), dict(first, top_p=0.3), dict(first, min_p=0.3)):
+                    dict(first, top_k=3), dict(first, top_p=0.3), dict(first, min_p=0.3),
+                    dict(first, epsilon_cutoff=0.1), dict(first, eta_cutoff=0.3)):
         graphed = model.generate(ids, cuda_graphs=True, **setting, **kw)
         assert torch.equal(graphed, model.generate(ids, cuda_graphs=False, **setting, **kw)), setting
         captured = set(model._decode_engine[1].graphs.graphs)
@@ -1135,35 +1136,40 @@ def test_top_k_0_is_no_cut_as_in_transformers(model):
         model.generation_config = shipped
 
 
+@pytest.mark.parametrize("cut", [dict(min_p=1.0), dict(epsilon_cutoff=0.999)], ids=lambda c: next(iter(c)))
 @pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
-def test_min_p_1_samples_the_most_likely_token_alone(model, kwargs):
-    """min-p keeps the tokens at least min_p times as likely as the most likely one: at 1 only the most likely is
-    left, so sampled decoding at temperature 1 commits greedy decoding's tokens (with the same full-softmax
-    confidences, so at the same positions), for every strategy."""
+def test_min_p_1_and_epsilon_near_1_sample_the_most_likely_token_alone(model, kwargs, cut):
+    """min-p keeps the tokens at least min_p times as likely as the most likely one, epsilon the tokens at least
+    epsilon_cutoff likely: at 1 (or 0.999: no token but the most likely can reach it) only the most likely is left,
+    so sampled decoding at temperature 1 commits greedy decoding's tokens (with the same full-softmax confidences,
+    so at the same positions), for every strategy."""
     ids = random_prompts(3, 6, seed=44)
     common = dict(max_new_tokens=10, eos_token_id=[], **kwargs)
     greedy = model.generate(ids, **common)
     for seed in (0, 1):
-        assert torch.equal(model.generate(ids, do_sample=True, min_p=1.0, seed=seed, **common), greedy), seed
+        assert torch.equal(model.generate(ids, do_sample=True, **cut, seed=seed, **common), greedy), seed
 
 
-def test_min_p_cuts_the_unlikely_tail_and_0_cuts_nothing(model):
-    """A small min_p changes what a hot temperature samples (it cuts the tail) and repeats; min_p=0 cuts nothing
-    (the same tokens and step key as without it), also from a GenerationConfig; out of [0, 1] it is refused, and
-    a greedy call asking for it too (it would change nothing)."""
+@pytest.mark.parametrize("name,value,bounds", [("min_p", 0.2, "\\[0, 1\\]"), ("epsilon_cutoff", 0.03, "\\[0, 1\\)"),
+                                               ("eta_cutoff", 0.2, "\\[0, 1\\)")])
+def test_min_p_epsilon_and_eta_cut_the_unlikely_tail_and_0_cuts_nothing(model, name, value, bounds):
+    """A small min_p / epsilon_cutoff / eta_cutoff changes what a hot temperature samples (it cuts the tail) and
+    repeats; 0 cuts nothing (the same tokens and step key as without it), also from a GenerationConfig; out of
+    range it is refused (epsilon and eta at 1 too, which transformers would ignore), and a greedy call asking for it
+    too (it would change nothing)."""
     ids = random_prompts(2, 6, seed=45)
     kw = dict(max_new_tokens=10, eos_token_id=[], do_sample=True, temperature=3.0, seed=2)
-    plain, cut = model.generate(ids, **kw), model.generate(ids, min_p=0.2, **kw)
-    assert not torch.equal(plain, cut) and torch.equal(cut, model.generate(ids, min_p=0.2, **kw))
-    assert torch.equal(model.generate(ids, generation_config=GenerationConfig(min_p=0.2), **kw), cut)
-    assert torch.equal(model.generate(ids, min_p=0.0, **kw), plain)
-    keys = {GenerationSettings.resolve(model, None, dict(kw, min_p=p), 6).step_key() for p in (None, 0.0)}
+    plain, cut = model.generate(ids, **kw), model.generate(ids, **{name: value}, **kw)
+    assert not torch.equal(plain, cut) and torch.equal(cut, model.generate(ids, **{name: value}, **kw))
+    assert torch.equal(model.generate(ids, generation_config=GenerationConfig(**{name: value}), **kw), cut)
+    assert torch.equal(model.generate(ids, **{name: 0.0}, **kw), plain)
+    keys = {GenerationSettings.resolve(model, None, dict(kw, **{name: p}), 6).step_key() for p in (None, 0.0)}
     assert len(keys) == 1
-    for bad in (1.5, -0.2):
-        with pytest.raises(ValueError, match=f"min_p={bad} must be in \\[0, 1\\]"):
-            model.generate(ids, min_p=bad, **kw)
-    with pytest.raises(ValueError, match="min_p=0.2 steers sampling.*do_sample=True"):
-        model.generate(ids, min_p=0.2, max_new_tokens=4)
+    for bad in (1.5, -0.2) + ((1.0,) if name != "min_p" else ()):
+        with pytest.raises(ValueError, match=f"{name}={bad} must be in {bounds}"):
+            model.generate(ids, **{name: bad}, **kw)
+    with pytest.raises(ValueError, match=f"{name}={value} steers sampling.*do_sample=True"):
+        model.generate(ids, **{name: value}, max_new_tokens=4)
 
 
 def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch):

@@ -11,7 +11,7 @@ Defined behaviour (shared with the Triton kernel), per row n of N:
   vocab_mean) / temperature`` moves it with the hidden state;
 * greedy: the first listed token with the largest z; sampling: Gumbel-max ``argmax_j (z_j + g(ids_nj))`` with the
   noise :func:`.confidence.gumbel_noise_at` gives that token id under ``(seed, noise_keys[n])`` (the noise the
-  full-vocabulary pick draws for it), after top-k / top-p / min-p applied among the listed tokens
+  full-vocabulary pick draws for it), after top-k / top-p / min-p / epsilon / eta applied among the listed tokens
   (:func:`.confidence.sampling_cut`);
 * ``prob = exp(z_token - lse)``; skipped rows and rows with nothing listed: token -1, prob 0.
 """
@@ -36,14 +36,13 @@ def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperatur
     return z, torch.logaddexp(torch.logsumexp(z, dim=-1), rest.to(acc) + shift)
 
 
-def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-                min_p=None):
-    """The pick of :func:`candidate_confidence` from its listed logits z [N, M] and normaliser lse [N]:
-    (tokens int64 [N], probs float32 [N])."""
+def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_keys=None, **cuts):
+    """The pick of :func:`candidate_confidence` from its listed logits z [N, M] and normaliser lse [N], sampling
+    among what the filters ``cuts`` (keyword arguments of :func:`.confidence.sampling_cut`) keep of the listed
+    tokens: (tokens int64 [N], probs float32 [N])."""
     score = z
     if do_sample:
-        score = drop_filtered(z + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype), z, top_k, top_p,
-                              min_p=min_p)
+        score = drop_filtered(z + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype), z, **cuts)
     best, at = score.max(dim=-1)  # the first maximal column
     take = best > float("-inf")
     if skip_rows is not None:
@@ -54,9 +53,10 @@ def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_k
 
 
 def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
-                         do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, min_p=None):
+                         do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, min_p=None,
+                         epsilon_cutoff=None, eta_cutoff=None):
     """Per row the pick among its listed token ids and its estimated full-softmax probability (module docstring).
     Argument checking lives in :func:`mrp_triton.candidate_confidence.candidate_confidence`."""
     z, lse = listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature)
     return pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
-                       top_k=top_k, top_p=top_p, min_p=min_p)
+                       top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff)

@@ -14,7 +14,7 @@ Defined behaviour (shared with the Triton kernel):
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
-  top-k / top-p / min-p keep (:func:`sampling_cut`: a value per row, ties at it all kept);
+  top-k / top-p / min-p / epsilon / eta keep (:func:`sampling_cut`: a value per row, ties at it all kept);
 * ``prob`` = full-softmax probability of ``token`` under ``z`` (before the filters), ``lse`` =
   logsumexp of ``z`` over the non-excluded vocabulary; with ``entropy=True`` also the entropy (nats) of that full
   softmax, ``log d - t / d`` with ``d = sum exp(z - max z)`` and ``t = sum exp(z - max z) (z - max z)``
@@ -32,6 +32,7 @@ _M2 = 0x2C1B3C6D
 _GOLDEN = 0x9E3779B9
 FLT_MAX = 3.4028234663852886e38
 NOISE_CHUNK = 1 << 18  # Gumbel noise elements a sampled pick hashes at once (pick_tokens)
+CUTS = ("top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")  # the filters sampling_cut applies, in order
 
 
 def mix32(x):
@@ -132,29 +133,58 @@ def exclude_banned(z: torch.Tensor, banned_tokens: torch.Tensor | None, ban_rows
     return z.masked_fill(classes != 0, float("-inf"))
 
 
-def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None, min_p=None) -> torch.Tensor:
-    """Where top-k, then top-p, then min-p (HF's order) cut each row of z [N, V]: tau [N], the value of the r-th
-    largest entry of the row, r = top_k (at most V) or, when sooner, the first rank >= 1 at which the probability
-    mass ranked before it, under the softmax over the top_k largest values, reaches ``top_p`` (a ``top_p`` of 1
-    keeps every token); then at least ``max z + log(min_p)``: min-p keeps the tokens whose probability is at least
-    ``min_p`` times the most likely one's, a ratio no normalisation changes, so it cuts after the other two by
-    raising tau (log(min_p) computed in float64, rounded to z's dtype, whether min_p is a number or a tensor).
-    The filters keep the tokens with ``z >= tau`` (:func:`kept_by_cut`): every token equal to the r-th
-    value, ties all kept (as transformers' top-k keeps them), so which tokens a cut keeps never depends on their
-    ids, and a kernel applies it with one comparison in its pass over the vocabulary.
+def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None, min_p=None,
+                 epsilon_cutoff=None, eta_cutoff=None) -> torch.Tensor:
+    """Where top-k, then top-p, min-p, epsilon and eta (transformers' order) cut each row of z [N, V]: tau [N], the
+    value of the r-th largest entry of the row, r = top_k (at most V) or, when sooner, the first rank >= 1 at which
+    the probability mass ranked before it, under the softmax over the top_k largest values, reaches ``top_p`` (a
+    ``top_p`` of 1 keeps every token); then at least ``max z + log(min_p)``: min-p keeps the tokens whose probability
+    is at least ``min_p`` times the most likely one's, a ratio no normalisation changes, so it cuts after the other
+    two by raising tau (log(min_p) computed in float64, rounded to z's dtype, whether min_p is a number or a tensor).
+    Epsilon sampling (Hewitt et al. 2022) then keeps the tokens whose probability under the softmax over what the
+    cuts before it kept is at least ``epsilon_cutoff``, and eta sampling those at least ``min(eta_cutoff,
+    sqrt(eta_cutoff) * exp(-H))``, H the entropy (nats) of the softmax over what the cuts before it kept: each raises
+    tau to ``lse + log(floor)`` over the tokens kept so far, never above the row's max (the most likely token stays,
+    as transformers' warpers keep ``min_tokens_to_keep = 1``). The filters keep the tokens with ``z >= tau``
+    (:func:`kept_by_cut`): every token equal to the r-th value, ties all kept (as transformers' top-k keeps them), so
+    which tokens a cut keeps never depends on their ids, and a kernel applies it with one comparison in its pass over
+    the vocabulary.
 
     r depends on the row's sorted values only: with ``top_k`` it lies among the first top_k of them, found by
-    ``torch.topk`` (a partial selection); only top-p alone sorts the whole row. ``top_k`` and ``top_p`` may be 0-d
-    tensors (read on the device, so a captured CUDA graph serves every value); ``top_k_max`` (a host int) is the
-    largest value such a ``top_k`` tensor holds, which the selection then needs (without it the whole row is
-    sorted; an int ``top_k`` is its own)."""
+    ``torch.topk`` (a partial selection); only top-p alone sorts the whole row. Every setting may be a 0-d tensor
+    (read on the device, so a captured CUDA graph serves every value); ``top_k_max`` (a host int) is the largest value
+    such a ``top_k`` tensor holds, which the selection then needs (without it the whole row is sorted; an int
+    ``top_k`` is its own)."""
     N, V = z.shape
     tau = z.new_full((N,), float("-inf")) if top_k is None and top_p is None else \
         _rank_cut(z, top_k, top_p, top_k_max)
-    if min_p is None:
-        return tau
-    log_min_p = torch.log(torch.as_tensor(min_p, dtype=torch.float64, device=z.device)).to(z.dtype)
-    return torch.maximum(tau, z.amax(-1) + log_min_p)
+    if min_p is not None:
+        tau = torch.maximum(tau, z.amax(-1) + _log64(min_p, z))
+    if epsilon_cutoff is not None:
+        tau = _floor_cut(z, tau, _kept_logits(z, tau), _log64(epsilon_cutoff, z))
+    if eta_cutoff is not None:
+        kept = _kept_logits(z, tau)
+        eta = torch.as_tensor(eta_cutoff, dtype=torch.float64, device=z.device)
+        floor = torch.minimum(eta, eta.sqrt() * torch.exp(-softmax_entropy(kept).double()))
+        tau = _floor_cut(z, tau, kept, torch.log(floor).to(z.dtype))
+    return tau
+
+
+def _log64(x, z: torch.Tensor) -> torch.Tensor:
+    """log(x) (a number or a 0-d tensor) computed in float64 on z's device, rounded to z's dtype."""
+    return torch.log(torch.as_tensor(x, dtype=torch.float64, device=z.device)).to(z.dtype)
+
+
+def _kept_logits(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """z [N, V] with -inf at the tokens the cut tau [N] drops."""
+    return z.masked_fill(z < tau[:, None], float("-inf"))
+
+
+def _floor_cut(z: torch.Tensor, tau: torch.Tensor, kept: torch.Tensor, log_floor: torch.Tensor) -> torch.Tensor:
+    """tau [N] raised so as to keep, of the tokens of z [N, V] it keeps (``kept``: :func:`_kept_logits`), those whose
+    probability under the softmax over them is at least ``exp(log_floor)`` (0-d or [N], z's dtype), and the row's
+    most likely token whatever the floor."""
+    return torch.maximum(tau, torch.minimum(z.amax(-1), torch.logsumexp(kept, dim=-1) + log_floor))
 
 
 def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None) -> torch.Tensor:
@@ -183,19 +213,23 @@ def kept_by_cut(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return z >= tau[:, None]
 
 
-def drop_filtered(score: torch.Tensor, z: torch.Tensor, top_k=None, top_p=None, top_k_max=None,
-                  min_p=None) -> torch.Tensor:
-    """``score`` [N, V] with -inf at the tokens of z [N, V] that top-k / top-p / min-p drop (:func:`sampling_cut`);
-    as it is when none is set."""
-    if top_k is None and top_p is None and min_p is None:
+def cuts_anything(cuts: dict) -> bool:
+    """Whether ``cuts`` (keyword arguments of :func:`sampling_cut`) set a filter (``top_k_max`` only bounds one)."""
+    return any(cuts.get(name) is not None for name in CUTS)
+
+
+def drop_filtered(score: torch.Tensor, z: torch.Tensor, **cuts) -> torch.Tensor:
+    """``score`` [N, V] with -inf at the tokens of z [N, V] that the filters ``cuts`` (keyword arguments of
+    :func:`sampling_cut`) drop; as it is when none is set."""
+    if not cuts_anything(cuts):
         return score
-    return score.masked_fill(~kept_by_cut(z, sampling_cut(z, top_k, top_p, top_k_max, min_p)), float("-inf"))
+    return score.masked_fill(~kept_by_cut(z, sampling_cut(z, **cuts)), float("-inf"))
 
 
-def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-                top_k_max=None, min_p=None):
+def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, **cuts):
     """Token per row of effective logits z [N, V]: -1 where no finite candidate. Sampling draws among the tokens
-    top-k / top-p / min-p keep (:func:`sampling_cut`); a greedy pick needs no filter (the most likely token is kept).
+    the filters ``cuts`` keep (keyword arguments of :func:`sampling_cut`); a greedy pick needs no filter (the most
+    likely token is kept).
     The noise is hashed a few rows at a time (about NOISE_CHUNK elements): on a CPU its int64 temporaries then stay
     in cache, which makes a pick over a large vocabulary several times faster than one [N, V] pass."""
     if not do_sample:
@@ -206,7 +240,7 @@ def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, to
         for i in range(0, max(1, z.shape[0]), step):  # one (empty) chunk for N = 0
             zi = z[i:i + step]  # the cut is a row's own: cut chunk by chunk
             score = zi + gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1])
-            picks.append(drop_filtered(score, zi, top_k, top_p, top_k_max, min_p).max(dim=-1))
+            picks.append(drop_filtered(score, zi, **cuts).max(dim=-1))
         best, tok = (torch.cat(x) for x in zip(*picks)) if len(picks) > 1 else picks[0]
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
 
@@ -225,7 +259,7 @@ def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None, entropy=False):
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, entropy=False):
     """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; banned_tokens: bool [V];
     ban_rows: bool [N]; noise_keys: int64 [N, 3].
 
@@ -236,7 +270,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
                          banned_tokens=banned_tokens, ban_rows=ban_rows)
     lse = torch.logsumexp(z, dim=-1)
     tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                      top_k_max=top_k_max, min_p=min_p)
+                      top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff)
     valid = tok >= 0
     zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
     prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))

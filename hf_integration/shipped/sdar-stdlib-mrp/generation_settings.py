@@ -41,7 +41,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # _model_fields).
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
-SAMPLING = ("temperature", "top_k", "top_p", "min_p")  # what only sampled decoding reads
+# what only sampled decoding reads
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
 # Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
@@ -61,8 +62,8 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
-ON_THE_DEVICE = ("temperature", "top_k", "top_p", "min_p", "threshold", "entropy_bound", "residual_delta",
-                 "min_new_tokens")
+ON_THE_DEVICE = ("temperature", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff", "threshold",
+                 "entropy_bound", "residual_delta", "min_new_tokens")
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -141,9 +142,14 @@ class GenerationSettings:
     row's first new token; ``bad_words_ids`` of one token each are suppressed tokens (a sequence of several tokens is
     refused: which of its tokens comes last depends on the order a block is decoded in). ``num_return_sequences``
     (sampling only) decodes each prompt that many times, the copies next to each other in the output and each drawing
-    its own noise. ``seed`` keys the sampling noise: a call without one draws it from torch's default generator, so
-    sampled calls differ and ``torch.manual_seed`` / ``transformers.set_seed`` repeat them, as in transformers; with
-    one, the draw is fixed whatever torch's generator holds. ``strategy="sequential"`` commits each step's quota at the
+    its own noise. ``epsilon_cutoff`` and ``eta_cutoff`` (sampling, in [0, 1)) are transformers' epsilon and eta
+    sampling (Hewitt et al. 2022), applied after top-k, top-p and min-p as its warpers are: the tokens whose
+    probability, under the softmax over what the filters before kept, falls below ``epsilon_cutoff`` (or below
+    ``min(eta_cutoff, sqrt(eta_cutoff) * exp(-entropy))``) are left out, the most likely one never
+    (:func:`mrp_triton.reference.confidence.sampling_cut`). ``seed`` keys the sampling noise: a call without one
+    draws it from torch's default generator, so sampled calls differ and ``torch.manual_seed`` /
+    ``transformers.set_seed`` repeat them, as in transformers; with one, the draw is fixed whatever torch's generator
+    holds. ``strategy="sequential"`` commits each step's quota at the
     first masked positions, left to right (the ``sequential`` rule of SDAR's ``generate.py``), picking tokens there
     only. ``strategy="entropy_bounded"`` is the EB-sampler (Ben-Hamu et al. 2025): each step ranks the masked positions
     by the entropy of their softmax (lowest first) and commits the longest run of them whose entropies, the largest left
@@ -205,6 +211,8 @@ class GenerationSettings:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
     suppress_tokens: Sequence[int] | None = None  # validated: a sorted tuple of distinct ids, or None
     begin_suppress_tokens: Sequence[int] | None = None  # validated: as suppress_tokens
     bad_words_ids: Sequence[Sequence[int]] | None = None  # validated: folded into suppress_tokens, then None
@@ -329,7 +337,7 @@ class GenerationSettings:
         return value is None if default is None else value == default
 
     def _check_sampling(self, asked: set[str]) -> None:
-        """Raise if the call asked for a sampling setting (``temperature``, ``top_k``, ``top_p``, ``min_p``) without
+        """Raise if the call asked for a sampling setting (:data:`SAMPLING`: ``temperature``, ``top_k``, ...) without
         sampling, which would change nothing (greedy decoding reads none of them)."""
         given = [f"{name}={getattr(self, name)!r}" for name in SAMPLING
                  if name in asked and getattr(self, name) is not None and not self._at_default(name)]
@@ -393,8 +401,9 @@ class GenerationSettings:
             self.entropy_bound = DEFAULT_ENTROPY_BOUND
         if self.top_k == 0 and type(self.top_k) is int:  # transformers' "no top-k cut" (a checkpoint may carry it)
             self.top_k = None
-        if self.min_p == 0 and not isinstance(self.min_p, bool):  # keeps every token: no cut in the steps
-            self.min_p = None
+        for name in ("min_p", "epsilon_cutoff", "eta_cutoff"):  # 0 keeps every token: no cut in the steps
+            if getattr(self, name) == 0 and not isinstance(getattr(self, name), bool):
+                setattr(self, name, None)
         if isinstance(self.stop_strings, (str, list)):
             self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if isinstance(self.stopping_criteria, (list, tuple)):  # transformers' StoppingCriteriaList is a list
@@ -450,6 +459,9 @@ class GenerationSettings:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
         if self.min_p is not None and not 0.0 <= _number("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1] (or None to disable)")
+        for name in ("epsilon_cutoff", "eta_cutoff"):  # transformers applies neither at 1 or above
+            if getattr(self, name) is not None and not 0.0 <= _number(name, getattr(self, name)) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1) (0 or None to disable)")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")
