@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         # Sampling among the tokens top-k / top-p / min-p keep (what chat checkpoints ask for), at the N of a decoding
         # step's picks (up to a verify round's at batch 8): the launcher finds each row's cut among its top_k largest
         # effective logits (torch.topk; top-p alone: a sort of the row; min-p: its max; epsilon and eta: a
-        # logsumexp and an entropy over the row), the kernel draws in its
+        # logsumexp and an entropy over the row; top-h: torch.topk of 100), the kernel draws in its
         # pass; eager: the reference (noise over all of V). Then a greedy pick holding two EOS ids back in half the
         # rows (min_new_tokens), and one with each row's entropy too (entropy-bounded decoding), against the plain
         # confidence_nores rows.
@@ -187,6 +187,7 @@ def main(argv=None) -> int:
                               ("confidence_topp", dict(top_p=0.9, **sampled)),
                               ("confidence_minp", dict(min_p=0.05, **sampled)),
                               ("confidence_epsilon_eta", dict(epsilon_cutoff=3e-4, eta_cutoff=2e-3, **sampled)),
+                              ("confidence_toph", dict(top_h=0.5, **sampled)),
                               ("confidence_ban", banned),
                               ("confidence_entropy", dict(mask_token_id=151669 % V, entropy=True))):
                 eager_and_triton(kname, f"N={N},V={V},bf16", N * V * 2,

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--residual-delta", type=float, help="remask rule delta (default: 1.0)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: divides the logits")
+    p.add_argument("--top-h", type=float, help="with --do-sample: among the 100 most likely tokens, sample among the "
+                   "most likely ones holding this fraction of their entropy (top-h, in (0, 1])")
     p.add_argument("--top-k", type=int, help="with --do-sample: sample among the k largest logits"
                    " (ties at the cut kept)")
     p.add_argument("--top-p", type=float, help="with --do-sample: sample among the most likely tokens holding mass p")
@@ -294,7 +296,7 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
                 residual_delta=args.residual_delta, do_sample=args.do_sample,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                temperature=args.temperature, top_h=args.top_h, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff, seed=args.seed,
                 progress=args.max_new_tokens >= 256, stop_strings=args.stop, max_time=args.max_time,
                 tokenizer=tokenizer if args.stop else None)

@@ -42,7 +42,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
 # what only sampled decoding reads
-SAMPLING = ("temperature", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")
+SAMPLING = ("temperature", "top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
 # Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
@@ -62,7 +62,7 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
-ON_THE_DEVICE = ("temperature", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff", "threshold",
+ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff", "threshold",
                  "entropy_bound", "residual_delta", "min_new_tokens")
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
@@ -142,12 +142,14 @@ class GenerationSettings:
     row's first new token; ``bad_words_ids`` of one token each are suppressed tokens (a sequence of several tokens is
     refused: which of its tokens comes last depends on the order a block is decoded in). ``num_return_sequences``
     (sampling only) decodes each prompt that many times, the copies next to each other in the output and each drawing
-    its own noise. ``epsilon_cutoff`` and ``eta_cutoff`` (sampling, in [0, 1)) are transformers' epsilon and eta
-    sampling (Hewitt et al. 2022), applied after top-k, top-p and min-p as its warpers are: the tokens whose
-    probability, under the softmax over what the filters before kept, falls below ``epsilon_cutoff`` (or below
-    ``min(eta_cutoff, sqrt(eta_cutoff) * exp(-entropy))``) are left out, the most likely one never
-    (:func:`mrp_triton.reference.confidence.sampling_cut`). ``seed`` keys the sampling noise: a call without one
-    draws it from torch's default generator, so sampled calls differ and ``torch.manual_seed`` /
+    its own noise. ``top_h`` (sampling, in (0, 1]) is transformers' top-h, applied before top-k as its warpers are:
+    among the 100 most likely tokens, the most likely ones whose entropy terms ``-p log p`` (under the softmax over
+    the 100) sum to at most ``top_h`` times their entropy. ``epsilon_cutoff`` and ``eta_cutoff`` (sampling, in
+    [0, 1)) are transformers' epsilon and eta sampling (Hewitt et al. 2022), applied after top-k, top-p and min-p:
+    the tokens whose probability, under the softmax over what the filters before kept, falls below
+    ``epsilon_cutoff`` (or below ``min(eta_cutoff, sqrt(eta_cutoff) * exp(-entropy))``) are left out, the most likely
+    one never (:func:`mrp_triton.reference.confidence.sampling_cut`). ``seed`` keys the sampling noise: a call
+    without one draws it from torch's default generator, so sampled calls differ and ``torch.manual_seed`` /
     ``transformers.set_seed`` repeat them, as in transformers; with one, the draw is fixed whatever torch's generator
     holds. ``strategy="sequential"`` commits each step's quota at the
     first masked positions, left to right (the ``sequential`` rule of SDAR's ``generate.py``), picking tokens there
@@ -208,6 +210,7 @@ class GenerationSettings:
     entropy_bound: float | None = None
     do_sample: bool = False
     temperature: float = 1.0
+    top_h: float | None = None
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
@@ -455,8 +458,9 @@ class GenerationSettings:
             check_temperature(_number("temperature", self.temperature))
         if self.top_k is not None:
             _int_at_least("top_k", self.top_k, 0, " (0 or None: no top-k cut)")
-        if self.top_p is not None and not 0.0 < _number("top_p", self.top_p) <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None to disable)")
+        for name in ("top_p", "top_h"):
+            if getattr(self, name) is not None and not 0.0 < _number(name, getattr(self, name)) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1] (or None to disable)")
         if self.min_p is not None and not 0.0 <= _number("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1] (or None to disable)")
         for name in ("epsilon_cutoff", "eta_cutoff"):  # transformers applies neither at 1 or above

@@ -27,13 +27,13 @@ second launch merges them (two launches, no atomics, deterministic).
 
 Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
 (seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
-< 2**32 with multipliers < 2**31, so nothing ever overflows). top_k / top_p / min_p / epsilon_cutoff / eta_cutoff
-(sampling only: the greedy pick is always kept) need a row's largest values or its softmax: the launcher
-materialises z [N, V] in fp32 with torch ops and finds where the filters cut them
-(``reference.confidence.sampling_cut``: one value per row, from ``torch.topk`` of top_k (or ``top_k_max``) values,
-or a sort of the row for top-p alone; min_p needs only the row's max, epsilon and eta a logsumexp (and eta an
-entropy) over what the filters before them kept); the kernel then draws only among the tokens at or above it, with
-the same in-kernel noise, and prob stays the full-softmax probability.
+< 2**32 with multipliers < 2**31, so nothing ever overflows). The filters (top_h / top_k / top_p / min_p /
+epsilon_cutoff / eta_cutoff; sampling only: the greedy pick is always kept) need a row's largest values or its
+softmax: the launcher materialises z [N, V] in fp32 with torch ops and finds where the filters cut them
+(``reference.confidence.sampling_cut``: one value per row, from ``torch.topk`` of top_k (or ``top_k_max``, or with
+top_h 100) values, or a sort of the row for top-p alone; min_p needs only the row's max, epsilon and eta a
+logsumexp (and eta an entropy) over what the filters before them kept); the kernel then draws only among the tokens
+at or above it, with the same in-kernel noise, and prob stays the full-softmax probability.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def check_temperature(temperature: float) -> None:
 
 
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff):
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -328,13 +328,13 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
     check_banned(banned_tokens, ban_rows, N, V, logits.device, "logits")
     check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max, min_p,
-                   epsilon_cutoff, eta_cutoff)
+                   epsilon_cutoff, eta_cutoff, top_h)
 
 
 def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
-                   top_p, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None) -> None:
+                   top_p, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None) -> None:
     """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number or
-    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p in (0, 1] and min_p,
+    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p and top_h in (0, 1] and min_p,
     epsilon_cutoff and eta_cutoff in [0, 1] (or None), and top_k_max an int >= 1 not below an int top_k (or None)."""
     if not check_device_scalar("temperature", temperature, device):
         check_temperature(temperature)
@@ -348,9 +348,10 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not check_device_scalar("top_p", top_p, device) and \
-            not (0.0 < float(top_p) <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    for name, value in (("top_p", top_p), ("top_h", top_h)):
+        if value is not None and not check_device_scalar(name, value, device) and \
+                (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0):
+            raise ValueError(f"{name} must be in (0, 1] or None, got {value!r}")
     for name, value in (("min_p", min_p), ("epsilon_cutoff", epsilon_cutoff), ("eta_cutoff", eta_cutoff)):
         if value is not None and not check_device_scalar(name, value, device) and \
                 (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0):
@@ -384,8 +385,8 @@ def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, bann
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
-                      top_p=None, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, entropy=False,
-                      splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
+                      top_p=None, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
+                      entropy=False, splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
     ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
@@ -394,7 +395,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     poison them).
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff)
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -408,7 +409,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     sample = bool(do_sample)
     cut = None
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                eta_cutoff=eta_cutoff)
+                eta_cutoff=eta_cutoff, top_h=top_h)
     if sample and cuts_anything(cuts):
         cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, **cuts)
     if logits.stride(-1) != 1:
@@ -457,7 +458,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, entropy=False):
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, entropy=False):
     """Per-row token, full-softmax probability and logsumexp of the effective logits (and its entropy).
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
@@ -467,10 +468,11 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p``,
     ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely), ``epsilon_cutoff``
     and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers: :func:`.reference.confidence.sampling_cut`)
-    are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every value; the
-    caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]); ``top_k_max`` (an int) is the largest value a
-    ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead of sorting
-    the row (the caller guarantees the bound; ignored without ``top_k``).
+    and ``top_h`` (transformers' top-h: among the 100 most likely, those whose entropy terms take at most top_h of
+    the entropy) are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every
+    value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]); ``top_k_max`` (an int) is the
+    largest value a ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits
+    instead of sorting the row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. With ``entropy`` also the entropy (nats) of each row's full softmax, float32
     [N] (+inf where the token is -1), from the same pass (one more running sum).
@@ -482,11 +484,11 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
                                  mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                  do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
                                  top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                 eta_cutoff=eta_cutoff, entropy=entropy)
+                                 eta_cutoff=eta_cutoff, top_h=top_h, entropy=entropy)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff)
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                 mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                 do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
                                 top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                eta_cutoff=eta_cutoff, entropy=entropy)
+                                eta_cutoff=eta_cutoff, top_h=top_h, entropy=entropy)

@@ -89,6 +89,7 @@ def _cases(draw):
         min_p=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(0.001, 0.5)),
         epsilon_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
         eta_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
+        top_h=draw(st.none() | st.just(1.0) | st.floats(0.05, 0.95)),
         entropy=draw(st.booleans()),
     )
     top_k_max = draw(st.sampled_from([None, 0, 64]))  # with a top_k tensor: none, top_k itself, or above it
@@ -98,14 +99,14 @@ def _cases(draw):
 
 @given(_cases())
 def test_kernel_matches_reference(case):
-    """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-k / top-p
-    / min-p / epsilon / eta keep, the entropy asked for or not); a temperature and the filters given to the kernel as
-    float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k with or without
-    a top_k_max."""
+    """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-h /
+    top-k / top-p / min-p / epsilon / eta keep, the entropy asked for or not); a temperature and the filters given to
+    the kernel as float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k
+    with or without a top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
-        for name in ("temperature", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff"):
+        for name in ("temperature", "top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff"):
             if kw[name] is not None:
                 dev_kw[name] = torch.tensor(float(kw[name]), dtype=torch.float64, device=DEV)
         if kw["top_k"] is not None and top_k_max is not None:
@@ -430,33 +431,102 @@ def test_min_p_cuts_after_top_k_and_top_p_as_transformers_warper_does(N, V, p_in
     assert (kept & finite).any(-1).equal(finite.any(-1))  # the most likely token stays
 
 
+def _warped_by_transformers(z: torch.Tensor, warpers) -> torch.Tensor:
+    """bool [N, V]: the finite tokens of z [N, V] that transformers' warpers ``(class, value)`` keep, applied in turn
+    (a value None: not applied), in the rows with a finite token (the eta warper's entropy fails on the others)."""
+    finite = z > float("-inf")
+    rows = finite.any(-1)
+    kept = torch.zeros_like(finite)
+    if rows.any():
+        out = z[rows]
+        for warper, value in warpers:
+            if value is not None:
+                out = warper(value)(None, out)  # min_tokens_to_keep: 1 by default
+        kept[rows] = out > float("-inf")
+    return kept & finite
+
+
 @settings(max_examples=40)
-@given(N=st.integers(1, 6), V=st.integers(1, 60), p_inf=st.sampled_from([0.0, 0.3, 1.0]),
-       top_k=st.none() | st.integers(1, 45), top_p=st.none() | st.floats(0.01, 1.0),
-       min_p=st.none() | st.floats(1e-4, 0.9), epsilon=st.none() | st.floats(1e-4, 0.9),
-       eta=st.none() | st.floats(1e-4, 0.9), as_tensor=st.booleans(), seed=st.integers(0, 2**31))
-def test_epsilon_and_eta_cut_after_the_others_as_transformers_warpers_do(N, V, p_inf, top_k, top_p, min_p, epsilon,
-                                                                         eta, as_tensor, seed):
-    """Epsilon and eta sampling keep what transformers' EpsilonLogitsWarper and EtaLogitsWarper keep of what top-k,
-    top-p and min-p kept, each after the one before (probabilities and entropy under the softmax over the tokens
-    still kept; the most likely token always), given as numbers or as the 0-d float64 tensors the decode engine
-    passes."""
+@given(N=st.integers(1, 64), V=st.integers(2, 60), spread=st.sampled_from([0.3, 1.0, 3.0]),
+       p_inf=st.sampled_from([0.0, 0.3]), epsilon=st.none() | st.floats(1e-4, 0.5),
+       eta=st.none() | st.floats(1e-4, 0.5), as_tensor=st.booleans(), seed=st.integers(0, 2**31))
+def test_epsilon_and_eta_keep_what_transformers_warpers_keep(N, V, spread, p_inf, epsilon, eta, as_tensor, seed):
+    """Epsilon and eta sampling keep what transformers' EpsilonLogitsWarper and EtaLogitsWarper keep (eta after
+    epsilon, under the softmax over what epsilon kept; the most likely token always), given as numbers or as the 0-d
+    float64 tensors the decode engine passes, on rows spread a little or much (flat or peaked softmaxes: eta's floor
+    moves with the entropy)."""
+    from transformers.generation.logits_process import EpsilonLogitsWarper, EtaLogitsWarper
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, V, generator=g) * spread
+    z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
+    given = {name: None if x is None else torch.tensor(x, dtype=torch.float64) if as_tensor else x
+             for name, x in (("epsilon_cutoff", epsilon), ("eta_cutoff", eta))}
+    kept = kept_by_cut(z, sampling_cut(z, **given)) & (z > float("-inf"))
+    assert torch.equal(kept, _warped_by_transformers(z, ((EpsilonLogitsWarper, epsilon), (EtaLogitsWarper, eta))))
+    assert kept.any(-1).equal((z > float("-inf")).any(-1))  # the most likely token stays
+
+
+@settings(max_examples=40)
+@given(N=st.integers(1, 32), V=st.integers(2, 60), spread=st.sampled_from([0.3, 1.0, 3.0]),
+       p_inf=st.sampled_from([0.0, 0.3]),
+       before=st.sampled_from([dict(top_k=3), dict(top_k=12), dict(top_p=0.5), dict(top_p=0.9), dict(min_p=0.05),
+                               dict(min_p=0.3), dict(top_k=10, top_p=0.8, min_p=0.02)]),
+       epsilon=st.none() | st.floats(1e-3, 0.3), eta=st.none() | st.floats(1e-3, 0.3), seed=st.integers(0, 2**31))
+def test_epsilon_and_eta_cut_after_the_others_as_transformers_warpers_do(N, V, spread, p_inf, before, epsilon, eta,
+                                                                         seed):
+    """After top-k, top-p and min-p, epsilon and eta keep what transformers' warpers keep of what those kept (their
+    probabilities and entropy under the softmax over the tokens still kept)."""
     from transformers.generation.logits_process import EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper
 
     g = torch.Generator().manual_seed(seed)
-    z = torch.randn(N, V, generator=g) * 3
+    z = torch.randn(N, V, generator=g) * spread
     z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
-    given = {name: None if x is None else torch.tensor(x, dtype=torch.float64) if as_tensor else x
-             for name, x in (("min_p", min_p), ("epsilon_cutoff", epsilon), ("eta_cutoff", eta))}
-    kept = kept_by_cut(z, sampling_cut(z, top_k, top_p, None, **given))
-    finite = z > float("-inf")
-    rows = finite.any(-1)  # the eta warper's entropy fails on a row with nothing finite
-    hf = z.masked_fill(~_kept_by_the_filters(z, top_k, top_p), float("-inf"))[rows]
-    for warper, value in ((MinPLogitsWarper, min_p), (EpsilonLogitsWarper, epsilon), (EtaLogitsWarper, eta)):
-        if value is not None and rows.any():
-            hf = warper(value, min_tokens_to_keep=1)(None, hf)
-    assert torch.equal((kept & finite)[rows], (hf > float("-inf")) & finite[rows])
-    assert (kept & finite)[rows].any(-1).all()  # the most likely token stays
+    kept = kept_by_cut(z, sampling_cut(z, **before, epsilon_cutoff=epsilon, eta_cutoff=eta)) & (z > float("-inf"))
+    cut = z.masked_fill(~_kept_by_the_filters(z, before.get("top_k"), before.get("top_p")), float("-inf"))
+    want = _warped_by_transformers(cut, ((MinPLogitsWarper, before.get("min_p")), (EpsilonLogitsWarper, epsilon),
+                                         (EtaLogitsWarper, eta)))
+    assert torch.equal(kept, want)
+
+
+@settings(max_examples=40)
+@given(N=st.integers(1, 16), V=st.integers(1, 250), spread=st.sampled_from([0.3, 1.0, 3.0]),
+       p_inf=st.sampled_from([0.0, 0.3, 1.0]), top_h=st.floats(0.05, 0.95), top_k=st.none() | st.integers(1, 120),
+       top_p=st.none() | st.floats(0.05, 1.0), as_tensor=st.booleans(), seed=st.integers(0, 2**31))
+def test_top_h_keeps_what_transformers_warper_keeps_before_top_k_and_top_p(N, V, spread, p_inf, top_h, top_k, top_p,
+                                                                           as_tensor, seed):
+    """top-h keeps what transformers' TopHLogitsWarper keeps (among the 100 most likely tokens, the most likely ones
+    whose entropy terms take at most top_h of their entropy; the most likely always), before top-k and top-p as
+    transformers applies them (they cut what top-h kept), given as a number or as the 0-d float64 tensor the decode
+    engine passes; vocabularies below and above the 100."""
+    from transformers.generation.logits_process import TopHLogitsWarper
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, V, generator=g) * spread
+    z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
+    given = torch.tensor(top_h, dtype=torch.float64) if as_tensor else top_h
+    kept = kept_by_cut(z, sampling_cut(z, top_k, top_p, top_h=given)) & (z > float("-inf"))
+    by_top_h = _warped_by_transformers(z, ((TopHLogitsWarper, top_h),))
+    want = _kept_by_the_filters(z.masked_fill(~by_top_h, float("-inf")), top_k, top_p) & by_top_h
+    assert torch.equal(kept, want)
+    all_of_them = kept_by_cut(z, sampling_cut(z, top_h=1.0)) & (z > float("-inf"))  # top_h 1: the 100 most likely
+    assert torch.equal(all_of_them, _kept_by_the_filters(z, min(V, 100)) & (z > float("-inf")))
+
+
+@pytest.mark.parametrize("cut", [dict(top_h=0.5), dict(top_k=4), dict(top_p=0.6), dict(min_p=0.2),
+                                 dict(epsilon_cutoff=0.02), dict(eta_cutoff=0.05)], ids=lambda c: next(iter(c)))
+def test_kernel_samples_among_what_each_filter_alone_keeps(cut):
+    """Each filter alone reaches the kernel (the launcher computes its cut for every one of them): the kernel's
+    samples equal the reference's, and at a hot temperature differ from unfiltered sampling, over 64 rows of a
+    200-token vocabulary, as a number and as a 0-d float64 tensor."""
+    g = torch.Generator().manual_seed(3)
+    L = (torch.randn(64, 200, generator=g) * 2).to(DEV)
+    kw = dict(do_sample=True, seed=5, temperature=2.0, noise_keys=torch.randint(0, 2**40, (64, 3), generator=g).to(DEV))
+    want = confidence_ref(L.cpu(), **{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}, **cut)
+    name, value = next(iter(cut.items()))
+    for given in (value, torch.tensor(float(value), dtype=torch.float64, device=DEV)):
+        _check(confidence_triton(L, out=_poisoned(64), **kw, **{name: given}), want)
+    assert not torch.equal(want[0], confidence_triton(L, **kw)[0].cpu())
 
 
 @pytest.mark.triton
@@ -494,6 +564,8 @@ def test_reference_backend_on_cpu_matches():
     (dict(min_p=True), "min_p must be in \\[0, 1\\]"),
     (dict(min_p=torch.ones(2)), "min_p must be a number or a 0-d real tensor"),
     (dict(epsilon_cutoff=1.5), "epsilon_cutoff must be in \\[0, 1\\]"),
+    (dict(top_h=0.0), "top_h must be in \\(0, 1\\]"),
+    (dict(top_h=True), "top_h must be in \\(0, 1\\]"),
     (dict(eta_cutoff=-0.1), "eta_cutoff must be in \\[0, 1\\]"),
     (dict(eta_cutoff=torch.ones(2)), "eta_cutoff must be a number or a 0-d real tensor"),
     (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool or uint8 tensor of shape "

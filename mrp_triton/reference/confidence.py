@@ -14,7 +14,7 @@ Defined behaviour (shared with the Triton kernel):
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
-  top-k / top-p / min-p / epsilon / eta keep (:func:`sampling_cut`: a value per row, ties at it all kept);
+  top-h / top-k / top-p / min-p / epsilon / eta keep (:func:`sampling_cut`: a value per row, ties at it all kept);
 * ``prob`` = full-softmax probability of ``token`` under ``z`` (before the filters), ``lse`` =
   logsumexp of ``z`` over the non-excluded vocabulary; with ``entropy=True`` also the entropy (nats) of that full
   softmax, ``log d - t / d`` with ``d = sum exp(z - max z)`` and ``t = sum exp(z - max z) (z - max z)``
@@ -32,7 +32,9 @@ _M2 = 0x2C1B3C6D
 _GOLDEN = 0x9E3779B9
 FLT_MAX = 3.4028234663852886e38
 NOISE_CHUNK = 1 << 18  # Gumbel noise elements a sampled pick hashes at once (pick_tokens)
-CUTS = ("top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")  # the filters sampling_cut applies, in order
+# the filters sampling_cut applies, in order
+CUTS = ("top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")
+TOP_H_CANDIDATES = 100  # the most likely tokens top-h chooses among (transformers' TopHLogitsWarper.top_n)
 
 
 def mix32(x):
@@ -134,11 +136,12 @@ def exclude_banned(z: torch.Tensor, banned_tokens: torch.Tensor | None, ban_rows
 
 
 def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None, min_p=None,
-                 epsilon_cutoff=None, eta_cutoff=None) -> torch.Tensor:
-    """Where top-k, then top-p, min-p, epsilon and eta (transformers' order) cut each row of z [N, V]: tau [N], the
-    value of the r-th largest entry of the row, r = top_k (at most V) or, when sooner, the first rank >= 1 at which
-    the probability mass ranked before it, under the softmax over the top_k largest values, reaches ``top_p`` (a
-    ``top_p`` of 1 keeps every token); then at least ``max z + log(min_p)``: min-p keeps the tokens whose probability
+                 epsilon_cutoff=None, eta_cutoff=None, top_h=None) -> torch.Tensor:
+    """Where top-h, then top-k, top-p, min-p, epsilon and eta (transformers' order) cut each row of z [N, V]: tau [N],
+    the value of the r-th largest entry of the row, r = top_k (at most V), or sooner the rank top-h keeps
+    (:func:`_top_h_ranks`), or sooner still the first rank >= 1 at which the probability mass ranked before it, under
+    the softmax over the values ranked before r, reaches ``top_p`` (a ``top_p`` of 1 keeps every token); then at
+    least ``max z + log(min_p)``: min-p keeps the tokens whose probability
     is at least ``min_p`` times the most likely one's, a ratio no normalisation changes, so it cuts after the other
     two by raising tau (log(min_p) computed in float64, rounded to z's dtype, whether min_p is a number or a tensor).
     Epsilon sampling (Hewitt et al. 2022) then keeps the tokens whose probability under the softmax over what the
@@ -150,14 +153,15 @@ def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None 
     which tokens a cut keeps never depends on their ids, and a kernel applies it with one comparison in its pass over
     the vocabulary.
 
-    r depends on the row's sorted values only: with ``top_k`` it lies among the first top_k of them, found by
-    ``torch.topk`` (a partial selection); only top-p alone sorts the whole row. Every setting may be a 0-d tensor
+    r depends on the row's sorted values only: with ``top_k`` it lies among the first top_k of them, with ``top_h``
+    among the first :data:`TOP_H_CANDIDATES`, found by ``torch.topk`` (a partial selection); only top-p alone sorts
+    the whole row. Every setting may be a 0-d tensor
     (read on the device, so a captured CUDA graph serves every value); ``top_k_max`` (a host int) is the largest value
     such a ``top_k`` tensor holds, which the selection then needs (without it the whole row is sorted; an int
     ``top_k`` is its own)."""
     N, V = z.shape
-    tau = z.new_full((N,), float("-inf")) if top_k is None and top_p is None else \
-        _rank_cut(z, top_k, top_p, top_k_max)
+    tau = z.new_full((N,), float("-inf")) if top_k is None and top_p is None and top_h is None else \
+        _rank_cut(z, top_k, top_p, top_k_max, top_h)
     if min_p is not None:
         tau = torch.maximum(tau, z.amax(-1) + _log64(min_p, z))
     if epsilon_cutoff is not None:
@@ -187,17 +191,21 @@ def _floor_cut(z: torch.Tensor, tau: torch.Tensor, kept: torch.Tensor, log_floor
     return torch.maximum(tau, torch.minimum(z.amax(-1), torch.logsumexp(kept, dim=-1) + log_floor))
 
 
-def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None) -> torch.Tensor:
-    """The top-k / top-p part of :func:`sampling_cut`: tau [N], the value of the last rank they keep."""
+def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None, top_h=None) -> torch.Tensor:
+    """The top-h / top-k / top-p part of :func:`sampling_cut`: tau [N], the value of the last rank they keep."""
     N, V = z.shape
     width = V  # how many of each row's largest values the cut may need
-    if isinstance(top_k, torch.Tensor):
+    if top_h is not None:  # top-h keeps at most TOP_H_CANDIDATES, and needs them all
+        width = min(V, TOP_H_CANDIDATES)
+    elif isinstance(top_k, torch.Tensor):
         width = min(V, top_k_max or V)
     elif top_k is not None:
         width = min(V, top_k)
     sz = torch.topk(z, width, dim=-1).values if width < V else torch.sort(z, dim=-1, descending=True).values
     ranks = torch.arange(width, device=z.device)
     kept = torch.full((N,), width, dtype=torch.int64, device=z.device)
+    if top_h is not None:
+        kept = _top_h_ranks(sz, top_h)
     if top_k is not None:
         kept = torch.minimum(kept, top_k.to(torch.int64)) if isinstance(top_k, torch.Tensor) else kept.clamp(max=top_k)
     if top_p is not None:
@@ -206,6 +214,18 @@ def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None) -> torch.Ten
         reached = (before >= top_p) & (ranks >= 1) & (top_p < 1.0)
         kept = torch.minimum(kept, torch.where(reached, ranks, width).amin(-1))
     return sz.gather(1, (kept - 1)[:, None])[:, 0]
+
+
+def _top_h_ranks(sz: torch.Tensor, top_h) -> torch.Tensor:
+    """int64 [N]: how many of the largest values sz [N, W] (each row sorted, descending: its W =
+    ``min(V, TOP_H_CANDIDATES)`` most likely tokens) top-h keeps (Potraghloo et al. 2025, as transformers'
+    TopHLogitsWarper): under the softmax over the W, the longest run from the most likely whose entropy terms
+    ``-p log p`` sum to at most ``top_h`` times their total (the W's entropy), at least one (``top_h`` 1: all W)."""
+    p = torch.softmax(sz, dim=-1).nan_to_num(nan=0.0)
+    terms = torch.where(p > 0, -p * torch.log(p), torch.zeros_like(p))
+    spent = torch.cumsum(terms, dim=-1)
+    budget = spent[:, -1:] * torch.as_tensor(top_h, device=sz.device).to(sz.dtype)
+    return (spent <= budget).sum(-1).clamp(min=1)
 
 
 def kept_by_cut(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
@@ -259,7 +279,7 @@ def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, entropy=False):
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, entropy=False):
     """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; banned_tokens: bool [V];
     ban_rows: bool [N]; noise_keys: int64 [N, 3].
 
@@ -270,7 +290,8 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
                          banned_tokens=banned_tokens, ban_rows=ban_rows)
     lse = torch.logsumexp(z, dim=-1)
     tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                      top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff)
+                      top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
+                      top_h=top_h)
     valid = tok >= 0
     zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
     prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))
