@@ -162,15 +162,18 @@ def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None 
     N, V = z.shape
     tau = z.new_full((N,), float("-inf")) if top_k is None and top_p is None and top_h is None else \
         _rank_cut(z, top_k, top_p, top_k_max, top_h)
+    if min_p is None and epsilon_cutoff is None and eta_cutoff is None:
+        return tau
+    top = z.amax(-1)  # the row's most likely token, which the filters below never cut
     if min_p is not None:
-        tau = torch.maximum(tau, z.amax(-1) + _log64(min_p, z))
+        tau = torch.maximum(tau, top + _log64(min_p, z))
     if epsilon_cutoff is not None:
-        tau = _floor_cut(z, tau, _kept_logits(z, tau), _log64(epsilon_cutoff, z))
+        tau = _floor_cut(top, tau, _kept_logits(z, tau), _log64(epsilon_cutoff, z))
     if eta_cutoff is not None:
         kept = _kept_logits(z, tau)
         eta = torch.as_tensor(eta_cutoff, dtype=torch.float64, device=z.device)
         floor = torch.minimum(eta, eta.sqrt() * torch.exp(-softmax_entropy(kept).double()))
-        tau = _floor_cut(z, tau, kept, torch.log(floor).to(z.dtype))
+        tau = _floor_cut(top, tau, kept, torch.log(floor).to(z.dtype))
     return tau
 
 
@@ -184,11 +187,11 @@ def _kept_logits(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return z.masked_fill(z < tau[:, None], float("-inf"))
 
 
-def _floor_cut(z: torch.Tensor, tau: torch.Tensor, kept: torch.Tensor, log_floor: torch.Tensor) -> torch.Tensor:
-    """tau [N] raised so as to keep, of the tokens of z [N, V] it keeps (``kept``: :func:`_kept_logits`), those whose
-    probability under the softmax over them is at least ``exp(log_floor)`` (0-d or [N], z's dtype), and the row's
-    most likely token whatever the floor."""
-    return torch.maximum(tau, torch.minimum(z.amax(-1), torch.logsumexp(kept, dim=-1) + log_floor))
+def _floor_cut(top: torch.Tensor, tau: torch.Tensor, kept: torch.Tensor, log_floor: torch.Tensor) -> torch.Tensor:
+    """tau [N] raised so as to keep, of the tokens it keeps (``kept`` [N, V]: :func:`_kept_logits`), those whose
+    probability under the softmax over them is at least ``exp(log_floor)`` (0-d or [N], the logits' dtype), and the
+    row's most likely token (``top`` [N], its logit) whatever the floor."""
+    return torch.maximum(tau, torch.minimum(top, torch.logsumexp(kept, dim=-1) + log_floor))
 
 
 def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None, top_h=None) -> torch.Tensor:
