@@ -188,6 +188,7 @@ def main(argv=None) -> int:
                               ("confidence_minp", dict(min_p=0.05, **sampled)),
                               ("confidence_epsilon_eta", dict(epsilon_cutoff=3e-4, eta_cutoff=2e-3, **sampled)),
                               ("confidence_toph", dict(top_h=0.5, **sampled)),
+                              ("confidence_typical", dict(typical_p=0.9, **sampled)),
                               ("confidence_ban", banned),
                               ("confidence_entropy", dict(mask_token_id=151669 % V, entropy=True))):
                 eager_and_triton(kname, f"N={N},V={V},bf16", N * V * 2,

@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="with --do-sample: sample among the most likely tokens holding mass p")
     p.add_argument("--min-p", type=float, help="with --do-sample: sample among the tokens at least p times as likely "
                    "as the most likely one")
+    p.add_argument("--typical-p", type=float, help="with --do-sample: typical sampling, among the tokens whose "
+                   "surprise lies nearest the entropy, holding mass p (in (0, 1])")
     p.add_argument("--epsilon-cutoff", type=float, help="with --do-sample: leave out the tokens less likely than this "
                    "(epsilon sampling, in [0, 1))")
     p.add_argument("--eta-cutoff", type=float, help="with --do-sample: eta sampling's cutoff (in [0, 1)), which "
@@ -297,7 +299,8 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
                 residual_delta=args.residual_delta, do_sample=args.do_sample,
                 temperature=args.temperature, top_h=args.top_h, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff, seed=args.seed,
+                typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff,
+                seed=args.seed,
                 progress=args.max_new_tokens >= 256, stop_strings=args.stop, max_time=args.max_time,
                 tokenizer=tokenizer if args.stop else None)
 

@@ -188,8 +188,8 @@ class BlockDecoder:
 
     def sampling_cuts(self) -> dict:
         """The filters a sampled pick applies (keyword arguments of the confidence ops, named by ``CUTS``: top_h,
-        top_k, top_p, min_p, epsilon_cutoff, eta_cutoff), each the 0-d tensor the steps read it from (None where not
-        set); none when greedy (the most likely token is always kept)."""
+        top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff), each the 0-d tensor the steps read it from (None
+        where not set); none when greedy (the most likely token is always kept)."""
         return {name: self.on_device(name) for name in CUTS} if self.settings.do_sample else {}
 
     @property

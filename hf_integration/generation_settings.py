@@ -42,7 +42,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 NOT_DECODING_FIELDS = {"transformers_version", "_from_model_config", "bos_token_id", "use_cache", "block_size",
                        "mask_token_id"}
 # what only sampled decoding reads
-SAMPLING = ("temperature", "top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")
+SAMPLING = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 HF_DEFAULTS = GenerationConfig()  # a field at its default (or False / 0 / None) asks for nothing
 # Nor does a field at the value transformers fills in when nobody set it (GenerationMixin._prepare_generation_config,
 # which the text-generation pipeline of some versions runs before generate: num_beams=1, repetition_penalty=1.0, ...).
@@ -62,8 +62,8 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
-ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff", "threshold",
-                 "entropy_bound", "residual_delta", "min_new_tokens")
+ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                 "threshold", "entropy_bound", "residual_delta", "min_new_tokens")
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -144,14 +144,16 @@ class GenerationSettings:
     (sampling only) decodes each prompt that many times, the copies next to each other in the output and each drawing
     its own noise. ``top_h`` (sampling, in (0, 1]) is transformers' top-h, applied before top-k as its warpers are:
     among the 100 most likely tokens, the most likely ones whose entropy terms ``-p log p`` (under the softmax over
-    the 100) sum to at most ``top_h`` times their entropy. ``epsilon_cutoff`` and ``eta_cutoff`` (sampling, in
-    [0, 1)) are transformers' epsilon and eta sampling (Hewitt et al. 2022), applied after top-k, top-p and min-p:
-    the tokens whose probability, under the softmax over what the filters before kept, falls below
-    ``epsilon_cutoff`` (or below ``min(eta_cutoff, sqrt(eta_cutoff) * exp(-entropy))``) are left out, the most likely
-    one never (:func:`mrp_triton.reference.confidence.sampling_cut`). ``seed`` keys the sampling noise: a call
-    without one draws it from torch's default generator, so sampled calls differ and ``torch.manual_seed`` /
-    ``transformers.set_seed`` repeat them, as in transformers; with one, the draw is fixed whatever torch's generator
-    holds. ``strategy="sequential"`` commits each step's quota at the
+    the 100) sum to at most ``top_h`` times their entropy. ``typical_p`` (sampling, in (0, 1], 1 none cut) is
+    transformers' typical sampling (Meister et al. 2022), after min-p: the tokens whose surprise ``-log p`` lies
+    nearest the entropy, up to that much probability (which may leave out the most likely). ``epsilon_cutoff`` and
+    ``eta_cutoff`` (sampling, in [0, 1)) are transformers' epsilon and eta sampling (Hewitt et al. 2022), applied
+    after top-k, top-p, min-p and typical: the tokens whose probability, under the softmax over what the filters
+    before kept, falls below ``epsilon_cutoff`` (or below ``min(eta_cutoff, sqrt(eta_cutoff) * exp(-entropy))``) are
+    left out, the most likely of those never (:func:`mrp_triton.reference.confidence.sampling_cut`). ``seed`` keys
+    the sampling noise: a call without one draws it from torch's default generator, so sampled calls differ and
+    ``torch.manual_seed`` / ``transformers.set_seed`` repeat them, as in transformers; with one, the draw is fixed
+    whatever torch's generator holds. ``strategy="sequential"`` commits each step's quota at the
     first masked positions, left to right (the ``sequential`` rule of SDAR's ``generate.py``), picking tokens there
     only. ``strategy="entropy_bounded"`` is the EB-sampler (Ben-Hamu et al. 2025): each step ranks the masked positions
     by the entropy of their softmax (lowest first) and commits the longest run of them whose entropies, the largest left
@@ -214,6 +216,7 @@ class GenerationSettings:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    typical_p: float | None = None
     epsilon_cutoff: float | None = None
     eta_cutoff: float | None = None
     suppress_tokens: Sequence[int] | None = None  # validated: a sorted tuple of distinct ids, or None
@@ -407,6 +410,8 @@ class GenerationSettings:
         for name in ("min_p", "epsilon_cutoff", "eta_cutoff"):  # 0 keeps every token: no cut in the steps
             if getattr(self, name) == 0 and not isinstance(getattr(self, name), bool):
                 setattr(self, name, None)
+        if self.typical_p == 1 and not isinstance(self.typical_p, bool):  # transformers' "no typical cut"
+            self.typical_p = None
         if isinstance(self.stop_strings, (str, list)):
             self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if isinstance(self.stopping_criteria, (list, tuple)):  # transformers' StoppingCriteriaList is a list
@@ -458,7 +463,7 @@ class GenerationSettings:
             check_temperature(_number("temperature", self.temperature))
         if self.top_k is not None:
             _int_at_least("top_k", self.top_k, 0, " (0 or None: no top-k cut)")
-        for name in ("top_p", "top_h"):
+        for name in ("top_p", "top_h", "typical_p"):
             if getattr(self, name) is not None and not 0.0 < _number(name, getattr(self, name)) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1] (or None to disable)")
         if self.min_p is not None and not 0.0 <= _number("min_p", self.min_p) <= 1.0:

@@ -82,7 +82,7 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
 
 
 def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
-                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h) -> None:
+                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.dtype.is_floating_point:
         raise ValueError("hidden must be a floating-point tensor [N, H]")
     N, H = hidden.shape
@@ -103,18 +103,18 @@ def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, t
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
     check_sampling(N, hidden.device, "hidden", temperature, do_sample, noise_keys, top_k, top_p, min_p=min_p,
-                   epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff, top_h=top_h)
+                   epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
 
 
 def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0,
                                 skip_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-                                min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
+                                min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
                                 block_h: int | None = None):
     """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
     chunk, for tests). Ids must lie in [-1, V): the kernel gathers their rows unchecked (a host check would
     synchronise)."""
     _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
-                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h)
+                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
     N, H = hidden.shape
     M = ids.shape[1]
     dev = hidden.device
@@ -138,30 +138,30 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     if do_sample:
         tok, prob = pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=True, seed=seed, noise_keys=noise_keys,
                                 top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                eta_cutoff=eta_cutoff, top_h=top_h)
+                                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
     return tok, prob
 
 
 def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
                          do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, min_p=None,
-                         epsilon_cutoff=None, eta_cutoff=None, top_h=None):
+                         epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None):
     """A pick per row among its listed token ids, with its full-softmax probability estimated.
 
     hidden, seed_hidden: [N, H] (the draft's hidden state and its round's seed's); weight: [V, H] (the lm_head);
     ids: int64 [N, M] (1 <= M <= 64; -1 past a row's list); rest: [N] (log of the seed's softmax mass outside the
     list, in units of logits / temperature); vocab_mean: [H] (the mean lm_head row); temperature: float or 0-d
     tensor; skip_rows: bool [N] or None; sampling: ``noise_keys`` int64 [N, 3] and optional top_k / top_p / min_p /
-    epsilon_cutoff / eta_cutoff / top_h (applied among the listed tokens: epsilon, eta and top-h to their softmax
-    over the listed tokens). Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows and rows
-    with nothing listed. Semantics: :mod:`mrp_triton.reference.candidate_confidence`.
+    typical_p / epsilon_cutoff / eta_cutoff / top_h (applied among the listed tokens: typical, epsilon, eta and top-h
+    to their softmax over the listed tokens). Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows
+    and rows with nothing listed. Semantics: :mod:`mrp_triton.reference.candidate_confidence`.
     """
     kw = dict(seed_hidden=seed_hidden, vocab_mean=vocab_mean, temperature=temperature, skip_rows=skip_rows,
               do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p, min_p=min_p,
-              epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff, top_h=top_h)
+              epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and hidden.dtype != torch.float64 and \
             select_backend(hidden.device, hidden, weight, seed_hidden) == "triton":
         return candidate_confidence_triton(hidden, weight, ids, rest, **kw)
     _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
-                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h)
+                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
     return candidate_confidence_reference(hidden, weight, ids, rest, **kw)

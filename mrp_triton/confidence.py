@@ -28,12 +28,12 @@ second launch merges them (two launches, no atomics, deterministic).
 Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
 (seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
 < 2**32 with multipliers < 2**31, so nothing ever overflows). The filters (top_h / top_k / top_p / min_p /
-epsilon_cutoff / eta_cutoff; sampling only: the greedy pick is always kept) need a row's largest values or its
-softmax: the launcher materialises z [N, V] in fp32 with torch ops and finds where the filters cut them
-(``reference.confidence.sampling_cut``: one value per row, from ``torch.topk`` of top_k (or ``top_k_max``, or with
-top_h 100) values, or a sort of the row for top-p alone; min_p needs only the row's max, epsilon and eta a
-logsumexp (and eta an entropy) over what the filters before them kept); the kernel then draws only among the tokens
-at or above it, with the same in-kernel noise, and prob stays the full-softmax probability.
+typical_p / epsilon_cutoff / eta_cutoff; sampling only: the greedy pick is always kept) need a row's largest values
+or its softmax: the launcher materialises z [N, V] in fp32 with torch ops and finds where the filters cut them
+(``reference.confidence.sampling_cut``: a band of values per row, from ``torch.topk`` of top_k (or ``top_k_max``, or
+with top_h 100) values, or a sort of the row for top-p alone and for typical_p; min_p needs only the row's max,
+epsilon and eta a logsumexp (and eta an entropy) over what the filters before them kept); the kernel then draws only
+among the tokens inside the band, with the same in-kernel noise, and prob stays the full-softmax probability.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
-    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, tau_ptr, ban_tok_ptr, ban_rows_ptr,
+    logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, cut_ptr, ban_tok_ptr, ban_rows_ptr,
     part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
     V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, DO_SAMPLE: tl.constexpr,
@@ -136,8 +136,9 @@ def _conf_partial_kernel(
             k = tl.load(keys_ptr + row * 3 + j)
             h = _mix32(h ^ (k & M32))
             h = _mix32(h ^ ((k >> 32) & M32))
-    if HAS_CUT:  # top-k / top-p / min-p: draw among the tokens at or above the row's cut
-        tau = tl.load(tau_ptr + row)
+    if HAS_CUT:  # the sampling filters: draw among the tokens inside the row's band low <= z <= high
+        low = tl.load(cut_ptr + row * 2)
+        high = tl.load(cut_ptr + row * 2 + 1)
     if HAS_BAN:  # token v is excluded where banned_tokens[v] & this row's ban classes (uint8 bits) is nonzero: the
         ban_bits = tl.load(ban_rows_ptr + row)  # table is read below ban_hi (nowhere in a row with no class)
         ban_hi = tl.where(ban_bits != 0, hi, 0)
@@ -189,7 +190,7 @@ def _conf_partial_kernel(
             u = ((e >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             sc = x + (-tl.log(-tl.log(u)))
             if HAS_CUT:
-                sc = tl.where(x >= tau, sc, float("-inf"))
+                sc = tl.where((x >= low) & (x <= high), sc, float("-inf"))
             upd = sc > best_vec
             best_vec = tl.where(upd, sc, best_vec)
             z_vec = tl.where(upd, x, z_vec)
@@ -299,7 +300,7 @@ def check_temperature(temperature: float) -> None:
 
 
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h):
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -328,14 +329,16 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
     check_banned(banned_tokens, ban_rows, N, V, logits.device, "logits")
     check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max, min_p,
-                   epsilon_cutoff, eta_cutoff, top_h)
+                   epsilon_cutoff, eta_cutoff, top_h, typical_p)
 
 
 def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
-                   top_p, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None) -> None:
+                   top_p, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
+                   typical_p=None) -> None:
     """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number or
-    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p and top_h in (0, 1] and min_p,
-    epsilon_cutoff and eta_cutoff in [0, 1] (or None), and top_k_max an int >= 1 not below an int top_k (or None)."""
+    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p, top_h and typical_p in (0, 1]
+    and min_p, epsilon_cutoff and eta_cutoff in [0, 1] (or None), and top_k_max an int >= 1 not below an int top_k
+    (or None)."""
     if not check_device_scalar("temperature", temperature, device):
         check_temperature(temperature)
     if do_sample:
@@ -348,7 +351,7 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    for name, value in (("top_p", top_p), ("top_h", top_h)):
+    for name, value in (("top_p", top_p), ("top_h", top_h), ("typical_p", typical_p)):
         if value is not None and not check_device_scalar(name, value, device) and \
                 (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0):
             raise ValueError(f"{name} must be in (0, 1] or None, got {value!r}")
@@ -368,25 +371,26 @@ CUT_CHUNK = 1 << 24  # logits the sampling cut of a sampled launch handles at on
 
 def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows,
                        **cuts) -> torch.Tensor:
-    """tau [N]: each row's cut by the filters ``cuts`` (keyword arguments of :func:`sampling_cut`), a chunk of rows at
+    """[N, 2]: each row's cut by the filters ``cuts`` (keyword arguments of :func:`sampling_cut`), a chunk of rows at
     a time: top-p alone sorts whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V]
     temporaries."""
     N, V = logits.shape
     step = max(1, CUT_CHUNK // max(1, V))
-    taus = []
+    bands = []
     for i in range(0, N, step):
         res = None if residual is None else residual[..., i:i + step, :]
         z = effective_logits(logits[i:i + step], res, scale=scale, temperature=temperature,
                              mask_token_id=mask_token_id, banned_tokens=banned_tokens,
                              ban_rows=None if ban_rows is None else ban_rows[i:i + step])
-        taus.append(sampling_cut(z, **cuts))
-    return torch.cat(taus) if len(taus) > 1 else taus[0]
+        bands.append(sampling_cut(z, **cuts))
+    return torch.cat(bands) if len(bands) > 1 else bands[0]
 
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
                       top_p=None, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
-                      entropy=False, splits=None, block_v=None, num_warps=None, prefetch=True, out=None):
+                      typical_p=None, entropy=False, splits=None, block_v=None, num_warps=None, prefetch=True,
+                      out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
     ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
@@ -395,7 +399,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     poison them).
     """
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h)
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -409,7 +413,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     sample = bool(do_sample)
     cut = None
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                eta_cutoff=eta_cutoff, top_h=top_h)
+                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
     if sample and cuts_anything(cuts):
         cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, **cuts)
     if logits.stride(-1) != 1:
@@ -458,7 +462,8 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, entropy=False):
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
+               entropy=False):
     """Per-row token, full-softmax probability and logsumexp of the effective logits (and its entropy).
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
@@ -466,7 +471,8 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     uint8 [N] (token v excluded like the mask column in row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero:
     each bit a class of ban; ban_rows None: every class in every row); noise_keys: int64 [N, 3] =
     (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p``,
-    ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely), ``epsilon_cutoff``
+    ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely), ``typical_p``
+    (typical sampling: the tokens whose surprise is nearest the entropy, up to that mass), ``epsilon_cutoff``
     and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers: :func:`.reference.confidence.sampling_cut`)
     and ``top_h`` (transformers' top-h: among the 100 most likely, those whose entropy terms take at most top_h of
     the entropy) are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every
@@ -484,11 +490,11 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
                                  mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                  do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
                                  top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                 eta_cutoff=eta_cutoff, top_h=top_h, entropy=entropy)
+                                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p, entropy=entropy)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h)
+                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
     return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
                                 mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
                                 do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
                                 top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                eta_cutoff=eta_cutoff, top_h=top_h, entropy=entropy)
+                                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p, entropy=entropy)

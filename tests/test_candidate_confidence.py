@@ -63,7 +63,8 @@ def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, b
                                 dict(top_k=4, top_p=0.8, min_p=0.05), dict(epsilon_cutoff=0.05),
                                 dict(top_p=0.9, eta_cutoff=0.02),
                                 dict(min_p=0.01, epsilon_cutoff=0.02, eta_cutoff=0.1), dict(top_h=0.5),
-                                dict(top_h=0.8, top_k=5))),
+                                dict(top_h=0.8, top_k=5), dict(typical_p=0.5), dict(min_p=0.05, typical_p=0.3,
+                                                                                    epsilon_cutoff=0.05))),
        seed=st.integers(0, 2**16))
 def test_sampled_kernel_matches_reference(N, H, V, M, filters, seed):
     g = torch.Generator().manual_seed(seed)
@@ -82,12 +83,12 @@ def test_sampled_kernel_matches_reference(N, H, V, M, filters, seed):
 @given(V=st.integers(3, 50), H=st.integers(1, 8), do_sample=st.booleans(), temperature=st.sampled_from((1.0, 0.7)),
        filters=st.sampled_from(({}, dict(min_p=0.3), dict(min_p=1.0), dict(epsilon_cutoff=0.1),
                                 dict(eta_cutoff=0.05), dict(min_p=0.1, epsilon_cutoff=0.05, eta_cutoff=0.5),
-                                dict(top_h=0.4))),
+                                dict(top_h=0.4), dict(typical_p=0.4), dict(typical_p=0.6, eta_cutoff=0.1))),
        seed=st.integers(0, 999))
 def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, filters, seed):
     """With every token listed and nothing outside (rest -inf), the pick is the confidence op's on the whole logits:
-    the same token (the same Gumbel noise per token id when sampling, among the same tokens min-p, epsilon, eta and
-    top-h keep) and full-softmax probability."""
+    the same token (the same Gumbel noise per token id when sampling, among the same tokens min-p, typical, epsilon,
+    eta and top-h keep) and full-softmax probability."""
     g = torch.Generator().manual_seed(seed)
     N = 6
     weight = torch.randint(-3, 4, (V, H), generator=g).double()  # integer logits: exact ties

@@ -513,8 +513,71 @@ def test_top_h_keeps_what_transformers_warper_keeps_before_top_k_and_top_p(N, V,
     assert torch.equal(all_of_them, _kept_by_the_filters(z, min(V, 100)) & (z > float("-inf")))
 
 
+@settings(max_examples=60)
+@given(N=st.integers(1, 16), V=st.integers(1, 120), values=st.sampled_from(["spread 0.3", "spread 1", "spread 4",
+                                                                           "integers"]),
+       p_inf=st.sampled_from([0.0, 0.3, 1.0]), typical_p=st.floats(0.01, 0.99),
+       before=st.sampled_from([{}, dict(top_k=5), dict(top_p=0.7), dict(min_p=0.1)]),
+       after=st.sampled_from([{}, dict(epsilon_cutoff=0.02), dict(eta_cutoff=0.05)]), as_tensor=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_typical_p_keeps_what_transformers_warper_keeps_between_min_p_and_epsilon(N, V, values, p_inf, typical_p,
+                                                                                  before, after, as_tensor, seed):
+    """Typical sampling keeps what transformers' TypicalLogitsWarper keeps of what top-k, top-p and min-p kept (the
+    tokens nearest the entropy in surprise, under the softmax over those, up to typical_p of its mass; ties with the
+    last one all kept), and epsilon and eta then cut what it kept (the most likely of those always stays), given as a
+    number or as the 0-d float64 tensor the decode engine passes; logits spread a little or much, or small integers
+    (tied surprises on both sides of the entropy)."""
+    from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
+                                                        TypicalLogitsWarper)
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-3, 3, (N, V), generator=g).float() if values == "integers" else \
+        torch.randn(N, V, generator=g) * float(values.split()[1])
+    z[torch.rand(N, V, generator=g) < p_inf] = float("-inf")
+    given = torch.tensor(typical_p, dtype=torch.float64) if as_tensor else typical_p
+    kept = kept_by_cut(z, sampling_cut(z, **before, typical_p=given, **after)) & (z > float("-inf"))
+    cut = z.masked_fill(~_kept_by_the_filters(z, before.get("top_k"), before.get("top_p")), float("-inf"))
+    want = _warped_by_transformers(cut, ((MinPLogitsWarper, before.get("min_p")), (TypicalLogitsWarper, typical_p),
+                                         (EpsilonLogitsWarper, after.get("epsilon_cutoff")),
+                                         (EtaLogitsWarper, after.get("eta_cutoff"))))
+    assert torch.equal(kept, want)
+    assert kept.any(-1).equal((z > float("-inf")).any(-1))  # something stays in every row with a finite token
+    every = kept_by_cut(z, sampling_cut(z, **before, typical_p=1.0)) & (z > float("-inf"))  # 1: nothing cut
+    assert torch.equal(every, kept_by_cut(z, sampling_cut(z, **before)) & (z > float("-inf")))
+
+
+def test_typical_p_can_leave_out_the_most_likely_token():
+    """Typical sampling keeps the tokens whose surprise is nearest the entropy: with probabilities 0.4, 0.3, 0.3 the
+    entropy is 1.09 nats, the two 0.3 tokens' surprises (1.20) lie nearer it than the most likely one's (0.92), so
+    typical_p 0.5 keeps the two (their mass, 0.6, reaches it at the second) and leaves out the most likely. Epsilon
+    0.6 then finds both below its floor (0.5 each under the softmax over the two) and keeps the most likely of what
+    typical kept, both as they tie: its floor never reaches above them to the row's most likely."""
+    z = torch.log(torch.tensor([[0.4, 0.3, 0.3]], dtype=torch.float64))
+    assert kept_by_cut(z, sampling_cut(z, typical_p=0.5)).tolist() == [[False, True, True]]
+    assert kept_by_cut(z, sampling_cut(z, typical_p=0.5, epsilon_cutoff=0.6)).tolist() == [[False, True, True]]
+    assert kept_by_cut(z, sampling_cut(z, typical_p=0.2)).tolist() == [[False, True, True]]  # tied: both kept
+    assert kept_by_cut(z, sampling_cut(z, typical_p=0.7)).tolist() == [[True, True, True]]
+
+
+def test_typical_p_stops_where_the_mass_reaches_it_and_1_cuts_nothing():
+    """As transformers' warper, typical sampling keeps tokens until the cumulative mass reaches typical_p (equal to it
+    stops): probabilities 0.5, 0.25, 0.125, 0.125 rank the 0.25 token first (surprise nearest the entropy, 1.75 bits),
+    and a typical_p equal to its mass (as the fp32 softmax rounds it) keeps it alone. typical_p 1 keeps every token,
+    also where the mass rounds to 1 before the tail (one dominant token)."""
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    z = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    first = float(torch.softmax(z[:, [1, 0, 2, 3]], dim=-1)[0, 0])  # the mass of the first-ranked token
+    kept = kept_by_cut(z, sampling_cut(z, typical_p=first))
+    assert kept.tolist() == [[False, True, False, False]]
+    assert torch.equal(kept, TypicalLogitsWarper(first)(None, z.clone()) > float("-inf"))
+    peaked = torch.tensor([[0.0, -40.0, -40.0]])
+    assert kept_by_cut(peaked, sampling_cut(peaked, typical_p=1.0)).all()
+
+
 @pytest.mark.parametrize("cut", [dict(top_h=0.5), dict(top_k=4), dict(top_p=0.6), dict(min_p=0.2),
-                                 dict(epsilon_cutoff=0.02), dict(eta_cutoff=0.05)], ids=lambda c: next(iter(c)))
+                                 dict(typical_p=0.4), dict(epsilon_cutoff=0.02), dict(eta_cutoff=0.05)],
+                         ids=lambda c: next(iter(c)))
 def test_kernel_samples_among_what_each_filter_alone_keeps(cut):
     """Each filter alone reaches the kernel (the launcher computes its cut for every one of them): the kernel's
     samples equal the reference's, and at a hot temperature differ from unfiltered sampling, over 64 rows of a
@@ -566,6 +629,8 @@ def test_reference_backend_on_cpu_matches():
     (dict(epsilon_cutoff=1.5), "epsilon_cutoff must be in \\[0, 1\\]"),
     (dict(top_h=0.0), "top_h must be in \\(0, 1\\]"),
     (dict(top_h=True), "top_h must be in \\(0, 1\\]"),
+    (dict(typical_p=0.0), "typical_p must be in \\(0, 1\\]"),
+    (dict(typical_p=1.5), "typical_p must be in \\(0, 1\\]"),
     (dict(eta_cutoff=-0.1), "eta_cutoff must be in \\[0, 1\\]"),
     (dict(eta_cutoff=torch.ones(2)), "eta_cutoff must be a number or a 0-d real tensor"),
     (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool or uint8 tensor of shape "

@@ -23,7 +23,7 @@ def small_vocab_model(seed: int):
        m=st.sampled_from((1, 3, 16, 64)), do_sample=st.booleans(),
        filters=st.sampled_from(({}, dict(top_k=3), dict(top_p=0.8), dict(top_k=5, top_p=0.9), dict(min_p=0.1),
                                 dict(top_k=6, top_p=0.95, min_p=0.02), dict(epsilon_cutoff=0.05),
-                                dict(top_p=0.9, eta_cutoff=0.1), dict(top_h=0.6))),
+                                dict(top_p=0.9, eta_cutoff=0.1), dict(top_h=0.6), dict(typical_p=0.5))),
        schedule=st.sampled_from(("mrp", "authors")), mix=st.sampled_from(("logits_sum", "none")))
 def test_speculative_with_draft_candidates_equals_static(seed, batch, k, max_new, m, do_sample, filters, schedule,
                                                          mix):

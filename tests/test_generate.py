@@ -576,7 +576,8 @@ def test_generation_config_filled_with_transformers_defaults_is_accepted(model):
     from hf_integration.generation_settings import FILLED_DEFAULTS
 
     ids = random_prompts(1, 4, seed=9)
-    unsupported = {k: v for k, v in FILLED_DEFAULTS.items() if k in ("num_beams", "repetition_penalty", "typical_p")}
+    unsupported = {k: v for k, v in FILLED_DEFAULTS.items()
+                   if k in ("num_beams", "repetition_penalty", "no_repeat_ngram_size")}
     assert len(unsupported) == 3, "transformers no longer fills these defaults: revisit FILLED_DEFAULTS"
     filled = GenerationConfig(max_new_tokens=4, **unsupported)
     assert torch.equal(model.generate(ids, generation_config=filled), model.generate(ids, max_new_tokens=4))
@@ -1075,18 +1076,19 @@ def test_graph_shaped_forwards_give_identical_output(model, kwargs):
 
 @pytest.mark.parametrize("strategy", ["static", "speculative"])
 def test_graphed_sampling_reads_seed_temperature_and_filters_from_buffers(model, strategy):
-    """The seed, temperature, top-h, top-k, top-p, min-p, epsilon and eta cutoffs reach the captured steps through the
-    engine's buffers, not as baked-in arguments (a graph per value would capture again and pile up): each call
-    samples what it samples without graphs, and with static decoding and no EOS (the same steps whatever is
+    """The seed, temperature, top-h, top-k, top-p, min-p, typical, epsilon and eta cutoffs reach the captured steps
+    through the engine's buffers, not as baked-in arguments (a graph per value would capture again and pile up): each
+    call samples what it samples without graphs, and with static decoding and no EOS (the same steps whatever is
     sampled) every call replays the first call's steps."""
     ids = random_prompts(2, 6, seed=41)
     kw = dict(max_new_tokens=10, do_sample=True, strategy=strategy, eos_token_id=[])
     outputs, keys = [], None
-    first = dict(seed=0, temperature=2.0, top_h=0.99, top_k=30, top_p=0.9, min_p=0.01, epsilon_cutoff=1e-3,
-                 eta_cutoff=1e-3)
+    first = dict(seed=0, temperature=2.0, top_h=0.99, top_k=30, top_p=0.9, min_p=0.01, typical_p=0.99,
+                 epsilon_cutoff=1e-3, eta_cutoff=1e-3)
     for setting in (first, dict(first, seed=1), dict(first, seed=2**40 + 5), dict(first, temperature=0.5),
                     dict(first, top_k=3), dict(first, top_p=0.3), dict(first, min_p=0.3),
-                    dict(first, epsilon_cutoff=0.1), dict(first, eta_cutoff=0.3), dict(first, top_h=0.3)):
+                    dict(first, typical_p=0.3), dict(first, epsilon_cutoff=0.1), dict(first, eta_cutoff=0.3),
+                    dict(first, top_h=0.3)):
         graphed = model.generate(ids, cuda_graphs=True, **setting, **kw)
         assert torch.equal(graphed, model.generate(ids, cuda_graphs=False, **setting, **kw)), setting
         captured = set(model._decode_engine[1].graphs.graphs)
@@ -1171,6 +1173,25 @@ def test_min_p_epsilon_and_eta_cut_the_unlikely_tail_and_0_cuts_nothing(model, n
             model.generate(ids, **{name: bad}, **kw)
     with pytest.raises(ValueError, match=f"{name}={value} steers sampling.*do_sample=True"):
         model.generate(ids, **{name: value}, max_new_tokens=4)
+
+
+def test_typical_p_cuts_and_1_cuts_nothing(model):
+    """A typical_p below 1 changes what a hot temperature samples and repeats, also from a GenerationConfig; 1
+    (transformers' default: no typical cut) cuts nothing, with the same step key as without it; outside (0, 1] it is
+    refused, and a greedy call asking for it too."""
+    ids = random_prompts(2, 6, seed=45)
+    kw = dict(max_new_tokens=10, eos_token_id=[], do_sample=True, temperature=3.0, seed=2)
+    plain, cut = model.generate(ids, **kw), model.generate(ids, typical_p=0.3, **kw)
+    assert not torch.equal(plain, cut) and torch.equal(cut, model.generate(ids, typical_p=0.3, **kw))
+    assert torch.equal(model.generate(ids, generation_config=GenerationConfig(typical_p=0.3), **kw), cut)
+    assert torch.equal(model.generate(ids, typical_p=1.0, **kw), plain)
+    keys = {GenerationSettings.resolve(model, None, dict(kw, typical_p=p), 6).step_key() for p in (None, 1.0)}
+    assert len(keys) == 1
+    for bad in (0.0, 1.5, -0.2):
+        with pytest.raises(ValueError, match=f"typical_p={bad} must be in \\(0, 1\\]"):
+            model.generate(ids, typical_p=bad, **kw)
+    with pytest.raises(ValueError, match="typical_p=0.3 steers sampling.*do_sample=True"):
+        model.generate(ids, typical_p=0.3, max_new_tokens=4)
 
 
 def test_top_h_cuts_the_unlikely_tail_and_1_keeps_a_small_vocabulary_whole(model):

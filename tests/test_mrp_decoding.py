@@ -301,12 +301,12 @@ def test_remask_with_infinite_delta_equals_dynamic():
                                              ("mrp", dict(draft_candidates=3)), ("authors", dict(draft_candidates=3))])
 def test_speculative_sampling_commits_exact_backbone_samples(schedule, drafts):
     """Draft and target share Gumbel noise per (row, position, state): with the same seed, speculative
-    sampling commits exactly the tokens that static one-token-a-step sampling commits (min-p, epsilon, eta and top-h
-    too: the drafts cut their own tails, the verification exactly)."""
+    sampling commits exactly the tokens that static one-token-a-step sampling commits (min-p, typical, epsilon, eta
+    and top-h too: the drafts cut their own tails, the verification exactly)."""
     model = tiny_model(seed=7, block_size=8)
     ids = random_prompts(3, 5, seed=9)
     for seed, cuts in ((0, {}), (1, {}), (2, dict(min_p=0.05)), (3, dict(epsilon_cutoff=0.02, eta_cutoff=0.05)),
-                       (4, dict(top_h=0.6, top_k=20))):
+                       (4, dict(top_h=0.6, top_k=20)), (5, dict(typical_p=0.6, min_p=0.02))):
         kwargs = dict(max_new_tokens=14, do_sample=True, temperature=1.3, seed=seed, **cuts,
                       return_dict_in_generate=True, output_confidences=True)
         static = model.generate(ids, **kwargs)

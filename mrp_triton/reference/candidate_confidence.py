@@ -11,8 +11,8 @@ Defined behaviour (shared with the Triton kernel), per row n of N:
   vocab_mean) / temperature`` moves it with the hidden state;
 * greedy: the first listed token with the largest z; sampling: Gumbel-max ``argmax_j (z_j + g(ids_nj))`` with the
   noise :func:`.confidence.gumbel_noise_at` gives that token id under ``(seed, noise_keys[n])`` (the noise the
-  full-vocabulary pick draws for it), after top-h / top-k / top-p / min-p / epsilon / eta applied among the listed
-  tokens (:func:`.confidence.sampling_cut`);
+  full-vocabulary pick draws for it), after top-h / top-k / top-p / min-p / typical / epsilon / eta applied among
+  the listed tokens (:func:`.confidence.sampling_cut`);
 * ``prob = exp(z_token - lse)``; skipped rows and rows with nothing listed: token -1, prob 0.
 """
 
@@ -54,10 +54,10 @@ def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_k
 
 def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
                          do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, min_p=None,
-                         epsilon_cutoff=None, eta_cutoff=None, top_h=None):
+                         epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None):
     """Per row the pick among its listed token ids and its estimated full-softmax probability (module docstring).
     Argument checking lives in :func:`mrp_triton.candidate_confidence.candidate_confidence`."""
     z, lse = listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature)
     return pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
                        top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
-                       top_h=top_h)
+                       top_h=top_h, typical_p=typical_p)

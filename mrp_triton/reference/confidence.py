@@ -14,7 +14,8 @@ Defined behaviour (shared with the Triton kernel):
 * greedy: ``token = argmax z`` (lowest index on ties); sampling: Gumbel-max
   ``argmax(z_v + g_v)`` with ``g_v = -log(-log(u_v))`` and ``u_v`` from :func:`gumbel_uniform`,
   a counter-based hash of ``(seed, noise_keys[n], v)`` (independent of batch shape and order), among the tokens
-  top-h / top-k / top-p / min-p / epsilon / eta keep (:func:`sampling_cut`: a value per row, ties at it all kept);
+  top-h / top-k / top-p / min-p / typical / epsilon / eta keep (:func:`sampling_cut`: a band of values per row,
+  ties at its bounds all kept);
 * ``prob`` = full-softmax probability of ``token`` under ``z`` (before the filters), ``lse`` =
   logsumexp of ``z`` over the non-excluded vocabulary; with ``entropy=True`` also the entropy (nats) of that full
   softmax, ``log d - t / d`` with ``d = sum exp(z - max z)`` and ``t = sum exp(z - max z) (z - max z)``
@@ -33,7 +34,7 @@ _GOLDEN = 0x9E3779B9
 FLT_MAX = 3.4028234663852886e38
 NOISE_CHUNK = 1 << 18  # Gumbel noise elements a sampled pick hashes at once (pick_tokens)
 # the filters sampling_cut applies, in order
-CUTS = ("top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff")
+CUTS = ("top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 TOP_H_CANDIDATES = 100  # the most likely tokens top-h chooses among (transformers' TopHLogitsWarper.top_n)
 
 
@@ -136,45 +137,72 @@ def exclude_banned(z: torch.Tensor, banned_tokens: torch.Tensor | None, ban_rows
 
 
 def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None = None, min_p=None,
-                 epsilon_cutoff=None, eta_cutoff=None, top_h=None) -> torch.Tensor:
-    """Where top-h, then top-k, top-p, min-p, epsilon and eta (transformers' order) cut each row of z [N, V]: tau [N],
-    the value of the r-th largest entry of the row, r = top_k (at most V), or sooner the rank top-h keeps
+                 epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None) -> torch.Tensor:
+    """Where top-h, then top-k, top-p, min-p, typical, epsilon and eta (transformers' order) cut each row of z [N, V]:
+    ``cut`` [N, 2] float (z's dtype), the band ``low <= z <= high`` of the logits they keep (:func:`kept_by_cut`).
+
+    ``low`` is the value of the r-th largest entry of the row, r = top_k (at most V), or sooner the rank top-h keeps
     (:func:`_top_h_ranks`), or sooner still the first rank >= 1 at which the probability mass ranked before it, under
     the softmax over the values ranked before r, reaches ``top_p`` (a ``top_p`` of 1 keeps every token); then at
     least ``max z + log(min_p)``: min-p keeps the tokens whose probability
     is at least ``min_p`` times the most likely one's, a ratio no normalisation changes, so it cuts after the other
-    two by raising tau (log(min_p) computed in float64, rounded to z's dtype, whether min_p is a number or a tensor).
+    two by raising low (log(min_p) computed in float64, rounded to z's dtype, whether min_p is a number or a tensor).
+    Typical sampling (Meister et al. 2022, :func:`_typical_band`) then keeps a band of the tokens kept so far around
+    the entropy, which may leave out the most likely ones: the only filter that lowers ``high`` (+inf without it).
     Epsilon sampling (Hewitt et al. 2022) then keeps the tokens whose probability under the softmax over what the
     cuts before it kept is at least ``epsilon_cutoff``, and eta sampling those at least ``min(eta_cutoff,
     sqrt(eta_cutoff) * exp(-H))``, H the entropy (nats) of the softmax over what the cuts before it kept: each raises
-    tau to ``lse + log(floor)`` over the tokens kept so far, never above the row's max (the most likely token stays,
-    as transformers' warpers keep ``min_tokens_to_keep = 1``). The filters keep the tokens with ``z >= tau``
-    (:func:`kept_by_cut`): every token equal to the r-th value, ties all kept (as transformers' top-k keeps them), so
-    which tokens a cut keeps never depends on their ids, and a kernel applies it with one comparison in its pass over
-    the vocabulary.
+    low to ``lse + log(floor)`` over the tokens kept so far, never above the most likely of them (which stays, as
+    transformers' warpers keep ``min_tokens_to_keep = 1``). Every token equal to a bound is kept (ties all kept, as
+    transformers' top-k keeps them), so which tokens a cut keeps never depends on their ids, and a kernel applies it
+    with two comparisons in its pass over the vocabulary.
 
     r depends on the row's sorted values only: with ``top_k`` it lies among the first top_k of them, with ``top_h``
-    among the first :data:`TOP_H_CANDIDATES`, found by ``torch.topk`` (a partial selection); only top-p alone sorts
-    the whole row. Every setting may be a 0-d tensor
+    among the first :data:`TOP_H_CANDIDATES`, found by ``torch.topk`` (a partial selection); only top-p alone (and
+    typical sampling) sorts the whole row. Every setting may be a 0-d tensor
     (read on the device, so a captured CUDA graph serves every value); ``top_k_max`` (a host int) is the largest value
     such a ``top_k`` tensor holds, which the selection then needs (without it the whole row is sorted; an int
     ``top_k`` is its own)."""
     N, V = z.shape
-    tau = z.new_full((N,), float("-inf")) if top_k is None and top_p is None and top_h is None else \
+    low = z.new_full((N,), float("-inf")) if top_k is None and top_p is None and top_h is None else \
         _rank_cut(z, top_k, top_p, top_k_max, top_h)
-    if min_p is None and epsilon_cutoff is None and eta_cutoff is None:
-        return tau
-    top = z.amax(-1)  # the row's most likely token, which the filters below never cut
+    cut = torch.stack([low, z.new_full((N,), float("inf"))], dim=-1)
+    if min_p is None and typical_p is None and epsilon_cutoff is None and eta_cutoff is None:
+        return cut
+    top = z.amax(-1)  # the row's most likely token, which min-p never cuts
     if min_p is not None:
-        tau = torch.maximum(tau, top + _log64(min_p, z))
+        cut[:, 0] = torch.maximum(cut[:, 0], top + _log64(min_p, z))
+    if typical_p is not None:
+        cut = _typical_band(z, cut, typical_p)
+        top = torch.minimum(top, cut[:, 1])  # the most likely token typical sampling kept
     if epsilon_cutoff is not None:
-        tau = _floor_cut(top, tau, _kept_logits(z, tau), _log64(epsilon_cutoff, z))
+        cut[:, 0] = _floor_cut(top, cut[:, 0], _kept_logits(z, cut), _log64(epsilon_cutoff, z))
     if eta_cutoff is not None:
-        kept = _kept_logits(z, tau)
+        kept = _kept_logits(z, cut)
         eta = torch.as_tensor(eta_cutoff, dtype=torch.float64, device=z.device)
         floor = torch.minimum(eta, eta.sqrt() * torch.exp(-softmax_entropy(kept).double()))
-        tau = _floor_cut(top, tau, kept, torch.log(floor).to(z.dtype))
-    return tau
+        cut[:, 0] = _floor_cut(top, cut[:, 0], kept, torch.log(floor).to(z.dtype))
+    return cut
+
+
+def _typical_band(z: torch.Tensor, cut: torch.Tensor, typical_p) -> torch.Tensor:
+    """The cut [N, 2] narrowed by typical sampling (as transformers' TypicalLogitsWarper): under the softmax over the
+    tokens ``cut`` keeps, with H its entropy, rank them by ``|-log p - H|`` (lowest first) and keep those ranked no
+    worse than the first whose cumulative probability reaches ``typical_p`` (ties with it all kept; ``typical_p``
+    1: every token). ``|-log p - H|`` falls then rises with z, so what it keeps is the band from its least to its
+    most likely token, which the new cut's bounds are (a row with nothing kept gets low = +inf, high = -inf)."""
+    kept = _kept_logits(z, cut)
+    log_p = torch.log_softmax(kept, dim=-1)
+    entropy = -(log_p * log_p.exp()).nansum(-1, keepdim=True)
+    distance = (-log_p - entropy).abs()  # +inf (or NaN in a row with nothing kept) at the tokens cut before
+    ranked, order = torch.sort(distance, dim=-1)
+    mass = torch.softmax(kept.gather(-1, order), dim=-1).cumsum(-1)
+    mass_p = torch.as_tensor(typical_p, device=z.device)
+    last = (mass < mass_p.to(mass.dtype)).sum(-1, keepdim=True).clamp(max=z.shape[-1] - 1)
+    bound = torch.where(mass_p >= 1, float("inf"), ranked.gather(-1, last))
+    inside = (distance <= bound) & (kept > float("-inf"))
+    least = kept.masked_fill(~inside, float("inf")).amin(-1)
+    return torch.stack([least, kept.masked_fill(~inside, float("-inf")).amax(-1)], dim=-1)
 
 
 def _log64(x, z: torch.Tensor) -> torch.Tensor:
@@ -182,20 +210,20 @@ def _log64(x, z: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.as_tensor(x, dtype=torch.float64, device=z.device)).to(z.dtype)
 
 
-def _kept_logits(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """z [N, V] with -inf at the tokens the cut tau [N] drops."""
-    return z.masked_fill(z < tau[:, None], float("-inf"))
+def _kept_logits(z: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """z [N, V] with -inf at the tokens the cut [N, 2] drops."""
+    return z.masked_fill(~kept_by_cut(z, cut), float("-inf"))
 
 
-def _floor_cut(top: torch.Tensor, tau: torch.Tensor, kept: torch.Tensor, log_floor: torch.Tensor) -> torch.Tensor:
-    """tau [N] raised so as to keep, of the tokens it keeps (``kept`` [N, V]: :func:`_kept_logits`), those whose
-    probability under the softmax over them is at least ``exp(log_floor)`` (0-d or [N], the logits' dtype), and the
-    row's most likely token (``top`` [N], its logit) whatever the floor."""
-    return torch.maximum(tau, torch.minimum(top, torch.logsumexp(kept, dim=-1) + log_floor))
+def _floor_cut(top: torch.Tensor, low: torch.Tensor, kept: torch.Tensor, log_floor: torch.Tensor) -> torch.Tensor:
+    """A cut's low bound [N] raised so as to keep, of the tokens the cut keeps (``kept`` [N, V]: :func:`_kept_logits`),
+    those whose probability under the softmax over them is at least ``exp(log_floor)`` (0-d or [N], the logits'
+    dtype), and the most likely of them (``top`` [N], its logit) whatever the floor."""
+    return torch.maximum(low, torch.minimum(top, torch.logsumexp(kept, dim=-1) + log_floor))
 
 
 def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None, top_h=None) -> torch.Tensor:
-    """The top-h / top-k / top-p part of :func:`sampling_cut`: tau [N], the value of the last rank they keep."""
+    """The top-h / top-k / top-p part of :func:`sampling_cut`: [N], the value of the last rank they keep."""
     N, V = z.shape
     width = V  # how many of each row's largest values the cut may need
     if top_h is not None:  # top-h keeps at most TOP_H_CANDIDATES, and needs them all
@@ -231,9 +259,9 @@ def _top_h_ranks(sz: torch.Tensor, top_h) -> torch.Tensor:
     return (spent <= budget).sum(-1).clamp(min=1)
 
 
-def kept_by_cut(z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """bool [N, V]: the tokens of z [N, V] a :func:`sampling_cut` tau [N] keeps (``z >= tau``)."""
-    return z >= tau[:, None]
+def kept_by_cut(z: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """bool [N, V]: the tokens of z [N, V] a :func:`sampling_cut` cut [N, 2] keeps (``low <= z <= high``)."""
+    return (z >= cut[:, :1]) & (z <= cut[:, 1:])
 
 
 def cuts_anything(cuts: dict) -> bool:
@@ -282,7 +310,8 @@ def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, entropy=False):
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
+               entropy=False):
     """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; banned_tokens: bool [V];
     ban_rows: bool [N]; noise_keys: int64 [N, 3].
 
@@ -294,7 +323,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     lse = torch.logsumexp(z, dim=-1)
     tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
                       top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
-                      top_h=top_h)
+                      top_h=top_h, typical_p=typical_p)
     valid = tok >= 0
     zt = z.gather(1, tok.clamp(min=0)[:, None])[:, 0]
     prob = torch.where(valid, torch.exp(zt - lse), torch.zeros_like(lse))
