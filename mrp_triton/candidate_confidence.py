@@ -82,7 +82,7 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
 
 
 def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
-                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p) -> None:
+                cuts: dict) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.dtype.is_floating_point:
         raise ValueError("hidden must be a floating-point tensor [N, H]")
     N, H = hidden.shape
@@ -102,8 +102,7 @@ def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, t
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
-    check_sampling(N, hidden.device, "hidden", temperature, do_sample, noise_keys, top_k, top_p, min_p=min_p,
-                   epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
+    check_sampling(N, hidden.device, "hidden", temperature, do_sample, noise_keys, **cuts)
 
 
 def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0,
@@ -113,8 +112,9 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
     chunk, for tests). Ids must lie in [-1, V): the kernel gathers their rows unchecked (a host check would
     synchronise)."""
-    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
-                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
+    cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
+                top_h=top_h, typical_p=typical_p)
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts)
     N, H = hidden.shape
     M = ids.shape[1]
     dev = hidden.device
@@ -137,8 +137,7 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
     if do_sample:
         tok, prob = pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=True, seed=seed, noise_keys=noise_keys,
-                                top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
+                                **cuts)
     return tok, prob
 
 
@@ -155,13 +154,13 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     to their softmax over the listed tokens). Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows
     and rows with nothing listed. Semantics: :mod:`mrp_triton.reference.candidate_confidence`.
     """
+    cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
+                top_h=top_h, typical_p=typical_p)
     kw = dict(seed_hidden=seed_hidden, vocab_mean=vocab_mean, temperature=temperature, skip_rows=skip_rows,
-              do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p, min_p=min_p,
-              epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
+              do_sample=do_sample, seed=seed, noise_keys=noise_keys, **cuts)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and hidden.dtype != torch.float64 and \
             select_backend(hidden.device, hidden, weight, seed_hidden) == "triton":
         return candidate_confidence_triton(hidden, weight, ids, rest, **kw)
-    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
-                top_k, top_p, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts)
     return candidate_confidence_reference(hidden, weight, ids, rest, **kw)

@@ -300,7 +300,7 @@ def check_temperature(temperature: float) -> None:
 
 
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p):
+                noise_keys, cuts: dict):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -328,8 +328,7 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
     check_banned(banned_tokens, ban_rows, N, V, logits.device, "logits")
-    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, top_k, top_p, top_k_max, min_p,
-                   epsilon_cutoff, eta_cutoff, top_h, typical_p)
+    check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, **cuts)
 
 
 def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
@@ -398,8 +397,10 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     ``out = (tokens, probs, lse)`` (with ``entropy``, ``(tokens, probs, lse, entropy)``) preallocated outputs (tests
     poison them).
     """
+    cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
+                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
+                noise_keys, cuts)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -412,8 +413,6 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         return out
     sample = bool(do_sample)
     cut = None
-    cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
     if sample and cuts_anything(cuts):
         cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, **cuts)
     if logits.stride(-1) != 1:
@@ -484,17 +483,14 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     [N] (+inf where the token is -1), from the same pass (one more running sum).
     Dispatches with :func:`mrp_triton.backend.select_backend`.
     """
+    cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
+                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
+    kw = dict(scale=scale, temperature=temperature, skip_rows=skip_rows, mask_token_id=mask_token_id,
+              banned_tokens=banned_tokens, ban_rows=ban_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
+              entropy=entropy, **cuts)
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
     if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
-        return confidence_triton(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
-                                 mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
-                                 do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                 top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p, entropy=entropy)
+        return confidence_triton(logits, residual, **kw)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, top_k, top_p, top_k_max, min_p, epsilon_cutoff, eta_cutoff, top_h, typical_p)
-    return confidence_reference(logits, residual, scale=scale, temperature=temperature, skip_rows=skip_rows,
-                                mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
-                                do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
-                                top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
-                                eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p, entropy=entropy)
+                noise_keys, cuts)
+    return confidence_reference(logits, residual, **kw)

@@ -1153,62 +1153,30 @@ def test_min_p_1_and_epsilon_near_1_sample_the_most_likely_token_alone(model, kw
         assert torch.equal(model.generate(ids, do_sample=True, **cut, seed=seed, **common), greedy), seed
 
 
-@pytest.mark.parametrize("name,value,bounds", [("min_p", 0.2, "\\[0, 1\\]"), ("epsilon_cutoff", 0.03, "\\[0, 1\\)"),
-                                               ("eta_cutoff", 0.2, "\\[0, 1\\)")])
-def test_min_p_epsilon_and_eta_cut_the_unlikely_tail_and_0_cuts_nothing(model, name, value, bounds):
-    """A small min_p / epsilon_cutoff / eta_cutoff changes what a hot temperature samples (it cuts the tail) and
-    repeats; 0 cuts nothing (the same tokens and step key as without it), also from a GenerationConfig; out of
-    range it is refused (epsilon and eta at 1 too, which transformers would ignore), and a greedy call asking for it
-    too (it would change nothing)."""
+@pytest.mark.parametrize("name,value,nothing,bounds,bad", [
+    ("min_p", 0.2, 0.0, "\\[0, 1\\]", (1.5, -0.2)), ("epsilon_cutoff", 0.03, 0.0, "\\[0, 1\\)", (1.5, -0.2, 1.0)),
+    ("eta_cutoff", 0.2, 0.0, "\\[0, 1\\)", (1.5, -0.2, 1.0)), ("typical_p", 0.3, 1.0, "\\(0, 1\\]", (1.5, -0.2, 0.0)),
+    ("top_h", 0.3, 1.0, "\\(0, 1\\]", (1.5, -0.2, 0.0))])
+def test_each_filter_cuts_the_tail_and_its_neutral_value_cuts_nothing(model, name, value, nothing, bounds, bad):
+    """min_p / epsilon_cutoff / eta_cutoff / typical_p / top_h change what a hot temperature samples (they cut) and
+    repeat, also from a GenerationConfig; their neutral value cuts nothing: 0 for the first three, 1 for typical_p
+    (transformers' default), with the same step key as without them; top_h 1 keeps the 100 most likely tokens, here
+    (67 tokens) every one. Out of range they are refused (epsilon and eta at 1 too, which transformers would
+    ignore), and a greedy call asking for one too (it would change nothing)."""
     ids = random_prompts(2, 6, seed=45)
     kw = dict(max_new_tokens=10, eos_token_id=[], do_sample=True, temperature=3.0, seed=2)
     plain, cut = model.generate(ids, **kw), model.generate(ids, **{name: value}, **kw)
     assert not torch.equal(plain, cut) and torch.equal(cut, model.generate(ids, **{name: value}, **kw))
     assert torch.equal(model.generate(ids, generation_config=GenerationConfig(**{name: value}), **kw), cut)
-    assert torch.equal(model.generate(ids, **{name: 0.0}, **kw), plain)
-    keys = {GenerationSettings.resolve(model, None, dict(kw, **{name: p}), 6).step_key() for p in (None, 0.0)}
-    assert len(keys) == 1
-    for bad in (1.5, -0.2) + ((1.0,) if name != "min_p" else ()):
-        with pytest.raises(ValueError, match=f"{name}={bad} must be in {bounds}"):
-            model.generate(ids, **{name: bad}, **kw)
+    assert torch.equal(model.generate(ids, **{name: nothing}, **kw), plain)
+    if name != "top_h":  # top_h 1 keeps the 100 most likely: a cut on a larger vocabulary
+        keys = {GenerationSettings.resolve(model, None, dict(kw, **{name: p}), 6).step_key() for p in (None, nothing)}
+        assert len(keys) == 1
+    for x in bad:
+        with pytest.raises(ValueError, match=f"{name}={x} must be in {bounds}"):
+            model.generate(ids, **{name: x}, **kw)
     with pytest.raises(ValueError, match=f"{name}={value} steers sampling.*do_sample=True"):
         model.generate(ids, **{name: value}, max_new_tokens=4)
-
-
-def test_typical_p_cuts_and_1_cuts_nothing(model):
-    """A typical_p below 1 changes what a hot temperature samples and repeats, also from a GenerationConfig; 1
-    (transformers' default: no typical cut) cuts nothing, with the same step key as without it; outside (0, 1] it is
-    refused, and a greedy call asking for it too."""
-    ids = random_prompts(2, 6, seed=45)
-    kw = dict(max_new_tokens=10, eos_token_id=[], do_sample=True, temperature=3.0, seed=2)
-    plain, cut = model.generate(ids, **kw), model.generate(ids, typical_p=0.3, **kw)
-    assert not torch.equal(plain, cut) and torch.equal(cut, model.generate(ids, typical_p=0.3, **kw))
-    assert torch.equal(model.generate(ids, generation_config=GenerationConfig(typical_p=0.3), **kw), cut)
-    assert torch.equal(model.generate(ids, typical_p=1.0, **kw), plain)
-    keys = {GenerationSettings.resolve(model, None, dict(kw, typical_p=p), 6).step_key() for p in (None, 1.0)}
-    assert len(keys) == 1
-    for bad in (0.0, 1.5, -0.2):
-        with pytest.raises(ValueError, match=f"typical_p={bad} must be in \\(0, 1\\]"):
-            model.generate(ids, typical_p=bad, **kw)
-    with pytest.raises(ValueError, match="typical_p=0.3 steers sampling.*do_sample=True"):
-        model.generate(ids, typical_p=0.3, max_new_tokens=4)
-
-
-def test_top_h_cuts_the_unlikely_tail_and_1_keeps_a_small_vocabulary_whole(model):
-    """A small top_h changes what a hot temperature samples (it cuts the tail) and repeats, also from a
-    GenerationConfig; at 1 it keeps the 100 most likely tokens, here (67 tokens) every one: the tokens of sampling
-    without it; outside (0, 1] it is refused, and a greedy call asking for it too."""
-    ids = random_prompts(2, 6, seed=45)
-    kw = dict(max_new_tokens=10, eos_token_id=[], do_sample=True, temperature=3.0, seed=2)
-    plain, cut = model.generate(ids, **kw), model.generate(ids, top_h=0.3, **kw)
-    assert not torch.equal(plain, cut) and torch.equal(cut, model.generate(ids, top_h=0.3, **kw))
-    assert torch.equal(model.generate(ids, generation_config=GenerationConfig(top_h=0.3), **kw), cut)
-    assert torch.equal(model.generate(ids, top_h=1.0, **kw), plain)
-    for bad in (0.0, 1.5, -0.2):
-        with pytest.raises(ValueError, match=f"top_h={bad} must be in \\(0, 1\\]"):
-            model.generate(ids, top_h=bad, **kw)
-    with pytest.raises(ValueError, match="top_h=0.3 steers sampling.*do_sample=True"):
-        model.generate(ids, top_h=0.3, max_new_tokens=4)
 
 
 def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch):
