@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "each position (1-64); the output stays lossless")
     p.add_argument("--remask-rule", choices=REMASK_RULES, help="remask (default: tau)")
     p.add_argument("--residual-delta", type=float, help="remask rule delta (default: 1.0)")
+    p.add_argument("--repetition-penalty", type=float, help="scale down the logits of the tokens the text already "
+                   "holds by this factor (transformers' repetition penalty; > 1 discourages repeats, 1: none)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: divides the logits")
     p.add_argument("--top-h", type=float, help="with --do-sample: among the 100 most likely tokens, sample among the "
@@ -297,7 +299,8 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 mrp_steps=args.mrp_steps,
                 draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
-                residual_delta=args.residual_delta, do_sample=args.do_sample,
+                residual_delta=args.residual_delta, repetition_penalty=args.repetition_penalty,
+                do_sample=args.do_sample,
                 temperature=args.temperature, top_h=args.top_h, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff,
                 seed=args.seed,

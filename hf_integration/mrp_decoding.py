@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import mrp_triton
-from mrp_triton.reference.confidence import inverse_temperature
+from mrp_triton.reference.confidence import inverse_temperature, penalized
 
 from .decoding import BlockDecoder, Strategy, denoising_step
 from .draft_candidates import rest_mass
@@ -144,7 +144,7 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         if len(seed) > 1:
             tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.noise_counter(k))
         else:
-            tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.noise_counter(k), dec.draft)
+            tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.noise_counter(k), dec.draft, states=state)
         # one token a row: rows with nothing masked (or not drafting) have no picks (token -1) and commit nothing
         mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=1)
         states.append(state.clone() if k < K - 1 else state)
@@ -195,7 +195,8 @@ def speculation_round(dec: BlockDecoder):
         live = candidates[:, 0].any(-1)  # C(0) is the block
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copy)
-        picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), dec.noise_counter(copy), top_m=top_m)
+        picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), dec.noise_counter(copy), top_m=top_m,
+                                states=states)
         target_tok, target_conf = (x.view(B, K + 1, T) for x in picks[:2])
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, target_tok, target_conf,
                                                    mask_token_id=dec.mask_id)
@@ -234,16 +235,20 @@ def decode_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
-                  revealed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Per revealed position [B, T]: the corrected confidence of its token (rule "tau") or the residual
-    magnitude |C[pos, token]| with C = corrected - A, A = lm_head(h_A) (rule "delta")."""
+                  revealed: torch.Tensor, positions: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Per revealed position [B, T]: the corrected confidence of its token (rule "tau"; under a repetition penalty,
+    of the tokens seen ``before`` the reveal, as the pick was) or the residual magnitude |C[pos, token]| with
+    C = corrected - A, A = lm_head(h_A) (rule "delta")."""
     t = tokens.clamp(min=0)[..., None]
     if dec.settings.remask_rule == "delta":
         logits = dec.model.lm_head(h_a)
         return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
-    _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter())
-    z = corrected.float().gather(-1, t)[..., 0] * inverse_temperature(dec.temperature)  # as confidence scales
-    return torch.exp(z - lse)
+    _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter(), states=before)
+    z = corrected.float().gather(-1, t)[..., 0]
+    seen = dec.seen_tokens(before)
+    if seen:  # the token's logit as the pick's softmax saw it (one state a row: its seen row is the row's)
+        z = penalized(z, seen["repetition_penalty"], seen["seen_tokens"].gather(1, t[..., 0]))
+    return torch.exp(z * inverse_temperature(dec.temperature) - lse)  # as confidence scales
 
 
 def remask_step(dec: BlockDecoder):
@@ -260,13 +265,13 @@ def remask_step(dec: BlockDecoder):
         masked = dec.masked(block)
         live = masked.any(-1)
         h_a = dec.backbone(block, positions)
-        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.noise_counter())
+        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.noise_counter(), states=block)
         before = block.clone()
         quota = dec.scheduled_quota(quota_base, quota_extra, steps_taken) * live  # >= 1: T // S, S <= T
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
-        score = _token_scores(dec, h_a, corrected, tok, revealed, positions)
+        score = _token_scores(dec, h_a, corrected, tok, revealed, positions, before)
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
         dec.record(live, revealed & ~remasked)
         dec.note_confidences(positions, revealed & ~remasked, conf)

@@ -94,6 +94,54 @@ def check_banned(banned_tokens, ban_rows, rows: int, vocab: int, device: torch.d
             raise ValueError(f"{name} is on {t.device} but {data} is on {device}")
 
 
+def check_penalty(repetition_penalty, seen_tokens, seen_rows, rows: int, vocab: int, device: torch.device,
+                  data: str) -> None:
+    """A repetition penalty (a finite number > 0, or a 0-d real tensor on ``device``, whose value the caller checks)
+    with ``seen_tokens``, a bool / uint8 tensor [C, vocab] on ``device`` (the tokens each row of it has seen), and
+    ``seen_rows`` None (C == rows: row n reads row n) or an int64 tensor [rows] there (row n reads row seen_rows[n],
+    in [0, C): unchecked, a host check would synchronise); or none of the three."""
+    if repetition_penalty is None:
+        if seen_tokens is not None or seen_rows is not None:
+            raise ValueError("seen_tokens / seen_rows are read by the repetition penalty: pass repetition_penalty too")
+        return
+    if not check_device_scalar("repetition_penalty", repetition_penalty, device) and (
+            isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, numbers.Real)
+            or not 0 < float(repetition_penalty) < float("inf")):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1: no penalty), got {repetition_penalty!r}")
+    if not isinstance(seen_tokens, torch.Tensor) or seen_tokens.dtype not in BAN_DTYPES or seen_tokens.dim() != 2 \
+            or seen_tokens.shape[1] != vocab:
+        raise ValueError(f"repetition_penalty needs seen_tokens: a bool or uint8 tensor [C, {vocab}] (the tokens each "
+                         f"row has seen), got {_shown(seen_tokens)}")
+    if seen_rows is None and seen_tokens.shape[0] != rows:
+        raise ValueError(f"seen_tokens has {seen_tokens.shape[0]} rows but {data} {rows}: pass seen_rows (int64 "
+                         f"[{rows}], the row of seen_tokens each row reads)")
+    if seen_rows is not None and (not isinstance(seen_rows, torch.Tensor) or seen_rows.dtype != torch.int64
+                                  or tuple(seen_rows.shape) != (rows,)):
+        raise ValueError(f"seen_rows must be an int64 tensor of shape [{rows}] (one per row of {data}), got "
+                         f"{_shown(seen_rows)}")
+    for name, t in (("seen_tokens", seen_tokens), ("seen_rows", seen_rows)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {data} is on {device}")
+
+
+def _shown(t) -> str:
+    """How an argument is described in an error: a tensor's dtype and shape, else its type."""
+    return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def penalty_operands(repetition_penalty, seen_tokens, seen_rows, rows: int, dummy: torch.Tensor) -> tuple:
+    """What a kernel with ``HAS_PENALTY`` reads (checked by :func:`check_penalty`): the seen table as uint8 [C, V]
+    (contiguous), each row's row of it (int64 [rows]) and the penalty as a 0-d float64 tensor on the device;
+    ``dummy`` for all three without a penalty (the kernel then reads none)."""
+    if repetition_penalty is None:
+        return dummy, dummy, dummy
+    device = seen_tokens.device
+    table = seen_tokens.contiguous().view(torch.uint8)
+    which = torch.arange(rows, device=device) if seen_rows is None else seen_rows.contiguous()
+    pen = torch.as_tensor(repetition_penalty, dtype=torch.float64, device=device)
+    return table, which, pen
+
+
 def ban_operands(banned_tokens, ban_rows, rows: int, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a kernel with ``HAS_BAN`` reads (checked by :func:`check_banned`): the table and each of the ``rows``
     rows' classes as uint8 (every class, 0xFF, in every row without ``ban_rows``); ``dummy`` for both without a ban

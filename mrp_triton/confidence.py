@@ -46,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import ban_operands, check_banned, check_device_scalar, check_kernel_device, check_skip_rows
+from ._checks import (ban_operands, check_banned, check_device_scalar, check_kernel_device, check_penalty,
+                      check_skip_rows, penalty_operands)
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import cuts_anything, effective_logits, sampling_cut, seed_hash
@@ -109,9 +110,10 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, cut_ptr, ban_tok_ptr, ban_rows_ptr,
-    part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
+    seen_ptr, seen_rows_ptr, pen_ptr, part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
     V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
-    HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, DO_SAMPLE: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_PENALTY: tl.constexpr,
+    DO_SAMPLE: tl.constexpr,
     HAS_CUT: tl.constexpr, ENTROPY: tl.constexpr,
     FINAL: tl.constexpr, T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -139,6 +141,11 @@ def _conf_partial_kernel(
     if HAS_CUT:  # the sampling filters: draw among the tokens inside the row's band low <= z <= high
         low = tl.load(cut_ptr + row * 2)
         high = tl.load(cut_ptr + row * 2 + 1)
+    if HAS_PENALTY:  # the repetition penalty at the tokens this row has seen (its row of the seen table)
+        seen_row = seen_ptr + tl.load(seen_rows_ptr + row) * V
+        pen64 = tl.load(pen_ptr).to(tl.float64)
+        pen = pen64.to(tl.float32)
+        inv_pen = (1.0 / pen64).to(tl.float32)
     if HAS_BAN:  # token v is excluded where banned_tokens[v] & this row's ban classes (uint8 bits) is nonzero: the
         ban_bits = tl.load(ban_rows_ptr + row)  # table is read below ban_hi (nowhere in a row with no class)
         ban_hi = tl.where(ban_bits != 0, hi, 0)
@@ -172,6 +179,9 @@ def _conf_partial_kernel(
                 res_r += stride_rr
                 acc += tl.load(res_r + offs, mask=msk, other=0.0).to(tl.float32)
             x = x + scale * acc
+        if HAS_PENALTY:
+            seen = tl.load(seen_row + offs, mask=msk, other=0)
+            x = tl.where(seen != 0, tl.where(x < 0, x * pen, x * inv_pen), x)
         x = x * inv_t
         x = comparable(x)
         x = tl.where(msk & (offs != mask_id), x, float("-inf"))
@@ -300,7 +310,7 @@ def check_temperature(temperature: float) -> None:
 
 
 def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, cuts: dict):
+                noise_keys, cuts: dict, penalty: dict):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
@@ -328,6 +338,7 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
                                       not isinstance(mask_token_id, numbers.Integral)):
         raise TypeError(f"mask_token_id must be an int or None, got {type(mask_token_id).__name__}")
     check_banned(banned_tokens, ban_rows, N, V, logits.device, "logits")
+    check_penalty(**penalty, rows=N, vocab=V, device=logits.device, data="logits")
     check_sampling(N, logits.device, "logits", temperature, do_sample, noise_keys, **cuts)
 
 
@@ -368,7 +379,7 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
 CUT_CHUNK = 1 << 24  # logits the sampling cut of a sampled launch handles at once (about 64 MB in fp32)
 
 
-def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows,
+def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, penalty: dict,
                        **cuts) -> torch.Tensor:
     """[N, 2]: each row's cut by the filters ``cuts`` (keyword arguments of :func:`sampling_cut`), a chunk of rows at
     a time: top-p alone sorts whole rows, and all rows of a 152k vocabulary at once would take gigabytes of [N, V]
@@ -380,16 +391,26 @@ def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, bann
         res = None if residual is None else residual[..., i:i + step, :]
         z = effective_logits(logits[i:i + step], res, scale=scale, temperature=temperature,
                              mask_token_id=mask_token_id, banned_tokens=banned_tokens,
-                             ban_rows=None if ban_rows is None else ban_rows[i:i + step])
+                             ban_rows=None if ban_rows is None else ban_rows[i:i + step],
+                             **_penalty_rows(penalty, slice(i, i + step)))
         bands.append(sampling_cut(z, **cuts))
     return torch.cat(bands) if len(bands) > 1 else bands[0]
 
 
+def _penalty_rows(penalty: dict, rows: slice) -> dict:
+    """The repetition penalty's arguments (:func:`check_penalty`) of a slice of the rows."""
+    if penalty["repetition_penalty"] is None:
+        return penalty
+    if penalty["seen_rows"] is None:
+        return dict(penalty, seen_tokens=penalty["seen_tokens"][rows])
+    return dict(penalty, seen_rows=penalty["seen_rows"][rows])
+
+
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-                      banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
-                      top_p=None, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
-                      typical_p=None, entropy=False, splits=None, block_v=None, num_warps=None, prefetch=True,
-                      out=None):
+                      banned_tokens=None, ban_rows=None, repetition_penalty=None, seen_tokens=None, seen_rows=None,
+                      do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None, min_p=None,
+                      epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None, entropy=False, splits=None,
+                      block_v=None, num_warps=None, prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
 
     ``splits`` / ``block_v`` / ``num_warps`` override the config table (tests, benchmarks); ``prefetch=False``
@@ -399,8 +420,9 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     """
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
+    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, cuts)
+                noise_keys, cuts, penalty)
     check_kernel_device(logits.device, "confidence")
     N, V = logits.shape
     dev = logits.device
@@ -414,7 +436,8 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     sample = bool(do_sample)
     cut = None
     if sample and cuts_anything(cuts):
-        cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, **cuts)
+        cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, penalty,
+                                 **cuts)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     res = residual
@@ -430,6 +453,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else dummy  # read at skip + row
     keys = noise_keys.contiguous() if sample else dummy
     ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, dummy)
+    seen, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, dummy)
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     t_tensor = isinstance(temperature, torch.Tensor)
@@ -445,9 +469,11 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         logits, logits.stride(0),
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
-        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, part, part_idx, tok, prob, lse, ent,
+        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, seen, seen_at, pen,
+        part, part_idx, tok, prob, lse, ent,
         V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
-        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None, DO_SAMPLE=sample,
+        HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None,
+        HAS_PENALTY=repetition_penalty is not None, DO_SAMPLE=sample,
         HAS_CUT=cut is not None, ENTROPY=bool(entropy),
         FINAL=S == 1,
         T_TENSOR=t_tensor, PREFETCH=bool(prefetch), BLOCK_V=BLOCK_V, num_warps=nw,
@@ -460,15 +486,19 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
-               banned_tokens=None, ban_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
-               entropy=False):
+               banned_tokens=None, ban_rows=None, repetition_penalty=None, seen_tokens=None, seen_rows=None,
+               do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None, min_p=None,
+               epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None, entropy=False):
     """Per-row token, full-softmax probability and logsumexp of the effective logits (and its entropy).
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool or uint8 [V] and ban_rows: bool or
     uint8 [N] (token v excluded like the mask column in row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero:
-    each bit a class of ban; ban_rows None: every class in every row); noise_keys: int64 [N, 3] =
+    each bit a class of ban; ban_rows None: every class in every row); ``repetition_penalty`` (a number > 0 or a 0-d
+    tensor) with seen_tokens: bool or uint8 [C, V] and seen_rows: int64 [N] in [0, C) (None: C = N, row n reads row
+    n): transformers' repetition penalty on the logits (plus residual) of the tokens row n has seen, those nonzero in
+    ``seen_tokens[seen_rows[n]]``, before the temperature (:func:`.reference.confidence.penalized`); noise_keys: int64
+    [N, 3] =
     (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p``,
     ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely), ``typical_p``
     (typical sampling: the tokens whose surprise is nearest the entropy, up to that mass), ``epsilon_cutoff``
@@ -485,12 +515,13 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     """
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
+    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows)
     kw = dict(scale=scale, temperature=temperature, skip_rows=skip_rows, mask_token_id=mask_token_id,
               banned_tokens=banned_tokens, ban_rows=ban_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
-              entropy=entropy, **cuts)
+              entropy=entropy, **cuts, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
     if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
         return confidence_triton(logits, residual, **kw)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
-                noise_keys, cuts)
+                noise_keys, cuts, penalty)
     return confidence_reference(logits, residual, **kw)

@@ -51,6 +51,19 @@ def _drawn_ban(draw, g: torch.Generator, N: int, V: int):
     return classes, None if every_row else torch.randint(0, 8, (N,), generator=g).to(torch.uint8)
 
 
+def _drawn_penalty(draw, g: torch.Generator, N: int, V: int) -> dict:
+    """No repetition penalty, or one (below or above 1) with the tokens seen: a fraction of the vocabulary (or all of
+    it) in each of C rows that the N rows read by seen_rows, or in N rows (seen_rows None)."""
+    penalty = draw(st.sampled_from([None, 0.5, 1.3, 3.0]))
+    if penalty is None:
+        return {}
+    C = draw(st.sampled_from([None, 1, 3]))
+    seen = torch.rand(N if C is None else C, V, generator=g) < draw(st.sampled_from([0.1, 0.5, 1.0]))
+    rows = None if C is None else torch.randint(0, C, (N,), generator=g)
+    return dict(repetition_penalty=penalty, seen_tokens=seen if draw(st.booleans()) else seen.to(torch.uint8),
+                seen_rows=rows)
+
+
 @st.composite
 def _cases(draw):
     N = draw(st.integers(1, 64))
@@ -74,7 +87,7 @@ def _cases(draw):
         residual = torch.randn(draw(st.integers(1, 3)), N, V, generator=g).to(dtype)
     skip = torch.rand(N, generator=g) < 0.3 if draw(st.booleans()) else None
     banned, ban_rows = _drawn_ban(draw, g, N, V)
-    kw = dict(
+    kw = dict(**_drawn_penalty(draw, g, N, V),
         scale=draw(st.sampled_from([1.0, 0.5, -2.0])),
         temperature=draw(st.sampled_from([1.0, 0.7, 2.5])),
         skip_rows=skip,
@@ -90,6 +103,7 @@ def _cases(draw):
         epsilon_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
         eta_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
         top_h=draw(st.none() | st.just(1.0) | st.floats(0.05, 0.95)),
+        typical_p=draw(st.none() | st.just(1.0) | st.floats(0.05, 0.95)),
         entropy=draw(st.booleans()),
     )
     top_k_max = draw(st.sampled_from([None, 0, 64]))  # with a top_k tensor: none, top_k itself, or above it
@@ -100,14 +114,15 @@ def _cases(draw):
 @given(_cases())
 def test_kernel_matches_reference(case):
     """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-h /
-    top-k / top-p / min-p / epsilon / eta keep, the entropy asked for or not); a temperature and the filters given to
-    the kernel as float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k
-    with or without a top_k_max."""
+    top-k / top-p / min-p / typical / epsilon / eta keep, the entropy asked for or not, a repetition penalty at the
+    tokens each row has seen); a temperature, the filters and the penalty given to the kernel as float64 0-d tensors
+    (read on the device) scale, filter and sample exactly as the numbers do, top_k with or without a top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
-        for name in ("temperature", "top_h", "top_k", "top_p", "min_p", "epsilon_cutoff", "eta_cutoff"):
-            if kw[name] is not None:
+        for name in ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                     "repetition_penalty"):
+            if kw.get(name) is not None:
                 dev_kw[name] = torch.tensor(float(kw[name]), dtype=torch.float64, device=DEV)
         if kw["top_k"] is not None and top_k_max is not None:
             dev_kw["top_k_max"] = top_k_max or kw["top_k"]

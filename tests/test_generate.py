@@ -524,7 +524,7 @@ def test_use_cache_is_accepted_and_unknown_keywords_are_refused(model):
 def test_transformers_keywords_that_ask_for_nothing_pass_and_others_are_refused(model):
     """Code written for transformers' generate passes its keywords at values that ask for nothing (num_beams=1,
     output_scores=False, logits_processor=None, ...): the tokens are those of a call without them. The same keywords
-    at values that ask for something (beam search, a repetition penalty, scores, a logits processor) are a TypeError
+    at values that ask for something (beam search, scores, a logits processor) are a TypeError
     naming each with its value, the rest checked as a generation_config's fields are."""
     ids = random_prompts(1, 4, seed=9)
     plain = model.generate(ids, max_new_tokens=6)
@@ -552,21 +552,21 @@ def test_transformers_keywords_that_ask_for_nothing_pass_and_others_are_refused(
 
 
 def test_generation_config_fields_we_do_not_support_are_refused_or_flagged(model, caplog):
-    """A generation_config the caller passes with e.g. beam search or a repetition penalty is refused (a silent
-    drop would decode something else than asked); the same fields in the model's own generation config (as
-    checkpoints ship them) are ignored with a warning."""
+    """A generation_config the caller passes with e.g. beam search or an n-gram ban is refused (a silent drop would
+    decode something else than asked); the same fields in the model's own generation config (as checkpoints ship
+    them) are ignored with a warning."""
     ids = random_prompts(1, 4, seed=9)
-    with pytest.raises(TypeError, match=r"generation_config sets \['num_beams', 'repetition_penalty'\]"):
-        model.generate(ids, generation_config=GenerationConfig(max_new_tokens=4, num_beams=2, repetition_penalty=1.2))
+    with pytest.raises(TypeError, match=r"generation_config sets \['no_repeat_ngram_size', 'num_beams'\]"):
+        model.generate(ids, generation_config=GenerationConfig(max_new_tokens=4, num_beams=2, no_repeat_ngram_size=3))
     plain = model.generate(ids, max_new_tokens=4)
     shipped = model.generation_config
     try:
-        model.generation_config = GenerationConfig(repetition_penalty=1.05, max_new_tokens=4)
+        model.generation_config = GenerationConfig(no_repeat_ngram_size=3, max_new_tokens=4)
         with caplog.at_level("WARNING"):
             assert torch.equal(model.generate(ids), plain)
     finally:
         model.generation_config = shipped
-    assert "['repetition_penalty']" in caplog.text and "ignored" in caplog.text
+    assert "['no_repeat_ngram_size']" in caplog.text and "ignored" in caplog.text
 
 
 def test_generation_config_filled_with_transformers_defaults_is_accepted(model):
@@ -577,7 +577,7 @@ def test_generation_config_filled_with_transformers_defaults_is_accepted(model):
 
     ids = random_prompts(1, 4, seed=9)
     unsupported = {k: v for k, v in FILLED_DEFAULTS.items()
-                   if k in ("num_beams", "repetition_penalty", "no_repeat_ngram_size")}
+                   if k in ("num_beams", "length_penalty", "no_repeat_ngram_size")}
     assert len(unsupported) == 3, "transformers no longer fills these defaults: revisit FILLED_DEFAULTS"
     filled = GenerationConfig(max_new_tokens=4, **unsupported)
     assert torch.equal(model.generate(ids, generation_config=filled), model.generate(ids, max_new_tokens=4))

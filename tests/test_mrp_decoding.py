@@ -244,11 +244,14 @@ def test_remask_feeds_the_head_the_ids_its_rule_reads(monkeypatch, rule):
     assert checked >= 2
 
 
-@pytest.mark.parametrize("rule", ["tau", "delta"])
-def test_remask_scores_follow_their_rule(rule):
+@pytest.mark.parametrize("rule,penalty", [("tau", None), ("delta", None), ("tau", 1.7)])
+def test_remask_scores_follow_their_rule(rule, penalty):
     """Rule "tau" scores a revealed token by its probability under the full softmax (mask token left out) of the
-    corrected logits at the temperature the picks use; rule "delta" by |C[pos, token]|, C = corrected -
+    corrected logits at the temperature the picks use (with a repetition penalty, transformers' processor over the
+    tokens the block held before the reveal, as the pick saw them); rule "delta" by |C[pos, token]|, C = corrected -
     lm_head(h_A): a residual that lowers the token's logit counts as much as one that raises it."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
     from hf_integration.decoding import BlockDecoder
     from hf_integration.generation_settings import GenerationSettings
     from hf_integration.mrp_decoding import _token_scores
@@ -256,7 +259,8 @@ def test_remask_scores_follow_their_rule(rule):
 
     model = tiny_model(seed=5, block_size=8)
     ids = random_prompts(2, 5, seed=1)
-    kwargs = dict(max_new_tokens=8, strategy="remask", remask_rule=rule, do_sample=True, temperature=0.5, seed=1)
+    kwargs = dict(max_new_tokens=8, strategy="remask", remask_rule=rule, do_sample=True, temperature=0.5, seed=1,
+                  repetition_penalty=penalty)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None),
                        GenerationSettings.resolve(model, None, kwargs, prompt_width=5))
     g = torch.Generator().manual_seed(0)
@@ -265,8 +269,12 @@ def test_remask_scores_follow_their_rule(rule):
     corrected = 3 * torch.randn(B, T, V, generator=g, dtype=torch.float64)
     tokens = torch.randint(0, MASK_ID, (B, T), generator=g)
     revealed = torch.rand(B, T, generator=g) < 0.6
-    score = _token_scores(dec, h_a, corrected, tokens, revealed, torch.arange(8, 16).expand(B, -1))
+    before = torch.where(torch.rand(B, T, generator=g) < 0.5, tokens, MASK_ID)  # some revealed tokens seen before
+    score = _token_scores(dec, h_a, corrected, tokens, revealed, torch.arange(8, 16).expand(B, -1), before)
     if rule == "tau":
+        if penalty is not None:
+            corrected = torch.stack([RepetitionPenaltyLogitsProcessor(penalty)(before[b].expand(T, -1), corrected[b])
+                                     for b in range(B)])
         expected = (corrected / 0.5).index_fill(-1, torch.tensor([MASK_ID]), float("-inf")).softmax(-1)
     else:
         expected = corrected - model.lm_head(h_a)

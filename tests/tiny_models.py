@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
 
@@ -63,7 +64,7 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
                         reveal_steps: torch.Tensor | None = None, confidences: torch.Tensor | None = None,
                         eos_ids: tuple[int, ...] = (), min_new: int = 0, suppress: tuple[int, ...] = (),
                         begin_suppress: tuple[int, ...] = (), leftmost: bool = False,
-                        entropy_bound: float | None = None):
+                        entropy_bound: float | None = None, repetition_penalty: float | None = None):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
     the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
@@ -73,7 +74,8 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
     sets them; nothing stops at them), ``suppress`` everywhere and ``begin_suppress`` at the first new token.
     ``leftmost``: each step commits the first masked position (SDAR's sequential rule) instead of the most
     confident; ``entropy_bound``: the masked positions in order of their softmax's entropy (torch's Categorical),
-    lowest first, while the entropies before sum to at most the bound."""
+    lowest first, while the entropies before sum to at most the bound. ``repetition_penalty``: transformers'
+    RepetitionPenaltyLogitsProcessor at each step, over the tokens the sequence holds (prompt and committed ones)."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
@@ -85,6 +87,9 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
             if forwards is not None:
                 forwards.append(start)
             logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
+            if repetition_penalty is not None:
+                seen = x[0, : start + block][x[0, : start + block] != MASK_ID]
+                logits = RepetitionPenaltyLogitsProcessor(repetition_penalty)(seen.expand(block, -1), logits)
             logits[:, MASK_ID] = float("-inf")
             new_index = torch.arange(start, start + block)[:, None] - P
             bans = ((eos_ids, new_index < min_new), (suppress, new_index >= 0), (begin_suppress, new_index == 0))

@@ -115,6 +115,10 @@ class DecodeEngine:
         self.is_eos = torch.zeros(config.vocab_size, dtype=torch.bool, device=s.device)  # bool [V], by token id
         # uint8 [V], by token id: the classes of ban each token is in (BAN_EOS, BAN_SUPPRESS, BAN_FIRST bits)
         self.ban_table = torch.zeros(config.vocab_size, dtype=torch.uint8, device=s.device)
+        # with a repetition penalty, bool [batch, V]: the tokens each working row has seen before its block (its
+        # prompt and finished blocks); made by the first call that asks for it (use_settings)
+        self.seen: torch.Tensor | None = None
+        self.vocab_size = config.vocab_size
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
         # output_reveal_steps: by original row, the decoding steps it has taken [B] and the step that revealed each
         # position [B, max_len]; output_confidences: the probability of the token committed at each position
@@ -145,6 +149,8 @@ class DecodeEngine:
         for bit, ids in ((BAN_EOS, settings.eos_ids), (BAN_SUPPRESS, settings.suppress_tokens),
                          (BAN_FIRST, settings.begin_suppress_tokens)):
             self.ban_table[list(ids or ())] |= bit
+        if settings.repetition_penalty is not None and self.seen is None:
+            self.seen = torch.zeros((self.shape.batch, self.vocab_size), dtype=torch.bool, device=self.shape.device)
 
     def use_layout(self, starts: torch.Tensor, ends: torch.Tensor) -> None:
         """This call's rows (every row of the engine's batch): where each one's new tokens start and end, int64
@@ -183,6 +189,8 @@ class DecodeEngine:
         self._counter[:n] = self.counter[kept]
         self._starts[:n] = self.starts[kept]
         self._ends[:n] = self.ends[kept]
+        if self.seen is not None:
+            self.seen[:n] = self.seen[kept]
         self._use_rows(n)
         self.cache.keep_rows(kept)
 

@@ -507,13 +507,36 @@ class BlockDecoder:
             classes |= (positions == starts).to(torch.uint8) * BAN_FIRST
         return dict(banned_tokens=table, ban_rows=classes.reshape(-1))
 
+    def seen_tokens(self, states: torch.Tensor | None, vocab: int | None = None) -> dict:
+        """The ops' repetition-penalty arguments for picks over the block states [B, T] or [B, C, T] (C candidate
+        states of each row; the picks' rows are the states' positions, flattened) among the first ``vocab`` ids (a
+        draft vocabulary of the ids below it; None: all): each state's row of tokens seen, its row's (prompt and
+        finished blocks: ``engine.seen``) with the state's own tokens (its mask tokens too: the mask column is never
+        picked). Empty without a penalty."""
+        if self.settings.repetition_penalty is None:
+            return {}
+        if states is None:
+            raise RuntimeError("a pick under a repetition penalty needs the block states it picks for (a bug)")
+        s = states if states.dim() == 3 else states[:, None]
+        B, C, T = s.shape
+        table = self.engine.seen[:B].repeat_interleave(C, 0).scatter_(1, s.reshape(B * C, T), True)
+        return dict(repetition_penalty=self.on_device("repetition_penalty"), seen_tokens=table[:, :vocab],
+                    seen_rows=torch.arange(B * C * T, device=s.device) // T)
+
+    def see(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """With a repetition penalty, mark ``ids`` [R, L] as seen by the working ``rows`` [R] (``engine.seen``:
+        their prompts, then each block they finish)."""
+        if self.settings.repetition_penalty is not None:
+            self.engine.seen[rows] = self.engine.seen[rows].scatter_(1, ids, True)
+
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-             counter: torch.Tensor | None, entropy: bool = False):
+             counter: torch.Tensor | None, entropy: bool = False, states: torch.Tensor | None = None):
         """Per position the token to commit and its confidence (never the mask token, nor a token the call bans there:
         :meth:`token_bans`).
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
-        counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling).
+        counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling);
+        states: the block states the logits were computed from, for the repetition penalty (:meth:`seen_tokens`).
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T], and with
         ``entropy`` the entropy of each position's softmax, float32 [B, T]."""
         s = self.settings
@@ -523,27 +546,30 @@ class BlockDecoder:
         picks = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), **self.token_bans(positions, V),
+            **self.seen_tokens(states, V),
             do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(),
             entropy=entropy)
         return tuple(x.view(B, T) for x in picks)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
                     counter: torch.Tensor | None, draft: DraftHead | None = None, top_m: int = 0,
-                    entropy: bool = False):
+                    entropy: bool = False, states: torch.Tensor | None = None):
         """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``draft``, among its token ids only (its
         rows of the lm_head; confidences under the softmax over them). Greedy picks go through the fused LM-head
         confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that are not
         candidates (committed ones: about half of a step's); sampling builds the logits. With ``top_m`` (whole
         vocabulary only) also each scored position's top_m logits / temperature (float32) and their token ids
         (-1 elsewhere), [B, T, top_m] each: the draft candidates of the next round (:mod:`.draft_candidates`). With
-        ``entropy`` (whole vocabulary only) each position's entropy comes after the lse (:meth:`pick`)."""
+        ``entropy`` (whole vocabulary only) each position's entropy comes after the lse (:meth:`pick`). ``states``:
+        the block states the hidden states were computed from (:meth:`pick`); a repetition penalty builds the logits
+        too."""
         weight = self.model.lm_head.weight if draft is None else draft.weight
         B, T, H = hidden.shape
-        if self.settings.do_sample:
+        if self.settings.do_sample or self.settings.repetition_penalty is not None:
             logits = F.linear(hidden, weight)
             if draft is not None:
                 logits = draft.full_logits(logits, self.model.lm_head.weight.shape[0])
-            picks = self.pick(logits, positions, candidates, counter, entropy)
+            picks = self.pick(logits, positions, candidates, counter, entropy, states)
             if not top_m:
                 return picks
             z = logits.float().masked_fill(~candidates[..., None], float("-inf"))
@@ -584,7 +610,8 @@ class BlockDecoder:
         row [B]) and count the forward. Returns the picks of :meth:`pick_hidden` (with ``top_m``, the positions'
         top_m lists too; with ``entropy_bound``, their entropies)."""
         by_entropy = entropy_bound is not None
-        picks = self.pick_hidden(hidden, positions, masked, self.noise_counter(), top_m=top_m, entropy=by_entropy)
+        picks = self.pick_hidden(hidden, positions, masked, self.noise_counter(), top_m=top_m, entropy=by_entropy,
+                                 states=block)
         committed = mrp_triton.select_commit(block, picks[0], picks[1], mask_token_id=self.mask_id, n=n,
                                              threshold=threshold, entropy=picks[3] if by_entropy else None,
                                              entropy_bound=entropy_bound)
@@ -642,6 +669,9 @@ class BlockDecoder:
         """Decode every row's blocks with ``strategy`` and return the layout x [B, total]."""
         T = self.block
         self._prefill()
+        if self.settings.repetition_penalty is not None:  # the prompts' tokens (masks past them: never picked)
+            self.engine.seen.zero_()
+            self.see(self.rows, self.x[:, : self.prompts.ids.shape[1]])
         positions = self.first_block[:, None] * T + torch.arange(T, device=self.device)
         block = self.x.gather(1, positions)
         # Host state per working row: masks left in its block, blocks left to decode (with this one; 0 for a
@@ -800,6 +830,7 @@ class BlockDecoder:
         self.commit(block.clone(), torch.where(committing[:, None], positions, positions + T), rows=switching)
         index = torch.tensor([i for i, switch in enumerate(switching) if switch], dtype=torch.long,
                              device=self.device)
+        self.see(index, block[index])
         positions[index] += T
         block[index] = self.x[self.rows[index, None], positions[index]]
         self.row_state["quota_base"][index] = T // self.settings.denoising_steps

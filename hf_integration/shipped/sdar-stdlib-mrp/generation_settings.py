@@ -63,7 +63,7 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
 ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-                 "threshold", "entropy_bound", "residual_delta", "min_new_tokens")
+                 "threshold", "entropy_bound", "residual_delta", "min_new_tokens", "repetition_penalty")
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -142,7 +142,12 @@ class GenerationSettings:
     row's first new token; ``bad_words_ids`` of one token each are suppressed tokens (a sequence of several tokens is
     refused: which of its tokens comes last depends on the order a block is decoded in). ``num_return_sequences``
     (sampling only) decodes each prompt that many times, the copies next to each other in the output and each drawing
-    its own noise. ``top_h`` (sampling, in (0, 1]) is transformers' top-h, applied before top-k as its warpers are:
+    its own noise. ``repetition_penalty`` (> 0; 1, transformers' default, none) is transformers' repetition
+    penalty, greedy or sampled: every pick scales down the logit of each token the row has seen so far (a positive one
+    divided by it, a negative one multiplied), before the temperature and the filters; what a row has seen is its
+    prompt, its finished blocks and the tokens committed in its block so far (a speculative draft's are seen by the
+    candidate states after it), not the padding transformers' left-padded batches also count.
+    ``top_h`` (sampling, in (0, 1]) is transformers' top-h, applied before top-k as its warpers are:
     among the 100 most likely tokens, the most likely ones whose entropy terms ``-p log p`` (under the softmax over
     the 100) sum to at most ``top_h`` times their entropy. ``typical_p`` (sampling, in (0, 1], 1 none cut) is
     transformers' typical sampling (Meister et al. 2022), after min-p: the tokens whose surprise ``-log p`` lies
@@ -203,6 +208,7 @@ class GenerationSettings:
     max_new_tokens: int | None = None
     max_length: int | None = None
     min_new_tokens: int | None = None
+    repetition_penalty: float | None = None
     min_length: int | None = None
     num_return_sequences: int = 1
     block_length: int | None = None
@@ -410,8 +416,9 @@ class GenerationSettings:
         for name in ("min_p", "epsilon_cutoff", "eta_cutoff"):  # 0 keeps every token: no cut in the steps
             if getattr(self, name) == 0 and not isinstance(getattr(self, name), bool):
                 setattr(self, name, None)
-        if self.typical_p == 1 and not isinstance(self.typical_p, bool):  # transformers' "no typical cut"
-            self.typical_p = None
+        for name in ("typical_p", "repetition_penalty"):  # 1: transformers' "none"
+            if getattr(self, name) == 1 and not isinstance(getattr(self, name), bool):
+                setattr(self, name, None)
         if isinstance(self.stop_strings, (str, list)):
             self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
         if isinstance(self.stopping_criteria, (list, tuple)):  # transformers' StoppingCriteriaList is a list
@@ -466,6 +473,10 @@ class GenerationSettings:
         for name in ("top_p", "top_h", "typical_p"):
             if getattr(self, name) is not None and not 0.0 < _number(name, getattr(self, name)) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1] (or None to disable)")
+        if self.repetition_penalty is not None and not 0.0 < _number("repetition_penalty", self.repetition_penalty) \
+                < math.inf:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1 or None: "
+                             "no penalty; above 1 discourages repeating a token)")
         if self.min_p is not None and not 0.0 <= _number("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1] (or None to disable)")
         for name in ("epsilon_cutoff", "eta_cutoff"):  # transformers applies neither at 1 or above

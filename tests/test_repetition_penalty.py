@@ -1,0 +1,164 @@
+"""The repetition penalty (transformers' RepetitionPenaltyLogitsProcessor): in the confidence op (kernel and
+reference) and in generate() for every strategy, against transformers' processor and the uncached oracle; float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+import mrp_triton as mt
+from hf_integration.generation_settings import GenerationSettings
+from tiny_models import STRATEGIES, naive_static_decode, padded_batch, random_prompts, tiny_model
+
+from kernel_utils import DEV
+
+DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
+          dict(mrp_steps=3, draft_candidates=4)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("penalty", [0.6, 1.7, torch.tensor(2.5, dtype=torch.float64)], ids=["0.6", "1.7", "tensor"])
+def test_op_penalizes_as_transformers_processor(backend, penalty):
+    """The confidence op with a repetition penalty picks as the op does on the logits transformers' processor
+    penalized (per row the ids it has seen; rows reading shared rows of the seen table through seen_rows), greedy
+    and sampled, with the same probabilities; a penalty above 1 changes the picks of rows whose best token was
+    seen."""
+    g = torch.Generator().manual_seed(2)
+    N, V = 6, 97
+    L = torch.randn(N, V, generator=g) * 3
+    ids = [L[0].argmax()[None], torch.tensor([3, 3, 50]), L[2].topk(3).indices]  # rows of the seen table
+    seen = torch.zeros(3, V, dtype=torch.bool)
+    for c, row in enumerate(ids):
+        seen[c, row] = True
+    seen_rows = torch.tensor([0, 1, 2, 0, 2, 1])
+    value = float(penalty)
+    hf = torch.stack([RepetitionPenaltyLogitsProcessor(value)(ids[c][None], L[n : n + 1].clone())[0]
+                      for n, c in enumerate(seen_rows.tolist())])
+    given = penalty.to(DEV) if isinstance(penalty, torch.Tensor) else penalty
+    for kw in (dict(), dict(do_sample=True, seed=4, noise_keys=torch.randint(0, 99, (N, 3), generator=g).to(DEV))):
+        with mt.use_backend(backend):
+            got = mt.confidence(L.to(DEV), repetition_penalty=given, seen_tokens=seen.to(DEV),
+                                seen_rows=seen_rows.to(DEV), **kw)
+            want = mt.confidence(hf.to(DEV), **kw)
+        assert torch.equal(got[0].cpu(), want[0].cpu())
+        torch.testing.assert_close(got[1].cpu(), want[1].cpu(), rtol=1e-5, atol=1e-7)
+    if value > 1:
+        assert got[0][0] != L[0].argmax() and got[0][2] != L[2].argmax()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=True), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=1.2), "repetition_penalty needs seen_tokens"),
+    (dict(repetition_penalty=1.2, seen_tokens=torch.zeros(2, 9, dtype=torch.bool)), "needs seen_tokens: a bool or "
+                                                                                   "uint8 tensor \\[C, 10\\]"),
+    (dict(repetition_penalty=1.2, seen_tokens=torch.zeros(3, 10, dtype=torch.bool)), "pass seen_rows"),
+    (dict(repetition_penalty=1.2, seen_tokens=torch.zeros(3, 10, dtype=torch.bool), seen_rows=torch.zeros(2)),
+     "seen_rows must be an int64 tensor of shape \\[2\\]"),
+    (dict(seen_tokens=torch.zeros(2, 10, dtype=torch.bool)), "pass repetition_penalty too"),
+    (dict(repetition_penalty=torch.ones(2), seen_tokens=torch.zeros(2, 10, dtype=torch.bool)),
+     "repetition_penalty must be a number or a 0-d real tensor"),
+])
+def test_op_refuses_a_penalty_without_what_it_reads(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mt.confidence(torch.zeros(2, 10), **kwargs)
+
+
+@pytest.mark.parametrize("prompt_len,penalty,rule", [(3, 1.8, {}), (6, 0.7, {}), (9, 3.0, {}),
+                                                     (5, 2.0, dict(leftmost=True)),
+                                                     (4, 1.5, dict(entropy_bound=3.0))])
+def test_generate_is_the_oracle_that_penalizes_every_step(model, prompt_len, penalty, rule):
+    """Static, sequential and entropy-bounded decoding with a repetition penalty give the tokens (and confidences)
+    of the uncached oracle that runs transformers' processor over the tokens the sequence holds at each step (its
+    prompt, its finished blocks and the tokens committed in its block so far), which differ from the free run's."""
+    prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
+    strategy = dict(strategy="sequential") if rule.get("leftmost") else \
+        dict(strategy="entropy_bounded", entropy_bound=rule["entropy_bound"]) if rule else {}
+    conf = torch.zeros(prompt_len + 14, dtype=torch.float64)
+    oracle = naive_static_decode(model, prompt, 14, model.config.block_size, confidences=conf,
+                                 repetition_penalty=penalty, **rule)
+    out = model.generate(prompt[None], max_new_tokens=14, repetition_penalty=penalty, eos_token_id=[],
+                         return_dict_in_generate=True, output_confidences=True, **strategy)
+    assert torch.equal(out.sequences[0], oracle)
+    torch.testing.assert_close(out.confidences[0, prompt_len:], conf[prompt_len:].float(), rtol=1e-5, atol=1e-7)
+    free = model.generate(prompt[None], max_new_tokens=14, eos_token_id=[], **strategy)
+    assert not torch.equal(free[0], oracle)
+
+
+@pytest.mark.parametrize("drafts", DRAFTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_speculative_decoding_stays_lossless(model, drafts, sampled):
+    """Speculative decoding under a repetition penalty commits the tokens static decoding commits: each candidate
+    state of a verify forward sees the drafts before it, as static decoding sees them once committed (drafts among
+    listed candidates, draft_candidates, pick without the penalty: only their acceptance changes)."""
+    ids = random_prompts(3, 5, seed=11)
+    kw = dict(max_new_tokens=14, repetition_penalty=1.9, eos_token_id=[], return_dict_in_generate=True,
+              output_confidences=True)
+    if sampled:
+        kw.update(do_sample=True, temperature=1.2, top_k=30, seed=3)
+    static = model.generate(ids, **kw)
+    spec = model.generate(ids, strategy="speculative", **drafts, **kw)
+    assert torch.equal(spec.sequences, static.sequences)
+    torch.testing.assert_close(spec.confidences, static.confidences, rtol=1e-5, atol=0)
+
+
+def test_each_row_sees_its_own_tokens_not_the_padding(model):
+    """In a left-padded batch each row is penalized for its own prompt and tokens only (not the padding, which
+    transformers' processor would count): every row decodes as it does alone, also with rows finishing early and
+    leaving the batch (an EOS) and with CUDA graphs' recorded steps (replayed on a CPU)."""
+    rows = [random_prompts(1, n, seed=20 + n)[0] for n in (3, 7, 5)]
+    ids, mask = padded_batch(rows, "left")
+    kw = dict(max_new_tokens=12, repetition_penalty=2.2, strategy="dynamic", threshold=0.3)
+    alone = [model.generate(r[None], eos_token_id=[], **kw)[0, len(r):] for r in rows]
+    batch = model.generate(ids, attention_mask=mask, eos_token_id=[], **kw)[:, ids.shape[1]:]
+    assert all(torch.equal(b, a) for b, a in zip(batch, alone))
+    eos = int(alone[1][2])  # row 1 ends at its third new token
+    ended = [model.generate(r[None], eos_token_id=eos, pad_token_id=0, **kw)[0, len(r):] for r in rows]
+    for graphs in (False, True):
+        out = model.generate(ids, attention_mask=mask, eos_token_id=eos, pad_token_id=0, cuda_graphs=graphs,
+                             **kw)[:, ids.shape[1]:]
+        assert all(torch.equal(b, a) for b, a in zip(out, ended)), graphs
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_every_strategy_reads_the_penalty_on_the_device(model, strategy):
+    """Every strategy applies the penalty (its output changes) and reads it from the engine's buffer: one step key
+    serves every value (the captured steps, replayed on a CPU, give what eager decoding gives), and 1 (transformers'
+    default) is no penalty, with the key of none."""
+    ids = random_prompts(2, 6, seed=41)
+    kw = dict(max_new_tokens=12, eos_token_id=[], **strategy)
+    plain = model.generate(ids, **kw)
+    for penalty in (2.5, 0.4):
+        graphed = model.generate(ids, repetition_penalty=penalty, cuda_graphs=True, **kw)
+        assert torch.equal(graphed, model.generate(ids, repetition_penalty=penalty, cuda_graphs=False, **kw))
+        assert not torch.equal(graphed, plain), penalty
+    assert torch.equal(model.generate(ids, repetition_penalty=1.0, **kw), plain)
+    for same in ((2.5, 0.4), (None, 1.0)):
+        keys = {GenerationSettings.resolve(model, None, dict(kw, repetition_penalty=p), 6).step_key() for p in same}
+        assert len(keys) == 1, same
+
+
+def test_generation_config_and_bad_values(model):
+    """A GenerationConfig's repetition_penalty applies as the keyword does (a checkpoint's file too); a value that
+    is not a finite number > 0 is refused, naming it."""
+    ids = random_prompts(1, 5, seed=8)
+    kw = dict(max_new_tokens=8, eos_token_id=[])
+    want = model.generate(ids, repetition_penalty=1.6, **kw)
+    assert torch.equal(model.generate(ids, generation_config=GenerationConfig(repetition_penalty=1.6), **kw), want)
+    shipped = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(repetition_penalty=1.6)
+        assert torch.equal(model.generate(ids, **kw), want)
+    finally:
+        model.generation_config = shipped
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"repetition_penalty={bad} must be a finite number > 0"):
+            model.generate(ids, repetition_penalty=bad, **kw)
