@@ -59,29 +59,32 @@ def _ptrs_divisible(signature: dict, *more: str) -> tuple[str, ...]:
 def _confidence() -> list[Variant]:
     out = []
     for dt in ("*bf16", "*fp16", "*fp32"):
-        for has_res, has_skip, ban, sample, cut, ent, final, t_tensor, prefetch, bv, nw in [
-                (True, True, False, False, False, False, True, False, True, 2048, 8),
-                (True, False, False, True, True, False, False, True, True, 1024, 4),  # top-k / top-p
-                (False, True, False, True, False, False, True, False, True, 2048, 8),
-                (False, False, False, False, False, False, False, True, True, 1024, 4),
-                (False, True, False, False, False, False, True, False, True, 2048, 8),
-                (False, True, True, False, False, False, True, False, True, 2048, 8),  # banned tokens (min_new_tokens)
-                (False, True, False, True, False, True, True, True, True, 2048, 8),  # sampled entropy-bounded step
-                (False, True, False, False, False, False, True, False, False, 2048, 8)]:
+        for has_res, has_skip, ban, pen, sample, cut, ent, final, t_tensor, prefetch, bv, nw in [
+                (True, True, False, False, False, False, False, True, False, True, 2048, 8),
+                (True, False, False, False, True, True, False, False, True, True, 1024, 4),  # top-k / top-p
+                (False, True, False, False, True, False, False, True, False, True, 2048, 8),
+                (False, False, False, False, False, False, False, False, True, True, 1024, 4),
+                (False, True, False, False, False, False, False, True, False, True, 2048, 8),
+                (False, True, True, False, False, False, False, True, False, True, 2048, 8),  # banned tokens
+                (False, True, False, True, False, False, False, True, True, True, 2048, 8),  # repetition penalty
+                (False, True, False, False, True, False, True, True, True, True, 2048, 8),  # sampled entropy-bounded
+                (False, True, False, False, False, False, False, True, False, False, 2048, 8)]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
-                   "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "tau_ptr": "*fp32", "ban_tok_ptr": "*u8",
-                   "ban_rows_ptr": "*u8", "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64",
-                   "prob_ptr": "*fp32",
+                   "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "cut_ptr": "*fp32", "ban_tok_ptr": "*u8",
+                   "ban_rows_ptr": "*u8", "seen_ptr": "*u8", "seen_rows_ptr": "*i64", "pen_ptr": "*fp64",
+                   "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
                    "lse_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32",
                    "inv_t": "fp32",
                    "t_ptr": "*fp64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
-                   "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr",
+                   "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "HAS_PENALTY": "constexpr",
+                   "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr",
                    "ENTROPY": "constexpr", "FINAL": "constexpr", "T_TENSOR": "constexpr", "PREFETCH": "constexpr",
                    "BLOCK_V": "constexpr"}
-            consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "HAS_BAN": ban, "DO_SAMPLE": sample, "HAS_CUT": cut,
+            consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "HAS_BAN": ban, "HAS_PENALTY": pen,
+                      "DO_SAMPLE": sample, "HAS_CUT": cut,
                       "ENTROPY": ent, "FINAL": final, "T_TENSOR": t_tensor, "PREFETCH": prefetch, "BLOCK_V": bv}
             out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={sample}{' cut' if cut else ''}"
-                               f"{' ban' if ban else ''}{' entropy' if ent else ''} "
+                               f"{' ban' if ban else ''}{' penalty' if pen else ''}{' entropy' if ent else ''} "
                                f"prefetch={prefetch} {bv}",
                                "confidence",
                                "_conf_partial_kernel", sig, consts, nw,
