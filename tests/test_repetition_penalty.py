@@ -162,3 +162,27 @@ def test_generation_config_and_bad_values(model):
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=f"repetition_penalty={bad} must be a finite number > 0"):
             model.generate(ids, repetition_penalty=bad, **kw)
+
+
+def test_each_draft_sees_the_drafts_before_it(model, monkeypatch):
+    """A speculative round's k-th draft picks under the penalty of the state it drafts from (the block with the k
+    drafts before it committed): the candidate state k the verify forward then checks, so drafts do not repeat what
+    the drafts before them committed (which only the verification would catch)."""
+    from hf_integration.decoding import BlockDecoder
+
+    calls = []
+    seen_tokens = BlockDecoder.seen_tokens
+
+    def spy(self, states, vocab=None):
+        calls.append(states.clone())
+        return seen_tokens(self, states, vocab)
+
+    monkeypatch.setattr(BlockDecoder, "seen_tokens", spy)
+    model.generate(random_prompts(2, 5, seed=3), max_new_tokens=12, strategy="speculative", mrp_steps=3,
+                   repetition_penalty=1.9, eos_token_id=[])
+    rounds = [i for i, states in enumerate(calls) if states.dim() == 3]
+    assert len(rounds) >= 3
+    for i in rounds:
+        drafts, verify = calls[i - 3 : i], calls[i]
+        assert all(torch.equal(d, verify[:, k]) for k, d in enumerate(drafts))
+        assert not torch.equal(verify[:, 0], verify[:, 2])  # the drafts committed something
