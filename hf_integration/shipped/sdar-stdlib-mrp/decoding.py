@@ -78,7 +78,7 @@ class SDARGenerateOutput(ModelOutput):
     counted over the whole call), 0 at prompt and padding positions. confidences (``output_confidences``): float32
     [B, P + max_new_tokens], laid out as ``sequences``: at each new token its probability under the softmax that
     committed it for good (that of the call's temperature, without the mask token and the tokens the call bans there,
-    before any sampling filter's cut: the confidence the commit rules rank by), the backbone's (a speculative
+    under its repetition penalty, before any sampling filter's cut: the confidence the commit rules rank by), the backbone's (a speculative
     round's tokens: the verify forward's on the candidate state each was verified on, so greedy speculative decoding
     gives static one-token-a-step decoding's; remask's: that of the reveal the MRP pass let stand), save those of
     direct decoding's MRP steps (the head's corrected logits'); 0 at prompt and padding positions. new_tokens: int64
