@@ -31,7 +31,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils.logging import tqdm
 
 import mrp_triton
-from mrp_triton.reference.confidence import CUTS, exclude_banned, inverse_temperature
+from mrp_triton.reference.confidence import CUTS, exclude_banned, inverse_temperature, penalized
 
 from .decode_engine import BAN_EOS, BAN_FIRST, BAN_SUPPRESS, DecodeStats, EngineShape, engine_for
 from .draft_candidates import refresh_vocab_mean
@@ -78,10 +78,11 @@ class SDARGenerateOutput(ModelOutput):
     counted over the whole call), 0 at prompt and padding positions. confidences (``output_confidences``): float32
     [B, P + max_new_tokens], laid out as ``sequences``: at each new token its probability under the softmax that
     committed it for good (that of the call's temperature, without the mask token and the tokens the call bans there,
-    under its repetition penalty, before any sampling filter's cut: the confidence the commit rules rank by), the backbone's (a speculative
-    round's tokens: the verify forward's on the candidate state each was verified on, so greedy speculative decoding
-    gives static one-token-a-step decoding's; remask's: that of the reveal the MRP pass let stand), save those of
-    direct decoding's MRP steps (the head's corrected logits'); 0 at prompt and padding positions. new_tokens: int64
+    under its repetition penalty, before any sampling filter's cut: the confidence the commit rules rank by), the
+    backbone's (a speculative round's tokens: the verify forward's on the candidate state each was verified on, so
+    greedy speculative decoding gives static one-token-a-step decoding's; remask's: that of the reveal the MRP pass
+    let stand), save those of direct decoding's MRP steps (the head's corrected logits'); 0 at prompt and padding
+    positions. new_tokens: int64
     [B], the new tokens each row
     keeps in ``sequences`` (up to its first EOS, the end of a stop string or the token a stopping criterion stopped
     at; the rest is padding), which may be fewer than ``stats.tokens_committed`` (a verify round or a denoising step
@@ -530,23 +531,26 @@ class BlockDecoder:
             self.engine.seen[rows] = self.engine.seen[rows].scatter_(1, ids, True)
 
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-             counter: torch.Tensor | None, entropy: bool = False, states: torch.Tensor | None = None):
+             counter: torch.Tensor | None, entropy: bool = False, seen: dict | None = None):
         """Per position the token to commit and its confidence (never the mask token, nor a token the call bans there:
         :meth:`token_bans`).
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
         counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling);
-        states: the block states the logits were computed from, for the repetition penalty (:meth:`seen_tokens`).
+        seen: the repetition penalty's arguments for the block states the logits were computed from
+        (:meth:`seen_tokens`; required under a penalty).
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T], and with
         ``entropy`` the entropy of each position's softmax, float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
+        if seen is None and s.repetition_penalty is not None:
+            raise RuntimeError("a pick under a repetition penalty needs the tokens seen (a bug)")
         # the temperature and the filters are read on the device too
         keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
         picks = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), **self.token_bans(positions, V),
-            **self.seen_tokens(states, V),
+            **(seen or {}),
             do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(),
             entropy=entropy)
         return tuple(x.view(B, T) for x in picks)
@@ -569,10 +573,14 @@ class BlockDecoder:
             logits = F.linear(hidden, weight)
             if draft is not None:
                 logits = draft.full_logits(logits, self.model.lm_head.weight.shape[0])
-            picks = self.pick(logits, positions, candidates, counter, entropy, states)
+            seen = self.seen_tokens(states, logits.shape[-1])
+            picks = self.pick(logits, positions, candidates, counter, entropy, seen)
             if not top_m:
                 return picks
-            z = logits.float().masked_fill(~candidates[..., None], float("-inf"))
+            z = logits.float()
+            if seen:  # the lists rank the logits the picks saw
+                z = penalized(z.view(B * T, -1), **seen).view(B, T, -1)
+            z = z.masked_fill(~candidates[..., None], float("-inf"))
             z[..., self.mask_id] = float("-inf")
             ban = self.token_bans(positions)
             if ban:
@@ -586,11 +594,12 @@ class BlockDecoder:
         return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
 
     def pick_listed(self, hidden: torch.Tensor, seed: tuple, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor | None):
+                    counter: torch.Tensor | None, states: torch.Tensor | None = None):
         """A draft pick among each position's listed tokens (``draft_candidates``): hidden [B, T, H]; ``seed`` =
         (h_seed [B, T, H], ids [B, T, M], rest [B, T]) of the round (:mod:`.draft_candidates`), candidates: bool
-        [B, T] (the positions to pick at). Returns tokens int64 [B, T] (-1 where not picked) and conf float32 [B, T]
-        (``mrp_triton.candidate_confidence``)."""
+        [B, T] (the positions to pick at), states: the block states the hidden states were computed from (for a
+        repetition penalty, :meth:`seen_tokens`). Returns tokens int64 [B, T] (-1 where not picked) and conf float32
+        [B, T] (``mrp_triton.candidate_confidence``)."""
         s = self.settings
         seed_h, ids, rest = seed
         B, T, H = hidden.shape
@@ -599,7 +608,7 @@ class BlockDecoder:
             seed_hidden=seed_h.reshape(B * T, H), vocab_mean=self.engine.vocab_mean, temperature=self.temperature,
             skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
             noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
-            **self.sampling_cuts())
+            **self.sampling_cuts(), **self.seen_tokens(states))
         return tok.view(B, T), conf.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

@@ -142,7 +142,7 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         # the authors' first draft is the backbone's own (stale) pick from the seed forward
         hidden = seed_h if k == 0 and authors else chain.step(state, committing_rows_discard=True)
         if len(seed) > 1:
-            tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.noise_counter(k))
+            tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.noise_counter(k), states=state)
         else:
             tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.noise_counter(k), dec.draft, states=state)
         # one token a row: rows with nothing masked (or not drafting) have no picks (token -1) and commit nothing
@@ -243,9 +243,9 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
     if dec.settings.remask_rule == "delta":
         logits = dec.model.lm_head(h_a)
         return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
-    _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter(), states=before)
-    z = corrected.float().gather(-1, t)[..., 0]
     seen = dec.seen_tokens(before)
+    _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter(), seen=seen)
+    z = corrected.float().gather(-1, t)[..., 0]
     if seen:  # the token's logit as the pick's softmax saw it (one state a row: its seen row is the row's)
         z = penalized(z, seen["repetition_penalty"], seen["seen_tokens"].gather(1, t[..., 0]))
     return torch.exp(z * inverse_temperature(dec.temperature) - lse)  # as confidence scales

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import MAX_TOP_M, check_skip_rows
+from ._checks import MAX_TOP_M, check_penalty, check_skip_rows, penalty_operands
 from .backend import select_backend
 from .confidence import check_sampling, comparable
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
@@ -34,10 +34,10 @@ from .reference.confidence import inverse_temperature
 
 @triton.jit(do_not_specialize=["M"])  # H: one value a model (a loop bound)
 def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, inv_t, t_ptr,
-                   z_ptr, lse_ptr, tok_ptr, prob_ptr,
-                   M, H, stride_h, stride_hs, stride_w, stride_ids,
-                   HAS_SKIP: tl.constexpr, GREEDY: tl.constexpr, T_TENSOR: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
+                   seen_ptr, seen_rows_ptr, pen_ptr, z_ptr, lse_ptr, tok_ptr, prob_ptr,
+                   M, H, V, stride_h, stride_hs, stride_w, stride_ids,
+                   HAS_SKIP: tl.constexpr, GREEDY: tl.constexpr, T_TENSOR: tl.constexpr, HAS_PENALTY: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_M)
     ids = tl.load(ids_ptr + row * stride_ids + cols, mask=cols < M, other=-1)
@@ -57,6 +57,11 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
         moved += (h - hs) * mu
     if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
         inv_t = (1.0 / tl.load(t_ptr).to(tl.float64)).to(tl.float32)
+    if HAS_PENALTY:  # the repetition penalty at the listed tokens this row has seen (its row of the seen table)
+        seen = tl.load(seen_ptr + tl.load(seen_rows_ptr + row) * V + w_rows, mask=listed, other=0)
+        pen64 = tl.load(pen_ptr).to(tl.float64)
+        dots = tl.where(seen != 0, tl.where(dots < 0, dots * pen64.to(tl.float32), dots * (1.0 / pen64).to(tl.float32)),
+                        dots)
     z = tl.where(listed, comparable(dots * inv_t), float("-inf"))
     tl.store(z_ptr + row * M + cols, z, mask=cols < M)
     z_max, at = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
@@ -82,7 +87,7 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
 
 
 def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys,
-                cuts: dict) -> None:
+                cuts: dict, penalty: dict) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.dtype.is_floating_point:
         raise ValueError("hidden must be a floating-point tensor [N, H]")
     N, H = hidden.shape
@@ -103,18 +108,21 @@ def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, t
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
     check_sampling(N, hidden.device, "hidden", temperature, do_sample, noise_keys, **cuts)
+    check_penalty(**penalty, rows=N, vocab=weight.shape[0], device=hidden.device, data="hidden")
 
 
 def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0,
                                 skip_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
                                 min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
-                                block_h: int | None = None):
+                                repetition_penalty=None, seen_tokens=None, seen_rows=None, block_h: int | None = None):
     """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
     chunk, for tests). Ids must lie in [-1, V): the kernel gathers their rows unchecked (a host check would
     synchronise)."""
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
-    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts)
+    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows)
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts,
+                penalty)
     N, H = hidden.shape
     M = ids.shape[1]
     dev = hidden.device
@@ -130,10 +138,12 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     inv_t = 1.0 if t_tensor else inverse_temperature(temperature).item()  # fp32-rounded, as the reference
     mean = vocab_mean.float().contiguous()
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else tok  # read at skip + row
+    seen, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tok)
     _listed_kernel[(N,)](
         h, hs, w, mean, i, rest.float().contiguous(), skip,
-        inv_t, temperature if t_tensor else tok, z, lse, tok, prob, M, H, h.stride(0), hs.stride(0), w.stride(0),
-        i.stride(0), HAS_SKIP=skip_rows is not None, GREEDY=not do_sample, T_TENSOR=t_tensor,
+        inv_t, temperature if t_tensor else tok, seen, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
+        h.stride(0), hs.stride(0), w.stride(0), i.stride(0), HAS_SKIP=skip_rows is not None, GREEDY=not do_sample,
+        T_TENSOR=t_tensor, HAS_PENALTY=repetition_penalty is not None,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
     if do_sample:
         tok, prob = pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=True, seed=seed, noise_keys=noise_keys,
@@ -143,7 +153,8 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
 
 def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
                          do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, min_p=None,
-                         epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None):
+                         epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None, repetition_penalty=None,
+                         seen_tokens=None, seen_rows=None):
     """A pick per row among its listed token ids, with its full-softmax probability estimated.
 
     hidden, seed_hidden: [N, H] (the draft's hidden state and its round's seed's); weight: [V, H] (the lm_head);
@@ -151,16 +162,20 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     list, in units of logits / temperature); vocab_mean: [H] (the mean lm_head row); temperature: float or 0-d
     tensor; skip_rows: bool [N] or None; sampling: ``noise_keys`` int64 [N, 3] and optional top_k / top_p / min_p /
     typical_p / epsilon_cutoff / eta_cutoff / top_h (applied among the listed tokens: typical, epsilon, eta and top-h
-    to their softmax over the listed tokens). Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows
-    and rows with nothing listed. Semantics: :mod:`mrp_triton.reference.candidate_confidence`.
+    to their softmax over the listed tokens); ``repetition_penalty`` with ``seen_tokens`` [C, V] and ``seen_rows``
+    [N]: the penalty at the listed tokens each row has seen (as :func:`.confidence.confidence`). Returns (tokens
+    int64 [N], probs float32 [N]); -1 / 0 for skipped rows and rows with nothing listed. Semantics:
+    :mod:`mrp_triton.reference.candidate_confidence`.
     """
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
+    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows)
     kw = dict(seed_hidden=seed_hidden, vocab_mean=vocab_mean, temperature=temperature, skip_rows=skip_rows,
-              do_sample=do_sample, seed=seed, noise_keys=noise_keys, **cuts)
+              do_sample=do_sample, seed=seed, noise_keys=noise_keys, **cuts, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device.
     if weight.dtype != torch.float64 and hidden.dtype != torch.float64 and \
             select_backend(hidden.device, hidden, weight, seed_hidden) == "triton":
         return candidate_confidence_triton(hidden, weight, ids, rest, **kw)
-    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts)
+    _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts,
+                penalty)
     return candidate_confidence_reference(hidden, weight, ids, rest, **kw)

@@ -34,17 +34,32 @@ def _inputs(N, H, V, M, dtype, g, listed=0.8):
     return hidden, weight, ids, rest, seed_hidden, weight.float().mean(0)
 
 
+def _drawn_penalty(penalty, N: int, V: int, g: torch.Generator) -> dict:
+    """No repetition penalty (``penalty`` None), or one (a number, or 1.5 as a 0-d float64 tensor) with 3 rows of
+    seen tokens (a third of the vocabulary each) that the N rows read."""
+    if penalty is None:
+        return {}
+    return dict(repetition_penalty=torch.tensor(1.5, dtype=torch.float64, device=DEV) if penalty == "tensor" else
+                penalty, seen_tokens=(torch.rand(3, V, generator=g) < 0.3).to(DEV),
+                seen_rows=torch.randint(0, 3, (N,), generator=g).to(DEV))
+
+
 @settings(max_examples=25)
 @given(N=st.integers(1, 12), H=st.integers(1, 70), V=st.integers(1, 90), M=st.integers(1, 64),
        dtype=st.sampled_from(DTYPES), temperature=st.sampled_from((1.0, 0.5, 2.0, "tensor")),
-       skip=st.booleans(), block_h=st.sampled_from((None, 16)), seed=st.integers(0, 2**16))
-def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, block_h, seed):
+       skip=st.booleans(), block_h=st.sampled_from((None, 16)), penalty=st.sampled_from((None, 0.5, 2.0, "tensor")),
+       seed=st.integers(0, 2**16))
+def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, block_h, penalty, seed):
+    """The greedy pick against the reference (a temperature and a repetition penalty given as numbers or as the 0-d
+    float64 tensors the decode engine passes; the penalty at the listed tokens each row has seen, rows reading
+    shared rows of the seen table)."""
     g = torch.Generator().manual_seed(seed)
     hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, dtype, g)
     if temperature == "tensor":  # read on the device, as captured decoding steps pass it
         temperature = torch.tensor(0.8, dtype=torch.float64, device=DEV)
     skip_rows = (torch.rand(N, generator=g) < 0.3).to(DEV) if skip else None
-    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, skip_rows=skip_rows)
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, skip_rows=skip_rows,
+              **_drawn_penalty(penalty, N, V, g))
     with poisoned_allocations():
         tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, block_h=block_h, **kw)
     want_tok, want_prob = candidate_confidence_reference(hidden, weight, ids, rest, **kw)
@@ -84,11 +99,11 @@ def test_sampled_kernel_matches_reference(N, H, V, M, filters, seed):
        filters=st.sampled_from(({}, dict(min_p=0.3), dict(min_p=1.0), dict(epsilon_cutoff=0.1),
                                 dict(eta_cutoff=0.05), dict(min_p=0.1, epsilon_cutoff=0.05, eta_cutoff=0.5),
                                 dict(top_h=0.4), dict(typical_p=0.4), dict(typical_p=0.6, eta_cutoff=0.1))),
-       seed=st.integers(0, 999))
-def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, filters, seed):
+       penalty=st.sampled_from((None, 0.5, 2.0)), seed=st.integers(0, 999))
+def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, filters, penalty, seed):
     """With every token listed and nothing outside (rest -inf), the pick is the confidence op's on the whole logits:
     the same token (the same Gumbel noise per token id when sampling, among the same tokens min-p, typical, epsilon,
-    eta and top-h keep) and full-softmax probability."""
+    eta and top-h keep, under the same repetition penalty) and full-softmax probability."""
     g = torch.Generator().manual_seed(seed)
     N = 6
     weight = torch.randint(-3, 4, (V, H), generator=g).double()  # integer logits: exact ties
@@ -97,13 +112,15 @@ def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, tempera
     mask = int(torch.randint(0, V, (1,), generator=g))
     ids = torch.tensor([v for v in range(V) if v != mask]).expand(N, V - 1)
     keys = torch.randint(0, 2**40, (N, 3), generator=g)
+    seen = {} if penalty is None else dict(repetition_penalty=penalty, seen_tokens=torch.rand(2, V, generator=g) < 0.4,
+                                           seen_rows=torch.randint(0, 2, (N,), generator=g))
     tok, prob = candidate_confidence(hidden, weight, ids, torch.full((N,), float("-inf")), seed_hidden=hidden,
                                      vocab_mean=weight.mean(0), temperature=temperature, skip_rows=skip,
                                      do_sample=do_sample, seed=seed, noise_keys=keys if do_sample else None,
-                                     **filters)
+                                     **filters, **seen)
     want_tok, want_prob, _ = confidence_reference(hidden @ weight.T, temperature=temperature, mask_token_id=mask,
                                                   do_sample=do_sample, seed=seed, noise_keys=keys, skip_rows=skip,
-                                                  **filters)
+                                                  **filters, **seen)
     assert torch.equal(tok, want_tok)
     torch.testing.assert_close(prob, want_prob, rtol=1e-6, atol=1e-7)
 

@@ -97,8 +97,7 @@ def test_generate_is_the_oracle_that_penalizes_every_step(model, prompt_len, pen
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_speculative_decoding_stays_lossless(model, drafts, sampled):
     """Speculative decoding under a repetition penalty commits the tokens static decoding commits: each candidate
-    state of a verify forward sees the drafts before it, as static decoding sees them once committed (drafts among
-    listed candidates, draft_candidates, pick without the penalty: only their acceptance changes)."""
+    state of a verify forward sees the drafts before it, as static decoding sees them once committed."""
     ids = random_prompts(3, 5, seed=11)
     kw = dict(max_new_tokens=14, repetition_penalty=1.9, eos_token_id=[], return_dict_in_generate=True,
               output_confidences=True)
@@ -164,7 +163,8 @@ def test_generation_config_and_bad_values(model):
             model.generate(ids, repetition_penalty=bad, **kw)
 
 
-def test_each_draft_sees_the_drafts_before_it(model, monkeypatch):
+@pytest.mark.parametrize("drafts", [{}, dict(draft_candidates=4)], ids=["full vocabulary", "draft_candidates=4"])
+def test_each_draft_sees_the_drafts_before_it(model, monkeypatch, drafts):
     """A speculative round's k-th draft picks under the penalty of the state it drafts from (the block with the k
     drafts before it committed): the candidate state k the verify forward then checks, so drafts do not repeat what
     the drafts before them committed (which only the verification would catch)."""
@@ -179,10 +179,33 @@ def test_each_draft_sees_the_drafts_before_it(model, monkeypatch):
 
     monkeypatch.setattr(BlockDecoder, "seen_tokens", spy)
     model.generate(random_prompts(2, 5, seed=3), max_new_tokens=12, strategy="speculative", mrp_steps=3,
-                   repetition_penalty=1.9, eos_token_id=[])
+                   repetition_penalty=1.9, eos_token_id=[], **drafts)
     rounds = [i for i, states in enumerate(calls) if states.dim() == 3]
     assert len(rounds) >= 3
     for i in rounds:
         drafts, verify = calls[i - 3 : i], calls[i]
         assert all(torch.equal(d, verify[:, k]) for k, d in enumerate(drafts))
         assert not torch.equal(verify[:, 0], verify[:, 2])  # the drafts committed something
+
+
+def test_draft_candidate_lists_rank_the_penalized_logits():
+    """The lists a round's seed forward gives the next round's drafts (draft_candidates) are the most likely tokens
+    under the penalty the picks saw (transformers' processor over the block's tokens), not under the raw logits."""
+    from hf_integration.decoding import BlockDecoder
+    from hf_integration.prompts import PromptBatch
+
+    model = tiny_model(seed=5, block_size=8)
+    ids = random_prompts(2, 5, seed=1)
+    kwargs = dict(max_new_tokens=8, strategy="speculative", draft_candidates=4, repetition_penalty=3.0)
+    dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, ids, None),
+                       GenerationSettings.resolve(model, None, kwargs, prompt_width=5))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 8, model.config.hidden_size, generator=g, dtype=torch.float64)
+    logits = model.lm_head(hidden).detach()
+    block = logits.topk(2, dim=-1).indices[:, :, 1]  # the block holds each position's second most likely token
+    picks = dec.pick_hidden(hidden, torch.arange(8, 16).expand(2, -1), torch.ones(2, 8, dtype=torch.bool), None,
+                            top_m=4, states=block)
+    want = torch.stack([RepetitionPenaltyLogitsProcessor(3.0)(block[b].expand(8, -1), logits[b]) for b in range(2)])
+    want[..., model.config.mask_token_id] = float("-inf")
+    torch.testing.assert_close(picks[3].double(), want.topk(4, dim=-1).values, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(picks[4], logits.topk(4, dim=-1).indices)
