@@ -163,24 +163,26 @@ def _cached_attention() -> list[Variant]:
 
 
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
-                     "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "m_ptr": "*fp32",
+                     "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "seen_ptr": "*u8",
+                     "seen_rows_ptr": "*i64", "pen_ptr": "*fp64", "m_ptr": "*fp32",
                      "d_ptr": "*fp32", "t_ptr": "*fp32", "idx_ptr": "*i32", "topv_ptr": "*fp32", "topi_ptr": "*i32",
                      "N": "i32",
                      "V": "i32", "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64",
                      "inv_temp": "fp32", "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
-LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA",
-                      "FLATTEN", "TOP_M", "ENTROPY", "BLOCK_N", "BLOCK_V", "BLOCK_K")
+LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "HAS_PENALTY", "DOT_FP32", "IEEE", "ROWS_MAJOR",
+                      "W_TMA", "FLATTEN", "TOP_M", "ENTROPY", "BLOCK_N", "BLOCK_V", "BLOCK_K")
 
 
 def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,
-                    skip: bool = True, ban: bool = False, entropy: bool = False) -> Variant:
+                    skip: bool = True, ban: bool = False, entropy: bool = False, penalty: bool = False) -> Variant:
     """The partials kernel of lm_head_confidence with tile ``config`` (the keys of its ``_config``; ``ban``: with
-    banned tokens; ``entropy``: with the entropy's running sum)."""
+    banned tokens; ``entropy``: with the entropy's running sum; ``penalty``: with a repetition penalty)."""
     tma = bool(config.get("tma"))
     w_desc = f"tensordesc<{dtype}[{config['BLOCK_V']}, {config['BLOCK_K']}]>" if tma else f"*{dtype}"
     sig = dict(LM_HEAD_SIGNATURE, h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", w_desc=w_desc, base_ptr=f"*{base or 'fp32'}",
                **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
-    consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "HAS_BAN": ban, "DOT_FP32": False,
+    consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "HAS_BAN": ban,
+              "HAS_PENALTY": penalty, "DOT_FP32": False,
               "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "W_TMA": tma,
               "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "ENTROPY": entropy,
               "BLOCK_N": config["BLOCK_N"],
@@ -212,6 +214,9 @@ def _lm_head() -> list[Variant]:
     # a greedy entropy-bounded step: the entropy's running sum beside the softmax's
     out.append(lm_head_variant("lm_head_confidence bf16 skip=True entropy 64x128x128", dict(
         BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), entropy=True))
+    # a greedy step under a repetition penalty: the seen bytes of each tile's columns beside the logits
+    out.append(lm_head_variant("lm_head_confidence bf16 skip=True penalty 64x128x128", dict(
+        BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), penalty=True))
     sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
     out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
                        {"BLOCK": 1024}, 4, divisible=_ptrs_divisible(sig)))

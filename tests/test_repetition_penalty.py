@@ -209,3 +209,28 @@ def test_draft_candidate_lists_rank_the_penalized_logits():
     want[..., model.config.mask_token_id] = float("-inf")
     torch.testing.assert_close(picks[3].double(), want.topk(4, dim=-1).values, rtol=1e-6, atol=1e-6)
     assert not torch.equal(picks[4], logits.topk(4, dim=-1).indices)
+
+
+@pytest.mark.parametrize("draft_vocab", [30, [0, 1, *range(3, 40)]], ids=["ids below 30", "listed ids"])
+def test_draft_vocabulary_picks_read_the_seen_table_by_column(draft_vocab):
+    """A draft over a draft vocabulary picks under the penalty of its own tokens: the fused pick reads the seen table
+    by draft column (column c is token ids[c] for listed ids), as transformers' processor over the block's tokens
+    penalizes the draft's logits."""
+    from hf_integration.decoding import BlockDecoder
+    from hf_integration.prompts import PromptBatch
+
+    model = tiny_model(seed=5, block_size=8)
+    kwargs = dict(max_new_tokens=8, strategy="speculative", draft_vocab=draft_vocab, repetition_penalty=4.0)
+    dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, random_prompts(2, 5, seed=1), None),
+                       GenerationSettings.resolve(model, None, kwargs, prompt_width=5))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 8, model.config.hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.arange(30) if isinstance(draft_vocab, int) else torch.tensor(draft_vocab)
+    logits = model.lm_head(hidden).detach()[..., ids]  # the draft's columns
+    block = ids[logits.argmax(-1)]  # the block holds each position's most likely draft token
+    tok = dec.pick_hidden(hidden, torch.arange(8, 16).expand(2, -1), torch.ones(2, 8, dtype=torch.bool), None,
+                          dec.draft, states=block)[0]
+    penalized = torch.stack([RepetitionPenaltyLogitsProcessor(4.0)(block[b].expand(8, -1), model.lm_head(hidden[b])
+                                                                   .detach())[:, ids] for b in range(2)])
+    assert torch.equal(tok, ids[penalized.argmax(-1)])
+    assert not torch.equal(tok, block)

@@ -565,11 +565,11 @@ class BlockDecoder:
         vocabulary only) also each scored position's top_m logits / temperature (float32) and their token ids
         (-1 elsewhere), [B, T, top_m] each: the draft candidates of the next round (:mod:`.draft_candidates`). With
         ``entropy`` (whole vocabulary only) each position's entropy comes after the lse (:meth:`pick`). ``states``:
-        the block states the hidden states were computed from (:meth:`pick`); a repetition penalty builds the logits
-        too."""
+        the block states the hidden states were computed from, for a repetition penalty (:meth:`seen_tokens`; the
+        fused pick reads the seen table too, by draft column with ``draft``)."""
         weight = self.model.lm_head.weight if draft is None else draft.weight
         B, T, H = hidden.shape
-        if self.settings.do_sample or self.settings.repetition_penalty is not None:
+        if self.settings.do_sample:
             logits = F.linear(hidden, weight)
             if draft is not None:
                 logits = draft.full_logits(logits, self.model.lm_head.weight.shape[0])
@@ -587,9 +587,13 @@ class BlockDecoder:
                 z = exclude_banned(z.view(B * T, -1), **ban).view(B, T, -1)
             top, ids = z.topk(top_m, dim=-1)  # the order among equal logits does not matter to a draft
             return *picks, top * inverse_temperature(self.temperature), ids.masked_fill(top == float("-inf"), -1)
+        seen = self.seen_tokens(states)
+        if seen and draft is not None:  # the table by draft column, as the draft's weight rows
+            seen["seen_tokens"] = draft.columns(seen["seen_tokens"].T).T
         out = mrp_triton.lm_head_confidence(
             hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
-            **self.token_bans(positions, draft=draft), skip_rows=~candidates.reshape(-1), top_m=top_m, entropy=entropy)
+            **self.token_bans(positions, draft=draft), **seen, skip_rows=~candidates.reshape(-1), top_m=top_m,
+            entropy=entropy)
         tok = out[0] if draft is None else draft.tokens(out[0])
         return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
 
