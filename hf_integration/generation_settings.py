@@ -67,6 +67,8 @@ ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p",
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
+# The value at which a setting asks nothing, as transformers reads it: a cut that keeps every token, no penalty.
+NEUTRAL = {"min_p": 0, "epsilon_cutoff": 0, "eta_cutoff": 0, "typical_p": 1, "repetition_penalty": 1}
 # Settings only some strategies read. A call that asks for one (a value other than its default) with another strategy
 # is refused: the value would change nothing. A checkpoint's generation config serves every strategy: its values apply
 # to the calls whose strategy reads them (e.g. a draft_vocab to the speculative calls).
@@ -413,11 +415,8 @@ class GenerationSettings:
             self.entropy_bound = DEFAULT_ENTROPY_BOUND
         if self.top_k == 0 and type(self.top_k) is int:  # transformers' "no top-k cut" (a checkpoint may carry it)
             self.top_k = None
-        for name in ("min_p", "epsilon_cutoff", "eta_cutoff"):  # 0 keeps every token: no cut in the steps
-            if getattr(self, name) == 0 and not isinstance(getattr(self, name), bool):
-                setattr(self, name, None)
-        for name in ("typical_p", "repetition_penalty"):  # 1: transformers' "none"
-            if getattr(self, name) == 1 and not isinstance(getattr(self, name), bool):
+        for name, neutral in NEUTRAL.items():  # asks nothing: nothing for the steps to do
+            if getattr(self, name) == neutral and not isinstance(getattr(self, name), bool):
                 setattr(self, name, None)
         if isinstance(self.stop_strings, (str, list)):
             self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)

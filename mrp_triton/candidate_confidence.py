@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._checks import MAX_TOP_M, check_penalty, check_skip_rows, penalty_operands
 from .backend import select_backend
-from .confidence import check_sampling, comparable
+from .confidence import check_sampling, comparable, penalized, penalty_factors
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
 from .reference.candidate_confidence import pick_listed
 from .reference.confidence import inverse_temperature
@@ -58,10 +58,9 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
     if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
         inv_t = (1.0 / tl.load(t_ptr).to(tl.float64)).to(tl.float32)
     if HAS_PENALTY:  # the repetition penalty at the listed tokens this row has seen (its row of the seen table)
+        pen, inv_pen = penalty_factors(pen_ptr)
         seen = tl.load(seen_ptr + tl.load(seen_rows_ptr + row) * V + w_rows, mask=listed, other=0)
-        pen64 = tl.load(pen_ptr).to(tl.float64)
-        dots = tl.where(seen != 0, tl.where(dots < 0, dots * pen64.to(tl.float32), dots * (1.0 / pen64).to(tl.float32)),
-                        dots)
+        dots = penalized(dots, seen, pen, inv_pen)
     z = tl.where(listed, comparable(dots * inv_t), float("-inf"))
     tl.store(z_ptr + row * M + cols, z, mask=cols < M)
     z_max, at = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)

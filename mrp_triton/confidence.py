@@ -62,6 +62,21 @@ def comparable(z):
 
 
 @triton.jit
+def penalty_factors(pen_ptr):
+    """(penalty, 1 / penalty) in fp32 from the 0-d float64 penalty, each rounded once (reference:
+    :func:`.reference.confidence.penalty_factors`)."""
+    pen64 = tl.load(pen_ptr).to(tl.float64)
+    return pen64.to(tl.float32), (1.0 / pen64).to(tl.float32)
+
+
+@triton.jit
+def penalized(z, seen, pen, inv_pen):
+    """z with the repetition penalty where ``seen`` is nonzero: a negative logit times ``pen``, any other times
+    ``inv_pen`` (reference: :func:`.reference.confidence.penalized`). Any matching shapes."""
+    return tl.where(seen != 0, tl.where(z < 0, z * pen, z * inv_pen), z)
+
+
+@triton.jit
 def _mix32(x):
     # x: int64 in [0, 2**32). Same steps as reference.confidence.mix32.
     M = tl.full([], 0xFFFFFFFF, tl.int64)
@@ -143,9 +158,7 @@ def _conf_partial_kernel(
         high = tl.load(cut_ptr + row * 2 + 1)
     if HAS_PENALTY:  # the repetition penalty at the tokens this row has seen (its row of the seen table)
         seen_row = seen_ptr + tl.load(seen_rows_ptr + row) * V
-        pen64 = tl.load(pen_ptr).to(tl.float64)
-        pen = pen64.to(tl.float32)
-        inv_pen = (1.0 / pen64).to(tl.float32)
+        pen, inv_pen = penalty_factors(pen_ptr)
     if HAS_BAN:  # token v is excluded where banned_tokens[v] & this row's ban classes (uint8 bits) is nonzero: the
         ban_bits = tl.load(ban_rows_ptr + row)  # table is read below ban_hi (nowhere in a row with no class)
         ban_hi = tl.where(ban_bits != 0, hi, 0)
@@ -180,8 +193,7 @@ def _conf_partial_kernel(
                 acc += tl.load(res_r + offs, mask=msk, other=0.0).to(tl.float32)
             x = x + scale * acc
         if HAS_PENALTY:
-            seen = tl.load(seen_row + offs, mask=msk, other=0)
-            x = tl.where(seen != 0, tl.where(x < 0, x * pen, x * inv_pen), x)
+            x = penalized(x, tl.load(seen_row + offs, mask=msk, other=0), pen, inv_pen)
         x = x * inv_t
         x = comparable(x)
         x = tl.where(msk & (offs != mask_id), x, float("-inf"))

@@ -68,7 +68,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import ban_operands, check_banned, check_penalty, check_skip_rows, check_top_m, penalty_operands
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
-from .confidence import comparable, rescaled_terms, softmax_entropy
+from .confidence import comparable, penalized, penalty_factors, rescaled_terms, softmax_entropy
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 from .reference.lm_head_confidence import top_by_value
 
@@ -129,9 +129,7 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
         ban_bits = tl.expand_dims(tl.load(ban_rows_ptr + rows64, mask=row_mask, other=0), V_AXIS)
     if HAS_PENALTY:  # the repetition penalty at the columns each row has seen (its row of the seen table)
         seen_at = tl.expand_dims(tl.load(seen_rows_ptr + rows64, mask=row_mask, other=0) * V, V_AXIS)
-        pen64 = tl.load(pen_ptr).to(tl.float64)
-        pen = pen64.to(tl.float32)
-        inv_pen = (1.0 / pen64).to(tl.float32)
+        pen, inv_pen = penalty_factors(pen_ptr)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     d = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)  # with ENTROPY: sum of exp(z - m) * (z - m)
@@ -167,7 +165,7 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
         if HAS_PENALTY:
             seen = tl.load(seen_ptr + seen_at + tl.expand_dims(cols64, 1 - V_AXIS),
                            mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0)
-            z = tl.where(seen != 0, tl.where(z < 0, z * pen, z * inv_pen), z)
+            z = penalized(z, seen, pen, inv_pen)
         z = z * inv_temp
         z = comparable(z)
         valid = col_mask
