@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _harness  # noqa: E402
-from hf_integration.cli import SHIPPED_MODEL, chat_ids, load, user_turn  # noqa: E402
-from training.data import is_conversation  # noqa: E402
+from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
+from hf_integration.cli_prompts import UsageError, left_padded, read_prompt_records  # noqa: E402
 from training.stdlib_corpus import manifest_root  # noqa: E402
 
 # A mode's draft vocabulary: the ``size`` most frequent token ids of the model's training files.
@@ -99,54 +99,6 @@ def heldout_prompts(manifest_path: Path, limit: int, max_lines: int = 2) -> list
     return prompts[:limit]
 
 
-def file_prompts(path: Path, tokenizer, chat: bool, system: str | None, model: str) -> list[list[int]]:
-    """The token ids of each prompt of a JSONL file (the record forms: the module docstring); ``chat``: send
-    ``prompt`` records through the chat template as a user message after ``system``'s, if given (``messages``
-    records always go through it; their own system message wins)."""
-    prompts = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"--prompt-file {path}:{lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SystemExit(f"{where}: not valid JSON ({err.msg})") from None
-        if not isinstance(rec, dict):
-            raise SystemExit(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        if "messages" in rec:
-            messages = rec["messages"]
-            if not (is_conversation(messages) and messages):
-                raise SystemExit(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
-            if messages[-1]["role"] == "assistant":
-                messages = messages[:-1]  # the reference answer: the model writes its own
-            if system is not None and messages and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": system}, *messages]
-            prompts.append(chat_ids(tokenizer, messages, model))
-        elif isinstance(rec.get("prompt"), str):
-            prompts.append(chat_ids(tokenizer, user_turn(rec["prompt"], system), model) if chat
-                           else tokenizer(rec["prompt"]).input_ids)
-        elif isinstance(rec.get("text"), str):
-            prompts.append(tokenizer(rec["text"]).input_ids)
-        else:
-            raise SystemExit(f"{where}: a record needs a 'prompt' or 'text' string or a 'messages' list "
-                             f"(got keys {sorted(rec)})")
-        if not prompts[-1]:
-            raise SystemExit(f"{where}: the prompt is empty")
-    return prompts
-
-
-def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists as one left-padded batch: (input_ids, attention_mask), each int64 [len(rows), longest]."""
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def closes_and_parses(prompt: str, completion: str) -> bool:
     """Whether prompt + completion parses once cut where the function ends (first line back at column 0)
     and with the last, possibly unfinished, line dropped."""
@@ -192,9 +144,8 @@ def most_frequent_ids(manifest: Path, tokenizer, size: int, model, counts: dict)
 def run_mode(model, prompts: list[list[int]], settings: dict, batch_size: int):
     """prompts: token ids each. Returns per-prompt completions (token lists) and summed stats, plus wall seconds."""
     completions, totals, seconds = [], {}, 0.0
-    pad_id = model.generation_config.pad_token_id or 0  # any id: the attention mask hides padding
     for start in range(0, len(prompts), batch_size):
-        ids, mask = left_padded(prompts[start : start + batch_size], pad_id, model.device)
+        ids, mask = left_padded(prompts[start : start + batch_size], model.device)
         if ids.is_cuda:  # untimed: compiles the kernels and captures the CUDA graphs this batch's shapes need
             model.generate(ids, attention_mask=mask, **settings)
             torch.cuda.synchronize()
@@ -255,7 +206,11 @@ def main(argv=None) -> int:
         if not prompts:
             raise SystemExit(f"no held-out prompts found from {manifest}")
     else:
-        prompts = file_prompts(args.prompt_file, tokenizer, args.chat, args.system, args.model)[: args.prompts]
+        try:
+            records = read_prompt_records(args.prompt_file, tokenizer, args.chat, args.system, args.model)
+        except UsageError as err:
+            raise SystemExit(str(err)) from None
+        prompts = [record.ids for record in records[: args.prompts]]
         if not prompts:
             raise SystemExit(f"--prompt-file {args.prompt_file}: no prompts")
     texts_in = [tokenizer.decode(p) for p in prompts]

@@ -8,11 +8,13 @@ Examples::
     mrp-generate "import os" --show-steps               # then which tokens each decoding step revealed, how sure
     mrp-generate "def add(a, b):" --stop $'\\n\\n'       # stop at the first blank line
     mrp-generate --model JetLM/SDAR-1.7B-Chat --strategy dynamic --chat "Name three sorting algorithms."
+    mrp-generate --model JetLM/SDAR-1.7B-Chat --chat --prompts questions.jsonl --output answers.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -21,10 +23,13 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
+from .cli_prompts import UsageError, chat_ids, left_padded, read_prompt_records, user_turn
 from .generation_settings import DRAFT_SCHEDULES, MRP_STRATEGIES, READ_BY, REMASK_RULES, STRATEGIES, GenerationSettings
 from .prompts import PromptBatch
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
+BATCH_SIZE = 8  # --prompts: prompts decoded together
+OUTPUT_KEYS = ("completion", "stats")  # what --prompts adds to each record
 COMPARE = [
     ("static", {}),
     ("dynamic", {"threshold": 0.7}),
@@ -61,8 +66,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrp-generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-file)")
+    p.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-file or --prompts)")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--prompts", type=Path, metavar="JSONL", help="complete every prompt of this file, a batch at a "
+                   "time, and write one JSON line a prompt: its record with the completion and its stats (records: "
+                   "{\"prompt\": ...}, {\"messages\": [...]} or {\"text\": ...}; other keys are kept)")
+    p.add_argument("--output", type=Path, metavar="JSONL", help="with --prompts: write the results to this file "
+                   "(default: standard output)")
+    p.add_argument("--batch-size", type=int, metavar="N", help="with --prompts: prompts decoded together (default: "
+                   f"{BATCH_SIZE})")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the tokenizer's "
                    "chat template (chat checkpoints such as SDAR-*-Chat)")
     p.add_argument("--system", help="a system message before the prompt (with --chat)")
@@ -126,10 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class UsageError(ValueError):
-    """A command line that cannot run as given; the message names the option to fix."""
-
-
 def load(model_path: str, device: str, dtype: str | None):
     """(tokenizer, model) of a checkpoint folder or Hub repo id. The model is always this package's class, also
     for the SDAR / MRP releases, whose own remote code ``AutoModelForCausalLM`` would run instead. Raises
@@ -170,20 +178,6 @@ def encode(tokenizer, prompt: str, args: argparse.Namespace) -> torch.Tensor:
                   file=sys.stderr)
         return tokenizer(prompt, return_tensors="pt").input_ids
     return torch.tensor([chat_ids(tokenizer, user_turn(prompt, args.system), args.model)])
-
-
-def user_turn(prompt: str, system: str | None) -> list[dict]:
-    """``prompt`` as a conversation's user message, after ``system`` as its system message (when not None)."""
-    return ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": prompt}]
-
-
-def chat_ids(tokenizer, messages: list[dict], model: str) -> list[int]:
-    """The token ids of ``messages`` ({role, content} dicts) rendered by the tokenizer's chat template with the
-    assistant's turn opened (:class:`UsageError` naming ``model`` when its tokenizer has no template)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise UsageError(f"--chat needs a tokenizer with a chat template, and {model}'s has none (drop --chat to "
-                         "complete the prompt as plain text)")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 def run_one(model, ids: torch.Tensor, settings: dict):
@@ -267,17 +261,25 @@ def compare_table(model, tokenizer, ids: torch.Tensor, runs: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    prompt = args.prompt
     if args.prompt_file is not None:
         try:
             prompt = args.prompt_file.read_text()
         except (OSError, UnicodeDecodeError) as err:
             parser.error(f"--prompt-file: {err}")
-    elif args.prompt is not None:
-        prompt = args.prompt
-    else:
-        parser.error("give a prompt or --prompt-file")
+    elif args.prompt is None and args.prompts is None:
+        parser.error("give a prompt, --prompt-file or --prompts")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    if args.prompts is not None and (args.prompt is not None or args.prompt_file is not None):
+        parser.error("--prompts reads every prompt from its file: drop the prompt / --prompt-file")
+    if args.prompts is None and (args.output is not None or args.batch_size is not None):
+        parser.error("--output and --batch-size go with --prompts")
+    if args.prompts is not None and (args.compare or args.show_steps):
+        parser.error("--prompts writes one strategy's completions: drop --compare / --show-steps (to compare the "
+                     "strategies on a file of prompts: python benchmarks/bench_e2e.py --prompt-file FILE)")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.compare and args.strategy is not None:
         parser.error("--compare runs every strategy: drop --strategy")
     if args.compare and args.show_steps:
@@ -287,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     try:
-        return generate_and_print(args, prompt)
+        return generate_and_print(args, prompt) if args.prompts is None else generate_file(args)
     except UsageError as err:
         parser.exit(2, f"mrp-generate: error: {err}\n")
 
@@ -308,12 +310,19 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 tokenizer=tokenizer if args.stop else None)
 
 
-def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
-    """Load the model, check the settings, then print the completion (streamed) and its stats, or the table of
-    ``--compare``."""
+def load_for(args: argparse.Namespace):
+    """(tokenizer, model) of ``--model``, with ``args.strategy`` defaulted for it (speculative, or static for a model
+    without an MRP head)."""
     tokenizer, model = load(args.model, args.device, args.dtype)
     if args.strategy is None:
         args.strategy = "speculative" if model.has_mrp else "static"
+    return tokenizer, model
+
+
+def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
+    """Load the model, check the settings, then print the completion (streamed) and its stats, or the table of
+    ``--compare``."""
+    tokenizer, model = load_for(args)
     ids = encode(tokenizer, prompt, args).to(args.device)
     settings = generate_settings(args, tokenizer)
     runs = compare_settings(settings, model.has_mrp) if args.compare else [{**settings, "strategy": args.strategy}]
@@ -339,6 +348,65 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
     if args.show_steps:
         P = ids.shape[1]
         print(steps_text(tokenizer, out.sequences[0, P:], out.reveal_steps[0, P:], out.confidences[0, P:]))
+    return 0
+
+
+def completions(tokenizer, out, width: int) -> list[dict]:
+    """Each row's result of ``generate()``'s output ``out`` (with ``return_dict_in_generate``; ``width``: the width
+    of its ``input_ids``): ``completion``, the new tokens it keeps as text, and ``stats``: ``new_tokens`` (kept),
+    ``tokens_decoded`` (the last block's positions past the end too), ``backbone_forwards``, ``mrp_forwards`` and
+    ``tokens_per_forward`` (decoded a backbone forward)."""
+    stats = out.stats.as_dict()
+    results = []
+    for row, kept in enumerate(out.new_tokens.tolist()):
+        results.append({"completion": tokenizer.decode(out.sequences[row, width : width + kept],
+                                                       skip_special_tokens=True),
+                        "stats": {"new_tokens": kept, "tokens_decoded": stats["tokens_committed"][row],
+                                  **{key: stats[key][row] for key in ("backbone_forwards", "mrp_forwards",
+                                                                      "tokens_per_forward")}}})
+    return results
+
+
+def generate_file(args: argparse.Namespace) -> int:
+    """``--prompts``: load the model, read every prompt record and check it with the settings (before anything is
+    decoded), then decode the prompts ``--batch-size`` at a time (left-padded; each row moves on on its own), writing
+    each batch's results as it ends: one JSON line a record, in the file's order, the record with ``completion`` (the
+    new tokens kept, as text) and ``stats`` (its new tokens, backbone and MRP forwards, tokens decoded a backbone
+    forward) added; then print the totals. Sampled batch b draws with seed ``--seed`` + b, so no two batches share
+    their noise."""
+    tokenizer, model = load_for(args)
+    records = read_prompt_records(args.prompts, tokenizer, args.chat, args.system, args.model, option="--prompts")
+    if not records:
+        raise UsageError(f"--prompts {args.prompts}: no prompts")
+    settings = {**generate_settings(args, tokenizer), "strategy": args.strategy}
+    for record in records:
+        taken = [key for key in OUTPUT_KEYS if key in record.fields]
+        if taken:
+            raise UsageError(f"{record.where}: the record holds {taken[0]!r}, which the output writes: rename it")
+        try:
+            check_settings(model, torch.tensor([record.ids]), [settings])
+        except UsageError as err:
+            raise UsageError(f"{record.where}: {err}") from None
+    size = args.batch_size or BATCH_SIZE
+    totals, seconds = dict.fromkeys(("new_tokens", "tokens_decoded", "backbone_forwards", "mrp_forwards"), 0), 0.0
+    with contextlib.ExitStack() as stack:
+        sink = sys.stdout if args.output is None else stack.enter_context(open(args.output, "w", encoding="utf-8"))
+        for start in range(0, len(records), size):
+            batch = records[start : start + size]
+            ids, mask = left_padded([record.ids for record in batch], args.device)
+            out, took = run_one(model, ids, {**settings, "attention_mask": mask, "seed": args.seed + start // size})
+            for record, result in zip(batch, completions(tokenizer, out, ids.shape[1])):
+                sink.write(json.dumps({**record.fields, **result}, ensure_ascii=False) + "\n")
+                for key in totals:
+                    totals[key] += result["stats"][key]
+            sink.flush()
+            seconds += took
+            print(f"{start + len(batch)}/{len(records)} prompts, {seconds:.1f} s", file=sys.stderr)
+    print(f"[{args.strategy}] {len(records)} prompts, {totals['new_tokens']} new tokens, "
+          f"{totals['backbone_forwards']} backbone forwards, {totals['mrp_forwards']} MRP forwards, "
+          f"{totals['tokens_decoded'] / max(totals['backbone_forwards'], 1):.2f} tokens/forward, {seconds:.2f} s "
+          f"({totals['new_tokens'] / seconds:.1f} new tokens/s)"
+          + (f" -> {args.output}" if args.output is not None else ""), file=sys.stderr)
     return 0
 
 

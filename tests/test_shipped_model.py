@@ -339,6 +339,94 @@ def test_mrp_generate_refuses_an_empty_prompt(monkeypatch, capsys):
     assert "Traceback" not in err
 
 
+PROMPT_RECORDS = [{"id": 0, "prompt": "def parse_header(line):"}, {"id": 1, "text": "import os\n"},
+                  {"id": 2, "prompt": "class Stack:\n    def push(self, item):", "answer": "kept"},
+                  {"id": 3, "prompt": "x"}, {"id": 4, "text": "for i in range(10):\n"}]
+
+
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_mrp_generate_prompts_completes_each_record_as_generate_does_alone(strategy, tmp_path, capsys):
+    """--prompts: one JSON line a record, in the file's order (batches of --batch-size, the last one short), the
+    record's own keys kept, its completion the one generate() gives the prompt alone (so padding and batch mates
+    change nothing) with a stop string, its stats those of that call; then the totals (on standard error)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_integration import cli
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in PROMPT_RECORDS[:2]) + "\n\n"
+                    + "\n".join(json.dumps(r) for r in PROMPT_RECORDS[2:]) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["--prompts", str(path), "--output", str(out), "--batch-size", "2", "--strategy", strategy,
+                     "--max-new-tokens", "24", "--stop", "\n\n"]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True)
+    assert [{k: v for k, v in r.items() if k not in cli.OUTPUT_KEYS} for r in results] == PROMPT_RECORDS
+    for record, result in zip(PROMPT_RECORDS, results):
+        ids = tokenizer(record.get("prompt", record.get("text")), return_tensors="pt").input_ids
+        alone = model.generate(ids, strategy=strategy, max_new_tokens=24, stop_strings=["\n\n"], tokenizer=tokenizer,
+                               return_dict_in_generate=True)
+        kept = int(alone.new_tokens[0])
+        stats = alone.stats.as_dict()
+        assert result["completion"] == tokenizer.decode(alone.sequences[0, ids.shape[1]:][:kept])
+        assert result["stats"] == {"new_tokens": kept, "tokens_decoded": stats["tokens_committed"][0],
+                                   "backbone_forwards": stats["backbone_forwards"][0],
+                                   "mrp_forwards": stats["mrp_forwards"][0],
+                                   "tokens_per_forward": stats["tokens_per_forward"][0]}
+    err = capsys.readouterr().err
+    assert "2/5 prompts" in err and "4/5 prompts" in err and "5/5 prompts" in err
+    assert f"[{strategy}] 5 prompts, {sum(r['stats']['new_tokens'] for r in results)} new tokens" in err
+
+    assert cli.main(["--prompts", str(path), "--strategy", strategy, "--max-new-tokens", "24", "--stop", "\n\n"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == results  # to standard output
+
+
+def test_mrp_generate_prompts_samples_each_batch_with_its_own_seed(tmp_path, monkeypatch):
+    """Sampled batch b draws with seed --seed + b: a prompt repeated across batches gets fresh samples."""
+    from hf_integration import cli
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "def f(x):"}\n' * 5)
+    seeds = []
+    run_one = cli.run_one
+    monkeypatch.setattr(cli, "run_one", lambda model, ids, settings: seeds.append((settings["seed"], ids.shape[0]))
+                        or run_one(model, ids, settings))
+    assert cli.main(["--prompts", str(path), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "2",
+                     "--do-sample", "--seed", "7", "--max-new-tokens", "4"]) == 0
+    assert seeds == [(7, 2), (8, 2), (9, 1)]
+
+
+@pytest.mark.parametrize("args, records, message", [
+    (["def f():", "--prompts", "{file}"], None, "--prompts reads every prompt from its file: drop the prompt"),
+    (["def f():", "--output", "{tmp}/o.jsonl"], None, "--output and --batch-size go with --prompts"),
+    (["--prompts", "{file}", "--batch-size", "0"], None, "--batch-size must be >= 1, got 0"),
+    (["--prompts", "{file}", "--compare"], None, "--prompts writes one strategy's completions: drop --compare"),
+    (["--prompts", "{tmp}/missing.jsonl"], None, "--prompts: [Errno 2] No such file or directory"),
+    (["--prompts", "{file}"], [], "--prompts {file}: no prompts"),
+    (["--prompts", "{file}"], [{"prompt": "a"}, {"prompt": "b", "completion": "mine"}],
+     "--prompts {file}:2: the record holds 'completion', which the output writes: rename it"),
+    (["--prompts", "{file}", "--max-new-tokens", "2030"], [{"prompt": "a"}, {"prompt": "b " * 40}],
+     "--prompts {file}:2: --strategy speculative: prompt + max_new_tokens need"),
+    (["--prompts", "{file}"], [{"prompt": "a"}, {"prompt": "b <|MASK|>"}], "--prompts {file}:2: the prompt: input_ids "
+     "contain the mask token"),
+])
+def test_mrp_generate_prompts_refuses_bad_input_naming_the_option_and_line(args, records, message, tmp_path,
+                                                                            monkeypatch, capsys):
+    """Every record is read and checked before anything is decoded; a bad one is named by its line."""
+    from hf_integration import cli
+
+    monkeypatch.setattr(cli, "run_one", lambda *a: pytest.fail("decoded despite bad input"))
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ([{"prompt": "a"}] if records is None else records)))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([a.format(tmp=tmp_path, file=path) for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().splitlines()[-1].startswith(
+        "mrp-generate: error: " + message.format(tmp=tmp_path, file=path)), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("options, expected", [
     ([], dict(dynamic=dict(threshold=0.7), direct=dict(mrp_steps=2), speculative=dict(mrp_steps=3),
               remask=dict(threshold=0.5))),
@@ -487,29 +575,26 @@ def test_e2e_benchmark_runs_your_own_prompts_through_the_chat_template(tmp_path)
 
 
 @pytest.mark.parametrize("line, error", [
-    ("{not json", "prompts.jsonl:2: not valid JSON"),
-    ("[1, 2]", "prompts.jsonl:2: expected a JSON object, got list"),
-    ('{"question": "why"}', "prompts.jsonl:2: a record needs a 'prompt' or 'text' string or a 'messages' list "
-                            "(got keys ['question'])"),
-    ('{"messages": [{"role": "user"}]}', "prompts.jsonl:2: 'messages' must be a non-empty list"),
-    ('{"text": ""}', "prompts.jsonl:2: the prompt is empty"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"question": "why"}', "a record needs a 'prompt' or 'text' string or a 'messages' list (got keys ['question'])"),
+    ('{"messages": [{"role": "user"}]}', "'messages' must be a non-empty list"),
+    ('{"text": ""}', "the prompt is empty"),
 ])
-def test_e2e_benchmark_names_the_line_of_a_bad_prompt_record(tmp_path, line, error):
-    import importlib.util
-
+def test_a_bad_prompt_record_is_named_by_its_file_and_line(tmp_path, line, error):
+    """mrp-generate --prompts and bench_e2e.py --prompt-file read prompt files with read_prompt_records."""
     from transformers import AutoTokenizer
 
-    spec = importlib.util.spec_from_file_location("bench_e2e", REPO_ROOT / "benchmarks" / "bench_e2e.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from hf_integration.cli_prompts import read_prompt_records
+
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "x = 1"}\n' + line + "\n")
-    with pytest.raises(SystemExit, match=re.escape(error)):
-        bench.file_prompts(path, tokenizer, chat=False, system=None, model="m")
+    with pytest.raises(UsageError, match=re.escape(f"--prompts {path}:2: {error}")):
+        read_prompt_records(path, tokenizer, chat=False, system=None, model="m", option="--prompts")
     path.write_text('{"prompt": "x = 1"}\n')
     with pytest.raises(UsageError, match="--chat needs a tokenizer with a chat template"):
-        bench.file_prompts(path, tokenizer, chat=True, system=None, model="m")
+        read_prompt_records(path, tokenizer, chat=True, system=None, model="m")
 
 
 def test_line_completion_benchmark_ends_rows_with_their_line(tmp_path):

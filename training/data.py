@@ -40,6 +40,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from hf_integration.cli_prompts import is_conversation
+
 from .config import ConfigError
 from .tokenizer import CHAT_TEMPLATE
 
@@ -87,12 +89,6 @@ def read_records(paths: Sequence[str], flag: str = "--data") -> list[dict]:
             if text:
                 records.append({"text": text})
     return records
-
-
-def is_conversation(messages) -> bool:
-    """Whether ``messages`` is a list of ``{"role": str, "content": str}`` dicts (a ``messages`` record's value)."""
-    return isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
 
 
 def _check_record(rec, where: str) -> None:
