@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=Path, metavar="JSONL", help="complete every prompt of this file, a batch at a "
                    "time, and write one JSON line a prompt: its record with the completion and its stats (records: "
                    "{\"prompt\": ...}, {\"messages\": [...]} or {\"text\": ...}; other keys are kept)")
+    p.add_argument("--interactive", "-i", action="store_true", help="read prompts from standard input, one a line, "
+                   "and complete each; with --chat a conversation: each message continues it (/reset forgets it, "
+                   "/exit or the end of input quits)")
     p.add_argument("--output", type=Path, metavar="JSONL", help="with --prompts: write the results to this file "
                    "(default: standard output)")
     p.add_argument("--batch-size", type=int, metavar="N", help="with --prompts: prompts decoded together (default: "
@@ -169,15 +172,20 @@ def _looks_local(model_path: str) -> bool:
     return model_path.startswith(("/", "./", "../", "~", ".\\")) or model_path.count("/") > 1
 
 
-def encode(tokenizer, prompt: str, args: argparse.Namespace) -> torch.Tensor:
-    """The prompt's ids [1, P]: as it is, or (``--chat``) as a user message after the optional system message,
-    rendered by the tokenizer's chat template with the assistant's turn opened."""
+def encode(tokenizer, prompt: str, args: argparse.Namespace, history: list[dict] = ()) -> torch.Tensor:
+    """The prompt's ids [1, P]: as it is, or (``--chat``) as a user message after the optional system message and
+    the conversation's earlier turns (``history``: {role, content} dicts), rendered by the tokenizer's chat template
+    with the assistant's turn opened."""
     if not args.chat:
-        if getattr(tokenizer, "chat_template", None):
-            print("note: this model's tokenizer has a chat template; --chat sends the prompt through it",
-                  file=sys.stderr)
         return tokenizer(prompt, return_tensors="pt").input_ids
-    return torch.tensor([chat_ids(tokenizer, user_turn(prompt, args.system), args.model)])
+    *system, user = user_turn(prompt, args.system)
+    return torch.tensor([chat_ids(tokenizer, [*system, *history, user], args.model)])
+
+
+def hint_chat(tokenizer, args: argparse.Namespace) -> None:
+    """Without ``--chat``, tell a user whose model's tokenizer has a chat template that ``--chat`` uses it."""
+    if not args.chat and getattr(tokenizer, "chat_template", None):
+        print("note: this model's tokenizer has a chat template; --chat sends the prompt through it", file=sys.stderr)
 
 
 def run_one(model, ids: torch.Tensor, settings: dict):
@@ -267,12 +275,16 @@ def main(argv: list[str] | None = None) -> int:
             prompt = args.prompt_file.read_text()
         except (OSError, UnicodeDecodeError) as err:
             parser.error(f"--prompt-file: {err}")
-    elif args.prompt is None and args.prompts is None:
-        parser.error("give a prompt, --prompt-file or --prompts")
+    elif args.prompt is None and args.prompts is None and not args.interactive:
+        parser.error("give a prompt, --prompt-file, --prompts or --interactive")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
     if args.prompts is not None and (args.prompt is not None or args.prompt_file is not None):
         parser.error("--prompts reads every prompt from its file: drop the prompt / --prompt-file")
+    if args.interactive and (args.prompt is not None or args.prompt_file is not None or args.prompts is not None
+                             or args.compare):
+        parser.error("--interactive reads its prompts from standard input: drop the prompt / --prompt-file / "
+                     "--prompts / --compare")
     if args.prompts is None and (args.output is not None or args.batch_size is not None):
         parser.error("--output and --batch-size go with --prompts")
     if args.prompts is not None and (args.compare or args.show_steps):
@@ -289,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     try:
+        if args.interactive:
+            return converse(args)
         return generate_and_print(args, prompt) if args.prompts is None else generate_file(args)
     except UsageError as err:
         parser.exit(2, f"mrp-generate: error: {err}\n")
@@ -323,6 +337,7 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
     """Load the model, check the settings, then print the completion (streamed) and its stats, or the table of
     ``--compare``."""
     tokenizer, model = load_for(args)
+    hint_chat(tokenizer, args)
     ids = encode(tokenizer, prompt, args).to(args.device)
     settings = generate_settings(args, tokenizer)
     runs = compare_settings(settings, model.has_mrp) if args.compare else [{**settings, "strategy": args.strategy}]
@@ -336,19 +351,72 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
     out, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer,
                                         "output_reveal_steps": args.show_steps,
                                         "output_confidences": args.show_steps})
-    stats = out.stats.as_dict()
-    # decoding fills whole blocks: the last one's positions past the end are decoded (in tokens/forward), not kept
-    kept, decoded = int(out.new_tokens[0]), stats["tokens_committed"][0]
-    print(f"\n[{args.strategy}] {kept} new tokens"
-          + (f" ({decoded} decoded: the last block's positions past the end too)" if decoded != kept else "") + ", "
-          f"{stats['backbone_forwards'][0]} backbone forwards, {stats['mrp_forwards'][0]} MRP forwards, "
-          f"{stats['tokens_per_forward'][0]:.2f} tokens/forward, "
-          f"{seconds:.2f} s" + (" (with Triton compilation and CUDA-graph capture: --compare times the steady state)"
-                                if ids.is_cuda else ""), file=sys.stderr)
+    print("\n" + stats_line(args.strategy, completions(tokenizer, out, ids.shape[1])[0]["stats"], seconds)
+          + (" (with Triton compilation and CUDA-graph capture: --compare times the steady state)" if ids.is_cuda
+             else ""), file=sys.stderr)
     if args.show_steps:
         P = ids.shape[1]
         print(steps_text(tokenizer, out.sequences[0, P:], out.reveal_steps[0, P:], out.confidences[0, P:]))
     return 0
+
+
+def converse(args: argparse.Namespace) -> int:
+    """``--interactive``: complete each line read from standard input (streamed), with its stats; with ``--chat``
+    each line is a user message of one conversation, which the replies (the new tokens kept) join as the
+    assistant's turns. ``/reset`` forgets the conversation, ``/exit`` (or the end of input, or Ctrl-C) quits. A
+    message the settings cannot decode (one that takes the conversation past the model's positions) is refused with
+    the reason, and the session goes on. Sampled turn t draws with seed ``--seed`` + t."""
+    tokenizer, model = load_for(args)
+    hint_chat(tokenizer, args)
+    settings = {**generate_settings(args, tokenizer), "strategy": args.strategy}
+    check_settings(model, encode(tokenizer, "x", args), [settings])  # the options, before the first line is read
+    print("one message a line; /reset forgets the conversation, /exit quits" if args.chat
+          else "one prompt a line, each completed on its own; /exit quits", file=sys.stderr)
+    history, turn = [], 0
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        command = line.strip()
+        if command == "/exit":
+            return 0
+        if command == "/reset":
+            history = []
+            print("(a new conversation)", file=sys.stderr)
+            continue
+        if not command:
+            continue
+        ids = encode(tokenizer, line, args, history).to(args.device)
+        try:
+            check_settings(model, ids, [settings])
+        except UsageError as err:
+            print(f"error: {err}" + (" (/reset starts a new conversation)" if history else ""), file=sys.stderr)
+            continue
+        if not args.chat:
+            print(line, end="", flush=True)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        try:
+            out, seconds = run_one(model, ids, {**settings, "streamer": streamer, "seed": args.seed + turn})
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        turn += 1
+        reply = completions(tokenizer, out, ids.shape[1])[0]
+        print("\n" + stats_line(args.strategy, reply["stats"], seconds), file=sys.stderr)
+        if args.chat:
+            history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply["completion"]}]
+
+
+def stats_line(strategy: str, stats: dict, seconds: float) -> str:
+    """What one completion cost (``stats``: a :func:`completions` result's): its new tokens, those decoded past the
+    end of the last block (decoding fills whole blocks: counted in tokens/forward, not kept), the forwards, seconds."""
+    kept, decoded = stats["new_tokens"], stats["tokens_decoded"]
+    return (f"[{strategy}] {kept} new tokens"
+            + (f" ({decoded} decoded: the last block's positions past the end too)" if decoded != kept else "")
+            + f", {stats['backbone_forwards']} backbone forwards, {stats['mrp_forwards']} MRP forwards, "
+            f"{stats['tokens_per_forward']:.2f} tokens/forward, {seconds:.2f} s")
 
 
 def completions(tokenizer, out, width: int) -> list[dict]:

@@ -253,6 +253,62 @@ def test_mrp_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path, 
     assert "--system needs --chat" in capsys.readouterr().err
 
 
+def test_mrp_generate_interactive_keeps_a_conversation_until_reset(tmp_path, monkeypatch, capsys):
+    """--interactive --chat: each line is a user message of one conversation, which each reply joins as the
+    assistant's turn (rendered by the chat template); /reset forgets it, /exit quits (later lines are never read),
+    sampled turn t draws with seed --seed + t; without --chat each line is completed on its own."""
+    import io
+
+    from transformers import AutoTokenizer
+
+    from hf_integration import cli
+
+    chat_model = tmp_path / "chat"
+    shutil.copytree(SHIPPED_MODEL, chat_model)
+    (chat_model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    calls = []
+    run_one = cli.run_one
+
+    def recorded(model, ids, settings):
+        out, seconds = run_one(model, ids, settings)
+        calls.append((ids.tolist()[0], settings["seed"], cli.completions(tok, out, ids.shape[1])[0]["completion"]))
+        return out, seconds
+
+    monkeypatch.setattr(cli, "run_one", recorded)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nagain\n/reset\nthird\n/exit\nnever read\n"))
+    assert cli.main(["-i", "--chat", "--system", "be brief", "--model", str(chat_model), "--strategy", "static",
+                     "--max-new-tokens", "8", "--do-sample", "--seed", "3"]) == 0
+    first = calls[0][2]
+    rendered = ["<|system|>be brief\n<|user|>hello\n<|assistant|>",
+                f"<|system|>be brief\n<|user|>hello\n<|assistant|>{first}\n<|user|>again\n<|assistant|>",
+                "<|system|>be brief\n<|user|>third\n<|assistant|>"]
+    assert [ids for ids, _, _ in calls] == [tok(text, add_special_tokens=False).input_ids for text in rendered]
+    assert [seed for _, seed, _ in calls] == [3, 4, 5]
+    assert "(a new conversation)" in capsys.readouterr().err
+
+    calls.clear()
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):\nimport os\n"))  # the end of input quits
+    assert cli.main(["--interactive", "--strategy", "static", "--max-new-tokens", "8"]) == 0
+    assert [ids for ids, _, _ in calls] == [tok("def f(x):").input_ids, tok("import os").input_ids]
+    out = capsys.readouterr()
+    assert "def f(x):" + calls[0][2] in out.out and out.err.count("[static] ") == 2
+
+
+def test_mrp_generate_interactive_refuses_a_message_it_cannot_decode_and_goes_on(monkeypatch, capsys):
+    import io
+
+    from hf_integration import cli
+
+    monkeypatch.setattr(cli, "run_one", lambda *a: pytest.fail("decoded a refused prompt"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("b " * 40 + "\n/exit\n"))
+    assert cli.main(["-i", "--strategy", "static", "--max-new-tokens", "2030"]) == 0
+    assert "error: --strategy static: prompt + max_new_tokens need" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["def f():", "-i"])
+    assert exit_.value.code == 2 and "--interactive reads its prompts from standard input" in capsys.readouterr().err
+
+
 def test_mrp_generate_show_steps_lists_the_tokens_each_step_revealed(capsys):
     """--show-steps prints, after the completion, one line per decoding step with the places (among the new tokens),
     texts and probabilities of the tokens it revealed: with static decoding one token a step, every place once (the
