@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="with --do-sample: the seed of the sampling noise")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
+    p.add_argument("--prefill-chunk-size", type=int, metavar="N", help="write a long prompt into the cache in "
+                   "forwards of at most N positions (whole blocks), which bounds the memory its prefill takes; the "
+                   "output is the same (default: one forward)")
     p.add_argument("--max-time", type=float, metavar="SECONDS",
                    help="end the completion with the block being decoded once this much time has passed")
     p.add_argument("--compare", action="store_true", help="run static, dynamic, sequential, entropy_bounded, direct, "
@@ -320,6 +323,7 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 temperature=args.temperature, top_h=args.top_h, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff,
                 seed=args.seed,
+                prefill_chunk_size=args.prefill_chunk_size,
                 progress=args.max_new_tokens >= 256, stop_strings=args.stop, max_time=args.max_time,
                 tokenizer=tokenizer if args.stop else None)
 

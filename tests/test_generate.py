@@ -776,6 +776,9 @@ BAD_INPUTS = [
     (dict(output_reveal_steps=1, return_dict_in_generate=True), TypeError, "output_reveal_steps must be a bool"),
     (dict(output_confidences=True), ValueError, "output_confidences=True .*: pass return_dict_in_generate=True"),
     (dict(output_confidences="yes", return_dict_in_generate=True), TypeError, "output_confidences must be a bool"),
+    (dict(prefill_chunk_size=0), ValueError, r"prefill_chunk_size=0 must be >= 1 \(None: the whole prompt"),
+    (dict(prefill_chunk_size=64.0), TypeError, "prefill_chunk_size must be an int"),
+    (dict(prefill_chunk_size=True), TypeError, "prefill_chunk_size must be an int"),
 ]
 
 
@@ -879,6 +882,36 @@ def test_fused_commit_forward_gives_identical_output_with_fewer_forwards(model, 
     assert torch.equal(fused.stats.backbone_forwards, plain.stats.backbone_forwards)
     assert (fused.stats.commit_forwards == 0).all()
     assert (plain.stats.commit_forwards == 3).all()  # blocks 1..3 of 0..4 are committed on their own
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("kwargs", STRATEGIES, ids=lambda k: "-".join(str(v) for v in k.values()))
+def test_a_chunked_prefill_gives_the_output_of_one_prefill_forward(model, monkeypatch, kwargs, graphs):
+    """prefill_chunk_size: the rows' full prompt blocks (7, 1 and 3 blocks of 4, left-padded; then rows of the same
+    3) are written in forwards of at most that many positions (rounded down to whole blocks, at least one), each
+    attending to the cache the ones before it wrote; the output and every count are those of one prefill forward,
+    with CUDA-graph shaped steps too (a one-block chunk replays the commit forward's step)."""
+    writes, original = [], model.model.forward
+
+    def spy(input_ids, *args, attn=None, **kw):
+        writes.append(attn.write_len)
+        return original(input_ids, *args, attn=attn, **kw)
+
+    monkeypatch.setattr(model.model, "forward", spy)
+    staggered = padded_batch([random_prompts(1, n, seed=40 + n)[0] for n in (29, 6, 13)], "left")
+    even = padded_batch([random_prompts(1, n, seed=50 + n)[0] for n in (13, 14, 15)], "left")
+    for (ids, mask), blocks in ((staggered, 7), (even, 3)):
+        kw = dict(attention_mask=mask, max_new_tokens=10, return_dict_in_generate=True, cuda_graphs=graphs, **kwargs)
+        whole = model.generate(ids, **kw)
+        assert writes[0] == 4 * blocks
+        for chunk, widths in ((1, [4] * blocks), (9, [8] * (blocks // 2) + [4] * (blocks % 2)), (100, [4 * blocks])):
+            writes.clear()
+            chunked = model.generate(ids, prefill_chunk_size=chunk, **kw)
+            assert writes[: len(widths)] == widths
+            assert torch.equal(chunked.sequences, whole.sequences)
+            for name, value in vars(whole.stats).items():
+                assert torch.equal(getattr(chunked.stats, name), value), name
+        writes.clear()
 
 
 def _forward_batch_sizes(model, monkeypatch) -> list[int]:

@@ -523,7 +523,7 @@ def test_mrp_generate_passes_each_option_to_generate_as_its_keyword():
                  repetition_penalty=1.3,
                  do_sample=True, temperature=0.7, top_h=0.9, top_k=9, top_p=0.8, min_p=0.05, typical_p=0.95,
                  epsilon_cutoff=3e-4,
-                 eta_cutoff=2e-3, seed=11, max_time=2.5)
+                 eta_cutoff=2e-3, seed=11, max_time=2.5, prefill_chunk_size=64)
     options = [part for name, value in given.items() if name != "do_sample"
                for part in (f"--{name.replace('_', '-')}", str(value))]
     args = cli.build_parser().parse_args(["def f():", *options, "--do-sample", "--stop", "x", "--stop", "y"])

@@ -734,13 +734,17 @@ class BlockDecoder:
         return self.x
 
     def _prefill(self) -> None:
-        """Commit every row's full prompt blocks (one forward, fused into the first step when the rows'
-        prompts span the same blocks)."""
+        """Commit every row's full prompt blocks: in one forward, or with ``prefill_chunk_size`` in forwards of that
+        many positions at most (rounded down to whole blocks, at least one), each attending to the cache the ones
+        before it wrote; the last one fused into the first step when the rows' prompts span the same blocks."""
         T, prefill = self.block, max(self.first_blocks)
         if not prefill:
             return
-        positions = torch.arange(prefill * T, device=self.device).expand(self.x.shape[0], -1)
-        self.commit(self.x[:, : prefill * T], positions, counted=False)
+        chunk = self.settings.prefill_chunk_size
+        blocks = prefill if chunk is None else max(chunk // T, 1)
+        for start in range(0, prefill, blocks):
+            span = torch.arange(start * T, min(start + blocks, prefill) * T, device=self.device)
+            self.commit(self.x[:, span], span.expand(self.x.shape[0], -1), counted=False)
         if min(self.first_blocks) < prefill:
             # Rows with fewer full prompt blocks keep only their own: the rest of their width is
             # masked out and overwritten by their next commits.

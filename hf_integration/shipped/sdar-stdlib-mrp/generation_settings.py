@@ -58,7 +58,7 @@ HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_sequences", "eos_token_id",
                      "pad_token_id", "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids",
                      "per_row_blocks", "device_loop", "stop_strings", "stopping_criteria", "max_time", "tokenizer",
-                     "use_cache", "seed", "denoising_steps")
+                     "use_cache", "seed", "denoising_steps", "prefill_chunk_size")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
@@ -184,15 +184,19 @@ class GenerationSettings:
     positions): the order in which decoding filled each block; ``output_confidences`` the probability of each new token
     under the softmax that committed it for good (:class:`.SDARGenerateOutput`). ``use_cache`` is accepted as
     transformers' ``generate`` takes it: decoding always runs on its KV cache, which gives the tokens a forward over the
-    whole sequence would. ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding step from a
-    captured CUDA graph; ``True`` on a CPU model replays the recorded step functions on the same fixed buffers (a
-    graph's data flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12) runs the
-    steps after those that surely have work inside one graph, each only while no row has filled its block, tested on the
-    device (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after every step
-    (same output; a static, sequential, direct or speculative row that an EOS settles stops with that step, not one step
-    later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up projections as
-    another (the model's weights are laid out for it once, in place: ``model.pack_projections()``); the same output up
-    to the rounding of a differently blocked GEMM (``False``: one GEMM per projection, to measure what packing saves).
+    whole sequence would. ``prefill_chunk_size`` (transformers' name; default None: one forward) writes the prompt's
+    full blocks into the cache in forwards of at most that many positions (rounded down to whole blocks, at least one),
+    each attending to the cache the ones before it wrote: the same output, with the activations and attention scores of
+    a long prompt bounded by the chunk. ``cuda_graphs`` (default: on for a CUDA model) replays each kind of decoding
+    step from a captured CUDA graph; ``True`` on a CPU model replays the recorded step functions on the same fixed
+    buffers (a graph's data flow, without the graph). ``device_loop`` (needs ``cuda_graphs`` and on CUDA torch >= 2.12)
+    runs the steps after those that surely have work inside one graph, each only while no row has filled its block,
+    tested on the device (CUDA-graph conditional nodes), so the host checks the rows once a block fills instead of after
+    every step (same output; a static, sequential, direct or speculative row that an EOS settles stops with that step,
+    not one step later). ``packed_projections`` runs each layer's q/k/v projections as one GEMM and its gate/up
+    projections as another (the model's weights are laid out for it once, in place: ``model.pack_projections()``);
+    the same output up to the rounding of a differently blocked GEMM (``False``: one GEMM per projection, to measure
+    what packing saves).
     ``draft_vocab`` (speculative) lets the drafts choose among some token ids only: an int N (the ids below N; BPE ids
     are in merge order, so roughly the frequent tokens) or the ids themselves (a sequence or 1-D tensor, e.g. the most
     frequent tokens of your data: ``mrp-train draft-vocab``). Each draft step reads those rows of the lm_head instead of
@@ -256,6 +260,7 @@ class GenerationSettings:
     max_time: float | None = None
     tokenizer: object | None = None
     use_cache: bool = True
+    prefill_chunk_size: int | None = None
     eos_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod
@@ -496,6 +501,8 @@ class GenerationSettings:
             raise TypeError(f"stopping_criteria must be a list (or transformers.StoppingCriteriaList) of criteria "
                             f"called as criterion(input_ids, scores), got {reprlib.repr(self.stopping_criteria)}")
         self._normalize_bans(config.vocab_size)
+        if self.prefill_chunk_size is not None:
+            _int_at_least("prefill_chunk_size", self.prefill_chunk_size, 1, " (None: the whole prompt in one forward)")
         if self.max_time is not None and not _number("max_time", self.max_time) > 0.0:
             raise ValueError(f"max_time={self.max_time} must be > 0 seconds (or None: no time limit)")
         self.eos_ids = tuple(_token_id("eos_token_id", i, config.vocab_size) for i in self.eos_ids)
