@@ -414,8 +414,9 @@ def converse(args: argparse.Namespace) -> int:
 
 
 def stats_line(strategy: str, stats: dict, seconds: float) -> str:
-    """What one completion cost (``stats``: a :func:`completions` result's): its new tokens, those decoded past the
-    end of the last block (decoding fills whole blocks: counted in tokens/forward, not kept), the forwards, seconds."""
+    """What one completion (or several: their sums) cost (``stats``: a :func:`completions` result's): its new tokens,
+    those decoded past the end of the last block (decoding fills whole blocks: counted in tokens/forward, not kept),
+    the forwards, seconds."""
     kept, decoded = stats["new_tokens"], stats["tokens_decoded"]
     return (f"[{strategy}] {kept} new tokens"
             + (f" ({decoded} decoded: the last block's positions past the end too)" if decoded != kept else "")
@@ -474,9 +475,8 @@ def generate_file(args: argparse.Namespace) -> int:
             sink.flush()
             seconds += took
             print(f"{start + len(batch)}/{len(records)} prompts, {seconds:.1f} s", file=sys.stderr)
-    print(f"[{args.strategy}] {len(records)} prompts, {totals['new_tokens']} new tokens, "
-          f"{totals['backbone_forwards']} backbone forwards, {totals['mrp_forwards']} MRP forwards, "
-          f"{totals['tokens_decoded'] / max(totals['backbone_forwards'], 1):.2f} tokens/forward, {seconds:.2f} s "
+    totals["tokens_per_forward"] = totals["tokens_decoded"] / max(totals["backbone_forwards"], 1)
+    print(stats_line(args.strategy, totals, seconds) + f" for {len(records)} prompts "
           f"({totals['new_tokens'] / seconds:.1f} new tokens/s)"
           + (f" -> {args.output}" if args.output is not None else ""), file=sys.stderr)
     return 0

@@ -432,7 +432,9 @@ def test_mrp_generate_prompts_completes_each_record_as_generate_does_alone(strat
                                    "tokens_per_forward": stats["tokens_per_forward"][0]}
     err = capsys.readouterr().err
     assert "2/5 prompts" in err and "4/5 prompts" in err and "5/5 prompts" in err
-    assert f"[{strategy}] 5 prompts, {sum(r['stats']['new_tokens'] for r in results)} new tokens" in err
+    assert f"[{strategy}] {sum(r['stats']['new_tokens'] for r in results)} new tokens" in err
+    assert f"{sum(r['stats']['backbone_forwards'] for r in results)} backbone forwards, " in err
+    assert " for 5 prompts (" in err
 
     assert cli.main(["--prompts", str(path), "--strategy", strategy, "--max-new-tokens", "24", "--stop", "\n\n"]) == 0
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == results  # to standard output
