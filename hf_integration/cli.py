@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=Path, metavar="JSONL", help="complete every prompt of this file, a batch at a "
                    "time, and write one JSON line a prompt: its record with the completion and its stats (records: "
                    "{\"prompt\": ...}, {\"messages\": [...]} or {\"text\": ...}; other keys are kept)")
-    p.add_argument("--interactive", "-i", action="store_true", help="read prompts from standard input, one a line, "
-                   "and complete each; with --chat a conversation: each message continues it (/reset forgets it, "
-                   "/exit or the end of input quits)")
+    p.add_argument("--interactive", "-i", action="store_true", help="read prompts from standard input, one a line "
+                   "(end a line with \\ to go on on the next), and complete each; with --chat a conversation: each "
+                   "message continues it (/reset forgets it, /exit or the end of input quits)")
     p.add_argument("--output", type=Path, metavar="JSONL", help="with --prompts: write the results to this file "
                    "(default: standard output)")
     p.add_argument("--batch-size", type=int, metavar="N", help="with --prompts: prompts decoded together (default: "
@@ -374,12 +374,13 @@ def converse(args: argparse.Namespace) -> int:
     hint_chat(tokenizer, args)
     settings = {**generate_settings(args, tokenizer), "strategy": args.strategy}
     check_settings(model, encode(tokenizer, "x", args), [settings])  # the options, before the first line is read
-    print("one message a line; /reset forgets the conversation, /exit quits" if args.chat
-          else "one prompt a line, each completed on its own; /exit quits", file=sys.stderr)
+    print(("one message a line (end a line with \\ to go on on the next); /reset forgets the conversation, /exit quits"
+           if args.chat else "one prompt a line (end a line with \\ to go on on the next), each completed on its "
+           "own; /exit quits"), file=sys.stderr)
     history, turn = [], 0
     while True:
         try:
-            line = input("> ")
+            line = read_message()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
@@ -411,6 +412,19 @@ def converse(args: argparse.Namespace) -> int:
         print("\n" + stats_line(args.strategy, reply["stats"], seconds), file=sys.stderr)
         if args.chat:
             history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply["completion"]}]
+
+
+def read_message() -> str:
+    """One message from standard input: a line, or several when each but the last ends with a backslash (joined by
+    newlines, the backslashes dropped). Raises EOFError at the end of input before any line."""
+    lines = [input("> ")]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        try:
+            lines.append(input(". "))
+        except EOFError:
+            break
+    return "\n".join(lines)
 
 
 def stats_line(strategy: str, stats: dict, seconds: float) -> str:

@@ -288,9 +288,10 @@ def test_mrp_generate_interactive_keeps_a_conversation_until_reset(tmp_path, mon
     assert "(a new conversation)" in capsys.readouterr().err
 
     calls.clear()
-    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):\nimport os\n"))  # the end of input quits
+    # a backslash at the end of a line goes on on the next; the end of input quits
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):\nimport os\\\nimport re\n"))
     assert cli.main(["--interactive", "--strategy", "static", "--max-new-tokens", "8"]) == 0
-    assert [ids for ids, _, _ in calls] == [tok("def f(x):").input_ids, tok("import os").input_ids]
+    assert [ids for ids, _, _ in calls] == [tok("def f(x):").input_ids, tok("import os\nimport re").input_ids]
     out = capsys.readouterr()
     assert "def f(x):" + calls[0][2] in out.out and out.err.count("[static] ") == 2
 
