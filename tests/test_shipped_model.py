@@ -62,6 +62,31 @@ def test_remote_code_imports_only_torch_transformers_einops_mrp_triton_and_the_s
             assert all(m.split(".")[0] in allowed for m in modules), f"{path.name}:{node.lineno} imports {modules}"
 
 
+def test_loading_the_checkpoint_without_mrp_triton_says_what_to_install(tmp_path):
+    """Where mrp_triton cannot be imported, loading a checkpoint with its remote code fails with an error naming the
+    package to install, not a bare ModuleNotFoundError from deep in the decoding code."""
+    code = f"""
+import sys
+class NoMrpTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "mrp_triton":
+            raise ModuleNotFoundError("No module named 'mrp_triton'", name="mrp_triton")
+sys.meta_path.insert(0, NoMrpTriton())
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained({str(SHIPPED_MODEL)!r}, trust_remote_code=True)
+except ImportError as err:
+    print(type(err).__name__, err)
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.stdout.startswith("ImportError this SDAR+MRP checkpoint's code runs on the mrp-triton package"), (
+        result.stdout + result.stderr[-2000:])
+    assert "pip install mrp-triton" in result.stdout
+
+
 def test_shipped_model_loads_offline_with_remote_code_and_generates():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

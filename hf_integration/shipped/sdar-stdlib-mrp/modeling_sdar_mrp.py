@@ -16,6 +16,15 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 from transformers.utils import logging
 
+try:  # a checkpoint's copy of this file runs on mrp-triton's ops (transformers' import check skips try blocks)
+    import mrp_triton  # noqa: F401
+except ModuleNotFoundError as err:
+    if err.name != "mrp_triton":
+        raise
+    raise ImportError("this SDAR+MRP checkpoint's code runs on the mrp-triton package (its decoding kernels and "
+                      "their PyTorch references), which this Python cannot import: install it where you load the "
+                      "model (pip install mrp-triton, or pip install -e <its source folder>)") from err
+
 from .attention_masks import padded_block_causal_mask
 from .configuration_sdar_mrp import SDARMRPConfig
 from .generation import generate_blocks
