@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from torch import nn
 
 from training_fixtures import (make_tokenizer, one_thread, single_thread, subprocess_env, tiny_backbone,  # noqa: F401
@@ -352,6 +353,12 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
         assert (bb / f).exists(), f
     gen = json.load(open(bb / "generation_config.json"))
     assert gen["mask_token_id"] == 1 and gen["block_size"] == BS
+    card = ModelCard.load(bb / "README.md")  # the Hub's metadata and what the model is, how to load it, its training
+    assert (card.data.library_name, card.data.pipeline_tag, card.data.base_model) == ("transformers",
+                                                                                   "text-generation", None)
+    assert "mrp-triton" in card.data.tags and card.text.startswith("\n# bb\n")
+    assert "without an MRP head" in card.text and 'strategy="static"' in card.text
+    assert f"Held-out loss at step 3: {res['eval_loss']:.4g}." in card.text and "| steps | 3 |" in card.text
     mrp = tmp_path / "mrp"
     res = run(["mrp", "--model", str(bb), "--data", env["paths"]["pairs"], "--out", str(mrp), "--seq-len", str(T),
                "--mrp-layers", "1", "--unroll-k", "2", "--micro-batch-size", "2", "--max-steps", "3",
@@ -363,6 +370,9 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     base = SDARMRPForCausalLM.from_pretrained(str(bb))
     for k, v in base.state_dict().items():  # the backbone did not move
         assert torch.equal(v, m.state_dict()[k]), k
+    card = ModelCard.load(mrp / "README.md").text
+    assert "with a 1-layer Multi-token Residual Prediction (MRP) head" in card and 'strategy="speculative"' in card
+    assert f"{res['eval_token_agreement']}" in card and "| unroll K | 2 |" in card and "--mrp-init normal" in card
     exported = AutoTokenizer.from_pretrained(str(mrp))
     assert exported.mask_token_id == 1
     assert exported.chat_template == CHAT_TEMPLATE  # chats at inference are laid out as training laid them out
@@ -406,7 +416,10 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
                            (["--mrp-init", "normal"], "--mrp-init normal initialises a new head")):
         with pytest.raises(ConfigError, match=message):
             run([*on, "--out", str(tmp_path / "refused"), *flags])
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "README.md").write_text("# my own card\n")  # a card mrp-train did not write is kept
     run([*on, "--out", str(tmp_path / "more"), "--mrp-layers", "1"])
+    assert (tmp_path / "more" / "README.md").read_text() == "# my own card\n"
     record = json.load(open(tmp_path / "more" / "training_config.json"))
     assert (record["num_mrp_layers"], record["mrp_init"]) == (1, "continued")
     carried = json.load(open(tmp_path / "more" / "generation_config.json"))
@@ -445,6 +458,7 @@ def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatc
                str(tmp_path / "mrp"), "--seq-len", str(T), "--mrp-layers", "1", "--micro-batch-size", "2",
                "--max-steps", "2", "--no-progress"])
     assert res["step"] == 2 and (tmp_path / "mrp" / "model.safetensors").exists()
+    assert ModelCard.load(tmp_path / "mrp" / "README.md").data.base_model == repo_id  # the Hub repo it started from
     for flag in ("--model", "--tokenizer"):
         args = {"--model": repo_id, "--tokenizer": repo_id, flag: "someone/not-cached"}
         with pytest.raises(ConfigError, match=f"{flag}: 'someone/not-cached' is neither a local folder nor a Hub repo"):

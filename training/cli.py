@@ -178,7 +178,7 @@ def _given(args, name: str, default):
     return default if value is None else value
 
 
-def _config(args, block_size: int) -> TrainConfig:
+def _config(args, block_size: int, argv: list[str]) -> TrainConfig:
     return TrainConfig(
         mode=args.command, out_dir=args.out, seq_len=args.seq_len, block_size=block_size,
         micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, max_steps=args.max_steps,
@@ -194,14 +194,17 @@ def _config(args, block_size: int) -> TrainConfig:
         num_mrp_layers=_given(args, "mrp_layers", TrainConfig.num_mrp_layers),
         mrp_init=_given(args, "mrp_init", TrainConfig.mrp_init),
         mrp_init_std=getattr(args, "mrp_init_std", 0.2),
-        extra={"argv": sys.argv[1:]},
+        extra={"argv": argv},
     ).validate()
 
 
-def _export(out_dir: str, tokenizer, cfg: TrainConfig):
+def _export(out_dir: str, tokenizer, cfg: TrainConfig, model_arg: str | None = None):
+    """The run's export: the model folder (weights and remote code, tokenizer, generation config, training config
+    and model card; ``model_arg``: the run's ``--model``)."""
     def export(model) -> None:
         from transformers import GenerationConfig
 
+        from .model_card import write_model_card
         from .tokenizer import special_token_ids
 
         model.save_pretrained(out_dir)
@@ -221,6 +224,7 @@ def _export(out_dir: str, tokenizer, cfg: TrainConfig):
         gen.save_pretrained(out_dir)
         with open(os.path.join(out_dir, "training_config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
+        write_model_card(out_dir, model.config, cfg.to_dict(), model_arg)
 
     return export
 
@@ -388,11 +392,13 @@ def run(argv: list[str] | None = None) -> dict:
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
     from .trainer import barrier, check_out_dir, init_distributed, train
 
+    given_model = getattr(args, "model", None)  # a Hub repo id stays the card's base_model
     if args.command == "mrp":
         args.model = _local_folder(args.model, "--model")
     if args.tokenizer is not None:
         args.tokenizer = _local_folder(args.tokenizer, "--tokenizer")
-    cfg = _config(args, _model_block_size(args) if args.command == "mrp" else args.block_size)
+    cfg = _config(args, _model_block_size(args) if args.command == "mrp" else args.block_size,
+                  sys.argv[1:] if argv is None else list(argv))
     if args.stdlib and args.data:
         raise ConfigError("--stdlib and --data are mutually exclusive")
     if not args.data and not args.stdlib:
@@ -475,7 +481,7 @@ def run(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"--tokenizer: its <|MASK|> id {ids['mask_token_id']} differs from the model's "
                               f"mask_token_id {model.config.mask_token_id}")
     return train(cfg, model, train_ds, held_ds, mask_token_id=ids["mask_token_id"],
-                 export=_export(cfg.out_dir, tokenizer, cfg), device=device)
+                 export=_export(cfg.out_dir, tokenizer, cfg, given_model), device=device)
 
 
 def main(argv: list[str] | None = None) -> None:
