@@ -465,6 +465,62 @@ def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatc
             run(["mrp", "--data", env["paths"]["pairs"], "--out", str(tmp_path / "x"), *sum(args.items(), ())])
 
 
+def test_push_to_hub_uploads_the_model_folder_without_checkpoints(env, tmp_path, monkeypatch):
+    """--push-to-hub REPO: checked before training (a repo id that cannot be, offline, no login: refused, nothing
+    trained), then the exported folder is uploaded in one commit, its checkpoints left out, the repo created if
+    missing (--private), the card titled and loaded by the repo id; a failed upload keeps the model and says how to
+    upload it by hand. (huggingface_hub's HfApi is replaced: no network here.)"""
+    from huggingface_hub import HfApi, constants
+
+    from training import hub
+    from training.cli import run
+
+    calls = []
+
+    class Commit:
+        commit_url = "https://huggingface.co/someone/tiny/commit/abc"
+
+    def upload_folder(self, **kw):
+        calls.append(("upload_folder", kw, sorted(os.listdir(kw["folder_path"]))))
+        return Commit()
+
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)))
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(hub, "get_token", lambda: "hf_token")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    out = tmp_path / "bb"
+    res = run(_cli_args(env, out, "--max-steps", "2", "--push-to-hub", "someone/tiny", "--private"))
+    assert res["pushed_to"] == Commit.commit_url
+    (_, repo, create), (_, upload, files) = calls
+    assert repo == "someone/tiny" and create == dict(private=True, exist_ok=True, repo_type="model")
+    assert upload["repo_id"] == "someone/tiny" and upload["folder_path"] == str(out)
+    assert upload["ignore_patterns"] == ["checkpoints/*"] and "checkpoints" in files and "README.md" in files
+    assert upload["commit_message"] == "mrp-train backbone: step 2"
+    card = ModelCard.load(out / "README.md").text
+    assert card.startswith("\n# someone/tiny\n") and 'path = "someone/tiny"' in card
+
+    def fail(self, **kw):
+        raise OSError("403 Forbidden")
+
+    monkeypatch.setattr(HfApi, "upload_folder", fail)
+    with pytest.raises(ConfigError, match=r"--push-to-hub someone/tiny: the upload failed \(OSError: 403 Forbidden\); "
+                                          rf"the model is saved in {tmp_path}/again: upload it with hf upload"):
+        run(_cli_args(env, tmp_path / "again", "--max-steps", "1", "--push-to-hub", "someone/tiny"))
+    assert (tmp_path / "again" / "model.safetensors").exists()
+    for flags, message in ((["--push-to-hub", "not a repo"], "--push-to-hub 'not a repo' is not a Hub repo id"),
+                           (["--push-to-hub", "tiny"], r"--push-to-hub 'tiny': give the owner too \('your-name/tiny'"),
+                           (["--private"], "--private goes with --push-to-hub")):
+        with pytest.raises(ConfigError, match=message):
+            run(_cli_args(env, tmp_path / "refused", "--max-steps", "1", *flags))
+    monkeypatch.setattr(hub, "get_token", lambda: None)
+    with pytest.raises(ConfigError, match="no Hub token: log in first"):
+        run(_cli_args(env, tmp_path / "refused", "--max-steps", "1", "--push-to-hub", "someone/tiny"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        run(_cli_args(env, tmp_path / "refused", "--max-steps", "1", "--push-to-hub", "someone/tiny"))
+    assert not (tmp_path / "refused").exists()  # refused before anything was written
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--vocab-size", "100"], "--vocab-size must be >= 258"),
     (["--num-kv-heads", "0"], "--num-kv-heads must be >= 1, got 0"),  # not read as "default: --num-heads"

@@ -70,6 +70,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    g.add_argument("--push-to-hub", metavar="REPO_ID", help="when training ends, upload the model folder (not its "
+                   "checkpoints) to this Hub repo, created if missing (log in first: hf auth login)")
+    g.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
 
 def _stdlib_args(p: argparse.ArgumentParser, default_manifest: str, writes: bool = True) -> argparse._ArgumentGroup:
@@ -198,9 +201,9 @@ def _config(args, block_size: int, argv: list[str]) -> TrainConfig:
     ).validate()
 
 
-def _export(out_dir: str, tokenizer, cfg: TrainConfig, model_arg: str | None = None):
+def _export(out_dir: str, tokenizer, cfg: TrainConfig, model_arg: str | None = None, repo_id: str | None = None):
     """The run's export: the model folder (weights and remote code, tokenizer, generation config, training config
-    and model card; ``model_arg``: the run's ``--model``)."""
+    and model card; ``model_arg``: the run's ``--model``, ``repo_id``: its ``--push-to-hub``)."""
     def export(model) -> None:
         from transformers import GenerationConfig
 
@@ -224,7 +227,7 @@ def _export(out_dir: str, tokenizer, cfg: TrainConfig, model_arg: str | None = N
         gen.save_pretrained(out_dir)
         with open(os.path.join(out_dir, "training_config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
-        write_model_card(out_dir, model.config, cfg.to_dict(), model_arg)
+        write_model_card(out_dir, model.config, cfg.to_dict(), model_arg, repo_id)
 
     return export
 
@@ -390,6 +393,7 @@ def run(argv: list[str] | None = None) -> dict:
         return run_draft_vocab(args)
     from .data import build_datasets, read_records, record_texts, split_records
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
+    from .hub import check_push, push
     from .trainer import barrier, check_out_dir, init_distributed, train
 
     given_model = getattr(args, "model", None)  # a Hub repo id stays the card's base_model
@@ -399,6 +403,10 @@ def run(argv: list[str] | None = None) -> dict:
         args.tokenizer = _local_folder(args.tokenizer, "--tokenizer")
     cfg = _config(args, _model_block_size(args) if args.command == "mrp" else args.block_size,
                   sys.argv[1:] if argv is None else list(argv))
+    if args.private and not args.push_to_hub:
+        raise ConfigError("--private goes with --push-to-hub (the repo it creates)")
+    if args.push_to_hub:
+        check_push(args.push_to_hub)
     if args.stdlib and args.data:
         raise ConfigError("--stdlib and --data are mutually exclusive")
     if not args.data and not args.stdlib:
@@ -480,8 +488,12 @@ def run(argv: list[str] | None = None) -> dict:
         if int(model.config.mask_token_id) != ids["mask_token_id"]:
             raise ConfigError(f"--tokenizer: its <|MASK|> id {ids['mask_token_id']} differs from the model's "
                               f"mask_token_id {model.config.mask_token_id}")
-    return train(cfg, model, train_ds, held_ds, mask_token_id=ids["mask_token_id"],
-                 export=_export(cfg.out_dir, tokenizer, cfg, given_model), device=device)
+    result = train(cfg, model, train_ds, held_ds, mask_token_id=ids["mask_token_id"],
+                   export=_export(cfg.out_dir, tokenizer, cfg, given_model, args.push_to_hub), device=device)
+    if args.push_to_hub and rank == 0:
+        result["pushed_to"] = push(cfg.out_dir, args.push_to_hub, args.private,
+                                   f"mrp-train {cfg.mode}: step {result['step']}")
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:

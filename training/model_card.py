@@ -104,15 +104,15 @@ or `mrp-generate --model {name} "def mean(values):"` (the same path or repo id).
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}").content
 
 
-def write_model_card(out_dir: str, config, training: dict, model: str | None) -> None:
-    """Write :func:`model_card` into ``out_dir`` (titled by the folder's name; ``model``: the run's ``--model``, a
-    Hub repo id becoming the card's ``base_model``), unless the folder holds a card this module did not write (its
-    tags lack ``mrp-triton``), which is kept."""
+def write_model_card(out_dir: str, config, training: dict, model: str | None, repo_id: str | None = None) -> None:
+    """Write :func:`model_card` into ``out_dir`` (titled by ``repo_id``, the repo it goes to, else the folder's name;
+    ``model``: the run's ``--model``, a Hub repo id becoming the card's ``base_model``), unless the folder holds a
+    card this module did not write (its tags lack ``mrp-triton``), which is kept."""
     path = os.path.join(out_dir, CARD)
     if os.path.exists(path) and "mrp-triton" not in (ModelCard.load(path).data.tags or []):
         print(f"kept the model card {path}, which mrp-train did not write", file=sys.stderr)
         return
-    name = os.path.basename(os.path.normpath(out_dir))
+    name = repo_id or os.path.basename(os.path.normpath(out_dir))
     card = model_card(name, config, training, last_evaluation(out_dir), hub_base_model(model))
     with open(path, "w", encoding="utf-8") as f:
         f.write(card)
