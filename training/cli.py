@@ -201,9 +201,9 @@ def _config(args, block_size: int, argv: list[str]) -> TrainConfig:
     ).validate()
 
 
-def _export(out_dir: str, tokenizer, cfg: TrainConfig, model_arg: str | None = None, repo_id: str | None = None):
+def _export(out_dir: str, tokenizer, cfg: TrainConfig, base_model: str | None = None, repo_id: str | None = None):
     """The run's export: the model folder (weights and remote code, tokenizer, generation config, training config
-    and model card; ``model_arg``: the run's ``--model``, ``repo_id``: its ``--push-to-hub``)."""
+    and model card; ``base_model``: the Hub repo ``--model`` named, ``repo_id``: the ``--push-to-hub`` repo)."""
     def export(model) -> None:
         from transformers import GenerationConfig
 
@@ -227,7 +227,7 @@ def _export(out_dir: str, tokenizer, cfg: TrainConfig, model_arg: str | None = N
         gen.save_pretrained(out_dir)
         with open(os.path.join(out_dir, "training_config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
-        write_model_card(out_dir, model.config, cfg.to_dict(), model_arg, repo_id)
+        write_model_card(out_dir, model.config, cfg.to_dict(), base_model, repo_id)
 
     return export
 
@@ -396,8 +396,9 @@ def run(argv: list[str] | None = None) -> dict:
     from .hub import check_push, push
     from .trainer import barrier, check_out_dir, init_distributed, train
 
-    given_model = getattr(args, "model", None)  # a Hub repo id stays the card's base_model
+    base_model = None  # the card's: --model when it names a Hub repo
     if args.command == "mrp":
+        base_model = None if os.path.isdir(args.model) else args.model
         args.model = _local_folder(args.model, "--model")
     if args.tokenizer is not None:
         args.tokenizer = _local_folder(args.tokenizer, "--tokenizer")
@@ -489,7 +490,7 @@ def run(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"--tokenizer: its <|MASK|> id {ids['mask_token_id']} differs from the model's "
                               f"mask_token_id {model.config.mask_token_id}")
     result = train(cfg, model, train_ds, held_ds, mask_token_id=ids["mask_token_id"],
-                   export=_export(cfg.out_dir, tokenizer, cfg, given_model, args.push_to_hub), device=device)
+                   export=_export(cfg.out_dir, tokenizer, cfg, base_model, args.push_to_hub), device=device)
     if args.push_to_hub and rank == 0:
         result["pushed_to"] = push(cfg.out_dir, args.push_to_hub, args.private,
                                    f"mrp-train {cfg.mode}: step {result['step']}")

@@ -30,13 +30,6 @@ def last_evaluation(out_dir: str) -> dict | None:
     return last
 
 
-def hub_base_model(model: str | None) -> str | None:
-    """``--model`` as a card's ``base_model``: a Hub repo id (``owner/name``, no such local folder), else None."""
-    if model is None or os.path.exists(model) or model.count("/") != 1 or model.startswith((".", "/", "~")):
-        return None
-    return model
-
-
 def model_card(name: str, config, training: dict, evaluation: dict | None, base_model: str | None) -> str:
     """The card's text: ``name`` (its title), ``config`` (the model's :class:`SDARMRPConfig`), ``training`` (the
     run's ``training_config.json``), ``evaluation`` (:func:`last_evaluation`), ``base_model`` (a Hub repo id the
@@ -104,15 +97,15 @@ or `mrp-generate --model {name} "def mean(values):"` (the same path or repo id).
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}").content
 
 
-def write_model_card(out_dir: str, config, training: dict, model: str | None, repo_id: str | None = None) -> None:
+def write_model_card(out_dir: str, config, training: dict, base_model: str | None, repo_id: str | None = None) -> None:
     """Write :func:`model_card` into ``out_dir`` (titled by ``repo_id``, the repo it goes to, else the folder's name;
-    ``model``: the run's ``--model``, a Hub repo id becoming the card's ``base_model``), unless the folder holds a
-    card this module did not write (its tags lack ``mrp-triton``), which is kept."""
+    ``base_model``: the Hub repo the run started from, or None), unless the folder holds a card this module did not
+    write (its tags lack ``mrp-triton``), which is kept."""
     path = os.path.join(out_dir, CARD)
     if os.path.exists(path) and "mrp-triton" not in (ModelCard.load(path).data.tags or []):
         print(f"kept the model card {path}, which mrp-train did not write", file=sys.stderr)
         return
     name = repo_id or os.path.basename(os.path.normpath(out_dir))
-    card = model_card(name, config, training, last_evaluation(out_dir), hub_base_model(model))
+    card = model_card(name, config, training, last_evaluation(out_dir), base_model)
     with open(path, "w", encoding="utf-8") as f:
         f.write(card)
