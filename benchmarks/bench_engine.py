@@ -55,6 +55,12 @@ D=3 MRP head), bf16, block 16. Rows (the ``kernel`` column):
     copies, over a cache of width prefix + new tokens with every row committed to the prefix;
     ``triton_one_split``: the kernel with each row's slots in one piece (at small batch the default cuts
     them, flash-decoding style, so more SMs stream the cache).
+``prefill``
+    A long prompt's prefill as ``generate`` runs it: random ``--prefill-tokens``-token prompts (8192) at batch 1 and
+    8, one new token (sequential: one decoding step after the prefill), the prompt's blocks written in one forward
+    (``chunk=none``) and in forwards of at most 2048 and 512 positions (``prefill_chunk_size``): the call's time
+    (``ratio``: over the one-forward call, what chunking costs) and, on CUDA, its peak allocated memory (``note``:
+    what chunking saves). Last, so a time limit cuts these first.
 ``speculative_estimate``
     Speculative K=3 over static decoding from the graphed whole-step costs of this run and the counts that
     ``bench_e2e.py`` measured on the shipped model (``--e2e``, mode "speculative K=3 mrp"):
@@ -97,6 +103,8 @@ SPEC_MODE = "speculative K=3 mrp"
 CANDIDATES = 16  # draft_candidates of the candidate rows (bench_e2e.py runs the same mode)
 CANDIDATES_MODE = f"{SPEC_MODE}, draft_candidates={CANDIDATES}"
 DRAFT_VOCAB, SMOKE_DRAFT_VOCAB = 32768, 16  # the draft_vocab rows' (the smoke model has 512 ids)
+PREFILL_CHUNKS, SMOKE_PREFILL_CHUNKS = (None, 2048, 512), (None, 16)  # prefill_chunk_size of the prefill rows'
+SMOKE_PREFILL_TOKENS = 64
 
 
 def parse_args(argv):
@@ -107,6 +115,7 @@ def parse_args(argv):
     ap.add_argument("--decode-batches", default="1,8,32", help="batch sizes of the decoding rows")
     ap.add_argument("--prefix", type=int, default=512, help="prompt / committed tokens")
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row in the decoding rows")
+    ap.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens of the prefill rows")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--copies", default="2,3,4,5", help="K+1 candidate copies of the verify rows")
     ap.add_argument("--decode-reps", type=int, default=2, help="timed generate calls per setting (after one warm-up)")
@@ -193,6 +202,10 @@ def main(argv=None) -> int:
                 _unpacked_rows(record, bench, model, B, prefix, T, floor, f"{mname} B={B}", args.seed, graphed[B])
                 _draft_round_row(record, bench, model, B, prefix, T, f"{mname} B={B}", args.seed, graphed[B]["round"],
                                  draft_vocab=DRAFT_VOCAB if cuda else SMOKE_DRAFT_VOCAB)
+            for B in step_batches:
+                _prefill_rows(record, model, B, SMOKE_PREFILL_TOKENS if args.smoke else args.prefill_tokens, T,
+                              args.decode_reps, cuda, f"{mname} B={B}",
+                              SMOKE_PREFILL_CHUNKS if args.smoke else PREFILL_CHUNKS, args.seed)
             del model
             gc.collect()
             if cuda:
@@ -379,6 +392,28 @@ def _timed_generate(model, ids, reps: int, cuda: bool, **kwargs):
         out, seconds = run()
         times.append(seconds)
     return out, first, times
+
+
+def _prefill_rows(record, model, B, prompt, T, reps, cuda, tag, chunks, seed) -> None:
+    """The ``prefill`` rows: sequential decoding of one new token after a random ``prompt``-token prompt, the prompt
+    written with each ``prefill_chunk_size`` of ``chunks`` (None: one forward); ratio over the first."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    top = min(model.config.vocab_size, model.config.mask_token_id)
+    ids = torch.randint(0, top, (B, prompt), generator=g).to(model.lm_head.weight.device)
+    whole = None
+    for chunk in chunks:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        out, _, times = _timed_generate(model, ids, reps, cuda, strategy="sequential", max_new_tokens=1,
+                                        block_length=T, eos_token_id=[], prefill_chunk_size=chunk)
+        assert out.sequences.shape == (B, prompt + 1)
+        q = [statistics.median(times) * 1e6, min(times) * 1e6, max(times) * 1e6]
+        whole = whole or q[0]
+        record("prefill", f"{tag} prompt {prompt}", f"chunk={chunk or 'none'}", q, ratio=q[0] / whole,
+               ratio_to="one forward",
+               note=f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated" if cuda else "")
 
 
 def _per_step(times: list[float], steps: int) -> list[float]:

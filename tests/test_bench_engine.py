@@ -33,7 +33,11 @@ def test_bench_engine_smoke(tmp_path):
                      ("speculative_estimate", "cuda_graph"),
                      ("host_checks", "cuda_graph"), ("host_checks", "cuda_graph, device_loop"),
                      ("host_checks", "cuda_graph, lagged reads"),
-                     ("attention", "sdpa_cat"), ("attention", "triton"), ("attention", "triton_one_split")}
+                     ("attention", "sdpa_cat"), ("attention", "triton"), ("attention", "triton_one_split"),
+                     ("prefill", "chunk=none"), ("prefill", "chunk=16")}
+    prefill = [r for r in rows if r["kernel"] == "prefill"]
+    assert [r["shape"] for r in prefill] == [f"tiny B={b} prompt {mod.SMOKE_PREFILL_TOKENS}" for b in (1, 1, 2, 2)]
+    assert [r["ratio"] for r in prefill[::2]] == [1.0, 1.0] and all(r["ratio"] > 0 for r in prefill)
     for batch in (1, 2):
         shapes = {r["shape"] for r in rows if r["kernel"] in ("step", "whole_step") and r["provider"] == "cuda_graph"}
         assert {f"tiny B={batch} plain q=16", f"tiny B={batch} verify copies=4", f"tiny B={batch} mrp D=3",
