@@ -29,7 +29,7 @@ from .prompts import PromptBatch
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
 BATCH_SIZE = 8  # --prompts: prompts decoded together
-OUTPUT_KEYS = ("completion", "stats")  # what --prompts adds to each record
+OUTPUT_KEYS = ("completion", "stats", "sample")  # what --prompts adds to each record (sample: with samples)
 COMPARE = [
     ("static", {}),
     ("dynamic", {"threshold": 0.7}),
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: standard output)")
     p.add_argument("--batch-size", type=int, metavar="N", help="with --prompts: prompts decoded together (default: "
                    f"{BATCH_SIZE})")
+    p.add_argument("--num-return-sequences", type=int, metavar="N", help="with --prompts and --do-sample: N samples "
+                   "of each prompt, one JSON line each with its number (\"sample\": 0..N-1), as pass@k evaluations "
+                   "read them")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the tokenizer's "
                    "chat template (chat checkpoints such as SDAR-*-Chat)")
     p.add_argument("--system", help="a system message before the prompt (with --chat)")
@@ -288,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                              or args.compare):
         parser.error("--interactive reads its prompts from standard input: drop the prompt / --prompt-file / "
                      "--prompts / --compare")
-    if args.prompts is None and (args.output is not None or args.batch_size is not None):
-        parser.error("--output and --batch-size go with --prompts")
+    if args.prompts is None and (args.output is not None or args.batch_size is not None
+                                 or args.num_return_sequences is not None):
+        parser.error("--output, --batch-size and --num-return-sequences go with --prompts")
     if args.prompts is not None and (args.compare or args.show_steps):
         parser.error("--prompts writes one strategy's completions: drop --compare / --show-steps (to compare the "
                      "strategies on a file of prompts: python benchmarks/bench_e2e.py --prompt-file FILE)")
@@ -459,13 +463,15 @@ def generate_file(args: argparse.Namespace) -> int:
     decoded), then decode the prompts ``--batch-size`` at a time (left-padded; each row moves on on its own), writing
     each batch's results as it ends: one JSON line a record, in the file's order, the record with ``completion`` (the
     new tokens kept, as text) and ``stats`` (its new tokens, backbone and MRP forwards, tokens decoded a backbone
-    forward) added; then print the totals. Sampled batch b draws with seed ``--seed`` + b, so no two batches share
-    their noise."""
+    forward) added (with ``--num-return-sequences`` N, N lines a record, numbered by ``sample``); then print the
+    totals. Sampled batch b draws with seed ``--seed`` + b, so no two batches share their noise."""
     tokenizer, model = load_for(args)
     records = read_prompt_records(args.prompts, tokenizer, args.chat, args.system, args.model, option="--prompts")
     if not records:
         raise UsageError(f"--prompts {args.prompts}: no prompts")
-    settings = {**generate_settings(args, tokenizer), "strategy": args.strategy}
+    samples = args.num_return_sequences or 1
+    settings = {**generate_settings(args, tokenizer), "strategy": args.strategy, "num_return_sequences": samples}
+    check_settings(model, torch.tensor([records[0].ids[:1]]), [settings])  # the options, before any record's line
     for record in records:
         taken = [key for key in OUTPUT_KEYS if key in record.fields]
         if taken:
@@ -482,8 +488,9 @@ def generate_file(args: argparse.Namespace) -> int:
             batch = records[start : start + size]
             ids, mask = left_padded([record.ids for record in batch], args.device)
             out, took = run_one(model, ids, {**settings, "attention_mask": mask, "seed": args.seed + start // size})
-            for record, result in zip(batch, completions(tokenizer, out, ids.shape[1])):
-                sink.write(json.dumps({**record.fields, **result}, ensure_ascii=False) + "\n")
+            for row, result in enumerate(completions(tokenizer, out, ids.shape[1])):  # a prompt's samples together
+                sample = {"sample": row % samples} if samples > 1 else {}
+                sink.write(json.dumps({**batch[row // samples].fields, **sample, **result}, ensure_ascii=False) + "\n")
                 for key in totals:
                     totals[key] += result["stats"][key]
             sink.flush()

@@ -467,7 +467,11 @@ def test_mrp_generate_prompts_completes_each_record_as_generate_does_alone(strat
 
 
 def test_mrp_generate_prompts_samples_each_batch_with_its_own_seed(tmp_path, monkeypatch):
-    """Sampled batch b draws with seed --seed + b: a prompt repeated across batches gets fresh samples."""
+    """Sampled batch b draws with seed --seed + b: a prompt repeated across batches gets fresh samples. With
+    --num-return-sequences N each record gets N lines, numbered by "sample", each one of generate()'s N copies of
+    the prompt (batches of --batch-size prompts, N rows each)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from hf_integration import cli
 
     path = tmp_path / "prompts.jsonl"
@@ -480,11 +484,27 @@ def test_mrp_generate_prompts_samples_each_batch_with_its_own_seed(tmp_path, mon
                      "--do-sample", "--seed", "7", "--max-new-tokens", "4"]) == 0
     assert seeds == [(7, 2), (8, 2), (9, 1)]
 
+    path.write_text('{"id": "a", "prompt": "def f(x):"}\n{"id": "b", "text": "import os"}\n')
+    assert cli.main(["--prompts", str(path), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "2",
+                     "--do-sample", "--seed", "3", "--max-new-tokens", "6", "--num-return-sequences", "3"]) == 0
+    results = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in results] == [(i, k) for i in "ab" for k in range(3)]
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True)
+    ids, mask = cli.left_padded([tokenizer("def f(x):").input_ids, tokenizer("import os").input_ids], "cpu")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, strategy="speculative", do_sample=True, seed=3,
+                         num_return_sequences=3, return_dict_in_generate=True)
+    expected = cli.completions(tokenizer, out, ids.shape[1])
+    assert [r["completion"] for r in results] == [c["completion"] for c in expected]
+
 
 @pytest.mark.parametrize("args, records, message", [
     (["def f():", "--prompts", "{file}"], None, "--prompts reads every prompt from its file: drop the prompt"),
-    (["def f():", "--output", "{tmp}/o.jsonl"], None, "--output and --batch-size go with --prompts"),
+    (["def f():", "--output", "{tmp}/o.jsonl"], None, "--output, --batch-size and --num-return-sequences go with"),
     (["--prompts", "{file}", "--batch-size", "0"], None, "--batch-size must be >= 1, got 0"),
+    (["def f():", "--num-return-sequences", "2"], None, "--output, --batch-size and --num-return-sequences go with"),
+    (["--prompts", "{file}", "--num-return-sequences", "2"], None,
+     "--strategy speculative: num_return_sequences=2 without sampling gives identical copies"),  # not a record's
     (["--prompts", "{file}", "--compare"], None, "--prompts writes one strategy's completions: drop --compare"),
     (["--prompts", "{tmp}/missing.jsonl"], None, "--prompts: [Errno 2] No such file or directory"),
     (["--prompts", "{file}"], [], "--prompts {file}: no prompts"),
