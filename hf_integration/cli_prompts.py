@@ -57,7 +57,7 @@ def read_prompt_records(path: Path, tokenizer, chat: bool, system: str | None, m
     records always go through it; their own system message wins). A bad record raises :class:`UsageError` naming
     ``option``, the file and the line."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark (Windows editors) skipped
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{option}: {err}") from None
     records = []

@@ -435,9 +435,9 @@ def test_mrp_generate_prompts_completes_each_record_as_generate_does_alone(strat
 
     from hf_integration import cli
 
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in PROMPT_RECORDS[:2]) + "\n\n"
-                    + "\n".join(json.dumps(r) for r in PROMPT_RECORDS[2:]) + "\n")
+    path = tmp_path / "prompts.jsonl"  # with a byte-order mark, CRLF line ends and a blank line
+    path.write_text("\ufeff" + "\r\n".join(json.dumps(r) for r in PROMPT_RECORDS[:2]) + "\r\n\r\n"
+                    + "\r\n".join(json.dumps(r) for r in PROMPT_RECORDS[2:]) + "\r\n", encoding="utf-8", newline="")
     out = tmp_path / "out.jsonl"
     assert cli.main(["--prompts", str(path), "--output", str(out), "--batch-size", "2", "--strategy", strategy,
                      "--max-new-tokens", "24", "--stop", "\n\n"]) == 0
