@@ -355,25 +355,35 @@ def generate_and_print(args: argparse.Namespace, prompt: str) -> int:
         return 0
     if not args.chat:
         print(prompt, end="", flush=True)  # then the completion, block by block as it is decoded
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out, seconds = run_one(model, ids, {**settings, "strategy": args.strategy, "streamer": streamer,
-                                        "output_reveal_steps": args.show_steps,
-                                        "output_confidences": args.show_steps})
-    print("\n" + stats_line(args.strategy, completions(tokenizer, out, ids.shape[1])[0]["stats"], seconds)
-          + (" (with Triton compilation and CUDA-graph capture: --compare times the steady state)" if ids.is_cuda
-             else ""), file=sys.stderr)
-    if args.show_steps:
-        P = ids.shape[1]
-        print(steps_text(tokenizer, out.sequences[0, P:], out.reveal_steps[0, P:], out.confidences[0, P:]))
+    complete_streamed(model, tokenizer, ids, {**settings, "strategy": args.strategy}, args.show_steps, first=True)
     return 0
 
 
+def complete_streamed(model, tokenizer, ids: torch.Tensor, settings: dict, show_steps: bool, first: bool) -> dict:
+    """Decode the prompt ids [1, P] with ``settings``, the completion streamed to standard output block by block,
+    then its stats on standard error (``first``: the process's first call, which on a GPU compiles the kernels and
+    captures the graphs, so it says so) and, with ``show_steps``, its decoding steps. Returns its
+    :func:`completions` result."""
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out, seconds = run_one(model, ids, {**settings, "streamer": streamer, "output_reveal_steps": show_steps,
+                                        "output_confidences": show_steps})
+    result = completions(tokenizer, out, ids.shape[1])[0]
+    print("\n" + stats_line(settings["strategy"], result["stats"], seconds)
+          + (" (with Triton compilation and CUDA-graph capture: --compare times the steady state)"
+             if ids.is_cuda and first else ""), file=sys.stderr)
+    if show_steps:
+        P = ids.shape[1]
+        print(steps_text(tokenizer, out.sequences[0, P:], out.reveal_steps[0, P:], out.confidences[0, P:]))
+    return result
+
+
 def converse(args: argparse.Namespace) -> int:
-    """``--interactive``: complete each line read from standard input (streamed), with its stats; with ``--chat``
-    each line is a user message of one conversation, which the replies (the new tokens kept) join as the
-    assistant's turns. ``/reset`` forgets the conversation, ``/exit`` (or the end of input, or Ctrl-C) quits. A
-    message the settings cannot decode (one that takes the conversation past the model's positions) is refused with
-    the reason, and the session goes on. Sampled turn t draws with seed ``--seed`` + t."""
+    """``--interactive``: complete each line read from standard input (streamed), with its stats (and with
+    ``--show-steps`` its decoding steps); with ``--chat`` each line is a user message of one conversation, which the
+    replies (the new tokens kept) join as the assistant's turns. ``/reset`` forgets the conversation, ``/exit`` (or
+    the end of input, or Ctrl-C) quits. A message the settings cannot decode (one that takes the conversation past
+    the model's positions) is refused with the reason, and the session goes on. Sampled turn t draws with seed
+    ``--seed`` + t."""
     tokenizer, model = load_for(args)
     hint_chat(tokenizer, args)
     settings = {**generate_settings(args, tokenizer), "strategy": args.strategy}
@@ -405,15 +415,13 @@ def converse(args: argparse.Namespace) -> int:
             continue
         if not args.chat:
             print(line, end="", flush=True)
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         try:
-            out, seconds = run_one(model, ids, {**settings, "streamer": streamer, "seed": args.seed + turn})
+            reply = complete_streamed(model, tokenizer, ids, {**settings, "seed": args.seed + turn}, args.show_steps,
+                                      first=turn == 0)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 0
         turn += 1
-        reply = completions(tokenizer, out, ids.shape[1])[0]
-        print("\n" + stats_line(args.strategy, reply["stats"], seconds), file=sys.stderr)
         if args.chat:
             history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply["completion"]}]
 

@@ -319,6 +319,10 @@ def test_mrp_generate_interactive_keeps_a_conversation_until_reset(tmp_path, mon
     assert [ids for ids, _, _ in calls] == [tok("def f(x):").input_ids, tok("import os\nimport re").input_ids]
     out = capsys.readouterr()
     assert "def f(x):" + calls[0][2] in out.out and out.err.count("[static] ") == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("def f(x):\n"))  # --show-steps: each reply's steps after it
+    assert cli.main(["-i", "--strategy", "static", "--max-new-tokens", "4", "--show-steps"]) == 0
+    steps = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(steps) >= 4 and steps == [f"step {k:>3}" for k in range(1, len(steps) + 1)]
 
 
 def test_mrp_generate_interactive_refuses_a_message_it_cannot_decode_and_goes_on(monkeypatch, capsys):
