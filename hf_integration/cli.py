@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "forwards of at most N positions (whole blocks), which bounds the memory its prefill takes; the "
                    "output is the same (default: one forward)")
     p.add_argument("--max-time", type=float, metavar="SECONDS",
-                   help="end the completion with the block being decoded once this much time has passed")
+                   help="end the completion with the block being decoded once this much time has passed (with "
+                   "--prompts: since its batch began)")
     p.add_argument("--compare", action="store_true", help="run static, dynamic, sequential, entropy_bounded, direct, "
                    "speculative and remask (the first four on a model without an MRP head) and print each completion "
                    "that differs from static's")
