@@ -392,8 +392,8 @@ def run(argv: list[str] | None = None) -> dict:
     if args.command == "draft-vocab":
         return run_draft_vocab(args)
     from .data import build_datasets, read_records, record_texts, split_records
-    from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
     from .hub import check_push, push
+    from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
     from .trainer import barrier, check_out_dir, init_distributed, train
 
     base_model = None  # the card's: --model when it names a Hub repo
