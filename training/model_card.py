@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -46,7 +47,7 @@ def model_card(name: str, config, training: dict, evaluation: dict | None, base_
     lossless = (" Speculative decoding is lossless: it gives the tokens of static one-token-a-step decoding in fewer "
                 "backbone forwards." if mrp else "")
     argv = training.get("extra", {}).get("argv")
-    rows = [("command", f"`mrp-train {' '.join(argv)}`" if argv else f"`mrp-train {training['mode']}`"),
+    rows = [("command", f"`mrp-train {shlex.join(argv)}`" if argv else f"`mrp-train {training['mode']}`"),
             ("steps", training.get("max_steps") or f"{training.get('epochs')} epochs"),
             ("sequence length", training.get("seq_len")),
             ("micro-batch x gradient accumulation",
