@@ -508,21 +508,26 @@ class BlockDecoder:
             classes |= (positions == starts).to(torch.uint8) * BAN_FIRST
         return dict(banned_tokens=table, ban_rows=classes.reshape(-1))
 
-    def seen_tokens(self, states: torch.Tensor | None, vocab: int | None = None) -> dict:
-        """The ops' repetition-penalty arguments for picks over the block states [B, T] or [B, C, T] (C candidate
-        states of each row; the picks' rows are the states' positions, flattened) among the first ``vocab`` ids (a
-        draft vocabulary of the ids below it; None: all): each state's row of tokens seen, its row's (prompt and
+    def seen_tokens(self, states: torch.Tensor) -> dict:
+        """The picks' repetition-penalty arguments (the ``seen`` of :meth:`pick`, :meth:`pick_hidden` and
+        :meth:`pick_listed`) for picks over the block states [B, T] or [B, C, T] (C candidate states of each row; the
+        picks' rows are the states' positions, flattened): each state's row of tokens seen, its row's (prompt and
         finished blocks: ``engine.seen``) with the state's own tokens (its mask tokens too: the mask column is never
-        picked). Empty without a penalty."""
+        picked), over the whole vocabulary. Empty without a penalty."""
         if self.settings.repetition_penalty is None:
             return {}
-        if states is None:
-            raise RuntimeError("a pick under a repetition penalty needs the block states it picks for (a bug)")
         s = states if states.dim() == 3 else states[:, None]
         B, C, T = s.shape
         table = self.engine.seen[:B].repeat_interleave(C, 0).scatter_(1, s.reshape(B * C, T), True)
-        return dict(repetition_penalty=self.on_device("repetition_penalty"), seen_tokens=table[:, :vocab],
+        return dict(repetition_penalty=self.on_device("repetition_penalty"), seen_tokens=table,
                     seen_rows=torch.arange(B * C * T, device=s.device) // T)
+
+    def _penalty(self, seen: dict | None, vocab: int | None = None) -> dict:
+        """``seen`` (:meth:`seen_tokens`) as the keyword arguments of a pick among the first ``vocab`` ids (a draft
+        vocabulary of the ids below it; None: all); a pick under a repetition penalty must be given it."""
+        if seen is None and self.settings.repetition_penalty is not None:
+            raise RuntimeError("a pick under a repetition penalty needs the tokens seen (a bug)")
+        return dict(seen, seen_tokens=seen["seen_tokens"][:, :vocab]) if seen else {}
 
     def see(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """With a repetition penalty, mark ``ids`` [R, L] as seen by the working ``rows`` [R] (``engine.seen``:
@@ -543,37 +548,34 @@ class BlockDecoder:
         ``entropy`` the entropy of each position's softmax, float32 [B, T]."""
         s = self.settings
         B, T, V = logits.shape
-        if seen is None and s.repetition_penalty is not None:
-            raise RuntimeError("a pick under a repetition penalty needs the tokens seen (a bug)")
         # the temperature and the filters are read on the device too
         keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
         picks = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
-            mask_token_id=self.mask_among(V), **self.token_bans(positions, V),
-            **(seen or {}),
+            mask_token_id=self.mask_among(V), **self.token_bans(positions, V), **self._penalty(seen, V),
             do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(),
             entropy=entropy)
         return tuple(x.view(B, T) for x in picks)
 
     def pick_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
                     counter: torch.Tensor | None, draft: DraftHead | None = None, top_m: int = 0,
-                    entropy: bool = False, states: torch.Tensor | None = None):
+                    entropy: bool = False, seen: dict | None = None):
         """:meth:`pick` on ``lm_head(hidden)`` (hidden: [B, T, H]); with ``draft``, among its token ids only (its
         rows of the lm_head; confidences under the softmax over them). Greedy picks go through the fused LM-head
         confidence, which never writes the [B, T, V] logits and on the GPU skips the positions that are not
         candidates (committed ones: about half of a step's); sampling builds the logits. With ``top_m`` (whole
         vocabulary only) also each scored position's top_m logits / temperature (float32) and their token ids
         (-1 elsewhere), [B, T, top_m] each: the draft candidates of the next round (:mod:`.draft_candidates`). With
-        ``entropy`` (whole vocabulary only) each position's entropy comes after the lse (:meth:`pick`). ``states``:
-        the block states the hidden states were computed from, for a repetition penalty (:meth:`seen_tokens`; the
+        ``entropy`` (whole vocabulary only) each position's entropy comes after the lse (:meth:`pick`). ``seen``: the
+        repetition penalty's arguments for the block states the hidden states were computed from (:meth:`pick`; the
         fused pick reads the seen table too, by draft column with ``draft``)."""
         weight = self.model.lm_head.weight if draft is None else draft.weight
         B, T, H = hidden.shape
+        seen = self._penalty(seen)
         if self.settings.do_sample:
             logits = F.linear(hidden, weight)
             if draft is not None:
                 logits = draft.full_logits(logits, self.model.lm_head.weight.shape[0])
-            seen = self.seen_tokens(states, logits.shape[-1])
             picks = self.pick(logits, positions, candidates, counter, entropy, seen)
             if not top_m:
                 return picks
@@ -587,9 +589,8 @@ class BlockDecoder:
                 z = exclude_banned(z.view(B * T, -1), **ban).view(B, T, -1)
             top, ids = z.topk(top_m, dim=-1)  # the order among equal logits does not matter to a draft
             return *picks, top * inverse_temperature(self.temperature), ids.masked_fill(top == float("-inf"), -1)
-        seen = self.seen_tokens(states)
         if seen and draft is not None:  # the table by draft column, as the draft's weight rows
-            seen["seen_tokens"] = draft.columns(seen["seen_tokens"].T).T
+            seen = dict(seen, seen_tokens=draft.columns(seen["seen_tokens"].T).T)
         out = mrp_triton.lm_head_confidence(
             hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
             **self.token_bans(positions, draft=draft), **seen, skip_rows=~candidates.reshape(-1), top_m=top_m,
@@ -598,11 +599,11 @@ class BlockDecoder:
         return (tok.view(B, T), *(x.view(B, T, *x.shape[1:]) for x in out[1:]))
 
     def pick_listed(self, hidden: torch.Tensor, seed: tuple, positions: torch.Tensor, candidates: torch.Tensor,
-                    counter: torch.Tensor | None, states: torch.Tensor | None = None):
+                    counter: torch.Tensor | None, seen: dict | None = None):
         """A draft pick among each position's listed tokens (``draft_candidates``): hidden [B, T, H]; ``seed`` =
         (h_seed [B, T, H], ids [B, T, M], rest [B, T]) of the round (:mod:`.draft_candidates`), candidates: bool
-        [B, T] (the positions to pick at), states: the block states the hidden states were computed from (for a
-        repetition penalty, :meth:`seen_tokens`). Returns tokens int64 [B, T] (-1 where not picked) and conf float32
+        [B, T] (the positions to pick at), seen: the repetition penalty's arguments for the block states the hidden
+        states were computed from (:meth:`pick`). Returns tokens int64 [B, T] (-1 where not picked) and conf float32
         [B, T] (``mrp_triton.candidate_confidence``)."""
         s = self.settings
         seed_h, ids, rest = seed
@@ -612,7 +613,7 @@ class BlockDecoder:
             seed_hidden=seed_h.reshape(B * T, H), vocab_mean=self.engine.vocab_mean, temperature=self.temperature,
             skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
             noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
-            **self.sampling_cuts(), **self.seen_tokens(states))
+            **self.sampling_cuts(), **self._penalty(seen))
         return tok.view(B, T), conf.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -624,7 +625,7 @@ class BlockDecoder:
         top_m lists too; with ``entropy_bound``, their entropies)."""
         by_entropy = entropy_bound is not None
         picks = self.pick_hidden(hidden, positions, masked, self.noise_counter(), top_m=top_m, entropy=by_entropy,
-                                 states=block)
+                                 seen=self.seen_tokens(block))
         committed = mrp_triton.select_commit(block, picks[0], picks[1], mask_token_id=self.mask_id, n=n,
                                              threshold=threshold, entropy=picks[3] if by_entropy else None,
                                              entropy_bound=entropy_bound)

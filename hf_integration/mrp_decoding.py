@@ -141,10 +141,11 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         masked = dec.masked(state) & drafting
         # the authors' first draft is the backbone's own (stale) pick from the seed forward
         hidden = seed_h if k == 0 and authors else chain.step(state, committing_rows_discard=True)
+        seen = dec.seen_tokens(state)
         if len(seed) > 1:
-            tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.noise_counter(k), states=state)
+            tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.noise_counter(k), seen)
         else:
-            tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.noise_counter(k), dec.draft, states=state)
+            tok, conf, _ = dec.pick_hidden(hidden, positions, masked, dec.noise_counter(k), dec.draft, seen=seen)
         # one token a row: rows with nothing masked (or not drafting) have no picks (token -1) and commit nothing
         mrp_triton.select_commit(state, tok, conf, mask_token_id=dec.mask_id, n=1)
         states.append(state.clone() if k < K - 1 else state)
@@ -196,7 +197,7 @@ def speculation_round(dec: BlockDecoder):
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copy)
         picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), dec.noise_counter(copy), top_m=top_m,
-                                states=states)
+                                seen=dec.seen_tokens(states))
         target_tok, target_conf = (x.view(B, K + 1, T) for x in picks[:2])
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, target_tok, target_conf,
                                                    mask_token_id=dec.mask_id)
@@ -235,15 +236,14 @@ def decode_speculative(dec: BlockDecoder, block: torch.Tensor, positions: torch.
 
 
 def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor, tokens: torch.Tensor,
-                  revealed: torch.Tensor, positions: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+                  revealed: torch.Tensor, positions: torch.Tensor, seen: dict) -> torch.Tensor:
     """Per revealed position [B, T]: the corrected confidence of its token (rule "tau"; under a repetition penalty,
-    of the tokens seen ``before`` the reveal, as the pick was) or the residual magnitude |C[pos, token]| with
-    C = corrected - A, A = lm_head(h_A) (rule "delta")."""
+    ``seen``, the reveal's own arguments: the tokens seen before it, as the pick saw them) or the residual
+    magnitude |C[pos, token]| with C = corrected - A, A = lm_head(h_A) (rule "delta")."""
     t = tokens.clamp(min=0)[..., None]
     if dec.settings.remask_rule == "delta":
         logits = dec.model.lm_head(h_a)
         return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
-    seen = dec.seen_tokens(before)
     _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter(), seen=seen)
     z = corrected.float().gather(-1, t)[..., 0]
     if seen:  # the token's logit as the pick's softmax saw it (one state a row: its seen row is the row's)
@@ -265,13 +265,14 @@ def remask_step(dec: BlockDecoder):
         masked = dec.masked(block)
         live = masked.any(-1)
         h_a = dec.backbone(block, positions)
-        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.noise_counter(), states=block)
+        seen = dec.seen_tokens(block)  # the reveal's and its tau score's
+        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.noise_counter(), seen=seen)
         before = block.clone()
         quota = dec.scheduled_quota(quota_base, quota_extra, steps_taken) * live  # >= 1: T // S, S <= T
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
                                             threshold=threshold)
         corrected = head(MRPChain(dec, h_a, positions).step(block if rule == "tau" else before))
-        score = _token_scores(dec, h_a, corrected, tok, revealed, positions, before)
+        score = _token_scores(dec, h_a, corrected, tok, revealed, positions, seen)
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
         dec.record(live, revealed & ~remasked)
         dec.note_confidences(positions, revealed & ~remasked, conf)

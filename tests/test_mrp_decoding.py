@@ -270,7 +270,8 @@ def test_remask_scores_follow_their_rule(rule, penalty):
     tokens = torch.randint(0, MASK_ID, (B, T), generator=g)
     revealed = torch.rand(B, T, generator=g) < 0.6
     before = torch.where(torch.rand(B, T, generator=g) < 0.5, tokens, MASK_ID)  # some revealed tokens seen before
-    score = _token_scores(dec, h_a, corrected, tokens, revealed, torch.arange(8, 16).expand(B, -1), before)
+    score = _token_scores(dec, h_a, corrected, tokens, revealed, torch.arange(8, 16).expand(B, -1),
+                          dec.seen_tokens(before))
     if rule == "tau":
         if penalty is not None:
             corrected = torch.stack([RepetitionPenaltyLogitsProcessor(penalty)(before[b].expand(T, -1), corrected[b])

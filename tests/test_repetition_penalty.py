@@ -173,9 +173,9 @@ def test_each_draft_sees_the_drafts_before_it(model, monkeypatch, drafts):
     calls = []
     seen_tokens = BlockDecoder.seen_tokens
 
-    def spy(self, states, vocab=None):
+    def spy(self, states):
         calls.append(states.clone())
-        return seen_tokens(self, states, vocab)
+        return seen_tokens(self, states)
 
     monkeypatch.setattr(BlockDecoder, "seen_tokens", spy)
     model.generate(random_prompts(2, 5, seed=3), max_new_tokens=12, strategy="speculative", mrp_steps=3,
@@ -186,6 +186,32 @@ def test_each_draft_sees_the_drafts_before_it(model, monkeypatch, drafts):
         drafts, verify = calls[i - 3 : i], calls[i]
         assert all(torch.equal(d, verify[:, k]) for k, d in enumerate(drafts))
         assert not torch.equal(verify[:, 0], verify[:, 2])  # the drafts committed something
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_remasks_tau_score_reads_the_tokens_seen_before_the_reveal(model, monkeypatch, sampled):
+    """Remask (rule tau) scores each reveal under the penalty its pick saw: the table of the block before the reveal,
+    not one that counts the revealed tokens as seen already (which would lower every reveal's score)."""
+    from hf_integration import mrp_decoding
+    from hf_integration.decoding import BlockDecoder
+
+    picked, scored = [], []
+    pick_hidden, token_scores = BlockDecoder.pick_hidden, mrp_decoding._token_scores
+
+    def pick_spy(self, *args, seen=None, **kwargs):
+        picked.append(seen["seen_tokens"].clone())
+        return pick_hidden(self, *args, seen=seen, **kwargs)
+
+    def score_spy(dec, h_a, corrected, tokens, revealed, positions, seen):
+        scored.append((picked[-1], seen["seen_tokens"].clone(), revealed.clone()))
+        return token_scores(dec, h_a, corrected, tokens, revealed, positions, seen)
+
+    monkeypatch.setattr(BlockDecoder, "pick_hidden", pick_spy)
+    monkeypatch.setattr(mrp_decoding, "_token_scores", score_spy)
+    model.generate(random_prompts(2, 5, seed=3), max_new_tokens=12, strategy="remask", threshold=0.4,
+                   repetition_penalty=1.9, eos_token_id=[], do_sample=sampled, **(dict(seed=2) if sampled else {}))
+    assert scored and all(torch.equal(pick, score) for pick, score, _ in scored)
+    assert any(revealed.any() for _, _, revealed in scored)
 
 
 def test_draft_candidate_lists_rank_the_penalized_logits():
@@ -204,7 +230,7 @@ def test_draft_candidate_lists_rank_the_penalized_logits():
     logits = model.lm_head(hidden).detach()
     block = logits.topk(2, dim=-1).indices[:, :, 1]  # the block holds each position's second most likely token
     picks = dec.pick_hidden(hidden, torch.arange(8, 16).expand(2, -1), torch.ones(2, 8, dtype=torch.bool), None,
-                            top_m=4, states=block)
+                            top_m=4, seen=dec.seen_tokens(block))
     want = torch.stack([RepetitionPenaltyLogitsProcessor(3.0)(block[b].expand(8, -1), logits[b]) for b in range(2)])
     want[..., model.config.mask_token_id] = float("-inf")
     torch.testing.assert_close(picks[3].double(), want.topk(4, dim=-1).values, rtol=1e-6, atol=1e-6)
@@ -229,7 +255,7 @@ def test_draft_vocabulary_picks_read_the_seen_table_by_column(draft_vocab):
     logits = model.lm_head(hidden).detach()[..., ids]  # the draft's columns
     block = ids[logits.argmax(-1)]  # the block holds each position's most likely draft token
     tok = dec.pick_hidden(hidden, torch.arange(8, 16).expand(2, -1), torch.ones(2, 8, dtype=torch.bool), None,
-                          dec.draft, states=block)[0]
+                          dec.draft, seen=dec.seen_tokens(block))[0]
     penalized = torch.stack([RepetitionPenaltyLogitsProcessor(4.0)(block[b].expand(8, -1), model.lm_head(hidden[b])
                                                                    .detach())[:, ids] for b in range(2)])
     assert torch.equal(tok, ids[penalized.argmax(-1)])
