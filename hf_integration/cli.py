@@ -84,7 +84,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the tokenizer's "
                    "chat template (chat checkpoints such as SDAR-*-Chat)")
     p.add_argument("--system", help="a system message before the prompt (with --chat)")
+    p.add_argument("--seed", type=int, default=0, help="with --do-sample: the seed of the sampling noise")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
+    p.add_argument("--max-time", type=float, metavar="SECONDS",
+                   help="end the completion with the block being decoded once this much time has passed (with "
+                   "--prompts: since its batch began)")
+    p.add_argument("--compare", action="store_true", help="run static, dynamic, sequential, entropy_bounded, direct, "
+                   "speculative and remask (the first four on a model without an MRP head) and print each completion "
+                   "that differs from static's")
+    p.add_argument("--show-steps", action="store_true", help="after the completion, list each decoding step's "
+                   "tokens, each with its probability when committed: the order in which decoding revealed them "
+                   "(generate(output_reveal_steps=True, output_confidences=True))")
+    add_model_options(p)
+    add_decoding_options(p)
+    return p
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The options saying what to load and where to run it: ``--model``, ``--device``, ``--dtype``, ``--threads``
+    (shared with ``mrp-serve``)."""
     p.add_argument("--model", default=str(SHIPPED_MODEL), help="checkpoint folder or Hub repo id")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, "
+                   "bfloat16 on CUDA")
+    p.add_argument("--threads", type=int, help="CPU threads torch runs on (default: torch's, one a core); a small "
+                   "model on a busy machine can decode many times faster on 1")
+
+
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """The options saying how to decode (the strategy, its settings, sampling; :func:`decoding_settings` reads them;
+    shared with ``mrp-serve``, where they are the defaults of its requests)."""
     p.add_argument("--strategy", choices=STRATEGIES, help="decoding mode (docs/decoding.md; default: "
                    "speculative, or static for a model without an MRP head)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to decode")
@@ -125,27 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(epsilon sampling, in [0, 1))")
     p.add_argument("--eta-cutoff", type=float, help="with --do-sample: eta sampling's cutoff (in [0, 1)), which "
                    "lowers the floor of epsilon sampling where the distribution is flat")
-    p.add_argument("--seed", type=int, default=0, help="with --do-sample: the seed of the sampling noise")
-    p.add_argument("--stop", action="append", metavar="TEXT",
-                   help="stop once the completion holds TEXT (repeatable; e.g. --stop $'\\n\\n')")
     p.add_argument("--prefill-chunk-size", type=int, metavar="N", help="write a long prompt into the cache in "
                    "forwards of at most N positions (whole blocks), which bounds the memory its prefill takes; the "
                    "output is the same (default: one forward)")
-    p.add_argument("--max-time", type=float, metavar="SECONDS",
-                   help="end the completion with the block being decoded once this much time has passed (with "
-                   "--prompts: since its batch began)")
-    p.add_argument("--compare", action="store_true", help="run static, dynamic, sequential, entropy_bounded, direct, "
-                   "speculative and remask (the first four on a model without an MRP head) and print each completion "
-                   "that differs from static's")
-    p.add_argument("--show-steps", action="store_true", help="after the completion, list each decoding step's "
-                   "tokens, each with its probability when committed: the order in which decoding revealed them "
-                   "(generate(output_reveal_steps=True, output_confidences=True))")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, "
-                   "bfloat16 on CUDA")
-    p.add_argument("--threads", type=int, help="CPU threads torch runs on (default: torch's, one a core); a small "
-                   "model on a busy machine can decode many times faster on 1")
-    return p
 
 
 def load(model_path: str, device: str, dtype: str | None):
@@ -226,10 +238,15 @@ def compare_settings(base: dict, mrp: bool = True) -> list[dict]:
     for strategy, extra in COMPARE:
         if strategy in MRP_STRATEGIES and not mrp:
             continue
-        unread = {name for name, strategies in READ_BY.items() if strategy not in strategies}
-        settings = {**extra, **{k: v for k, v in base.items() if v is not None or k not in extra}}
-        runs.append({"strategy": strategy, **{k: v for k, v in settings.items() if k not in unread}})
+        runs.append(read_by(strategy, {**extra, **{k: v for k, v in base.items() if v is not None or k not in extra}}))
     return runs
+
+
+def read_by(strategy: str, settings: dict) -> dict:
+    """``settings`` with ``strategy``, without the settings that strategy does not read (:data:`READ_BY`), which
+    ``generate()`` would refuse."""
+    unread = {name for name, strategies in READ_BY.items() if strategy not in strategies}
+    return {"strategy": strategy, **{k: v for k, v in settings.items() if k not in unread}}
 
 
 def check_settings(model, ids: torch.Tensor, runs: list[dict]) -> None:
@@ -241,10 +258,17 @@ def check_settings(model, ids: torch.Tensor, runs: list[dict]) -> None:
         raise UsageError(f"the prompt: {err}") from err
     for settings in runs:
         try:
-            resolved = GenerationSettings.resolve(model, None, settings, prompt_width=ids.shape[1])
-            prompts.block_ends(resolved.max_new_tokens, resolved.block_length, model.config.max_position_embeddings)
+            check_layout(model, prompts, settings)
         except (ValueError, TypeError) as err:
             raise UsageError(f"--strategy {settings['strategy']}: {err}") from err
+
+
+def check_layout(model, prompts: PromptBatch, settings: dict) -> GenerationSettings:
+    """Resolve generate()'s ``settings`` for ``prompts`` as generate() will, and the blocks they take (the
+    ValueError or TypeError generate() would raise); returns the resolved settings."""
+    resolved = GenerationSettings.resolve(model, None, settings, prompt_width=prompts.ids.shape[1])
+    prompts.block_ends(resolved.max_new_tokens, resolved.block_length, model.config.max_position_embeddings)
+    return resolved
 
 
 def compare_table(model, tokenizer, ids: torch.Tensor, runs: list[dict]) -> str:
@@ -304,10 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--compare runs every strategy: drop --strategy")
     if args.compare and args.show_steps:
         parser.error("--show-steps lists one strategy's steps: drop --compare (or --show-steps)")
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(parser, args)
     try:
         if args.interactive:
             return converse(args)
@@ -316,8 +337,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"mrp-generate: error: {err}\n")
 
 
-def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
-    """The keywords of ``generate()`` the options give (None: not given, generate()'s default)."""
+def set_threads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Apply ``--threads`` (refused below 1)."""
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
+def decoding_settings(args: argparse.Namespace) -> dict:
+    """The keywords of ``generate()`` that :func:`add_decoding_options`' options give, all but ``strategy`` (None:
+    not given, generate()'s default)."""
     return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, block_length=args.block_length,
                 denoising_steps=args.denoising_steps, threshold=args.threshold, entropy_bound=args.entropy_bound,
                 mrp_steps=args.mrp_steps,
@@ -327,10 +357,13 @@ def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
                 do_sample=args.do_sample,
                 temperature=args.temperature, top_h=args.top_h, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff,
-                seed=args.seed,
-                prefill_chunk_size=args.prefill_chunk_size,
-                progress=args.max_new_tokens >= 256, stop_strings=args.stop, max_time=args.max_time,
-                tokenizer=tokenizer if args.stop else None)
+                prefill_chunk_size=args.prefill_chunk_size)
+
+
+def generate_settings(args: argparse.Namespace, tokenizer) -> dict:
+    """The keywords of ``generate()`` the options give (None: not given, generate()'s default)."""
+    return dict(decoding_settings(args), seed=args.seed, progress=args.max_new_tokens >= 256, stop_strings=args.stop,
+                max_time=args.max_time, tokenizer=tokenizer if args.stop else None)
 
 
 def load_for(args: argparse.Namespace):

@@ -1,0 +1,250 @@
+"""``mrp-serve``: an OpenAI-compatible HTTP server for an SDAR+MRP checkpoint (by default the small model shipped here).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as server-sent
+events), ``GET /v1/models``, ``GET /health``. Any OpenAI client talks to it::
+
+    mrp-serve --port 8000 --strategy speculative -K 3
+    curl localhost:8000/v1/completions -d '{"prompt": "def mean(values):", "max_tokens": 32}'
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://localhost:8000/v1", api_key="unused")
+    client.completions.create(model="sdar-stdlib-mrp", prompt="import os", extra_body={"strategy": "static"})
+
+The decoding options set the defaults of every request; a request's fields override them (the fields read:
+:mod:`.server_requests`). Concurrent greedy requests with the same settings are decoded together, as one batch
+(:mod:`.server_batcher`). The HTTP server is the standard library's (``http.server``, a thread a connection), which
+serves one machine's clients well; put a reverse proxy in front of it to expose it wider. Not part of a checkpoint's
+remote code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+from .cli import (HelpFormatter, UsageError, add_decoding_options, add_model_options, check_layout,
+                  decoding_settings, load_for, set_threads)
+from .prompts import PromptBatch
+from .server_batcher import Batcher, Job
+from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, read_request,
+                              response_id, streamable, usage)
+
+MAX_BATCH_SIZE = 8
+MAX_BODY_BYTES = 16 * 2**20
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class Server(ThreadingHTTPServer):
+    """The HTTP server of ``mrp-serve``: serves ``model`` as ``model_name`` (:class:`Handler` answers each request on
+    a thread of its own); ``defaults``: the ``generate()`` keywords of a request that sets none (``strategy``
+    included). Its decoding thread (``batcher``) starts here. ``server_address`` (host, port 0) picks a free port,
+    then holds it; ``quiet``: no line a request on standard error."""
+
+    daemon_threads = True
+
+    def __init__(self, server_address, model, tokenizer, defaults: dict, model_name: str,
+                 max_batch_size: int = MAX_BATCH_SIZE, quiet: bool = False):
+        super().__init__(server_address, Handler)
+        self.model, self.tokenizer, self.defaults, self.model_name = model, tokenizer, defaults, model_name
+        self.quiet = quiet
+        self.batcher = Batcher(model, max_batch_size)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP request: the routes of the module docstring, errors as OpenAI error bodies."""
+
+    server: Server
+    server_version = "mrp-serve"
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self.send_json({"status": "ok"})
+        elif self.path == "/v1/models":
+            self.send_json({"object": "list", "data": [{"id": self.server.model_name, "object": "model",
+                                                        "created": 0, "owned_by": "mrp-triton"}]})
+        else:
+            self.send_json(RequestError(f"no route GET {self.path}", status=404).body(), 404)
+
+    def do_POST(self) -> None:
+        endpoint = ROUTES.get(self.path)
+        try:
+            if endpoint is None:
+                raise RequestError(f"no route POST {self.path} (POST /v1/completions or /v1/chat/completions)",
+                                   status=404)
+            self.serve(endpoint)
+        except RequestError as err:
+            self.send_json(err.body(), err.status)
+
+    def serve(self, endpoint: str) -> None:
+        server = self.server
+        request = read_request(self.read_body(), endpoint, server.tokenizer, server.defaults, server.model_name)
+        request.max_new_tokens = check_decodable(server.model, request)
+        job, rid = server.batcher.submit(request), response_id(endpoint)
+        if request.stream:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            events = stream_events(job, endpoint, rid, server.tokenizer, server.model_name)
+            try:
+                for event in events:
+                    self.wfile.write(event.encode())
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client left
+            finally:
+                events.close()  # which stops the decoding of a client that left
+            return
+        try:
+            completions = job.future.result()
+        except (ValueError, TypeError) as err:  # generate() refused the settings of the batch
+            raise RequestError(str(err)) from None
+        self.send_json(response_body(endpoint, rid, server.model_name, request, completions, server.tokenizer))
+
+    def read_body(self):
+        """The request's JSON body (:class:`RequestError` when it is missing, too large or not JSON)."""
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise RequestError(f"the body is {length} bytes, more than the {MAX_BODY_BYTES} this server reads",
+                               status=413)
+        try:
+            return json.loads(self.rfile.read(length))
+        except ValueError as err:
+            raise RequestError(f"the body is not valid JSON ({err})") from None
+
+    def send_json(self, payload: dict, status: int = 200) -> None:
+        data = json.dumps(payload, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args) -> None:
+        """Request lines on standard error, as http.server writes them, unless ``quiet``."""
+        if not self.server.quiet:
+            super().log_message(format, *args)
+
+
+def check_decodable(model, request: Request) -> int:
+    """Refuse a request as ``generate()`` would refuse its prompts (token ids outside the vocabulary) or settings
+    (their values, or a layout past the model's positions), before it waits for a batch that it would fail.
+    Returns the new tokens it asks for (the settings' ``max_new_tokens``, or generate()'s default)."""
+    for ids in request.prompts:
+        try:
+            prompts = PromptBatch.from_inputs(model.config, torch.tensor([ids]), None)
+        except ValueError as err:
+            raise RequestError(f"the prompt: {err}", param="prompt") from None
+        try:
+            budget = check_layout(model, prompts, request.settings).max_new_tokens
+        except (ValueError, TypeError) as err:
+            raise RequestError(str(err)) from None
+    return budget
+
+
+def completion_text(tokenizer, ids: list[int], stop: list[str]) -> tuple[str, bool]:
+    """A completion's text, cut before its first stop string, and whether it held one."""
+    return cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)
+
+
+def response_body(endpoint: str, rid: str, model_name: str, request: Request, completions: list, tokenizer) -> dict:
+    """The response of a request that does not stream: a choice a completion (``index``: prompt i's sample j is
+    ``i * n + j``), each with its decoding stats (``stats``: backbone and MRP forwards, tokens decoded a backbone
+    forward; an extension), and the usage."""
+    choices = []
+    for index, completion in enumerate(completions):
+        text, stopped = completion_text(tokenizer, completion.ids, request.stop)
+        reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
+        choices.append({**choice(endpoint, index, text, reason, chunk=False), "stats": completion.stats})
+    return {**envelope(endpoint, rid, model_name, chunk=False), "choices": choices,
+            "usage": usage(sum(map(len, request.prompts)), sum(len(c.ids) for c in completions))}
+
+
+def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str):
+    """The server-sent events of a streamed request: a chunk a finished block (its new text, held back where a stop
+    string may be starting), then a chunk with the finish reason, with ``stream_options.include_usage`` one with the
+    usage, and ``[DONE]``. A client that leaves stops the decoding."""
+    head = envelope(endpoint, rid, model_name, chunk=True)
+
+    def event(payload) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    ids, sent = [], ""
+    try:
+        if endpoint == "chat":
+            yield event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})
+        while (piece := job.next_piece()) is not None:
+            ids += piece
+            text = streamable(tokenizer.decode(ids, skip_special_tokens=True), job.request.stop)
+            if len(text) > len(sent):
+                yield event({**head, "choices": [choice(endpoint, 0, text[len(sent):], None, chunk=True)]})
+                sent = text
+        try:
+            completion = job.future.result()[0]
+        except (ValueError, TypeError, RuntimeError) as err:
+            yield event(RequestError(str(err), status=500).body())
+            yield "data: [DONE]\n\n"
+            return
+        text, stopped = completion_text(tokenizer, completion.ids, job.request.stop)
+        reason = finish_reason(len(completion.ids), completion.ended, stopped, job.request.max_new_tokens)
+        yield event({**head, "choices": [choice(endpoint, 0, text[len(sent):] or None, reason, chunk=True)
+                                         | {"stats": completion.stats}]})
+        if job.request.include_usage:
+            yield event({**head, "choices": [], "usage": usage(len(job.request.prompts[0]), len(completion.ids))})
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # a no-op once it has ended; else the client left: stop decoding
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mrp-serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model's name in requests and /v1/models "
+                   "(default: the last part of --model)")
+    p.add_argument("--quiet", action="store_true", help="no line a request on standard error")
+    p.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE, metavar="N",
+                   help="rows (prompts x n) that waiting greedy requests may share one decoding call with")
+    add_model_options(p)
+    add_decoding_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_batch_size < 1:
+        parser.error(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    set_threads(parser, args)
+    try:
+        tokenizer, model = load_for(args)
+        defaults = {**decoding_settings(args), "strategy": args.strategy}
+        check_decodable(model, read_request({"prompt": [0]}, "completions", tokenizer, defaults, ""))
+        name = args.served_model_name or Path(args.model.rstrip("/")).name
+        server = Server((args.host, args.port), model, tokenizer, defaults, name, args.max_batch_size,
+                        quiet=args.quiet)
+    except (UsageError, RequestError) as err:
+        parser.exit(2, f"mrp-serve: error: {err}\n")
+    except OSError as err:  # the port is taken, or the address is not this machine's
+        parser.exit(2, f"mrp-serve: error: cannot listen on {args.host}:{args.port}: {err.strerror}\n")
+    host, port = server.server_address[:2]
+    print(f"mrp-serve: serving {name} ({args.strategy} decoding by default) on http://{host}:{port}/v1",
+          file=sys.stderr)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

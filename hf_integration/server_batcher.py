@@ -1,0 +1,146 @@
+"""``mrp-serve``'s decoding thread: requests queue up, and those waiting together that decode alike share one
+``generate()`` call.
+
+Only this thread calls the model. It takes the oldest waiting request and, when that one is greedy and does not
+stream, every other waiting greedy request with the same ``generate()`` keywords, up to ``max_batch_size`` rows, and
+decodes them as one left-padded batch: each row moves on through its blocks on its own, and a greedy row gives what
+it gives alone, so batching changes the speed, not the text. A sampled request runs alone, so its ``seed`` repeats
+its completions whatever else is waiting; a streamed one runs alone (a streamer follows one prompt), and stops once
+its client is gone. Not part of a checkpoint's remote code.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from .cli_prompts import left_padded
+from .server_requests import Request
+
+
+@dataclass
+class Completion:
+    """One completion: the new token ids it keeps, whether its last one is an EOS (``ended``), and what it cost
+    (``stats``: backbone and MRP forwards, tokens decoded a backbone forward)."""
+
+    ids: list[int]
+    ended: bool
+    stats: dict
+
+
+@dataclass
+class Job:
+    """A request waiting or decoding. ``future`` gets its completions (``n`` a prompt, a prompt's together, in its
+    prompts' order) or the error ``generate()`` raised; a streamed job's ``pieces`` gets the new token ids of each
+    finished block, then None; ``cancelled`` is set when no one waits for it any more."""
+
+    request: Request
+    future: Future = field(default_factory=Future)
+    pieces: collections.deque | None = None
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rows(self) -> int:
+        return len(self.request.prompts) * self.request.settings.get("num_return_sequences", 1)
+
+    def next_piece(self) -> list[int] | None:
+        """A streamed job's next block of new token ids (waiting for it), or None once the stream has ended."""
+        with self.arrived:
+            self.arrived.wait_for(lambda: self.pieces)
+            return self.pieces.popleft()
+
+
+class _JobStreamer:
+    """A transformers-style streamer feeding a job's ``pieces`` (the prompt, sent first, is skipped)."""
+
+    def __init__(self, job: Job):
+        self.job, self.prompt_seen = job, False
+
+    def put(self, ids: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self._push(ids.tolist())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self._push(None)
+
+    def _push(self, piece: list[int] | None) -> None:
+        with self.job.arrived:
+            self.job.pieces.append(piece)
+            self.job.arrived.notify()
+
+
+class Batcher:
+    """Decodes submitted requests on a thread of its own (see the module docstring)."""
+
+    def __init__(self, model, max_batch_size: int):
+        self.model, self.max_batch_size = model, max_batch_size
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.changed = threading.Condition()
+        self.batches = 0  # generate() calls made
+        threading.Thread(target=self._serve, name="mrp-serve decoding", daemon=True).start()
+
+    def submit(self, request: Request) -> Job:
+        job = Job(request, pieces=collections.deque() if request.stream else None)
+        with self.changed:
+            self.waiting.append(job)
+            self.changed.notify()
+        return job
+
+    def _serve(self) -> None:
+        while True:
+            self._decode(self._next_batch())
+
+    def _next_batch(self) -> list[Job]:
+        """The oldest waiting job and the waiting jobs that may share its call (the module docstring), removed from
+        the queue; jobs no one waits for any more are dropped."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.waiting)
+            first = self.waiting.popleft()
+            batch, rows = [first], first.rows
+            if not (first.request.stream or first.request.settings["do_sample"]):
+                for job in list(self.waiting):
+                    if (not job.request.stream and job.request.settings == first.request.settings
+                            and rows + job.rows <= self.max_batch_size):
+                        self.waiting.remove(job)
+                        batch.append(job)
+                        rows += job.rows
+        return [job for job in batch if not (job.cancelled.is_set() and job.future.cancel())]
+
+    def _decode(self, batch: list[Job]) -> None:
+        """One ``generate()`` call for the batch's prompts; each job's future gets its completions."""
+        if not batch:
+            return
+        prompts = [ids for job in batch for ids in job.request.prompts]
+        input_ids, mask = left_padded(prompts, self.model.device)
+        extra = {}
+        if batch[0].request.stream:
+            job = batch[0]
+            extra = {"streamer": _JobStreamer(job), "stopping_criteria": [lambda ids, scores: job.cancelled.is_set()]}
+        try:
+            out = self.model.generate(input_ids, attention_mask=mask, return_dict_in_generate=True,
+                                      **batch[0].request.settings, **extra)
+        except Exception as err:  # noqa: BLE001 - the request's error, sent to whoever waits for it
+            for job in batch:
+                job.future.set_exception(err)
+            if "streamer" in extra:
+                extra["streamer"].end()
+            return
+        self.batches += 1
+        width, stats = input_ids.shape[1], out.stats.as_dict()
+        results = []
+        for row, kept in enumerate(out.new_tokens.tolist()):
+            ids = out.sequences[row, width : width + kept].tolist()
+            results.append(Completion(ids, bool(ids) and ids[-1] in self.eos_ids,
+                                      {key: stats[key][row] for key in ("backbone_forwards", "mrp_forwards",
+                                                                        "tokens_per_forward")}))
+        for job in batch:
+            job.future.set_result(results[: job.rows])
+            results = results[job.rows :]

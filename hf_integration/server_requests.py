@@ -1,0 +1,236 @@
+"""OpenAI-style requests as ``mrp-serve`` reads them, and the response bodies it writes; no web framework here.
+
+A request body (``/v1/completions`` or ``/v1/chat/completions``) becomes the prompts' token ids and the keywords of
+``generate()`` (:func:`read_request`): the server's defaults (``mrp-serve``'s decoding options), then the request's
+OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``), then its extension fields,
+named as ``generate()`` names them (``strategy``, ``mrp_steps``, ``threshold``, ``top_k``, ``min_p``,
+``repetition_penalty``, ...; ``min_tokens`` is ``min_new_tokens``, as in vLLM), which the OpenAI clients send with
+``extra_body``. A field this server does not read is refused, naming it, unless it asks for nothing
+(``presence_penalty=0``, ``logprobs=None``, ...): a request is never served as something it did not ask for.
+Not part of a checkpoint's remote code.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from .cli import read_by
+from .cli_prompts import UsageError, chat_ids, is_conversation
+from .generation_settings import SAMPLING
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as sent: the message, the field to fix (``param``: OpenAI's error field) and
+    the HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def body(self) -> dict:
+        """The OpenAI error body."""
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+
+
+# Fields read by both endpoints, and by each; those accepted at the values that ask for nothing (and ``user``, an
+# end user's id for the provider's records, at any value).
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
+                 "user"}
+ENDPOINT_FIELDS = {"completions": {"prompt"}, "chat": {"messages", "max_completion_tokens"}}
+ASKING_FOR_NOTHING = {"echo": (False,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,),
+                      "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+                      "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
+# Extension fields: generate() keywords under their own names (min_tokens: vLLM's name for min_new_tokens).
+EXTENSIONS = {"min_tokens": "min_new_tokens", **{name: name for name in (
+    "strategy", "mrp_steps", "threshold", "denoising_steps", "block_length", "entropy_bound", "draft_schedule",
+    "draft_vocab", "draft_candidates", "remask_rule", "residual_delta", "mrp_mix", "mrp_scale", "repetition_penalty",
+    *(name for name in SAMPLING if name not in ("temperature", "top_p")))}}
+
+
+@dataclass
+class Request:
+    """A request read: its prompts' token ids (one list a prompt, each non-empty), the ``generate()`` keywords
+    (``num_return_sequences`` is the request's ``n``), its stop strings (OpenAI's: the text ends before the first
+    one), whether it streams, with ``include_usage`` whether its stream ends with a usage chunk, and the new tokens
+    it asks for once its settings are resolved (``max_new_tokens``: what a completion's ``finish_reason`` reads)."""
+
+    prompts: list[list[int]]
+    settings: dict
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    max_new_tokens: int | None = None
+
+
+def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str) -> Request:
+    """The :class:`Request` of a JSON body sent to ``endpoint`` (``completions`` or ``chat``). ``defaults``: the
+    server's ``generate()`` keywords (``strategy`` included; None: not set), which the request's fields override
+    (a default that the request's strategy does not read is dropped; one the request gives is left for
+    ``generate()`` to refuse). Raises :class:`RequestError` naming the field to fix."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
+    _check_fields(body, endpoint)
+    if body.get("model") not in (None, model_name):
+        raise RequestError(f"model {body['model']!r} is not served here; this server serves {model_name!r} "
+                           "(GET /v1/models)", param="model", status=404)
+    prompts = (_completion_prompts(body.get("prompt"), tokenizer) if endpoint == "completions"
+               else [_chat_prompt(body.get("messages"), tokenizer, model_name)])
+    given = {EXTENSIONS[name]: value for name, value in body.items() if name in EXTENSIONS}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        given["max_new_tokens"] = _count(max_tokens, "max_completion_tokens" if "max_completion_tokens" in body
+                                         else "max_tokens", minimum=1)
+    if body.get("n") is not None:
+        given["num_return_sequences"] = _count(body["n"], "n", minimum=1)
+    if body.get("seed") is not None:
+        given["seed"] = _count(body["seed"], "seed", minimum=None)
+    if body.get("top_p") is not None and body["top_p"] != 1:  # 1 cuts nothing; clients send it by default
+        given["top_p"] = _number(body["top_p"], "top_p")
+    sample = defaults.get("do_sample", False)
+    if body.get("temperature") is not None:
+        temperature = _number(body["temperature"], "temperature")
+        if temperature < 0:
+            raise RequestError(f"temperature must be >= 0 (0: greedy decoding), got {temperature}",
+                               param="temperature")
+        sample = temperature > 0
+        if sample:
+            given["temperature"] = temperature
+    if not sample:
+        asked = sorted(name for name in given if name in SAMPLING)
+        if asked:
+            raise RequestError(f"{asked[0]} steers sampling, and this request decodes greedily: give a temperature "
+                               "> 0 (or drop it)", param=asked[0])
+    stop = _stop_strings(body.get("stop"))
+    stream = body.get("stream") is True
+    if stream and given.get("num_return_sequences", 1) > 1:
+        raise RequestError("a stream carries one completion: n must be 1 with stream=true", param="n")
+    if stream and len(prompts) > 1:
+        raise RequestError("a stream carries one completion: send one prompt with stream=true", param="prompt")
+    from_defaults = {name: value for name, value in defaults.items()
+                     if value is not None and not (name in SAMPLING and not sample)}
+    strategy = given.pop("strategy", from_defaults.pop("strategy", "static"))
+    settings = {**read_by(strategy, from_defaults), **given, "do_sample": sample, "strategy": strategy}
+    if stop:
+        settings.update(stop_strings=stop, tokenizer=tokenizer)
+    options = body.get("stream_options") or {}
+    return Request(prompts, settings, stop, stream, bool(stream and options.get("include_usage")))
+
+
+def _check_fields(body: dict, endpoint: str) -> None:
+    """Refuse a field this endpoint does not read (unless at a value asking for nothing)."""
+    for name, value in body.items():
+        if name in COMMON_FIELDS or name in ENDPOINT_FIELDS[endpoint] or name in EXTENSIONS:
+            continue
+        if name in ASKING_FOR_NOTHING:
+            if value is None or value in ASKING_FOR_NOTHING[name]:
+                continue
+            raise RequestError(f"{name}={value!r} is not supported by this server (it accepts {name} only at "
+                               f"{ASKING_FOR_NOTHING[name][0]!r}" + (": repetition_penalty is the penalty it applies)"
+                                                                     if name.endswith("_penalty") else ")"),
+                               param=name)
+        known = sorted(COMMON_FIELDS | ENDPOINT_FIELDS[endpoint] | set(EXTENSIONS))
+        raise RequestError(f"unknown field {name!r} for this endpoint (it reads {', '.join(known)})", param=name)
+
+
+def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    """``prompt``: a string, a list of token ids, or a list of either (several prompts) -> token ids a prompt."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of those",
+                           param="prompt")
+    rows = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompt]
+    if not all(rows):
+        raise RequestError("prompt is empty: give at least one token", param="prompt")
+    return rows
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                           for i in value)
+
+
+def _chat_prompt(messages, tokenizer, model_name: str) -> list[int]:
+    """``messages`` ({role, content} dicts) rendered by the chat template, the assistant's turn opened."""
+    if not (is_conversation(messages) and messages):
+        raise RequestError("messages must be a non-empty list of {role, content} objects with string values",
+                           param="messages")
+    try:
+        return list(chat_ids(tokenizer, messages, model_name))
+    except UsageError:
+        raise RequestError(f"{model_name}'s tokenizer has no chat template: use /v1/completions with a plain prompt",
+                           param="messages") from None
+
+
+def _count(value, name: str, minimum: int | None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        raise RequestError(f"{name} must be an integer" + ("" if minimum is None else f" >= {minimum}")
+                           + f", got {value!r}", param=name)
+    return value
+
+
+def _number(value, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise RequestError(f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _stop_strings(stop) -> list[str]:
+    """``stop``: None, a string or a list of strings (non-empty) -> a list."""
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop")
+    return stop
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """``text`` up to (without) the first of the stop strings it holds, and whether it held one."""
+    ends = [text.find(s) for s in stop if s in text]
+    return (text[: min(ends)], True) if ends else (text, False)
+
+
+def streamable(text: str, stop: list[str]) -> str:
+    """What of a completion's text so far a stream may send: the text before a stop string it holds; else the text
+    without its end where a stop string might be starting, and without a character that a later token may still
+    complete (a trailing U+FFFD)."""
+    text, stopped = cut_at_stop(text, stop)
+    if stopped:
+        return text
+    held = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    text = text[: len(text) - held]
+    return text.rstrip("\ufffd")
+
+
+def finish_reason(kept: int, ended: bool, stopped: bool, max_new_tokens: int) -> str:
+    """OpenAI's ``finish_reason`` of a completion of ``kept`` new tokens: ``stop`` where it ended with an EOS
+    (``ended``) or a stop string, or short of its budget; else ``length``."""
+    return "stop" if ended or stopped or kept < max_new_tokens else "length"
+
+
+def response_id(endpoint: str) -> str:
+    return ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def envelope(endpoint: str, rid: str, model_name: str, chunk: bool) -> dict:
+    """The fields every response body (``chunk``: every stream chunk) of ``endpoint`` starts with."""
+    kind = "text_completion" if endpoint == "completions" else "chat.completion.chunk" if chunk else "chat.completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name}
+
+
+def choice(endpoint: str, index: int, text: str | None, reason: str | None, chunk: bool) -> dict:
+    """One entry of a response's ``choices``: ``text`` (a stream chunk's: the text it adds; None: none, as in the
+    last chunk) and the finish reason (None while a stream goes on)."""
+    if endpoint == "completions":
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+    if chunk:
+        return {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": None,
+                "finish_reason": reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
