@@ -49,10 +49,14 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, server_address, model, tokenizer, defaults: dict, model_name: str,
                  max_batch_size: int = MAX_BATCH_SIZE, quiet: bool = False):
-        super().__init__(server_address, Handler)
         self.model, self.tokenizer, self.defaults, self.model_name = model, tokenizer, defaults, model_name
         self.quiet = quiet
         self.batcher = Batcher(model, max_batch_size)
+        super().__init__(server_address, Handler)  # on a failure to listen, it calls server_close
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.batcher.close()
 
 
 class Handler(BaseHTTPRequestHandler):

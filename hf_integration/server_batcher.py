@@ -84,8 +84,9 @@ class Batcher:
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.waiting: collections.deque[Job] = collections.deque()
         self.changed = threading.Condition()
-        self.batches = 0  # generate() calls made
-        threading.Thread(target=self._serve, name="mrp-serve decoding", daemon=True).start()
+        self.closed = False
+        self.thread = threading.Thread(target=self._serve, name="mrp-serve decoding", daemon=True)
+        self.thread.start()
 
     def submit(self, request: Request) -> Job:
         job = Job(request, pieces=collections.deque() if request.stream else None)
@@ -94,15 +95,24 @@ class Batcher:
             self.changed.notify()
         return job
 
+    def close(self) -> None:
+        """End the decoding thread once the jobs waiting now are done."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify()
+        self.thread.join()
+
     def _serve(self) -> None:
-        while True:
-            self._decode(self._next_batch())
+        while batch := self._next_batch():
+            self._decode(batch)
 
     def _next_batch(self) -> list[Job]:
         """The oldest waiting job and the waiting jobs that may share its call (the module docstring), removed from
-        the queue; jobs no one waits for any more are dropped."""
+        the queue (none once closed and nothing waits)."""
         with self.changed:
-            self.changed.wait_for(lambda: self.waiting)
+            self.changed.wait_for(lambda: self.waiting or self.closed)
+            if not self.waiting:
+                return []
             first = self.waiting.popleft()
             batch, rows = [first], first.rows
             if not (first.request.stream or first.request.settings["do_sample"]):
@@ -112,10 +122,12 @@ class Batcher:
                         self.waiting.remove(job)
                         batch.append(job)
                         rows += job.rows
-        return [job for job in batch if not (job.cancelled.is_set() and job.future.cancel())]
+        return batch
 
     def _decode(self, batch: list[Job]) -> None:
-        """One ``generate()`` call for the batch's prompts; each job's future gets its completions."""
+        """One ``generate()`` call for the batch's prompts (a job no one waits for any more left out); each job's
+        future gets its completions."""
+        batch = [job for job in batch if not (job.cancelled.is_set() and job.future.cancel())]
         if not batch:
             return
         prompts = [ids for job in batch for ids in job.request.prompts]
@@ -133,7 +145,6 @@ class Batcher:
             if "streamer" in extra:
                 extra["streamer"].end()
             return
-        self.batches += 1
         width, stats = input_ids.shape[1], out.stats.as_dict()
         results = []
         for row, kept in enumerate(out.new_tokens.tolist()):

@@ -228,7 +228,8 @@ def choice(endpoint: str, index: int, text: str | None, reason: str | None, chun
     if chunk:
         return {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": None,
                 "finish_reason": reason}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": reason}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

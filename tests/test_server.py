@@ -1,0 +1,339 @@
+"""``mrp-serve``: OpenAI-style requests to the shipped model give what ``generate()`` gives their prompts alone
+(completions, chat completions, streams), waiting greedy requests share one ``generate()`` call, a stream sends no
+text it would have to take back, bad requests are refused naming the field, and the OpenAI client talks to it."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from hf_integration.cli import SHIPPED_MODEL, load
+from hf_integration.cli_prompts import chat_ids
+from hf_integration.server import Server, main
+from hf_integration.server_batcher import Batcher
+from hf_integration.server_requests import cut_at_stop, read_request, streamable
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+DEFAULTS = {"strategy": "static", "max_new_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """(tokenizer, model) of the shipped checkpoint; the tokenizer given a chat template (the shipped one has none)."""
+    tokenizer, model = load(str(SHIPPED_MODEL), "cpu", None)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer, model
+
+
+@contextlib.contextmanager
+def serving(tokenizer, model, defaults=DEFAULTS, max_batch_size=8):
+    """A server on a free port of this machine, answering on a thread; yields its base URL."""
+    server = Server(("127.0.0.1", 0), model, tokenizer, defaults, "sdar", max_batch_size, quiet=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def post(url: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def events(url: str, body: dict) -> list:
+    """The data of each server-sent event of a streamed request (JSON decoded; ``[DONE]`` as it is)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        lines = [line.decode().rstrip("\n") for line in response]
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert all(not line or line.startswith("data: ") for line in lines), lines
+    return [item if item == "[DONE]" else json.loads(item) for item in data]
+
+
+def alone(model, ids: list[int], **settings):
+    """generate()'s output for one prompt's ids, with its stats."""
+    return model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)
+
+
+def kept(out, width: int, row: int = 0) -> list[int]:
+    return out.sequences[row, width : width + int(out.new_tokens[row])].tolist()
+
+
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_each_completion_is_what_generate_gives_its_prompt_alone(shipped, strategy):
+    """Prompts as text and as token ids in one request, with a stop string that ends some of them: each choice is
+    generate()'s completion of that prompt alone, cut before the stop string, with its finish reason, stats and
+    token counts."""
+    tokenizer, model = shipped
+    prompts = ["def mean(values):\n", "import os\n", tokenizer("class Point:\n").input_ids]
+    stop = ["self"]
+    with serving(tokenizer, model) as url:
+        status, body = post(url + "/v1/completions", {"model": "sdar", "prompt": prompts, "max_tokens": 20,
+                                                      "strategy": strategy, "stop": stop})
+    assert status == 200 and body["object"] == "text_completion" and body["model"] == "sdar"
+    assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
+    reasons, prompt_tokens, completion_tokens = [], 0, 0
+    for choice, prompt in zip(body["choices"], prompts):
+        ids = prompt if isinstance(prompt, list) else tokenizer(prompt).input_ids
+        out = alone(model, ids, max_new_tokens=20, strategy=strategy, stop_strings=stop, tokenizer=tokenizer)
+        new = kept(out, len(ids))
+        text, stopped = cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), stop)
+        assert choice["text"] == text and "self" not in choice["text"]
+        reasons.append(choice["finish_reason"])
+        assert choice["finish_reason"] == ("stop" if stopped or new[-1] == 0 else "length")
+        stats = out.stats.as_dict()
+        assert choice["stats"] == {key: stats[key][0] for key in ("backbone_forwards", "mrp_forwards",
+                                                                  "tokens_per_forward")}
+        prompt_tokens, completion_tokens = prompt_tokens + len(ids), completion_tokens + len(new)
+    assert set(reasons) == {"stop", "length"}, reasons  # both ends exercised
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def test_a_sampled_completion_ending_with_eos_finishes_with_stop(shipped):
+    """n samples of a prompt, drawn as generate() draws them with the request's seed; a sample that ends with its
+    EOS finishes with ``stop`` (the EOS not in its text), one that runs to max_tokens with ``length``."""
+    tokenizer, model = shipped
+    ids = tokenizer("def f(x):\n").input_ids
+    with serving(tokenizer, model) as url:
+        status, body = post(url + "/v1/completions", {"prompt": ids, "max_tokens": 5, "temperature": 1.0, "seed": 1,
+                                                      "n": 3})
+    out = alone(model, ids, max_new_tokens=5, do_sample=True, seed=1, num_return_sequences=3)
+    assert status == 200
+    reasons = []
+    for row, choice in enumerate(body["choices"]):
+        new = kept(out, len(ids), row)
+        assert choice["text"] == tokenizer.decode(new, skip_special_tokens=True)
+        reasons.append(choice["finish_reason"])
+        assert choice["finish_reason"] == ("stop" if new[-1] == tokenizer.eos_token_id else "length")
+    assert set(reasons) == {"stop", "length"}, reasons
+
+
+def test_a_chat_completion_renders_the_conversation_and_streams_the_same_text(shipped):
+    tokenizer, model = shipped
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse(line):"}]
+    request = {"messages": messages, "max_completion_tokens": 40, "strategy": "speculative"}
+    with serving(tokenizer, model) as url:
+        status, body = post(url + "/v1/chat/completions", request)
+        chunks = events(url + "/v1/chat/completions", {**request, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+    ids = chat_ids(tokenizer, messages, "sdar")
+    out = alone(model, ids, max_new_tokens=40, strategy="speculative")
+    text = tokenizer.decode(kept(out, len(ids)), skip_special_tokens=True)
+    assert status == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert chunks[-1] == "[DONE]"
+    chunks = chunks[:-1]
+    assert all(chunk["object"] == "chat.completion.chunk" and chunk["id"] == chunks[0]["id"] for chunk in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(chunks) >= 5  # the opening chunk, one a finished block (40 tokens: 3 blocks), the end, the usage
+    deltas = [chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks if chunk["choices"]]
+    assert "".join(deltas) == text
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 2) + [
+        body["choices"][0]["finish_reason"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+
+
+def test_a_stream_cut_by_a_stop_string_sends_the_text_before_it(shipped):
+    tokenizer, model = shipped
+    request = {"prompt": "def mean(values):\n", "max_tokens": 48, "stop": ["Return a"]}
+    with serving(tokenizer, model) as url:
+        status, body = post(url + "/v1/completions", request)
+        chunks = events(url + "/v1/completions", {**request, "stream": True})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1] == "[DONE]" and "usage" not in chunks[-2]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks[:-1]) == body["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+@given(text=st.text(alphabet="ab\n", max_size=24), stop=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4),
+                                                                  max_size=3), cut=st.integers(0, 24))
+def test_a_stream_never_sends_text_it_would_have_to_take_back(text, stop, cut):
+    """What a stream sends of a completion's text so far is a prefix of the final text (cut before its first stop
+    string), whatever comes after, and grows as the text grows."""
+    sent = streamable(text[:cut], stop)
+    final, stopped = cut_at_stop(text, stop)
+    assert final.startswith(sent)
+    assert streamable(text, stop).startswith(sent)
+    assert not any(s in sent for s in stop)
+    if stopped:
+        assert streamable(text, stop) == final
+
+
+def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(shipped, monkeypatch):
+    """While a call decodes, the requests that arrive wait; then the oldest goes with every waiting greedy request
+    of the same settings (up to max_batch_size rows) in one call, while a sampled one, a streamed one and one with
+    other settings each get their own. Each completion is the one its prompt gets alone."""
+    tokenizer, model = shipped
+    calls, gate, real = [], threading.Event(), model.generate
+
+    def held(input_ids, **settings):
+        calls.append(input_ids.shape[0])
+        gate.wait(120) if len(calls) == 1 else None
+        return real(input_ids, **settings)
+
+    monkeypatch.setattr(model, "generate", held)
+    batcher = Batcher(model, max_batch_size=4)
+
+    def submit(prompt, **fields):
+        return batcher.submit(read_request({"prompt": prompt, "max_tokens": 16, **fields}, "completions", tokenizer,
+                                           DEFAULTS, "sdar"))
+
+    jobs = [submit("import os\n")]
+    while not calls:
+        threading.Event().wait(0.01)
+    jobs += [submit("def add(a, b):\n"), submit("class Box:\n"), submit(["x = 1\n", "y = 2\n"]),  # 4 rows
+             submit("z = 3\n"),  # a fifth row: too many for that call
+             submit("def add(a, b):\n", temperature=0.7, seed=5),  # sampled: alone
+             submit("def add(a, b):\n", stream=True),  # streamed: alone
+             submit("def add(a, b):\n", strategy="speculative")]  # other settings
+    gate.set()
+    while jobs[6].next_piece() is not None:
+        pass
+    results = [job.future.result(120) for job in jobs]
+    batcher.close()
+    assert calls == [1, 4, 1, 1, 1, 1]
+    greedy = {"max_new_tokens": 16, "strategy": "static"}
+    for job, completions in zip(jobs, results):
+        assert len(completions) == len(job.request.prompts)
+        for ids, completion in zip(job.request.prompts, completions):
+            settings = ({**greedy, "do_sample": True, "temperature": 0.7, "seed": 5} if job.request.settings["do_sample"]
+                        else greedy)
+            assert completion.ids == kept(real(torch.tensor([ids]), return_dict_in_generate=True, **settings),
+                                          len(ids))
+
+
+def test_a_stream_whose_client_left_stops_decoding(shipped):
+    tokenizer, model = shipped
+    batcher = Batcher(model, max_batch_size=8)
+    job = batcher.submit(read_request({"prompt": "def f(x):\n", "max_tokens": 400, "min_tokens": 400, "stream": True},
+                                      "completions", tokenizer, DEFAULTS, "sdar"))  # no EOS: 400 tokens unless stopped
+    assert job.next_piece()
+    job.cancelled.set()
+    while job.next_piece() is not None:
+        pass
+    completion = job.future.result(120)[0]
+    batcher.close()
+    assert 0 < len(completion.ids) < 400
+
+
+@pytest.mark.parametrize("path, body, status, param, message", [
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "x", "beams": 2}, 400, "beams", "unknown field 'beams'"),
+    ("/v1/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "messages", "unknown field"),
+    ("/v1/chat/completions", {"prompt": "x"}, 400, "prompt", "unknown field"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "serves 'sdar'"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "a string, a list of token ids"),
+    ("/v1/completions", {}, 400, "prompt", "a string, a list of token ids"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None, "max_position_embeddings"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "a number"),
+    ("/v1/completions", {"prompt": "x", "top_k": 5}, 400, "top_k", "temperature > 0"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0.5, "temperature": 0}, 400, "top_p", "temperature > 0"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, None, "without sampling"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 1, "stream": True}, 400, "n", "one completion"),
+    ("/v1/completions", {"prompt": ["x", "y"], "stream": True}, 400, "prompt", "one completion"),
+    ("/v1/completions", {"prompt": "x", "threshold": 0.5}, 400, None, "threshold=0.5"),
+    ("/v1/completions", {"prompt": "x", "strategy": "beam"}, 400, None, "strategy"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty string"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "non-empty list"),
+    ("/v1/embeddings", {"input": "x"}, 404, None, "no route POST /v1/embeddings"),
+    ("/v1/completions", ["x"], 400, None, "a JSON object"),
+])
+def test_a_bad_request_is_refused_naming_the_field(shipped, path, body, status, param, message):
+    tokenizer, model = shipped
+    with serving(tokenizer, model) as url:
+        code, answer = post(url + path, body)
+        bad_json = post(url + "/v1/completions", None, raw=b"{not json")
+        served = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})  # the server goes on
+    assert code == status, answer
+    assert answer["error"]["param"] == param and message in answer["error"]["message"], answer
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert bad_json[0] == 400 and "not valid JSON" in bad_json[1]["error"]["message"]
+    assert served[0] == 200
+
+
+def test_a_chat_request_to_a_model_without_a_chat_template_is_refused(shipped):
+    tokenizer, model = shipped
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    with serving(plain, model) as url:
+        code, answer = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert code == 400 and answer["error"]["param"] == "messages" and "no chat template" in answer["error"]["message"]
+
+
+def test_the_openai_client_talks_to_mrp_serve(shipped):
+    """The OpenAI Python client: models, a completion with an extension field (extra_body), a sampled one that its
+    seed repeats, a streamed chat completion, and an error."""
+    openai = pytest.importorskip("openai")
+    tokenizer, model = shipped
+    with serving(tokenizer, model, {"strategy": "speculative", "max_new_tokens": 24}) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["sdar"]
+        completion = client.completions.create(model="sdar", prompt="def mean(values):\n", max_tokens=20,
+                                               extra_body={"strategy": "static", "min_tokens": 20})
+        ids = tokenizer("def mean(values):\n").input_ids
+        assert completion.choices[0].text == tokenizer.decode(kept(alone(model, ids, max_new_tokens=20,
+                                                                         min_new_tokens=20), len(ids)))
+        assert completion.usage.completion_tokens == 20 and completion.choices[0].finish_reason == "length"
+        sampled = [client.completions.create(model="sdar", prompt="import", max_tokens=12, temperature=0.9, seed=3,
+                                             n=2, top_p=0.95) for _ in range(2)]
+        assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+        stream = client.chat.completions.create(model="sdar", messages=[{"role": "user", "content": "def f(x):"}],
+                                                max_tokens=24, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        reply = client.chat.completions.create(model="sdar", messages=[{"role": "user", "content": "def f(x):"}],
+                                               max_tokens=24)
+        assert text == reply.choices[0].message.content and text
+        with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+            client.completions.create(model="sdar", prompt="x", presence_penalty=1.0)
+
+
+def test_mrp_serve_cli_listens_with_its_options_as_the_defaults(monkeypatch, capsys):
+    served = []
+    monkeypatch.setattr(Server, "serve_forever", lambda self: served.append(self))
+    assert main(["--port", "0", "--strategy", "dynamic", "--threshold", "0.6", "--max-new-tokens", "8",
+                 "--threads", "1", "--quiet"]) == 0
+    (server,) = served
+    assert server.model_name == "sdar-stdlib-mrp" and server.quiet
+    assert {k: v for k, v in server.defaults.items() if v is not None} == {
+        "strategy": "dynamic", "threshold": 0.6, "max_new_tokens": 8, "do_sample": False, "temperature": 1.0}
+    assert f"serving sdar-stdlib-mrp (dynamic decoding by default) on http://127.0.0.1:{server.server_address[1]}/v1" \
+        in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--strategy", "dynamic", "--threshold", "2"])
+    assert exit_.value.code == 2 and "threshold" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--max-batch-size", "0"])
+    assert exit_.value.code == 2 and "--max-batch-size" in capsys.readouterr().err
+    with socket.socket() as taken, pytest.raises(SystemExit) as exit_:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        main(["--port", str(taken.getsockname()[1])])
+    assert exit_.value.code == 2 and "cannot listen on 127.0.0.1" in capsys.readouterr().err
