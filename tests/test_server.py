@@ -8,9 +8,12 @@ import contextlib
 import copy
 import json
 import socket
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,7 @@ from hf_integration.server_requests import cut_at_stop, read_request, streamable
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 DEFAULTS = {"strategy": "static", "max_new_tokens": 24}
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +221,8 @@ def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(
     for job, completions in zip(jobs, results):
         assert len(completions) == len(job.request.prompts)
         for ids, completion in zip(job.request.prompts, completions):
-            settings = ({**greedy, "do_sample": True, "temperature": 0.7, "seed": 5} if job.request.settings["do_sample"]
-                        else greedy)
+            sampled = job.request.settings["do_sample"]
+            settings = {**greedy, "do_sample": True, "temperature": 0.7, "seed": 5} if sampled else greedy
             assert completion.ids == kept(real(torch.tensor([ids]), return_dict_in_generate=True, **settings),
                                           len(ids))
 
@@ -337,3 +341,15 @@ def test_mrp_serve_cli_listens_with_its_options_as_the_defaults(monkeypatch, cap
         taken.listen()
         main(["--port", str(taken.getsockname()[1])])
     assert exit_.value.code == 2 and "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_serve_benchmark_smoke(tmp_path):
+    """benchmarks/bench_serve.py on the shipped model: a row per strategy and max batch size, greedy completions the
+    same batched as alone."""
+    subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--clients", "3", "--max-new-tokens", "8",
+                    "--max-batch-sizes", "1", "4", "--strategies", "static", "speculative", "--repeats", "1",
+                    "--out", str(tmp_path)], check=True, cwd=REPO_ROOT, timeout=600)
+    rows = json.loads((tmp_path / "serve_cpu.json").read_text())["rows"]
+    assert [(row["strategy"], row["max_batch_size"]) for row in rows] == [
+        ("static", 1), ("static", 4), ("speculative", 1), ("speculative", 4)]
+    assert all(row["same_as_alone"] and row["new_tokens_per_s"] > 0 for row in rows)

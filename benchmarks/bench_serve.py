@@ -1,0 +1,102 @@
+"""``mrp-serve`` under concurrent clients: what batching waiting requests buys.
+
+Each client is a thread that sends one ``/v1/completions`` request (greedy, ``max_tokens`` new tokens, EOS held back
+with ``min_tokens`` so every completion is as long) over HTTP to a server in this process, all at once; per strategy
+and ``--max-batch-size``: the median wall time of ``--repeats`` rounds until the last answer, the new tokens a second
+it gives, and whether every completion equals the one at ``--max-batch-size 1`` (each request decoded alone).
+
+    python benchmarks/bench_serve.py              # the shipped model, 16 clients, results to benchmarks/results/
+    python benchmarks/bench_serve.py --clients 4 --max-new-tokens 8 --repeats 1 --out /tmp/serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from _harness import run_meta, write_results  # noqa: E402
+from bench_e2e import heldout_prompts  # noqa: E402
+from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
+from hf_integration.server import Server  # noqa: E402
+
+FIELDS = ["strategy", "max_batch_size", "clients", "max_new_tokens", "seconds_median", "new_tokens_per_s",
+          "same_as_alone", "gpu", "torch", "triton", "commit"]
+
+
+def serve_round(server: Server, prompts: list[str], max_new_tokens: int) -> tuple[float, list[str]]:
+    """One request a prompt, each from a thread of its own, all at once: (seconds until the last answer, texts)."""
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    texts = [None] * len(prompts)
+
+    def client(i: int) -> None:
+        body = {"prompt": prompts[i], "max_tokens": max_new_tokens, "min_tokens": max_new_tokens}
+        with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode())) as response:
+            texts[i] = json.loads(response.read())["choices"][0]["text"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start, texts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(SHIPPED_MODEL))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-batch-sizes", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--strategies", nargs="+", default=["static", "speculative"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads torch runs on")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    tokenizer, model = load(args.model, args.device, None)
+    prompts = heldout_prompts(Path(args.model) / "stdlib_manifest.json", args.clients)
+    prompts = (prompts * args.clients)[: args.clients]
+    meta, rows = run_meta(args.device.startswith("cuda")), []
+    for strategy in args.strategies:
+        alone = None
+        for size in args.max_batch_sizes:
+            server = Server(("127.0.0.1", 0), model, tokenizer, {"strategy": strategy}, "bench", size, quiet=True)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            serve_round(server, prompts[:1], args.max_new_tokens)  # warm-up (on a GPU: compilation, graph capture)
+            seconds, texts = [], None
+            for _ in range(args.repeats):
+                took, texts = serve_round(server, prompts, args.max_new_tokens)
+                seconds.append(took)
+            server.shutdown()
+            server.server_close()
+            alone = alone if size != 1 else texts
+            median = statistics.median(seconds)
+            rows.append({"strategy": strategy, "max_batch_size": size, "clients": args.clients,
+                         "max_new_tokens": args.max_new_tokens, "seconds_median": median,
+                         "new_tokens_per_s": args.clients * args.max_new_tokens / median,
+                         "same_as_alone": None if alone is None else texts == alone, **meta})
+            print(f"{strategy:<12} max-batch-size {size:>3}: {args.clients} clients x {args.max_new_tokens} tokens in "
+                  f"{median:.2f} s ({rows[-1]['new_tokens_per_s']:.0f} new tokens/s), same as alone: "
+                  f"{rows[-1]['same_as_alone']}")
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    write_results(args.out, f"serve_{device}", FIELDS, rows, {"meta": meta, "rows": rows,
+                                                             "command": " ".join(sys.argv)}, float_format=".4g")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
