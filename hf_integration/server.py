@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -66,11 +67,13 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "mrp-serve"
 
     def do_GET(self) -> None:
+        model = {"id": self.server.model_name, "object": "model", "created": 0, "owned_by": "mrp-triton"}
         if self.path == "/health":
             self.send_json({"status": "ok"})
         elif self.path == "/v1/models":
-            self.send_json({"object": "list", "data": [{"id": self.server.model_name, "object": "model",
-                                                        "created": 0, "owned_by": "mrp-triton"}]})
+            self.send_json({"object": "list", "data": [model]})
+        elif self.path == f"/v1/models/{self.server.model_name}":
+            self.send_json(model)
         else:
             self.send_json(RequestError(f"no route GET {self.path}", status=404).body(), 404)
 
@@ -83,6 +86,9 @@ class Handler(BaseHTTPRequestHandler):
             self.serve(endpoint)
         except RequestError as err:
             self.send_json(err.body(), err.status)
+        except Exception as err:  # noqa: BLE001 - a failure of the server's, answered as one (and logged)
+            traceback.print_exc()
+            self.send_json(RequestError(f"{type(err).__name__}: {err}", status=500).body(), 500)
 
     def serve(self, endpoint: str) -> None:
         server = self.server
@@ -191,8 +197,8 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
                 sent = text
         try:
             completion = job.future.result()[0]
-        except (ValueError, TypeError, RuntimeError) as err:
-            yield event(RequestError(str(err), status=500).body())
+        except Exception as err:  # noqa: BLE001 - the stream has begun: its last event says what failed
+            yield event(RequestError(f"{type(err).__name__}: {err}", status=500).body())
             yield "data: [DONE]\n\n"
             return
         text, stopped = completion_text(tokenizer, completion.ids, job.request.stop)

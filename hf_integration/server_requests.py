@@ -103,6 +103,10 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
         if asked:
             raise RequestError(f"{asked[0]} steers sampling, and this request decodes greedily: give a temperature "
                                "> 0 (or drop it)", param=asked[0])
+        if given.get("num_return_sequences", 1) > 1:
+            raise RequestError(f"n={given['num_return_sequences']} completions of a greedy request would all be the "
+                               "same: give a temperature > 0 (or n=1)", param="n")
+        given.pop("seed", None)  # greedy decoding draws nothing; so requests differing only there share a call
     stop = _stop_strings(body.get("stop"))
     stream = body.get("stream") is True
     if stream and given.get("num_return_sequences", 1) > 1:

@@ -206,7 +206,8 @@ def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(
     jobs = [submit("import os\n")]
     while not calls:
         threading.Event().wait(0.01)
-    jobs += [submit("def add(a, b):\n"), submit("class Box:\n"), submit(["x = 1\n", "y = 2\n"]),  # 4 rows
+    jobs += [submit("def add(a, b):\n"), submit("class Box:\n", seed=9),  # a greedy request's seed: no matter
+             submit(["x = 1\n", "y = 2\n"]),  # 4 rows
              submit("z = 3\n"),  # a fifth row: too many for that call
              submit("def add(a, b):\n", temperature=0.7, seed=5),  # sampled: alone
              submit("def add(a, b):\n", stream=True),  # streamed: alone
@@ -259,7 +260,7 @@ def test_a_stream_whose_client_left_stops_decoding(shipped):
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "a number"),
     ("/v1/completions", {"prompt": "x", "top_k": 5}, 400, "top_k", "temperature > 0"),
     ("/v1/completions", {"prompt": "x", "top_p": 0.5, "temperature": 0}, 400, "top_p", "temperature > 0"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, None, "without sampling"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "temperature > 0"),
     ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 1, "stream": True}, 400, "n", "one completion"),
     ("/v1/completions", {"prompt": ["x", "y"], "stream": True}, 400, "prompt", "one completion"),
     ("/v1/completions", {"prompt": "x", "threshold": 0.5}, 400, None, "threshold=0.5"),
@@ -283,6 +284,28 @@ def test_a_bad_request_is_refused_naming_the_field(shipped, path, body, status, 
     assert served[0] == 200
 
 
+def test_a_failure_while_decoding_is_answered_with_a_500_and_the_server_goes_on(shipped, monkeypatch):
+    tokenizer, model = shipped
+    real = model.generate
+    failures = iter([RuntimeError("CUDA out of memory"), RuntimeError("CUDA out of memory")])
+
+    def failing(*args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", failing)
+    with serving(tokenizer, model) as url:
+        code, answer = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+        chunks = events(url + "/v1/completions", {"prompt": "x", "max_tokens": 4, "stream": True})
+        served = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    assert code == 500 and answer["error"] == {"message": "RuntimeError: CUDA out of memory", "type": "server_error",
+                                               "param": None, "code": None}
+    assert chunks == [answer, "[DONE]"]
+    assert served[0] == 200
+
+
 def test_a_chat_request_to_a_model_without_a_chat_template_is_refused(shipped):
     tokenizer, model = shipped
     plain = copy.copy(tokenizer)
@@ -299,7 +322,7 @@ def test_the_openai_client_talks_to_mrp_serve(shipped):
     tokenizer, model = shipped
     with serving(tokenizer, model, {"strategy": "speculative", "max_new_tokens": 24}) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["sdar"]
+        assert [m.id for m in client.models.list().data] == ["sdar"] and client.models.retrieve("sdar").id == "sdar"
         completion = client.completions.create(model="sdar", prompt="def mean(values):\n", max_tokens=20,
                                                extra_body={"strategy": "static", "min_tokens": 20})
         ids = tokenizer("def mean(values):\n").input_ids
