@@ -192,7 +192,7 @@ def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(
     calls, gate, real = [], threading.Event(), model.generate
 
     def held(input_ids, **settings):
-        calls.append(input_ids.shape[0])
+        calls.append([tokenizer.decode(row[mask.bool()]) for row, mask in zip(input_ids, settings["attention_mask"])])
         gate.wait(120) if len(calls) == 1 else None
         return real(input_ids, **settings)
 
@@ -217,7 +217,8 @@ def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(
         pass
     results = [job.future.result(120) for job in jobs]
     batcher.close()
-    assert calls == [1, 4, 1, 1, 1, 1]
+    add = "def add(a, b):\n"
+    assert calls == [["import os\n"], [add, "class Box:\n", "x = 1\n", "y = 2\n"], ["z = 3\n"], [add], [add], [add]]
     greedy = {"max_new_tokens": 16, "strategy": "static"}
     for job, completions in zip(jobs, results):
         assert len(completions) == len(job.request.prompts)
