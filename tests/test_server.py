@@ -132,6 +132,28 @@ def test_a_sampled_completion_ending_with_eos_finishes_with_stop(shipped):
     assert set(reasons) == {"stop", "length"}, reasons
 
 
+def test_the_servers_defaults_apply_where_a_request_reads_them(shipped):
+    """Defaults of a sampling server with a dynamic threshold: a request without its own settings samples with them;
+    one with temperature 0 decodes greedily, the sampling filters left out; one asking for static decoding leaves
+    the threshold out; one setting top_k replaces the default's."""
+    tokenizer, model = shipped
+    defaults = {"strategy": "dynamic", "threshold": 0.6, "do_sample": True, "temperature": 0.8, "top_k": 5,
+                "max_new_tokens": 12}
+    ids = tokenizer("def mean(values):\n").input_ids
+    cases = [({"seed": 4}, dict(strategy="dynamic", threshold=0.6, do_sample=True, temperature=0.8, top_k=5, seed=4)),
+             ({"temperature": 0}, dict(strategy="dynamic", threshold=0.6)),
+             ({"temperature": 0, "strategy": "static"}, dict(strategy="static")),
+             ({"seed": 4, "top_k": 50, "temperature": 1.5},
+              dict(strategy="dynamic", threshold=0.6, do_sample=True, temperature=1.5, top_k=50, seed=4))]
+    with serving(tokenizer, model, defaults) as url:
+        answers = [post(url + "/v1/completions", {"prompt": ids, **fields}) for fields, _ in cases]
+    for (status, body), (_, settings) in zip(answers, cases):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(kept(alone(model, ids, max_new_tokens=12, **settings),
+                                                                   len(ids)), skip_special_tokens=True), settings
+    assert len({body["choices"][0]["text"] for _, body in answers}) > 2  # the settings differ in what they give
+
+
 def test_a_chat_completion_renders_the_conversation_and_streams_the_same_text(shipped):
     tokenizer, model = shipped
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse(line):"}]
