@@ -214,7 +214,11 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mrp-serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+                                formatter_class=HelpFormatter,
+                                epilog="The decoding options (--strategy and after) are the defaults of every request, "
+                                "which its own fields override (max_tokens, temperature, top_p, n, stop, seed, and "
+                                "generate()'s keywords by name: strategy, threshold, top_k, ...); a default that a "
+                                "request's strategy does not read is left out for that request.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in requests and /v1/models "

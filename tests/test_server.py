@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -341,7 +342,6 @@ def test_a_chat_request_to_a_model_without_a_chat_template_is_refused(shipped):
 def test_the_openai_client_talks_to_mrp_serve(shipped):
     """The OpenAI Python client: models, a completion with an extension field (extra_body), a sampled one that its
     seed repeats, a streamed chat completion, and an error."""
-    openai = pytest.importorskip("openai")
     tokenizer, model = shipped
     with serving(tokenizer, model, {"strategy": "speculative", "max_new_tokens": 24}) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
