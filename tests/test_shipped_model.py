@@ -108,6 +108,7 @@ def test_shipped_model_runs_in_a_text_generation_pipeline():
 
     generator = pipeline("text-generation", model=str(SHIPPED_MODEL), trust_remote_code=True)
     prompt = "def add(a, b):\n"
+    torch.manual_seed(0)  # the samples draw their seed from torch's generator; some draws end with an EOS at once
     samples = generator(prompt, max_new_tokens=16, strategy="speculative", do_sample=True, num_return_sequences=3)
     texts = [s["generated_text"] for s in samples]
     assert len(texts) == 3 and all(t.startswith(prompt) and len(t) > len(prompt) for t in texts)
