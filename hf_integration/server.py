@@ -118,7 +118,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_body(self):
         """The request's JSON body (:class:`RequestError` when it is missing, too large or not JSON)."""
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise RequestError(f"Content-Length is not a number: {self.headers['Content-Length']!r}") from None
         if length > MAX_BODY_BYTES:
             raise RequestError(f"the body is {length} bytes, more than the {MAX_BODY_BYTES} this server reads",
                                status=413)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import http.client
 import json
 import socket
 import subprocess
@@ -306,6 +307,22 @@ def test_a_bad_request_is_refused_naming_the_field(shipped, path, body, status, 
     assert answer["error"]["type"] == "invalid_request_error"
     assert bad_json[0] == 400 and "not valid JSON" in bad_json[1]["error"]["message"]
     assert served[0] == 200
+
+
+def test_a_body_too_large_or_with_a_bad_length_is_refused_before_it_is_read(shipped):
+    tokenizer, model = shipped
+    with serving(tokenizer, model) as url:
+        answers = []
+        for length in (str(2**30), "many"):
+            connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+            connection.putrequest("POST", "/v1/completions")
+            connection.putheader("Content-Length", length)
+            connection.endheaders()
+            response = connection.getresponse()
+            answers.append((response.status, json.loads(response.read())["error"]["message"]))
+            connection.close()
+    assert answers[0][0] == 413 and "more than the 16777216" in answers[0][1]
+    assert answers[1] == (400, "Content-Length is not a number: 'many'")
 
 
 def test_a_failure_while_decoding_is_answered_with_a_500_and_the_server_goes_on(shipped, monkeypatch):
