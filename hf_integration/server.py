@@ -44,7 +44,7 @@ class Server(ThreadingHTTPServer):
     """The HTTP server of ``mrp-serve``: serves ``model`` as ``model_name`` (:class:`Handler` answers each request on
     a thread of its own); ``defaults``: the ``generate()`` keywords of a request that sets none (``strategy``
     included). Its decoding thread (``batcher``) starts here. ``server_address`` (host, port 0) picks a free port,
-    then holds it; ``quiet``: no line a request on standard error."""
+    then holds it; ``quiet``: no line a request (nor a decoding call) on standard error."""
 
     daemon_threads = True
 
@@ -52,7 +52,8 @@ class Server(ThreadingHTTPServer):
                  max_batch_size: int = MAX_BATCH_SIZE, quiet: bool = False):
         self.model, self.tokenizer, self.defaults, self.model_name = model, tokenizer, defaults, model_name
         self.quiet = quiet
-        self.batcher = Batcher(model, max_batch_size)
+        self.batcher = Batcher(model, max_batch_size,
+                               report=None if quiet else lambda line: print(f"mrp-serve: {line}", file=sys.stderr))
         super().__init__(server_address, Handler)  # on a failure to listen, it calls server_close
 
     def server_close(self) -> None:
@@ -226,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in requests and /v1/models "
                    "(default: the last part of --model)")
-    p.add_argument("--quiet", action="store_true", help="no line a request on standard error")
+    p.add_argument("--quiet", action="store_true", help="no line a request (nor a decoding call: its requests, "
+                   "rows, new tokens and seconds) on standard error")
     p.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE, metavar="N",
                    help="rows (prompts x n) that waiting greedy requests may share one decoding call with")
     add_model_options(p)

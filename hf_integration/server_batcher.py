@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -76,10 +78,11 @@ class _JobStreamer:
 
 
 class Batcher:
-    """Decodes submitted requests on a thread of its own (see the module docstring)."""
+    """Decodes submitted requests on a thread of its own (see the module docstring); ``report``, if given, gets a
+    line a ``generate()`` call: its requests, rows, new tokens and seconds."""
 
-    def __init__(self, model, max_batch_size: int):
-        self.model, self.max_batch_size = model, max_batch_size
+    def __init__(self, model, max_batch_size: int, report: Callable[[str], None] | None = None):
+        self.model, self.max_batch_size, self.report = model, max_batch_size, report
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.waiting: collections.deque[Job] = collections.deque()
@@ -136,6 +139,7 @@ class Batcher:
         if batch[0].request.stream:
             job = batch[0]
             extra = {"streamer": _JobStreamer(job), "stopping_criteria": [lambda ids, scores: job.cancelled.is_set()]}
+        start = time.perf_counter()
         try:
             out = self.model.generate(input_ids, attention_mask=mask, return_dict_in_generate=True,
                                       **batch[0].request.settings, **extra)
@@ -152,6 +156,12 @@ class Batcher:
             results.append(Completion(ids, bool(ids) and ids[-1] in self.eos_ids,
                                       {key: stats[key][row] for key in ("backbone_forwards", "mrp_forwards",
                                                                         "tokens_per_forward")}))
+        seconds, new_tokens = time.perf_counter() - start, sum(len(c.ids) for c in results)
         for job in batch:
             job.future.set_result(results[: job.rows])
             results = results[job.rows :]
+        if self.report is not None:
+            requests, rows = len(batch), out.sequences.shape[0]
+            self.report(f"{requests} request{'s' * (requests > 1)}, {rows} row{'s' * (rows > 1)} in one "
+                        f"{batch[0].request.settings['strategy']} call: {new_tokens} new tokens in {seconds:.2f} s "
+                        f"({new_tokens / seconds:.0f} tokens/s)")

@@ -221,7 +221,8 @@ def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(
         return real(input_ids, **settings)
 
     monkeypatch.setattr(model, "generate", held)
-    batcher = Batcher(model, max_batch_size=4)
+    reports = []
+    batcher = Batcher(model, max_batch_size=4, report=reports.append)
 
     def submit(prompt, **fields):
         return batcher.submit(read_request({"prompt": prompt, "max_tokens": 16, **fields}, "completions", tokenizer,
@@ -243,6 +244,11 @@ def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(
     batcher.close()
     add = "def add(a, b):\n"
     assert calls == [["import os\n"], [add, "class Box:\n", "x = 1\n", "y = 2\n"], ["z = 3\n"], [add], [add], [add]]
+    assert [line.split(":")[0] for line in reports] == [
+        "1 request, 1 row in one static call", "3 requests, 4 rows in one static call",
+        *["1 request, 1 row in one static call"] * 3, "1 request, 1 row in one speculative call"]
+    new_tokens = sum(len(completion.ids) for completions in results[1:4] for completion in completions)
+    assert reports[1].split(": ")[1].startswith(f"{new_tokens} new tokens in ")
     greedy = {"max_new_tokens": 16, "strategy": "static"}
     for job, completions in zip(jobs, results):
         assert len(completions) == len(job.request.prompts)
