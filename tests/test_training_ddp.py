@@ -16,10 +16,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import sys
+import torch.distributed as dist
 from training.cli import run
 backbone_args, mrp_args = sys.argv[1].split("|"), sys.argv[2].split("|")
 run(backbone_args)
 run(mrp_args)
+dist.destroy_process_group()  # as mrp-train's main does: a process group left to the interpreter's exit may abort it
 """
 
 
