@@ -52,8 +52,9 @@ class Server(ThreadingHTTPServer):
                  max_batch_size: int = MAX_BATCH_SIZE, quiet: bool = False):
         self.model, self.tokenizer, self.defaults, self.model_name = model, tokenizer, defaults, model_name
         self.quiet = quiet
+        # one write a line: print's separate write of the newline would let a request line (another thread's) in
         self.batcher = Batcher(model, max_batch_size,
-                               report=None if quiet else lambda line: print(f"mrp-serve: {line}", file=sys.stderr))
+                               report=None if quiet else lambda line: sys.stderr.write(f"mrp-serve: {line}\n"))
         super().__init__(server_address, Handler)  # on a failure to listen, it calls server_close
 
     def server_close(self) -> None:
