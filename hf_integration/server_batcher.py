@@ -12,6 +12,7 @@ its client is gone. Not part of a checkpoint's remote code.
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -42,8 +43,7 @@ class Job:
 
     request: Request
     future: Future = field(default_factory=Future)
-    pieces: collections.deque | None = None
-    arrived: threading.Condition = field(default_factory=threading.Condition)
+    pieces: queue.SimpleQueue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -52,9 +52,7 @@ class Job:
 
     def next_piece(self) -> list[int] | None:
         """A streamed job's next block of new token ids (waiting for it), or None once the stream has ended."""
-        with self.arrived:
-            self.arrived.wait_for(lambda: self.pieces)
-            return self.pieces.popleft()
+        return self.pieces.get()
 
 
 class _JobStreamer:
@@ -65,16 +63,11 @@ class _JobStreamer:
 
     def put(self, ids: torch.Tensor) -> None:
         if self.prompt_seen:
-            self._push(ids.tolist())
+            self.job.pieces.put(ids.tolist())
         self.prompt_seen = True
 
     def end(self) -> None:
-        self._push(None)
-
-    def _push(self, piece: list[int] | None) -> None:
-        with self.job.arrived:
-            self.job.pieces.append(piece)
-            self.job.arrived.notify()
+        self.job.pieces.put(None)
 
 
 class Batcher:
@@ -92,7 +85,7 @@ class Batcher:
         self.thread.start()
 
     def submit(self, request: Request) -> Job:
-        job = Job(request, pieces=collections.deque() if request.stream else None)
+        job = Job(request, pieces=queue.SimpleQueue() if request.stream else None)
         with self.changed:
             self.waiting.append(job)
             self.changed.notify()

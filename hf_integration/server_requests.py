@@ -53,16 +53,20 @@ EXTENSIONS = {"min_tokens": "min_new_tokens", **{name: name for name in (
 @dataclass
 class Request:
     """A request read: its prompts' token ids (one list a prompt, each non-empty), the ``generate()`` keywords
-    (``num_return_sequences`` is the request's ``n``), its stop strings (OpenAI's: the text ends before the first
-    one), whether it streams, with ``include_usage`` whether its stream ends with a usage chunk, and the new tokens
-    it asks for once its settings are resolved (``max_new_tokens``: what a completion's ``finish_reason`` reads)."""
+    (``num_return_sequences`` is the request's ``n``), whether it streams, with ``include_usage`` whether its stream
+    ends with a usage chunk, and the new tokens it asks for once its settings are resolved (``max_new_tokens``: what
+    a completion's ``finish_reason`` reads)."""
 
     prompts: list[list[int]]
     settings: dict
-    stop: list[str]
     stream: bool
     include_usage: bool
     max_new_tokens: int | None = None
+
+    @property
+    def stop(self) -> list[str]:
+        """Its stop strings (OpenAI's: the text ends before the first one)."""
+        return self.settings.get("stop_strings", [])
 
 
 def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str) -> Request:
@@ -120,7 +124,7 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     if stop:
         settings.update(stop_strings=stop, tokenizer=tokenizer)
     options = body.get("stream_options") or {}
-    return Request(prompts, settings, stop, stream, bool(stream and options.get("include_usage")))
+    return Request(prompts, settings, stream, bool(stream and options.get("include_usage")))
 
 
 def _check_fields(body: dict, endpoint: str) -> None:
