@@ -1,9 +1,10 @@
 """``mrp-serve`` under concurrent clients: what batching waiting requests buys.
 
-Each client is a thread that sends one ``/v1/completions`` request (greedy, ``max_tokens`` new tokens, EOS held back
-with ``min_tokens`` so every completion is as long) over HTTP to a server in this process, all at once; per strategy
-and ``--max-batch-size``: the median wall time of ``--repeats`` rounds until the last answer, the new tokens a second
-it gives, and whether every completion equals the one at ``--max-batch-size 1`` (each request decoded alone).
+Each client is a thread that sends one ``/v1/completions`` request (``max_tokens`` new tokens, EOS held back with
+``min_tokens`` so every completion is as long; greedy at temperature 0, else sampled with the client's index as its
+``seed``) over HTTP to a server in this process, all at once; per strategy, temperature and ``--max-batch-size``: the
+median wall time of ``--repeats`` rounds until the last answer, the new tokens a second it gives, and whether every
+completion equals the one at ``--max-batch-size 1`` (each request decoded alone).
 
     python benchmarks/bench_serve.py              # the shipped model, 16 clients, results to benchmarks/results/
     python benchmarks/bench_serve.py --clients 4 --max-new-tokens 8 --repeats 1 --out /tmp/serve
@@ -30,17 +31,19 @@ from bench_e2e import heldout_prompts  # noqa: E402
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
 from hf_integration.server import Server  # noqa: E402
 
-FIELDS = ["strategy", "max_batch_size", "clients", "max_new_tokens", "seconds_median", "new_tokens_per_s",
-          "same_as_alone", "gpu", "torch", "triton", "commit"]
+FIELDS = ["strategy", "temperature", "max_batch_size", "clients", "max_new_tokens", "seconds_median",
+          "new_tokens_per_s", "same_as_alone", "gpu", "torch", "triton", "commit"]
 
 
-def serve_round(server: Server, prompts: list[str], max_new_tokens: int) -> tuple[float, list[str]]:
-    """One request a prompt, each from a thread of its own, all at once: (seconds until the last answer, texts)."""
+def serve_round(server: Server, prompts: list[str], max_new_tokens: int, temperature: float) -> tuple[float, list[str]]:
+    """One request a prompt, each from a thread of its own, all at once (sampled requests seeded by their index):
+    (seconds until the last answer, texts)."""
     url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
     texts = [None] * len(prompts)
 
     def client(i: int) -> None:
-        body = {"prompt": prompts[i], "max_tokens": max_new_tokens, "min_tokens": max_new_tokens}
+        body = {"prompt": prompts[i], "max_tokens": max_new_tokens, "min_tokens": max_new_tokens,
+                "temperature": temperature, **({"seed": i} if temperature else {})}
         with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode())) as response:
             texts[i] = json.loads(response.read())["choices"][0]["text"]
 
@@ -53,6 +56,31 @@ def serve_round(server: Server, prompts: list[str], max_new_tokens: int) -> tupl
     return time.perf_counter() - start, texts
 
 
+def serve_sizes(args, model, tokenizer, prompts: list[str], strategy: str, temperature: float, meta: dict) -> list:
+    """A row per ``--max-batch-sizes`` of ``--repeats`` rounds of ``prompts`` at this strategy and temperature."""
+    alone, rows = None, []
+    for size in args.max_batch_sizes:
+        server = Server(("127.0.0.1", 0), model, tokenizer, {"strategy": strategy}, "bench", size, quiet=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        serve_round(server, prompts[:1], args.max_new_tokens, temperature)  # warm-up (GPU: compilation, capture)
+        seconds, texts = [], None
+        for _ in range(args.repeats):
+            took, texts = serve_round(server, prompts, args.max_new_tokens, temperature)
+            seconds.append(took)
+        server.shutdown()
+        server.server_close()
+        alone = alone if size != 1 else texts
+        median = statistics.median(seconds)
+        rows.append({"strategy": strategy, "temperature": temperature, "max_batch_size": size,
+                     "clients": args.clients, "max_new_tokens": args.max_new_tokens, "seconds_median": median,
+                     "new_tokens_per_s": args.clients * args.max_new_tokens / median,
+                     "same_as_alone": None if alone is None else texts == alone, **meta})
+        print(f"{strategy:<12} temperature {temperature:g} max-batch-size {size:>3}: {args.clients} clients x "
+              f"{args.max_new_tokens} tokens in {median:.2f} s ({rows[-1]['new_tokens_per_s']:.0f} new tokens/s), "
+              f"same as alone: {rows[-1]['same_as_alone']}")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(SHIPPED_MODEL))
@@ -61,6 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch-sizes", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--strategies", nargs="+", default=["static", "speculative"])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="0: greedy")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch runs on")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -72,26 +101,8 @@ def main(argv=None) -> int:
     prompts = (prompts * args.clients)[: args.clients]
     meta, rows = run_meta(args.device.startswith("cuda")), []
     for strategy in args.strategies:
-        alone = None
-        for size in args.max_batch_sizes:
-            server = Server(("127.0.0.1", 0), model, tokenizer, {"strategy": strategy}, "bench", size, quiet=True)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-            serve_round(server, prompts[:1], args.max_new_tokens)  # warm-up (on a GPU: compilation, graph capture)
-            seconds, texts = [], None
-            for _ in range(args.repeats):
-                took, texts = serve_round(server, prompts, args.max_new_tokens)
-                seconds.append(took)
-            server.shutdown()
-            server.server_close()
-            alone = alone if size != 1 else texts
-            median = statistics.median(seconds)
-            rows.append({"strategy": strategy, "max_batch_size": size, "clients": args.clients,
-                         "max_new_tokens": args.max_new_tokens, "seconds_median": median,
-                         "new_tokens_per_s": args.clients * args.max_new_tokens / median,
-                         "same_as_alone": None if alone is None else texts == alone, **meta})
-            print(f"{strategy:<12} max-batch-size {size:>3}: {args.clients} clients x {args.max_new_tokens} tokens in "
-                  f"{median:.2f} s ({rows[-1]['new_tokens_per_s']:.0f} new tokens/s), same as alone: "
-                  f"{rows[-1]['same_as_alone']}")
+        for temperature in args.temperatures:
+            rows += serve_sizes(args, model, tokenizer, prompts, strategy, temperature, meta)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     write_results(args.out, f"serve_{device}", FIELDS, rows, {"meta": meta, "rows": rows,
                                                              "command": " ".join(sys.argv)}, float_format=".4g")

@@ -266,7 +266,8 @@ def check_settings(model, ids: torch.Tensor, runs: list[dict]) -> None:
 def check_layout(model, prompts: PromptBatch, settings: dict) -> GenerationSettings:
     """Resolve generate()'s ``settings`` for ``prompts`` as generate() will, and the blocks they take (the
     ValueError or TypeError generate() would raise); returns the resolved settings."""
-    resolved = GenerationSettings.resolve(model, None, settings, prompt_width=prompts.ids.shape[1])
+    resolved = GenerationSettings.resolve(model, None, settings, prompt_width=prompts.ids.shape[1],
+                                           prompts=len(prompts.lens))
     prompts.block_ends(resolved.max_new_tokens, resolved.block_length, model.config.max_position_embeddings)
     return resolved
 
@@ -506,7 +507,8 @@ def generate_file(args: argparse.Namespace) -> int:
     each batch's results as it ends: one JSON line a record, in the file's order, the record with ``completion`` (the
     new tokens kept, as text) and ``stats`` (its new tokens, backbone and MRP forwards, tokens decoded a backbone
     forward) added (with ``--num-return-sequences`` N, N lines a record, numbered by ``sample``); then print the
-    totals. Sampled batch b draws with seed ``--seed`` + b, so no two batches share their noise."""
+    totals. Sampled record r (counted from 0 in the file's order) draws with seed ``--seed`` + r (a seed per prompt), so
+    no two records share their noise and a record's samples do not depend on ``--batch-size``."""
     tokenizer, model = load_for(args)
     records = read_prompt_records(args.prompts, tokenizer, args.chat, args.system, args.model, option="--prompts")
     if not records:
@@ -529,7 +531,8 @@ def generate_file(args: argparse.Namespace) -> int:
         for start in range(0, len(records), size):
             batch = records[start : start + size]
             ids, mask = left_padded([record.ids for record in batch], args.device)
-            out, took = run_one(model, ids, {**settings, "attention_mask": mask, "seed": args.seed + start // size})
+            seeds = [args.seed + start + row for row in range(len(batch))]
+            out, took = run_one(model, ids, {**settings, "attention_mask": mask, "seed": seeds})
             for row, result in enumerate(completions(tokenizer, out, ids.shape[1])):  # a prompt's samples together
                 sample = {"sample": row % samples} if samples > 1 else {}
                 sink.write(json.dumps({**batch[row // samples].fields, **sample, **result}, ensure_ascii=False) + "\n")

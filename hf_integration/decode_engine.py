@@ -4,7 +4,7 @@ The per-row state is which original row each row of the working batch is (``rows
 and the stats), how many tokens each has committed (``counter``: the state index in the noise key), where its
 new tokens start and where its output ends (``starts``, ``ends``: past its last new token, or past its first EOS
 once it has committed one), the per-row stats and the steps device loops have run (``loop_steps``); beside it the
-call's sampling seed (``seed_key``), EOS ids (``is_eos``), token bans (``ban_table``) and the settings read on the
+call's sampling seeds (``noise_rows``), EOS ids (``is_eos``), token bans (``ban_table``) and the settings read on the
 device (``on_device``: temperature, top-k, top-p, min-p, thresholds, min_new_tokens), so one set of captured steps
 serves every value. Like the
 cache, it lives in buffers whose storage never moves: ``rows``, ``counter``, ``starts`` and ``ends`` are views of
@@ -126,7 +126,7 @@ class DecodeEngine:
         self.reveal_steps = torch.zeros((s.batch, s.max_len), dtype=torch.long, device=s.device)
         self.confidences = torch.zeros((s.batch, s.max_len), dtype=torch.float32, device=s.device)
         self.loop_steps = torch.zeros((), dtype=torch.long, device=s.device)
-        self.seed_key = torch.zeros((), dtype=torch.long, device=s.device)
+        self.noise_rows = torch.zeros(s.batch, dtype=torch.long, device=s.device)  # by original row
         self.draft_rows: dict = {}  # the lm_head rows of each listed draft vocabulary (draft_vocab.draft_head)
         self.vocab_mean: torch.Tensor | None = None  # the mean lm_head row (draft_candidates.refresh_vocab_mean)
         self._copy_index: dict[tuple[int, int], torch.Tensor] = {}
@@ -136,11 +136,10 @@ class DecodeEngine:
         self.reset()
 
     def use_settings(self, settings: GenerationSettings) -> None:
-        """This call's values of the settings the captured steps read on the device: the seed (folded to 31 bits,
-        it fills the high half of the first noise-key column: ``rows + seed_key``, rows < 2**32) and those in
-        ``on_device`` (float64, so a step computes exactly what it would from the Python float; an unset one
-        holds 1)."""
-        self.seed_key.fill_((seed_hash(settings.seed) & 0x7FFFFFFF) << 32)
+        """This call's values of the settings the captured steps read on the device: each row's first noise-key
+        column (:func:`noise_rows`) and those in ``on_device`` (float64, so a step computes exactly what it would
+        from the Python float; an unset one holds 1)."""
+        self.noise_rows.copy_(noise_rows(settings.seed, settings.num_return_sequences, self.shape.batch))
         for name, value in self.on_device.items():
             value.fill_(1.0 if getattr(settings, name) is None else float(getattr(settings, name)))
         self.is_eos.zero_()
@@ -193,6 +192,19 @@ class DecodeEngine:
             self.seen[:n] = self.seen[kept]
         self._use_rows(n)
         self.cache.keep_rows(kept)
+
+
+def noise_rows(seed: int | tuple[int, ...], copies: int, batch: int) -> torch.Tensor:
+    """int64 [batch]: each row's first sampling-noise key column, a seed's hash (folded to 31 bits) in the high
+    half and a row index (< 2**32) in the low half. One ``seed`` for the call: the row's index in the batch. A seed
+    per prompt (a tuple; each prompt's ``copies`` rows next to each other, as ``num_return_sequences`` lays them
+    out): its prompt's seed and the row's index among the prompt's copies, so each prompt draws what it draws alone
+    with its seed, whatever else the batch holds. Rows past the prompts' (a graphed batch's padding) draw nothing."""
+    rows = torch.arange(batch)
+    if not isinstance(seed, tuple):
+        return rows + ((seed_hash(seed) & 0x7FFFFFFF) << 32)
+    keys = torch.tensor([(seed_hash(s) & 0x7FFFFFFF) << 32 for s in seed]).repeat_interleave(copies)
+    return torch.cat([keys + rows[: len(keys)] % copies, rows[len(keys) :]])
 
 
 def engine_for(model, shape: EngineShape, graphed: bool) -> DecodeEngine:

@@ -160,7 +160,10 @@ class GenerationSettings:
     left out, the most likely of those never (:func:`mrp_triton.reference.confidence.sampling_cut`). ``seed`` keys
     the sampling noise: a call without one draws it from torch's default generator, so sampled calls differ and
     ``torch.manual_seed`` / ``transformers.set_seed`` repeat them, as in transformers; with one, the draw is fixed
-    whatever torch's generator holds. ``strategy="sequential"`` commits each step's quota at the
+    whatever torch's generator holds. One int keys each row by its index in the batch; a list of one seed per prompt
+    keys each prompt's rows by that seed and their index among its copies, so a prompt draws what it draws alone with
+    its seed, whatever else the batch holds (what a server batching sampled requests needs).
+    ``strategy="sequential"`` commits each step's quota at the
     first masked positions, left to right (the ``sequential`` rule of SDAR's ``generate.py``), picking tokens there
     only. ``strategy="entropy_bounded"`` is the EB-sampler (Ben-Hamu et al. 2025): each step ranks the masked positions
     by the entropy of their softmax (lowest first) and commits the longest run of them whose entropies, the largest left
@@ -234,7 +237,7 @@ class GenerationSettings:
     suppress_tokens: Sequence[int] | None = None  # validated: a sorted tuple of distinct ids, or None
     begin_suppress_tokens: Sequence[int] | None = None  # validated: as suppress_tokens
     bad_words_ids: Sequence[Sequence[int]] | None = None  # validated: folded into suppress_tokens, then None
-    seed: int | None = None
+    seed: int | Sequence[int] | None = None  # validated: an int, or a tuple of ints (one per prompt)
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     return_dict_in_generate: bool = False
@@ -289,8 +292,10 @@ class GenerationSettings:
         return None if self.top_k is None else max(64, 1 << (int(self.top_k) - 1).bit_length())
 
     @classmethod
-    def resolve(cls, model, generation_config, kwargs: dict, prompt_width: int) -> "GenerationSettings":
-        """Settings of a call whose ``input_ids`` are ``prompt_width`` tokens wide (for ``max_length``)."""
+    def resolve(cls, model, generation_config, kwargs: dict, prompt_width: int,
+                prompts: int | None = None) -> "GenerationSettings":
+        """Settings of a call whose ``input_ids`` are ``prompt_width`` tokens wide (for ``max_length``) and hold
+        ``prompts`` prompts (the length a list of seeds must have; None: not checked)."""
         names = cls.names()
         foreign = set(kwargs) - names
         unknown = sorted(foreign - HF_KEYWORDS)
@@ -341,6 +346,7 @@ class GenerationSettings:
                                 "were given: max_new_tokens wins (as in transformers)")
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
+        settings._check_seeds(prompts)
         settings._check_sampling(asked)
         settings._check_minimum(asked)
         return settings
@@ -354,6 +360,18 @@ class GenerationSettings:
         """Whether setting ``name`` holds its default (None where the default is None)."""
         default, value = self._default(name), getattr(self, name)
         return value is None if default is None else value == default
+
+    def _check_seeds(self, prompts: int | None) -> None:
+        """``seed`` is an int in [0, 2**64), or a list or tuple of them with one per prompt (kept as a tuple)."""
+        if isinstance(self.seed, (list, tuple)):
+            if prompts is not None and len(self.seed) != prompts:
+                raise ValueError(f"seed has {len(self.seed)} seeds for {prompts} prompts: give one per row of "
+                                 "input_ids (or one int for the whole batch)")
+            self.seed = tuple(self.seed)
+        for seed in self.seed if isinstance(self.seed, tuple) else (self.seed,):
+            _int_at_least("seed", seed, 0)
+            if seed >= 2**64:
+                raise ValueError(f"seed={seed} must be below 2**64 (the noise hash reads 64 bits of it)")
 
     def _check_sampling(self, asked: set[str]) -> None:
         """Raise if the call asked for a sampling setting (:data:`SAMPLING`: ``temperature``, ``top_k``, ...) without
@@ -467,9 +485,6 @@ class GenerationSettings:
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool or None (on for a CUDA model), got "
                             f"{type(self.cuda_graphs).__name__}")
-        _int_at_least("seed", self.seed, 0)
-        if self.seed >= 2**64:
-            raise ValueError(f"seed={self.seed} must be below 2**64 (the noise hash reads 64 bits of it)")
         if self.do_sample:
             check_temperature(_number("temperature", self.temperature))
         if self.top_k is not None:

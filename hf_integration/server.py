@@ -11,7 +11,7 @@ events), ``GET /v1/models``, ``GET /health``. Any OpenAI client talks to it::
     client.completions.create(model="sdar-stdlib-mrp", prompt="import os", extra_body={"strategy": "static"})
 
 The decoding options set the defaults of every request; a request's fields override them (the fields read:
-:mod:`.server_requests`). Concurrent greedy requests with the same settings are decoded together, as one batch
+:mod:`.server_requests`). Concurrent requests with the same settings are decoded together, as one batch
 (:mod:`.server_batcher`). The HTTP server is the standard library's (``http.server``, a thread a connection), which
 serves one machine's clients well; put a reverse proxy in front of it to expose it wider. Not part of a checkpoint's
 remote code.
@@ -32,8 +32,8 @@ from .cli import (HelpFormatter, UsageError, add_decoding_options, add_model_opt
                   decoding_settings, load_for, set_threads)
 from .prompts import PromptBatch
 from .server_batcher import Batcher, Job
-from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, read_request,
-                              response_id, streamable, usage)
+from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_of,
+                              read_request, response_id, streamable, usage)
 
 MAX_BATCH_SIZE = 8
 MAX_BODY_BYTES = 16 * 2**20
@@ -170,12 +170,14 @@ def completion_text(tokenizer, ids: list[int], stop: list[str]) -> tuple[str, bo
 def response_body(endpoint: str, rid: str, model_name: str, request: Request, completions: list, tokenizer) -> dict:
     """The response of a request that does not stream: a choice a completion (``index``: prompt i's sample j is
     ``i * n + j``), each with its decoding stats (``stats``: backbone and MRP forwards, tokens decoded a backbone
-    forward; an extension), and the usage."""
+    forward; an extension) and, if asked, its tokens' log-probabilities, and the usage."""
     choices = []
     for index, completion in enumerate(completions):
         text, stopped = completion_text(tokenizer, completion.ids, request.stop)
         reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
         choices.append({**choice(endpoint, index, text, reason, chunk=False), "stats": completion.stats})
+        if request.logprobs:
+            choices[-1]["logprobs"] = logprobs_of(endpoint, tokenizer, completion.ids, completion.logprobs, text)
     return {**envelope(endpoint, rid, model_name, chunk=False), "choices": choices,
             "usage": usage(sum(map(len, request.prompts)), sum(len(c.ids) for c in completions))}
 
@@ -231,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no line a request (nor a decoding call: its requests, "
                    "rows, new tokens and seconds) on standard error")
     p.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE, metavar="N",
-                   help="rows (prompts x n) that waiting greedy requests may share one decoding call with")
+                   help="rows (prompts x n) that waiting requests may share one decoding call with")
     add_model_options(p)
     add_decoding_options(p)
     return p

@@ -1,12 +1,12 @@
 """``mrp-serve``'s decoding thread: requests queue up, and those waiting together that decode alike share one
 ``generate()`` call.
 
-Only this thread calls the model. It takes the oldest waiting request and, when that one is greedy and does not
-stream, every other waiting greedy request with the same ``generate()`` keywords, up to ``max_batch_size`` rows, and
-decodes them as one left-padded batch: each row moves on through its blocks on its own, and a greedy row gives what
-it gives alone, so batching changes the speed, not the text. A sampled request runs alone, so its ``seed`` repeats
-its completions whatever else is waiting; a streamed one runs alone (a streamer follows one prompt), and stops once
-its client is gone. Not part of a checkpoint's remote code.
+Only this thread calls the model. It takes the oldest waiting request and, when that one does not stream, every other
+waiting request that does not stream with the same ``generate()`` keywords (a sampled request's ``seed`` aside), up to
+``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on through its blocks on its own,
+a greedy row gives what it gives alone, and each prompt of a sampled request draws with the request's seed (a seed
+per prompt) what it draws alone, so batching changes the speed, not the text. A streamed request runs alone (a
+streamer follows one prompt), and stops once its client is gone. Not part of a checkpoint's remote code.
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ from .server_requests import Request
 
 @dataclass
 class Completion:
-    """One completion: the new token ids it keeps, whether its last one is an EOS (``ended``), and what it cost
-    (``stats``: backbone and MRP forwards, tokens decoded a backbone forward)."""
+    """One completion: the new token ids it keeps, whether its last one is an EOS (``ended``), what it cost
+    (``stats``: backbone and MRP forwards, tokens decoded a backbone forward) and, when its request asks for them,
+    each new token's log-probability (``logprobs``: of the probability it was committed with, ``generate()``'s
+    ``output_confidences``)."""
 
     ids: list[int]
     ended: bool
     stats: dict
+    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -111,9 +114,9 @@ class Batcher:
                 return []
             first = self.waiting.popleft()
             batch, rows = [first], first.rows
-            if not (first.request.stream or first.request.settings["do_sample"]):
+            if not first.request.stream:
                 for job in list(self.waiting):
-                    if (not job.request.stream and job.request.settings == first.request.settings
+                    if (not job.request.stream and _decoded_alike(job.request, first.request)
                             and rows + job.rows <= self.max_batch_size):
                         self.waiting.remove(job)
                         batch.append(job)
@@ -129,13 +132,17 @@ class Batcher:
         prompts = [ids for job in batch for ids in job.request.prompts]
         input_ids, mask = left_padded(prompts, self.model.device)
         extra = {}
+        if any(job.request.logprobs for job in batch):
+            extra["output_confidences"] = True
+        if batch[0].request.settings["do_sample"]:  # a seed per prompt: each request's own
+            extra["seed"] = [job.request.settings["seed"] for job in batch for _ in job.request.prompts]
         if batch[0].request.stream:
             job = batch[0]
-            extra = {"streamer": _JobStreamer(job), "stopping_criteria": [lambda ids, scores: job.cancelled.is_set()]}
+            extra.update(streamer=_JobStreamer(job), stopping_criteria=[lambda ids, scores: job.cancelled.is_set()])
         start = time.perf_counter()
         try:
             out = self.model.generate(input_ids, attention_mask=mask, return_dict_in_generate=True,
-                                      **batch[0].request.settings, **extra)
+                                      **{**batch[0].request.settings, **extra})
         except Exception as err:  # noqa: BLE001 - the request's error, sent to whoever waits for it
             for job in batch:
                 job.future.set_exception(err)
@@ -146,9 +153,10 @@ class Batcher:
         results = []
         for row, kept in enumerate(out.new_tokens.tolist()):
             ids = out.sequences[row, width : width + kept].tolist()
+            logprobs = None if out.confidences is None else out.confidences[row, width : width + kept].log().tolist()
             results.append(Completion(ids, bool(ids) and ids[-1] in self.eos_ids,
                                       {key: stats[key][row] for key in ("backbone_forwards", "mrp_forwards",
-                                                                        "tokens_per_forward")}))
+                                                                        "tokens_per_forward")}, logprobs))
         seconds, new_tokens = time.perf_counter() - start, sum(len(c.ids) for c in results)
         for job in batch:
             job.future.set_result(results[: job.rows])
@@ -158,3 +166,9 @@ class Batcher:
             self.report(f"{requests} request{'s' * (requests > 1)}, {rows} row{'s' * (rows > 1)} in one "
                         f"{batch[0].request.settings['strategy']} call: {new_tokens} new tokens in {seconds:.2f} s "
                         f"({new_tokens / seconds:.0f} tokens/s)")
+
+
+def _decoded_alike(one: Request, other: Request) -> bool:
+    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed
+    aside (the call takes a seed per prompt)."""
+    return {**one.settings, "seed": None} == {**other.settings, "seed": None}

@@ -12,6 +12,7 @@ Not part of a checkpoint's remote code.
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ class RequestError(ValueError):
 # end user's id for the provider's records, at any value).
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
                  "user"}
-ENDPOINT_FIELDS = {"completions": {"prompt"}, "chat": {"messages", "max_completion_tokens"}}
-ASKING_FOR_NOTHING = {"echo": (False,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,),
+ENDPOINT_FIELDS = {"completions": {"prompt", "logprobs"},
+                   "chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
+ASKING_FOR_NOTHING = {"echo": (False,), "best_of": (1,), "top_logprobs": (0,),
                       "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
                       "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 # Extension fields: generate() keywords under their own names (min_tokens: vLLM's name for min_new_tokens).
@@ -53,15 +55,18 @@ EXTENSIONS = {"min_tokens": "min_new_tokens", **{name: name for name in (
 @dataclass
 class Request:
     """A request read: its prompts' token ids (one list a prompt, each non-empty), the ``generate()`` keywords
-    (``num_return_sequences`` is the request's ``n``), whether it streams, with ``include_usage`` whether its stream
-    ends with a usage chunk, and the new tokens it asks for once its settings are resolved (``max_new_tokens``: what
-    a completion's ``finish_reason`` reads)."""
+    (``num_return_sequences`` is the request's ``n``; a sampled request's ``seed`` is its own or one drawn for it,
+    which keys each of its prompts' samples as if that prompt were sent alone), whether it streams, with
+    ``include_usage`` whether its stream ends with a usage chunk, the new tokens it asks for once its settings are
+    resolved (``max_new_tokens``: what a completion's ``finish_reason`` reads), and whether its choices carry each
+    token's log-probability (``logprobs``)."""
 
     prompts: list[list[int]]
     settings: dict
     stream: bool
     include_usage: bool
     max_new_tokens: int | None = None
+    logprobs: bool = False
 
     @property
     def stop(self) -> list[str]:
@@ -110,13 +115,18 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
         if given.get("num_return_sequences", 1) > 1:
             raise RequestError(f"n={given['num_return_sequences']} completions of a greedy request would all be the "
                                "same: give a temperature > 0 (or n=1)", param="n")
-        given.pop("seed", None)  # greedy decoding draws nothing; so requests differing only there share a call
+        given.pop("seed", None)  # greedy decoding draws nothing
+    else:  # a seed of its own, so it draws the same whatever else shares its generate() call
+        given.setdefault("seed", secrets.randbits(63))
     stop = _stop_strings(body.get("stop"))
     stream = body.get("stream") is True
     if stream and given.get("num_return_sequences", 1) > 1:
         raise RequestError("a stream carries one completion: n must be 1 with stream=true", param="n")
     if stream and len(prompts) > 1:
         raise RequestError("a stream carries one completion: send one prompt with stream=true", param="prompt")
+    logprobs = _asks_for_logprobs(body, endpoint)
+    if stream and logprobs:
+        raise RequestError("logprobs are not streamed here: send stream=false to get them", param="logprobs")
     from_defaults = {name: value for name, value in defaults.items()
                      if value is not None and not (name in SAMPLING and not sample)}
     strategy = given.pop("strategy", from_defaults.pop("strategy", "static"))
@@ -124,7 +134,7 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     if stop:
         settings.update(stop_strings=stop, tokenizer=tokenizer)
     options = body.get("stream_options") or {}
-    return Request(prompts, settings, stream, bool(stream and options.get("include_usage")))
+    return Request(prompts, settings, stream, bool(stream and options.get("include_usage")), logprobs=logprobs)
 
 
 def _check_fields(body: dict, endpoint: str) -> None:
@@ -141,6 +151,50 @@ def _check_fields(body: dict, endpoint: str) -> None:
                                param=name)
         known = sorted(COMMON_FIELDS | ENDPOINT_FIELDS[endpoint] | set(EXTENSIONS))
         raise RequestError(f"unknown field {name!r} for this endpoint (it reads {', '.join(known)})", param=name)
+
+
+def _asks_for_logprobs(body: dict, endpoint: str) -> bool:
+    """Whether the request asks for each chosen token's log-probability (``/v1/completions``: ``logprobs: 0``;
+    chat: ``logprobs: true``); more likely tokens beside it (``logprobs`` > 0, ``top_logprobs`` > 0) are refused."""
+    if endpoint == "completions":
+        value, name = body.get("logprobs"), "logprobs"
+        if value is None or value is False:
+            return False
+        _count(value, name, minimum=0)
+    else:
+        value, name = body.get("top_logprobs"), "top_logprobs"
+        if value is not None:
+            _count(value, name, minimum=0)
+        if not isinstance(body.get("logprobs", False), (bool, type(None))):
+            raise RequestError(f"logprobs must be true or false, got {body['logprobs']!r}", param="logprobs")
+        if not body.get("logprobs"):
+            return False
+    if value:
+        raise RequestError(f"{name}={value} asks for the {value} most likely tokens at each position, which this "
+                           f"server does not compute (each token comes with the probability it was committed with, "
+                           f"not the alternatives): give {name}=0", param=name)
+    return True
+
+
+def logprobs_of(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], text: str) -> dict:
+    """OpenAI's ``logprobs`` of a choice whose new tokens are ``ids`` with log-probabilities ``logprobs`` and whose
+    text (cut before a stop string) is ``text``: the tokens that make that text (those starting before its end; an
+    EOS, or the tokens of a stop string cut off, left out), each as its own text (``tokenizer.decode([id])``) with
+    its log-probability; for ``/v1/completions`` also each token's offset in the text, and as its ``top_logprobs``
+    the chosen token alone."""
+    tokens, offsets, values = [], [], []
+    for i, (token, value) in enumerate(zip(ids, logprobs)):
+        offset = len(tokenizer.decode(ids[:i], skip_special_tokens=True))
+        if offset >= len(text):
+            break
+        tokens.append(tokenizer.decode([token], skip_special_tokens=True))
+        offsets.append(offset)
+        values.append(max(value, -9999.0))  # a probability that underflowed: JSON has no -inf
+    if endpoint == "completions":
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [{t: v} for t, v in zip(tokens, values)],
+                "text_offset": offsets}
+    return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, v in zip(tokens, values)], "refusal": None}
 
 
 def _completion_prompts(prompt, tokenizer) -> list[list[int]]:

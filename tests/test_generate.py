@@ -272,8 +272,9 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     per row (steps replayed or not) and rows starting blocks together (the other way; the replayed call with or
     without a device loop) give the same tokens, per-row counts and (drawn: ``output_reveal_steps``,
     ``output_confidences``) reveal steps and confidences, and with greedy decoding each row of the (left-padded) batch
-    gives exactly what it gives alone. (Sampling noise is keyed by the row's index in the batch, so a sampled row
-    alone is another draw.)"""
+    gives exactly what it gives alone. (With one seed for the call, sampling noise is keyed by the row's index in
+    the batch, so a sampled row alone is another draw; with a seed per prompt, each prompt draws what it draws alone
+    with its seed.)"""
     rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
     ids, mask = padded_batch(rows, "left")
     P = ids.shape[1]
@@ -292,6 +293,7 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
     for name, value in vars(out.stats).items():
         assert torch.equal(getattr(together.stats, name), value), name
     if kwargs.get("do_sample"):
+        _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, seed)
         return
     for b, r in enumerate(rows):
         alone = model.generate(r[None], **common)
@@ -301,6 +303,23 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
             torch.testing.assert_close(out.confidences[b, P - len(r):], alone.confidences[0], rtol=1e-6, atol=0)
         for name in ("backbone_forwards", "mrp_forwards", "tokens_committed", "tokens_remasked"):
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
+
+
+def _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, seed):
+    """With a seed per prompt (two samples each), every prompt's rows of the (left-padded) batch are the samples it
+    draws alone with its seed: tokens, per-row counts, reveal steps and confidences."""
+    P, seeds = ids.shape[1], [seed + 1000 * b for b in range(len(rows))]
+    out = model.generate(ids, attention_mask=mask, **dict(common, seed=seeds, num_return_sequences=2))
+    assert len({tuple(row) for row in out.sequences.tolist()}) > 1  # not one draw for all
+    for b, r in enumerate(rows):
+        alone = model.generate(r[None], **dict(common, seed=seeds[b], num_return_sequences=2))
+        both = slice(2 * b, 2 * b + 2)
+        assert torch.equal(out.sequences[both, P - len(r):], alone.sequences), b
+        if alone.reveal_steps is not None:
+            assert torch.equal(out.reveal_steps[both, P - len(r):], alone.reveal_steps), b
+            torch.testing.assert_close(out.confidences[both, P - len(r):], alone.confidences, rtol=1e-6, atol=0)
+        for name, value in vars(alone.stats).items():
+            assert torch.equal(getattr(out.stats, name)[both], value), (name, b)
 
 
 def _spy_select(monkeypatch):
@@ -756,6 +775,11 @@ BAD_INPUTS = [
     (dict(do_sample=True, seed=1.5), TypeError, "seed must be an int, got float"),
     (dict(do_sample=True, seed=-1), ValueError, "seed=-1 must be >= 0"),
     (dict(do_sample=True, seed=2**64), ValueError, "must be below 2\\*\\*64"),
+    (dict(do_sample=True, seed=[1, 2]), ValueError, "seed has 2 seeds for 1 prompts: give one per row of input_ids"),
+    (dict(do_sample=True, seed=[]), ValueError, "seed has 0 seeds for 1 prompts"),
+    (dict(do_sample=True, seed=[-3]), ValueError, "seed=-3 must be >= 0"),
+    (dict(do_sample=True, seed=[2**64]), ValueError, "seed=18446744073709551616 must be below 2\\*\\*64"),
+    (dict(do_sample=True, seed=["7"]), TypeError, "seed must be an int, got str"),
     (dict(strategy="dynamic", threshold="0.5"), TypeError, "threshold must be a number, got str"),
     (dict(strategy="dynamic", threshold=True), TypeError, "threshold must be a number, got bool"),
     (dict(do_sample=True, top_p="0.9"), TypeError, "top_p must be a number"),

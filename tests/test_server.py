@@ -26,6 +26,7 @@ from hf_integration.cli_prompts import chat_ids
 from hf_integration.server import Server, main
 from hf_integration.server_batcher import Batcher
 from hf_integration.server_requests import cut_at_stop, read_request, streamable
+from training_fixtures import subprocess_env
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -182,6 +183,60 @@ def test_a_chat_completion_renders_the_conversation_and_streams_the_same_text(sh
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
 
 
+def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
+    """/v1/completions with logprobs=0 and chat with logprobs=true: the tokens that make the text (a stop string's
+    tokens cut off, the EOS left out), their offsets in it, and as each one's log-probability the log of generate()'s
+    output_confidences there; a request without logprobs in the same batch gets none."""
+    tokenizer, model = shipped
+    prompts = ["def mean(values):\n", "import os\n"]
+    with serving(tokenizer, model) as url:
+        replies = {}
+
+        def send(key, path, body):
+            replies[key] = post(url + path, body)
+
+        messages = [{"role": "user", "content": "def parse(line):"}]
+        requests = [("plain", "/v1/completions", {"prompt": prompts, "max_tokens": 30, "logprobs": 0, "stop": "("}),
+                    ("none", "/v1/completions", {"prompt": prompts[1], "max_tokens": 30, "stop": "("}),
+                    ("chat", "/v1/chat/completions", {"messages": messages, "max_tokens": 30, "logprobs": True,
+                                                      "top_logprobs": 0})]
+        threads = [threading.Thread(target=send, args=request) for request in requests]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    status, body = replies["none"]
+    assert status == 200 and body["choices"][0]["logprobs"] is None
+    cut = 0
+    cases = [("plain", i, tokenizer(p).input_ids) for i, p in enumerate(prompts)]
+    for key, index, ids in cases + [("chat", 0, chat_ids(tokenizer, messages, "sdar"))]:
+        status, body = replies[key]
+        assert status == 200
+        out = alone(model, ids, max_new_tokens=30, output_confidences=True,
+                    **({"stop_strings": "(", "tokenizer": tokenizer} if key == "plain" else {}))
+        new = kept(out, len(ids))
+        reply = body["choices"][index]
+        text = reply["text"] if key == "plain" else reply["message"]["content"]
+        logprobs = reply["logprobs"] if key == "plain" else {
+            "tokens": [t["token"] for t in reply["logprobs"]["content"]],
+            "token_logprobs": [t["logprob"] for t in reply["logprobs"]["content"]]}
+        n = len(logprobs["tokens"])
+        assert 0 < n <= len(new) and "".join(logprobs["tokens"]).startswith(text)
+        assert len("".join(logprobs["tokens"][:-1])) < len(text)  # no token past the text
+        assert logprobs["tokens"] == [tokenizer.decode([i], skip_special_tokens=True) for i in new[:n]]
+        expected = out.confidences[0, len(ids) : len(ids) + n].log().tolist()
+        assert logprobs["token_logprobs"] == pytest.approx(expected, rel=1e-6)
+        assert all(value < 0 for value in expected)
+        if key == "plain":
+            cut += n < len(new)
+            assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(n)]
+            assert logprobs["top_logprobs"] == [{t: v} for t, v in zip(logprobs["tokens"], logprobs["token_logprobs"])]
+        else:
+            assert all(t["bytes"] == list(t["token"].encode()) and t["top_logprobs"] == []
+                       for t in reply["logprobs"]["content"])
+    assert cut  # a stop string or an EOS left tokens out
+
+
 def test_a_stream_cut_by_a_stop_string_sends_the_text_before_it(shipped):
     tokenizer, model = shipped
     request = {"prompt": "def mean(values):\n", "max_tokens": 48, "stop": ["Return a"]}
@@ -208,10 +263,11 @@ def test_a_stream_never_sends_text_it_would_have_to_take_back(text, stop, cut):
         assert streamable(text, stop) == final
 
 
-def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(shipped, monkeypatch):
-    """While a call decodes, the requests that arrive wait; then the oldest goes with every waiting greedy request
-    of the same settings (up to max_batch_size rows) in one call, while a sampled one, a streamed one and one with
-    other settings each get their own. Each completion is the one its prompt gets alone."""
+def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped, monkeypatch):
+    """While a call decodes, the requests that arrive wait; then the oldest goes with every waiting request of the
+    same settings (up to max_batch_size rows; a greedy request's seed and sampled requests' seeds aside) in one call,
+    while a streamed one and one with other settings each get their own. Each completion is the one its prompt gets
+    alone: greedy, or sampled with its request's seed (its own, or the one drawn for it)."""
     tokenizer, model = shipped
     calls, gate, real = [], threading.Event(), model.generate
 
@@ -234,29 +290,38 @@ def test_waiting_greedy_requests_with_the_same_settings_share_one_generate_call(
     jobs += [submit("def add(a, b):\n"), submit("class Box:\n", seed=9),  # a greedy request's seed: no matter
              submit(["x = 1\n", "y = 2\n"]),  # 4 rows
              submit("z = 3\n"),  # a fifth row: too many for that call
-             submit("def add(a, b):\n", temperature=0.7, seed=5),  # sampled: alone
+             submit("def add(a, b):\n", temperature=0.7, seed=5, n=2),  # sampled: together, a seed each
              submit("def add(a, b):\n", stream=True),  # streamed: alone
+             submit("class Box:\n", temperature=0.7, n=2),  # a seed drawn for it
+             submit("def add(a, b):\n", temperature=0.7, seed=6, n=2),
              submit("def add(a, b):\n", strategy="speculative")]  # other settings
     gate.set()
     while jobs[6].next_piece() is not None:
         pass
     results = [job.future.result(120) for job in jobs]
     batcher.close()
-    add = "def add(a, b):\n"
-    assert calls == [["import os\n"], [add, "class Box:\n", "x = 1\n", "y = 2\n"], ["z = 3\n"], [add], [add], [add]]
+    add, box = "def add(a, b):\n", "class Box:\n"
+    assert calls == [["import os\n"], [add, box, "x = 1\n", "y = 2\n"], ["z = 3\n"], [add, box], [add], [add],
+                     [add]]
     assert [line.split(":")[0] for line in reports] == [
         "1 request, 1 row in one static call", "3 requests, 4 rows in one static call",
-        *["1 request, 1 row in one static call"] * 3, "1 request, 1 row in one speculative call"]
+        "1 request, 1 row in one static call", "2 requests, 4 rows in one static call",
+        "1 request, 1 row in one static call", "1 request, 2 rows in one static call",
+        "1 request, 1 row in one speculative call"]
     new_tokens = sum(len(completion.ids) for completions in results[1:4] for completion in completions)
     assert reports[1].split(": ")[1].startswith(f"{new_tokens} new tokens in ")
     greedy = {"max_new_tokens": 16, "strategy": "static"}
+    samples = {tuple(completion.ids) for job in (jobs[5], jobs[8]) for completion in job.future.result()}
+    assert len(samples) == 4  # two seeds, two samples each
     for job, completions in zip(jobs, results):
-        assert len(completions) == len(job.request.prompts)
-        for ids, completion in zip(job.request.prompts, completions):
-            sampled = job.request.settings["do_sample"]
-            settings = {**greedy, "do_sample": True, "temperature": 0.7, "seed": 5} if sampled else greedy
-            assert completion.ids == kept(real(torch.tensor([ids]), return_dict_in_generate=True, **settings),
-                                          len(ids))
+        settings = dict(greedy)
+        if job.request.settings["do_sample"]:
+            settings.update(do_sample=True, temperature=0.7, seed=job.request.settings["seed"], num_return_sequences=2)
+        n = settings.get("num_return_sequences", 1)
+        assert len(completions) == len(job.request.prompts) * n
+        for p, ids in enumerate(job.request.prompts):
+            out = real(torch.tensor([ids]), return_dict_in_generate=True, **settings)
+            assert [c.ids for c in completions[p * n : (p + 1) * n]] == [kept(out, len(ids), row) for row in range(n)]
 
 
 def test_a_stream_whose_client_left_stops_decoding(shipped):
@@ -276,7 +341,13 @@ def test_a_stream_whose_client_left_stops_decoding(shipped):
 @pytest.mark.parametrize("path, body, status, param, message", [
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "the 2 most likely tokens at each position"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "integer >= 0"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0, "stream": True}, 400, "logprobs", "not streamed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
+     400, "top_logprobs", "give top_logprobs=0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
+     "true or false"),
     ("/v1/completions", {"prompt": "x", "beams": 2}, 400, "beams", "unknown field 'beams'"),
     ("/v1/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "messages", "unknown field"),
     ("/v1/chat/completions", {"prompt": "x"}, 400, "prompt", "unknown field"),
@@ -364,7 +435,7 @@ def test_a_chat_request_to_a_model_without_a_chat_template_is_refused(shipped):
 
 def test_the_openai_client_talks_to_mrp_serve(shipped):
     """The OpenAI Python client: models, a completion with an extension field (extra_body), a sampled one that its
-    seed repeats, a streamed chat completion, and an error."""
+    seed repeats, a streamed chat completion, one with its tokens' logprobs, and an error."""
     tokenizer, model = shipped
     with serving(tokenizer, model, {"strategy": "speculative", "max_new_tokens": 24}) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -384,6 +455,10 @@ def test_the_openai_client_talks_to_mrp_serve(shipped):
         reply = client.chat.completions.create(model="sdar", messages=[{"role": "user", "content": "def f(x):"}],
                                                max_tokens=24)
         assert text == reply.choices[0].message.content and text
+        scored = client.chat.completions.create(model="sdar", messages=[{"role": "user", "content": "def f(x):"}],
+                                                max_tokens=24, logprobs=True)
+        tokens = scored.choices[0].logprobs.content
+        assert "".join(t.token for t in tokens) == text and all(t.logprob < 0 for t in tokens)
         with pytest.raises(openai.BadRequestError, match="presence_penalty"):
             client.completions.create(model="sdar", prompt="x", presence_penalty=1.0)
 
@@ -413,12 +488,14 @@ def test_mrp_serve_cli_listens_with_its_options_as_the_defaults(monkeypatch, cap
 
 
 def test_serve_benchmark_smoke(tmp_path):
-    """benchmarks/bench_serve.py on the shipped model: a row per strategy and max batch size, greedy completions the
-    same batched as alone."""
+    """benchmarks/bench_serve.py on the shipped model: a row per strategy, temperature and max batch size, greedy and
+    sampled completions the same batched as alone."""
     subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--clients", "3", "--max-new-tokens", "8",
-                    "--max-batch-sizes", "1", "4", "--strategies", "static", "speculative", "--repeats", "1",
-                    "--out", str(tmp_path)], check=True, cwd=REPO_ROOT, timeout=600)
+                    "--max-batch-sizes", "1", "4", "--strategies", "static", "speculative", "--temperatures", "0", "1",
+                    "--repeats", "1", "--out", str(tmp_path)], check=True, cwd=REPO_ROOT, timeout=600,
+                   env=subprocess_env(str(REPO_ROOT)))  # on the reference ops, not the interpreter
     rows = json.loads((tmp_path / "serve_cpu.json").read_text())["rows"]
-    assert [(row["strategy"], row["max_batch_size"]) for row in rows] == [
-        ("static", 1), ("static", 4), ("speculative", 1), ("speculative", 4)]
+    assert [(row["strategy"], row["temperature"], row["max_batch_size"]) for row in rows] == [
+        (strategy, temperature, size) for strategy in ("static", "speculative") for temperature in (0, 1)
+        for size in (1, 4)]
     assert all(row["same_as_alone"] and row["new_tokens_per_s"] > 0 for row in rows)

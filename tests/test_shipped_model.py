@@ -471,10 +471,11 @@ def test_mrp_generate_prompts_completes_each_record_as_generate_does_alone(strat
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == results  # to standard output
 
 
-def test_mrp_generate_prompts_samples_each_batch_with_its_own_seed(tmp_path, monkeypatch):
-    """Sampled batch b draws with seed --seed + b: a prompt repeated across batches gets fresh samples. With
-    --num-return-sequences N each record gets N lines, numbered by "sample", each one of generate()'s N copies of
-    the prompt (batches of --batch-size prompts, N rows each)."""
+def test_mrp_generate_prompts_samples_each_record_with_its_own_seed(tmp_path, monkeypatch):
+    """Sampled record r draws with seed --seed + r (a seed per prompt of each batch): a prompt repeated across records
+    gets fresh samples, and a record's samples do not depend on --batch-size. With --num-return-sequences N each
+    record gets N lines, numbered by "sample", each one of generate()'s N copies of the prompt (batches of
+    --batch-size prompts, N rows each)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_integration import cli
@@ -485,9 +486,13 @@ def test_mrp_generate_prompts_samples_each_batch_with_its_own_seed(tmp_path, mon
     run_one = cli.run_one
     monkeypatch.setattr(cli, "run_one", lambda model, ids, settings: seeds.append((settings["seed"], ids.shape[0]))
                         or run_one(model, ids, settings))
-    assert cli.main(["--prompts", str(path), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "2",
-                     "--do-sample", "--seed", "7", "--max-new-tokens", "4"]) == 0
-    assert seeds == [(7, 2), (8, 2), (9, 1)]
+    completions = []
+    for size in ("2", "3"):
+        assert cli.main(["--prompts", str(path), "--output", str(tmp_path / "o.jsonl"), "--batch-size", size,
+                         "--do-sample", "--seed", "7", "--max-new-tokens", "8"]) == 0
+        completions.append([json.loads(line)["completion"] for line in (tmp_path / "o.jsonl").read_text().splitlines()])
+    assert seeds == [([7, 8], 2), ([9, 10], 2), ([11], 1), ([7, 8, 9], 3), ([10, 11], 2)]
+    assert completions[0] == completions[1] and len(set(completions[0])) > 1
 
     path.write_text('{"id": "a", "prompt": "def f(x):"}\n{"id": "b", "text": "import os"}\n')
     assert cli.main(["--prompts", str(path), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "2",
@@ -497,8 +502,8 @@ def test_mrp_generate_prompts_samples_each_batch_with_its_own_seed(tmp_path, mon
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, trust_remote_code=True)
     ids, mask = cli.left_padded([tokenizer("def f(x):").input_ids, tokenizer("import os").input_ids], "cpu")
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, strategy="speculative", do_sample=True, seed=3,
-                         num_return_sequences=3, return_dict_in_generate=True)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, strategy="speculative", do_sample=True,
+                         seed=[3, 4], num_return_sequences=3, return_dict_in_generate=True)
     expected = cli.completions(tokenizer, out, ids.shape[1])
     assert [r["completion"] for r in results] == [c["completion"] for c in expected]
 

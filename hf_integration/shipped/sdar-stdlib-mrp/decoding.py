@@ -477,10 +477,10 @@ class BlockDecoder:
 
     def noise_keys(self, positions: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
         """int64 [B, T, 3]: the sampling noise key (row, position, state) of each position; positions: [B, T],
-        counter: [B] or [B, T] (the state index). The seed sits in the first column (DecodeEngine.use_settings),
-        not in the ops' seed argument, which a captured step would bake in."""
+        counter: [B] or [B, T] (the state index). The seed sits in the first column with the row
+        (:func:`.decode_engine.noise_rows`), not in the ops' seed argument, which a captured step would bake in."""
         B, T = positions.shape
-        return torch.stack([(self.rows + self.engine.seed_key)[:, None].expand(B, T), positions,
+        return torch.stack([self.engine.noise_rows[self.rows][:, None].expand(B, T), positions,
                             counter.expand(B, T) if counter.dim() == 2 else counter[:, None].expand(B, T)], dim=-1)
 
     def noise_counter(self, offset: int | torch.Tensor = 0) -> torch.Tensor | None:

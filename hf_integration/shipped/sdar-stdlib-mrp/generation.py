@@ -78,7 +78,8 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
                          f".to({str(device)!r})")
     prompts = PromptBatch.from_inputs(model.config, input_ids, attention_mask)
-    settings = GenerationSettings.resolve(model, generation_config, kwargs, prompt_width=input_ids.shape[-1])
+    settings = GenerationSettings.resolve(model, generation_config, kwargs, prompt_width=input_ids.shape[-1],
+                                          prompts=len(prompts.lens))
     prompts = prompts.repeat(settings.num_return_sequences)
     if settings.streamer is not None and len(prompts.lens) != 1:
         raise ValueError(f"streamer streams one prompt at a time (as transformers' streamers do), got a batch of "
