@@ -75,13 +75,23 @@ def gumbel_uniform(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
     return gumbel_uniform_at(seed, noise_keys, ids.expand(noise_keys.shape[0], V))
 
 
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`mix32` of an int64 tensor, in place in ``x`` (one temporary a shift instead of one an operation: the
+    hash of every token of a sampled pick is most of its time on a CPU)."""
+    x ^= x >> 16
+    x.mul_(_M1).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(_M2).bitwise_and_(MASK32)
+    x ^= x >> 16
+    return x
+
+
 def gumbel_uniform_at(seed: int, noise_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in (0, 1), never 0 or 1, of token ``ids`` int64 [N, M] (ids >= 0) under the keys
     [N, 3]: ``((h >> 9) + 0.5) / 2**23`` with h the hash of the row's key and the id."""
-    h = row_hash(seed, noise_keys)[:, None]
-    x = mix32(h ^ ids)
-    x = mix32((x + _GOLDEN) & MASK32)
-    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+    x = _mix32_(row_hash(seed, noise_keys)[:, None] ^ ids)
+    x = _mix32_(x.add_(_GOLDEN).bitwise_and_(MASK32))
+    return x.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(1.0 / 8388608.0)
 
 
 def gumbel_noise(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
@@ -91,7 +101,7 @@ def gumbel_noise(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
 
 def gumbel_noise_at(seed: int, noise_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The noise :func:`gumbel_noise` gives token ``ids`` int64 [N, M] (ids >= 0) under the keys [N, 3]: [N, M]."""
-    return -torch.log(-torch.log(gumbel_uniform_at(seed, noise_keys, ids)))
+    return gumbel_uniform_at(seed, noise_keys, ids).log_().neg_().log_().neg_()
 
 
 def inverse_temperature(temperature) -> torch.Tensor:
