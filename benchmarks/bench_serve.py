@@ -4,7 +4,8 @@ Each client is a thread that sends one ``/v1/completions`` request (``max_tokens
 ``min_tokens`` so every completion is as long; greedy at temperature 0, else sampled with the client's index as its
 ``seed``) over HTTP to a server in this process, all at once; per strategy, temperature and ``--max-batch-size``: the
 median wall time of ``--repeats`` rounds until the last answer, the new tokens a second it gives, and whether every
-completion equals the one at ``--max-batch-size 1`` (each request decoded alone).
+completion equals the one at ``--max-batch-size 1`` (each request decoded alone). With ``--stream`` the clients stream
+(server-sent events, the text joined from the deltas; results to ``serve_<device>_stream``).
 
     python benchmarks/bench_serve.py              # the shipped model, 16 clients, results to benchmarks/results/
     python benchmarks/bench_serve.py --clients 4 --max-new-tokens 8 --repeats 1 --out /tmp/serve
@@ -31,21 +32,26 @@ from bench_e2e import heldout_prompts  # noqa: E402
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
 from hf_integration.server import Server  # noqa: E402
 
-FIELDS = ["strategy", "temperature", "max_batch_size", "clients", "max_new_tokens", "seconds_median",
+FIELDS = ["strategy", "temperature", "stream", "max_batch_size", "clients", "max_new_tokens", "seconds_median",
           "new_tokens_per_s", "same_as_alone", "gpu", "torch", "triton", "commit"]
 
 
-def serve_round(server: Server, prompts: list[str], max_new_tokens: int, temperature: float) -> tuple[float, list[str]]:
-    """One request a prompt, each from a thread of its own, all at once (sampled requests seeded by their index):
-    (seconds until the last answer, texts)."""
+def serve_round(server: Server, prompts: list[str], max_new_tokens: int, temperature: float,
+                stream: bool = False) -> tuple[float, list[str]]:
+    """One request a prompt, each from a thread of its own, all at once (sampled requests seeded by their index;
+    ``stream``: streamed, the text joined from the deltas): (seconds until the last answer, texts)."""
     url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
     texts = [None] * len(prompts)
 
     def client(i: int) -> None:
         body = {"prompt": prompts[i], "max_tokens": max_new_tokens, "min_tokens": max_new_tokens,
-                "temperature": temperature, **({"seed": i} if temperature else {})}
+                "temperature": temperature, "stream": stream, **({"seed": i} if temperature else {})}
         with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode())) as response:
-            texts[i] = json.loads(response.read())["choices"][0]["text"]
+            if not stream:
+                texts[i] = json.loads(response.read())["choices"][0]["text"]
+                return
+            events = [line[6:].strip() for line in map(bytes.decode, response) if line.startswith("data: ")]
+            texts[i] = "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1])
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     start = time.perf_counter()
@@ -65,13 +71,13 @@ def serve_sizes(args, model, tokenizer, prompts: list[str], strategy: str, tempe
         serve_round(server, prompts[:1], args.max_new_tokens, temperature)  # warm-up (GPU: compilation, capture)
         seconds, texts = [], None
         for _ in range(args.repeats):
-            took, texts = serve_round(server, prompts, args.max_new_tokens, temperature)
+            took, texts = serve_round(server, prompts, args.max_new_tokens, temperature, args.stream)
             seconds.append(took)
         server.shutdown()
         server.server_close()
         alone = alone if size != 1 else texts
         median = statistics.median(seconds)
-        rows.append({"strategy": strategy, "temperature": temperature, "max_batch_size": size,
+        rows.append({"strategy": strategy, "temperature": temperature, "stream": args.stream, "max_batch_size": size,
                      "clients": args.clients, "max_new_tokens": args.max_new_tokens, "seconds_median": median,
                      "new_tokens_per_s": args.clients * args.max_new_tokens / median,
                      "same_as_alone": None if alone is None else texts == alone, **meta})
@@ -90,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-sizes", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--strategies", nargs="+", default=["static", "speculative"])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="0: greedy")
+    p.add_argument("--stream", action="store_true", help="the clients stream (server-sent events)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch runs on")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -104,7 +111,7 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             rows += serve_sizes(args, model, tokenizer, prompts, strategy, temperature, meta)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    write_results(args.out, f"serve_{device}", FIELDS, rows, {"meta": meta, "rows": rows,
+    write_results(args.out, f"serve_{device}" + "_stream" * args.stream, FIELDS, rows, {"meta": meta, "rows": rows,
                                                              "command": " ".join(sys.argv)}, float_format=".4g")
     return 0
 

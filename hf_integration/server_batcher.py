@@ -1,17 +1,19 @@
 """``mrp-serve``'s decoding thread: requests queue up, and those waiting together that decode alike share one
 ``generate()`` call.
 
-Only this thread calls the model. It takes the oldest waiting request and, when that one does not stream, every other
-waiting request that does not stream with the same ``generate()`` keywords (a sampled request's ``seed`` aside), up to
-``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on through its blocks on its own,
-a greedy row gives what it gives alone, and each prompt of a sampled request draws with the request's seed (a seed
-per prompt) what it draws alone, so batching changes the speed, not the text. A streamed request runs alone (a
-streamer follows one prompt), and stops once its client is gone. Not part of a checkpoint's remote code.
+Only this thread calls the model. It takes the oldest waiting request and every other waiting request with the same
+``generate()`` keywords (a sampled request's ``seed`` aside), up to ``max_batch_size`` rows, and decodes them as one
+left-padded batch: each row moves on through its blocks on its own, a greedy row gives what it gives alone, and each
+prompt of a sampled request draws with the request's seed (a seed per prompt) what it draws alone, so batching changes
+the speed, not the text. A streamed request's row sends its new tokens as the call decodes them (through a stopping
+criterion, which sees each new token once every row of the call has it), and ends once its client is gone, while the
+other rows go on. Not part of a checkpoint's remote code.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import threading
 import time
@@ -58,19 +60,31 @@ class Job:
         return self.pieces.get()
 
 
-class _JobStreamer:
-    """A transformers-style streamer feeding a job's ``pieces`` (the prompt, sent first, is skipped)."""
+class _StreamedRows:
+    """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
+    has decoded) that stops nothing but the rows whose client has gone, and puts each new token of a streamed job's
+    row in its ``pieces`` until the row's end (an EOS or padding: ``ends``). ``streamed``: (row, job) pairs;
+    ``width``: the prompts' width in ``input_ids``."""
 
-    def __init__(self, job: Job):
-        self.job, self.prompt_seen = job, False
+    def __init__(self, streamed: list[tuple[int, Job]], width: int, ends: set[int]):
+        self.streamed, self.width, self.ends = streamed, width, ends
+        self.ended: set[int] = set()
 
-    def put(self, ids: torch.Tensor) -> None:
-        if self.prompt_seen:
-            self.job.pieces.put(ids.tolist())
-        self.prompt_seen = True
+    def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
+        last = input_ids[:, -1].tolist() if input_ids.shape[1] > self.width else []
+        gone = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        for row, job in self.streamed:
+            gone[row] = job.cancelled.is_set()
+            if last and row not in self.ended:
+                job.pieces.put([last[row]])
+                if last[row] in self.ends:
+                    self.ended.add(row)
+        return gone
 
     def end(self) -> None:
-        self.job.pieces.put(None)
+        """Every stream's pieces end."""
+        for _, job in self.streamed:
+            job.pieces.put(None)
 
 
 class Batcher:
@@ -81,6 +95,9 @@ class Batcher:
         self.model, self.max_batch_size, self.report = model, max_batch_size, report
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        # what a streamed call's rows hold past their end (passed to generate(), so a stream knows where one ends)
+        pad = model.config.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=model.config.mask_token_id)
         self.waiting: collections.deque[Job] = collections.deque()
         self.changed = threading.Condition()
         self.closed = False
@@ -114,13 +131,11 @@ class Batcher:
                 return []
             first = self.waiting.popleft()
             batch, rows = [first], first.rows
-            if not first.request.stream:
-                for job in list(self.waiting):
-                    if (not job.request.stream and _decoded_alike(job.request, first.request)
-                            and rows + job.rows <= self.max_batch_size):
-                        self.waiting.remove(job)
-                        batch.append(job)
-                        rows += job.rows
+            for job in list(self.waiting):
+                if _decoded_alike(job.request, first.request) and rows + job.rows <= self.max_batch_size:
+                    self.waiting.remove(job)
+                    batch.append(job)
+                    rows += job.rows
         return batch
 
     def _decode(self, batch: list[Job]) -> None:
@@ -136,9 +151,11 @@ class Batcher:
             extra["output_confidences"] = True
         if batch[0].request.settings["do_sample"]:  # a seed per prompt: each request's own
             extra["seed"] = [job.request.settings["seed"] for job in batch for _ in job.request.prompts]
-        if batch[0].request.stream:
-            job = batch[0]
-            extra.update(streamer=_JobStreamer(job), stopping_criteria=[lambda ids, scores: job.cancelled.is_set()])
+        starts = itertools.accumulate((job.rows for job in batch), initial=0)
+        streams = _StreamedRows([(row, job) for row, job in zip(starts, batch) if job.request.stream],
+                                input_ids.shape[1], self.eos_ids | {self.pad_id})
+        if streams.streamed:
+            extra.update(stopping_criteria=[streams], pad_token_id=self.pad_id)
         start = time.perf_counter()
         try:
             out = self.model.generate(input_ids, attention_mask=mask, return_dict_in_generate=True,
@@ -146,8 +163,7 @@ class Batcher:
         except Exception as err:  # noqa: BLE001 - the request's error, sent to whoever waits for it
             for job in batch:
                 job.future.set_exception(err)
-            if "streamer" in extra:
-                extra["streamer"].end()
+            streams.end()
             return
         width, stats = input_ids.shape[1], out.stats.as_dict()
         results = []
@@ -161,6 +177,7 @@ class Batcher:
         for job in batch:
             job.future.set_result(results[: job.rows])
             results = results[job.rows :]
+        streams.end()
         if self.report is not None:
             requests, rows = len(batch), out.sequences.shape[0]
             self.report(f"{requests} request{'s' * (requests > 1)}, {rows} row{'s' * (rows > 1)} in one "

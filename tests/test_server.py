@@ -265,9 +265,10 @@ def test_a_stream_never_sends_text_it_would_have_to_take_back(text, stop, cut):
 
 def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped, monkeypatch):
     """While a call decodes, the requests that arrive wait; then the oldest goes with every waiting request of the
-    same settings (up to max_batch_size rows; a greedy request's seed and sampled requests' seeds aside) in one call,
-    while a streamed one and one with other settings each get their own. Each completion is the one its prompt gets
-    alone: greedy, or sampled with its request's seed (its own, or the one drawn for it)."""
+    same settings (up to max_batch_size rows; a greedy request's seed and sampled requests' seeds aside; streamed or
+    not) in one call, while one with other settings gets its own. Each completion is the one its prompt gets alone:
+    greedy, or sampled with its request's seed (its own, or the one drawn for it); the streamed one's pieces are its
+    tokens."""
     tokenizer, model = shipped
     calls, gate, real = [], threading.Event(), model.generate
 
@@ -291,23 +292,23 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
              submit(["x = 1\n", "y = 2\n"]),  # 4 rows
              submit("z = 3\n"),  # a fifth row: too many for that call
              submit("def add(a, b):\n", temperature=0.7, seed=5, n=2),  # sampled: together, a seed each
-             submit("def add(a, b):\n", stream=True),  # streamed: alone
+             submit("def add(a, b):\n", stream=True),  # streamed: with z
              submit("class Box:\n", temperature=0.7, n=2),  # a seed drawn for it
              submit("def add(a, b):\n", temperature=0.7, seed=6, n=2),
              submit("def add(a, b):\n", strategy="speculative")]  # other settings
     gate.set()
-    while jobs[6].next_piece() is not None:
-        pass
+    pieces = []
+    while (piece := jobs[6].next_piece()) is not None:
+        pieces += piece
     results = [job.future.result(120) for job in jobs]
+    assert pieces == results[6][0].ids
     batcher.close()
     add, box = "def add(a, b):\n", "class Box:\n"
-    assert calls == [["import os\n"], [add, box, "x = 1\n", "y = 2\n"], ["z = 3\n"], [add, box], [add], [add],
-                     [add]]
+    assert calls == [["import os\n"], [add, box, "x = 1\n", "y = 2\n"], ["z = 3\n", add], [add, box], [add], [add]]
     assert [line.split(":")[0] for line in reports] == [
         "1 request, 1 row in one static call", "3 requests, 4 rows in one static call",
-        "1 request, 1 row in one static call", "2 requests, 4 rows in one static call",
-        "1 request, 1 row in one static call", "1 request, 2 rows in one static call",
-        "1 request, 1 row in one speculative call"]
+        "2 requests, 2 rows in one static call", "2 requests, 4 rows in one static call",
+        "1 request, 2 rows in one static call", "1 request, 1 row in one speculative call"]
     new_tokens = sum(len(completion.ids) for completions in results[1:4] for completion in completions)
     assert reports[1].split(": ")[1].startswith(f"{new_tokens} new tokens in ")
     greedy = {"max_new_tokens": 16, "strategy": "static"}
@@ -324,18 +325,29 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
             assert [c.ids for c in completions[p * n : (p + 1) * n]] == [kept(out, len(ids), row) for row in range(n)]
 
 
-def test_a_stream_whose_client_left_stops_decoding(shipped):
+def test_a_stream_whose_client_left_stops_its_row_and_the_others_go_on(shipped):
+    """A streamed request and a plain one share a call; the stream's client leaves after its first piece: its row
+    stops short of its 400 tokens (without the criterion's verdict it decodes all 400), the other row decodes on to
+    what it gives alone."""
     tokenizer, model = shipped
     batcher = Batcher(model, max_batch_size=8)
-    job = batcher.submit(read_request({"prompt": "def f(x):\n", "max_tokens": 400, "min_tokens": 400, "stream": True},
-                                      "completions", tokenizer, DEFAULTS, "sdar"))  # no EOS: 400 tokens unless stopped
+
+    def submit(body):
+        return batcher.submit(read_request(body, "completions", tokenizer, DEFAULTS, "sdar"))
+
+    with batcher.changed:  # both wait before the decoding thread looks: one call
+        job = submit({"prompt": "def f(x):\n", "max_tokens": 400, "min_tokens": 400, "stream": True})  # no EOS
+        other = submit({"prompt": "import os\n", "max_tokens": 200, "min_tokens": 200})
     assert job.next_piece()
     job.cancelled.set()
     while job.next_piece() is not None:
         pass
-    completion = job.future.result(120)[0]
+    completion, (rest,) = job.future.result(120)[0], other.future.result(120)
     batcher.close()
     assert 0 < len(completion.ids) < 400
+    ids = tokenizer("import os\n").input_ids
+    assert len(rest.ids) == 200
+    assert rest.ids == kept(alone(model, ids, max_new_tokens=200, min_new_tokens=200), len(ids))
 
 
 @pytest.mark.parametrize("path, body, status, param, message", [
@@ -487,15 +499,16 @@ def test_mrp_serve_cli_listens_with_its_options_as_the_defaults(monkeypatch, cap
     assert exit_.value.code == 2 and "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
-def test_serve_benchmark_smoke(tmp_path):
+@pytest.mark.parametrize("stream", [False, True])
+def test_serve_benchmark_smoke(tmp_path, stream):
     """benchmarks/bench_serve.py on the shipped model: a row per strategy, temperature and max batch size, greedy and
-    sampled completions the same batched as alone."""
+    sampled completions (streamed: the text joined from the deltas) the same batched as alone."""
     subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--clients", "3", "--max-new-tokens", "8",
                     "--max-batch-sizes", "1", "4", "--strategies", "static", "speculative", "--temperatures", "0", "1",
-                    "--repeats", "1", "--out", str(tmp_path)], check=True, cwd=REPO_ROOT, timeout=600,
-                   env=subprocess_env(str(REPO_ROOT)))  # on the reference ops, not the interpreter
-    rows = json.loads((tmp_path / "serve_cpu.json").read_text())["rows"]
-    assert [(row["strategy"], row["temperature"], row["max_batch_size"]) for row in rows] == [
-        (strategy, temperature, size) for strategy in ("static", "speculative") for temperature in (0, 1)
+                    "--repeats", "1", "--out", str(tmp_path)] + ["--stream"] * stream, check=True, cwd=REPO_ROOT,
+                   timeout=600, env=subprocess_env(str(REPO_ROOT)))  # on the reference ops, not the interpreter
+    rows = json.loads((tmp_path / f"serve_cpu{'_stream' * stream}.json").read_text())["rows"]
+    assert [(row["strategy"], row["temperature"], row["stream"], row["max_batch_size"]) for row in rows] == [
+        (strategy, temperature, stream, size) for strategy in ("static", "speculative") for temperature in (0, 1)
         for size in (1, 4)]
     assert all(row["same_as_alone"] and row["new_tokens_per_s"] > 0 for row in rows)
