@@ -59,6 +59,9 @@ def serve_round(server: Server, prompts: list[str], max_new_tokens: int, tempera
         thread.start()
     for thread in threads:
         thread.join()
+    failed = [i for i, text in enumerate(texts) if text is None]
+    if failed:
+        raise RuntimeError(f"clients {failed} got no answer (their errors are printed above)")
     return time.perf_counter() - start, texts
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,6 +48,9 @@ class Server(ThreadingHTTPServer):
     then holds it; ``quiet``: no line a request (nor a decoding call) on standard error."""
 
     daemon_threads = True
+    # connections the kernel holds for the accept loop: socketserver's 5 overflowed (connection reset) when 16 clients
+    # connected at once while the decoding thread held the interpreter (bench_serve.py --stream, this 2-core CPU)
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, server_address, model, tokenizer, defaults: dict, model_name: str,
                  max_batch_size: int = MAX_BATCH_SIZE, quiet: bool = False):

@@ -46,13 +46,21 @@ def shipped():
 def serving(tokenizer, model, defaults=DEFAULTS, max_batch_size=8):
     """A server on a free port of this machine, answering on a thread; yields its base URL."""
     server = Server(("127.0.0.1", 0), model, tokenizer, defaults, "sdar", max_batch_size, quiet=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        with serving_on(server):
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.server_close()
+
+
+@contextlib.contextmanager
+def serving_on(server: Server):
+    """``server`` answering on a thread of its own until the block ends."""
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield
     finally:
         server.shutdown()
-        server.server_close()
 
 
 def post(url: str, body, raw: bytes | None = None) -> tuple[int, dict]:
@@ -348,6 +356,26 @@ def test_a_stream_whose_client_left_stops_its_row_and_the_others_go_on(shipped):
     ids = tokenizer("import os\n").input_ids
     assert len(rest.ids) == 200
     assert rest.ids == kept(alone(model, ids, max_new_tokens=200, min_new_tokens=200), len(ids))
+
+
+def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
+    """64 clients connect while the server accepts none (its accept loop held, as when the decoding thread holds the
+    interpreter): the kernel queues every connection (socketserver's default backlog of 5 let 6 in, then timed out or
+    reset the rest), and each is answered once the loop runs."""
+    tokenizer, model = shipped
+    server = Server(("127.0.0.1", 0), model, tokenizer, DEFAULTS, "sdar", quiet=True)
+    connections = []
+    try:
+        for _ in range(64):
+            connections.append(socket.create_connection(server.server_address, timeout=5))
+        with serving_on(server):
+            for connection in connections:
+                connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert all(connection.recv(64).startswith(b"HTTP/1.0 200") for connection in connections)
+    finally:
+        for connection in connections:
+            connection.close()
+        server.server_close()
 
 
 @pytest.mark.parametrize("path, body, status, param, message", [
