@@ -63,19 +63,18 @@ class Job:
 class _StreamedRows:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
     has decoded) that stops nothing but the rows whose client has gone, and puts each new token of a streamed job's
-    row in its ``pieces`` until the row's end (an EOS or padding: ``ends``). ``streamed``: (row, job) pairs;
-    ``width``: the prompts' width in ``input_ids``."""
+    row in its ``pieces`` until the row's end (an EOS or padding: ``ends``). ``streamed``: (row, job) pairs."""
 
-    def __init__(self, streamed: list[tuple[int, Job]], width: int, ends: set[int]):
-        self.streamed, self.width, self.ends = streamed, width, ends
+    def __init__(self, streamed: list[tuple[int, Job]], ends: set[int]):
+        self.streamed, self.ends = streamed, ends
         self.ended: set[int] = set()
 
     def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
-        last = input_ids[:, -1].tolist() if input_ids.shape[1] > self.width else []
+        last = input_ids[:, -1].tolist()  # the new token (generate() calls this once a new token)
         gone = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         for row, job in self.streamed:
             gone[row] = job.cancelled.is_set()
-            if last and row not in self.ended:
+            if row not in self.ended:
                 job.pieces.put([last[row]])
                 if last[row] in self.ends:
                     self.ended.add(row)
@@ -153,7 +152,7 @@ class Batcher:
             extra["seed"] = [job.request.settings["seed"] for job in batch for _ in job.request.prompts]
         starts = itertools.accumulate((job.rows for job in batch), initial=0)
         streams = _StreamedRows([(row, job) for row, job in zip(starts, batch) if job.request.stream],
-                                input_ids.shape[1], self.eos_ids | {self.pad_id})
+                                self.eos_ids | {self.pad_id})
         if streams.streamed:
             extra.update(stopping_criteria=[streams], pad_token_id=self.pad_id)
         start = time.perf_counter()
