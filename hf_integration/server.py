@@ -187,37 +187,41 @@ def response_body(endpoint: str, rid: str, model_name: str, request: Request, co
 
 
 def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str):
-    """The server-sent events of a streamed request: a chunk a finished block (its new text, held back where a stop
-    string may be starting), then a chunk with the finish reason, with ``stream_options.include_usage`` one with the
-    usage, and ``[DONE]``. A client that leaves stops the decoding."""
+    """The server-sent events of a streamed request: chunks of each choice's new text as the call decodes it (held
+    back where a stop string may be starting; a choice a prompt's sample, indexed as :func:`response_body` does), then
+    a chunk a choice with its finish reason, with ``stream_options.include_usage`` one with the usage, and ``[DONE]``.
+    A client that leaves stops the decoding of its rows."""
     head = envelope(endpoint, rid, model_name, chunk=True)
 
     def event(payload) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    ids, sent = [], ""
+    ids, sent = [[] for _ in range(job.rows)], [""] * job.rows
     try:
-        if endpoint == "chat":
-            yield event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+        for index in range(job.rows) if endpoint == "chat" else ():  # a chunk a choice, as every chunk
+            yield event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}]})
         while (piece := job.next_piece()) is not None:
-            ids += piece
-            text = streamable(tokenizer.decode(ids, skip_special_tokens=True), job.request.stop)
-            if len(text) > len(sent):
-                yield event({**head, "choices": [choice(endpoint, 0, text[len(sent):], None, chunk=True)]})
-                sent = text
+            index, new = piece
+            ids[index] += new
+            text = streamable(tokenizer.decode(ids[index], skip_special_tokens=True), job.request.stop)
+            if len(text) > len(sent[index]):
+                yield event({**head, "choices": [choice(endpoint, index, text[len(sent[index]):], None, chunk=True)]})
+                sent[index] = text
         try:
-            completion = job.future.result()[0]
+            completions = job.future.result()
         except Exception as err:  # noqa: BLE001 - the stream has begun: its last event says what failed
             yield event(RequestError(f"{type(err).__name__}: {err}", status=500).body())
             yield "data: [DONE]\n\n"
             return
-        text, stopped = completion_text(tokenizer, completion.ids, job.request.stop)
-        reason = finish_reason(len(completion.ids), completion.ended, stopped, job.request.max_new_tokens)
-        yield event({**head, "choices": [choice(endpoint, 0, text[len(sent):] or None, reason, chunk=True)
-                                         | {"stats": completion.stats}]})
+        for index, completion in enumerate(completions):
+            text, stopped = completion_text(tokenizer, completion.ids, job.request.stop)
+            reason = finish_reason(len(completion.ids), completion.ended, stopped, job.request.max_new_tokens)
+            yield event({**head, "choices": [choice(endpoint, index, text[len(sent[index]):] or None, reason,
+                                                    chunk=True) | {"stats": completion.stats}]})
         if job.request.include_usage:
-            yield event({**head, "choices": [], "usage": usage(len(job.request.prompts[0]), len(completion.ids))})
+            yield event({**head, "choices": [], "usage": usage(sum(map(len, job.request.prompts)),
+                                                               sum(len(c.ids) for c in completions))})
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled.set()  # a no-op once it has ended; else the client left: stop decoding

@@ -43,8 +43,9 @@ class Completion:
 @dataclass
 class Job:
     """A request waiting or decoding. ``future`` gets its completions (``n`` a prompt, a prompt's together, in its
-    prompts' order) or the error ``generate()`` raised; a streamed job's ``pieces`` gets the new token ids of each
-    finished block, then None; ``cancelled`` is set when no one waits for it any more."""
+    prompts' order) or the error ``generate()`` raised; a streamed job's ``pieces`` gets (choice, new token ids): each
+    choice's (row's) new tokens as the call decodes them, then None; ``cancelled`` is set when no one waits for it any
+    more."""
 
     request: Request
     future: Future = field(default_factory=Future)
@@ -55,34 +56,35 @@ class Job:
     def rows(self) -> int:
         return len(self.request.prompts) * self.request.settings.get("num_return_sequences", 1)
 
-    def next_piece(self) -> list[int] | None:
-        """A streamed job's next block of new token ids (waiting for it), or None once the stream has ended."""
+    def next_piece(self) -> tuple[int, list[int]] | None:
+        """A streamed job's next (choice, new token ids) (waiting for it), or None once the stream has ended."""
         return self.pieces.get()
 
 
 class _StreamedRows:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
     has decoded) that stops nothing but the rows whose client has gone, and puts each new token of a streamed job's
-    row in its ``pieces`` until the row's end (an EOS or padding: ``ends``). ``streamed``: (row, job) pairs."""
+    row in its ``pieces``, with the row's choice index, until the row's end (an EOS or padding: ``ends``).
+    ``streamed``: (row, job, choice) triples."""
 
-    def __init__(self, streamed: list[tuple[int, Job]], ends: set[int]):
+    def __init__(self, streamed: list[tuple[int, Job, int]], ends: set[int]):
         self.streamed, self.ends = streamed, ends
         self.ended: set[int] = set()
 
     def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
         last = input_ids[:, -1].tolist()  # the new token (generate() calls this once a new token)
         gone = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-        for row, job in self.streamed:
+        for row, job, index in self.streamed:
             gone[row] = job.cancelled.is_set()
             if row not in self.ended:
-                job.pieces.put([last[row]])
+                job.pieces.put((index, [last[row]]))
                 if last[row] in self.ends:
                     self.ended.add(row)
         return gone
 
     def end(self) -> None:
         """Every stream's pieces end."""
-        for _, job in self.streamed:
+        for job in {id(job): job for _, job, _ in self.streamed}.values():
             job.pieces.put(None)
 
 
@@ -151,8 +153,8 @@ class Batcher:
         if batch[0].request.settings["do_sample"]:  # a seed per prompt: each request's own
             extra["seed"] = [job.request.settings["seed"] for job in batch for _ in job.request.prompts]
         starts = itertools.accumulate((job.rows for job in batch), initial=0)
-        streams = _StreamedRows([(row, job) for row, job in zip(starts, batch) if job.request.stream],
-                                self.eos_ids | {self.pad_id})
+        streams = _StreamedRows([(start + index, job, index) for start, job in zip(starts, batch) if job.request.stream
+                                 for index in range(job.rows)], self.eos_ids | {self.pad_id})
         if streams.streamed:
             extra.update(stopping_criteria=[streams], pad_token_id=self.pad_id)
         start = time.perf_counter()

@@ -120,10 +120,6 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
         given.setdefault("seed", secrets.randbits(63))
     stop = _stop_strings(body.get("stop"))
     stream = body.get("stream") is True
-    if stream and given.get("num_return_sequences", 1) > 1:
-        raise RequestError("a stream carries one completion: n must be 1 with stream=true", param="n")
-    if stream and len(prompts) > 1:
-        raise RequestError("a stream carries one completion: send one prompt with stream=true", param="prompt")
     logprobs = _asks_for_logprobs(body, endpoint)
     if stream and logprobs:
         raise RequestError("logprobs are not streamed here: send stream=false to get them", param="logprobs")

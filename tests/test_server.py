@@ -257,6 +257,34 @@ def test_a_stream_cut_by_a_stop_string_sends_the_text_before_it(shipped):
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_stream_of_several_choices_sends_each_ones_text_under_its_index(shipped, endpoint):
+    """Sampled (n=2, a seed) and, for /v1/completions, two prompts: each choice's deltas join to the text the same
+    request gets unstreamed, each choice ends with its finish reason and stats, and the usage counts them all."""
+    tokenizer, model = shipped
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    request = {"max_tokens": 24, "min_tokens": 24, "temperature": 0.9, "seed": 11, "n": 2}  # EOS held back
+    request.update({"prompt": ["def mean(values):\n", "import os\n"]} if endpoint == "completions" else
+                   {"messages": [{"role": "user", "content": "def mean(values):"}]})
+    with serving(tokenizer, model) as url:
+        status, body = post(url + path, request)
+        chunks = events(url + path, {**request, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and chunks[-1] == "[DONE]" and chunks[-2]["usage"] == body["usage"]
+    choices = body["choices"]
+    texts = [""] * len(choices)
+    for chunk in chunks[:-2]:
+        (delta,) = chunk["choices"]
+        texts[delta["index"]] += delta["text"] if endpoint == "completions" else delta["delta"].get("content") or ""
+    expected = [c["text"] if endpoint == "completions" else c["message"]["content"] for c in choices]
+    assert texts == expected and len(choices) == (4 if endpoint == "completions" else 2)
+    assert len(set(expected)) == len(expected)
+    streamed = [chunk["choices"][0]["index"] for chunk in chunks[:-2] if not chunk["choices"][0]["finish_reason"]]
+    assert set(streamed) == set(range(len(choices))) and len(streamed) > 2 * len(choices)  # as they were decoded
+    ends = [chunk["choices"][0] for chunk in chunks[:-2] if chunk["choices"][0]["finish_reason"]]
+    assert [(c["index"], c["finish_reason"], c["stats"]) for c in ends] == [
+        (c["index"], c["finish_reason"], c["stats"]) for c in choices]
+
+
 @given(text=st.text(alphabet="ab\n", max_size=24), stop=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=4),
                                                                   max_size=3), cut=st.integers(0, 24))
 def test_a_stream_never_sends_text_it_would_have_to_take_back(text, stop, cut):
@@ -307,7 +335,8 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
     gate.set()
     pieces = []
     while (piece := jobs[6].next_piece()) is not None:
-        pieces += piece
+        assert piece[0] == 0  # its one choice
+        pieces += piece[1]
     results = [job.future.result(120) for job in jobs]
     assert pieces == results[6][0].ids
     batcher.close()
@@ -403,8 +432,6 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
     ("/v1/completions", {"prompt": "x", "top_k": 5}, 400, "top_k", "temperature > 0"),
     ("/v1/completions", {"prompt": "x", "top_p": 0.5, "temperature": 0}, 400, "top_p", "temperature > 0"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "temperature > 0"),
-    ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 1, "stream": True}, 400, "n", "one completion"),
-    ("/v1/completions", {"prompt": ["x", "y"], "stream": True}, 400, "prompt", "one completion"),
     ("/v1/completions", {"prompt": "x", "threshold": 0.5}, 400, None, "threshold=0.5"),
     ("/v1/completions", {"prompt": "x", "strategy": "beam"}, 400, None, "strategy"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty string"),
