@@ -20,7 +20,9 @@ remote code.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import socket
 import sys
 import traceback
@@ -45,7 +47,8 @@ class Server(ThreadingHTTPServer):
     """The HTTP server of ``mrp-serve``: serves ``model`` as ``model_name`` (:class:`Handler` answers each request on
     a thread of its own); ``defaults``: the ``generate()`` keywords of a request that sets none (``strategy``
     included). Its decoding thread (``batcher``) starts here. ``server_address`` (host, port 0) picks a free port,
-    then holds it; ``quiet``: no line a request (nor a decoding call) on standard error."""
+    then holds it; ``quiet``: no line a request (nor a decoding call) on standard error; ``api_key``: the key every
+    request but ``GET /health`` must send (``Authorization: Bearer KEY``, as OpenAI clients send theirs), else a 401."""
 
     daemon_threads = True
     # connections the kernel holds for the accept loop: socketserver's 5 overflowed (connection reset) when 16 clients
@@ -53,9 +56,9 @@ class Server(ThreadingHTTPServer):
     request_queue_size = socket.SOMAXCONN
 
     def __init__(self, server_address, model, tokenizer, defaults: dict, model_name: str,
-                 max_batch_size: int = MAX_BATCH_SIZE, quiet: bool = False):
+                 max_batch_size: int = MAX_BATCH_SIZE, quiet: bool = False, api_key: str | None = None):
         self.model, self.tokenizer, self.defaults, self.model_name = model, tokenizer, defaults, model_name
-        self.quiet = quiet
+        self.quiet, self.api_key = quiet, api_key
         # one write a line: print's separate write of the newline would let a request line (another thread's) in
         self.batcher = Batcher(model, max_batch_size,
                                report=None if quiet else lambda line: sys.stderr.write(f"mrp-serve: {line}\n"))
@@ -76,6 +79,8 @@ class Handler(BaseHTTPRequestHandler):
         model = {"id": self.server.model_name, "object": "model", "created": 0, "owned_by": "mrp-triton"}
         if self.path == "/health":
             self.send_json({"status": "ok"})
+        elif not self.authorized():
+            return
         elif self.path == "/v1/models":
             self.send_json({"object": "list", "data": [model]})
         elif self.path == f"/v1/models/{self.server.model_name}":
@@ -85,6 +90,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         endpoint = ROUTES.get(self.path)
+        if not self.authorized():
+            return
         try:
             if endpoint is None:
                 raise RequestError(f"no route POST {self.path} (POST /v1/completions or /v1/chat/completions)",
@@ -121,6 +128,17 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, TypeError) as err:  # generate() refused the settings of the batch
             raise RequestError(str(err)) from None
         self.send_json(response_body(endpoint, rid, server.model_name, request, completions, server.tokenizer))
+
+    def authorized(self) -> bool:
+        """Whether the request carries the server's API key (any request does when it has none); if not, answer it
+        with a 401."""
+        key = self.server.api_key
+        if key is None or hmac.compare_digest(self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+            return True
+        self.send_json(RequestError("this server needs an API key: send the header 'Authorization: Bearer KEY' "
+                                    "(an OpenAI client's api_key) with the key mrp-serve was given",
+                                    status=401).body(), 401)
+        return False
 
     def read_body(self):
         """The request's JSON body (:class:`RequestError` when it is missing, too large or not JSON)."""
@@ -240,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the last part of --model)")
     p.add_argument("--quiet", action="store_true", help="no line a request (nor a decoding call: its requests, "
                    "rows, new tokens and seconds) on standard error")
+    p.add_argument("--api-key", default=os.environ.get("MRP_SERVE_API_KEY"), metavar="KEY",
+                   help="the key every request but GET /health must send (Authorization: Bearer KEY); default: "
+                   "$MRP_SERVE_API_KEY, else none needed")
     p.add_argument("--max-batch-size", type=int, default=MAX_BATCH_SIZE, metavar="N",
                    help="rows (prompts x n) that waiting requests may share one decoding call with")
     add_model_options(p)
@@ -259,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         check_decodable(model, read_request({"prompt": [0]}, "completions", tokenizer, defaults, ""))
         name = args.served_model_name or Path(args.model.rstrip("/")).name
         server = Server((args.host, args.port), model, tokenizer, defaults, name, args.max_batch_size,
-                        quiet=args.quiet)
+                        quiet=args.quiet, api_key=args.api_key)
     except (UsageError, RequestError) as err:
         parser.exit(2, f"mrp-serve: error: {err}\n")
     except OSError as err:  # the port is taken, or the address is not this machine's

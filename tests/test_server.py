@@ -530,12 +530,42 @@ def test_the_openai_client_talks_to_mrp_serve(shipped):
             client.completions.create(model="sdar", prompt="x", presence_penalty=1.0)
 
 
+def test_a_server_with_an_api_key_answers_only_requests_that_send_it(shipped):
+    """Without the key, or with another, a request gets a 401 (OpenAI's error body; the OpenAI client raises its
+    AuthenticationError); with it, an answer; GET /health needs none."""
+    tokenizer, model = shipped
+    server = Server(("127.0.0.1", 0), model, tokenizer, DEFAULTS, "sdar", quiet=True, api_key="sk-local")
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    try:
+        with serving_on(server):
+            for headers in ({}, {"Authorization": "Bearer sk-other"}, {"Authorization": "sk-local"},
+                            {"Authorization": "Bearer \u00ff"}):
+                for request in (urllib.request.Request(url + "/v1/completions", data=body, headers=headers),
+                                urllib.request.Request(url + "/v1/models", headers=headers)):
+                    with pytest.raises(urllib.error.HTTPError) as refused:
+                        urllib.request.urlopen(request, timeout=60)
+                    assert refused.value.code == 401
+                    assert "needs an API key" in json.loads(refused.value.read())["error"]["message"]
+            with urllib.request.urlopen(url + "/health", timeout=60) as response:
+                assert response.status == 200
+            client = openai.OpenAI(base_url=url + "/v1", api_key="sk-local", max_retries=0)
+            assert client.completions.create(model="sdar", prompt="x", max_tokens=2).usage.completion_tokens == 2
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=url + "/v1", api_key="sk-other", max_retries=0).models.list()
+    finally:
+        server.server_close()
+
+
 def test_mrp_serve_cli_listens_with_its_options_as_the_defaults(monkeypatch, capsys):
     served = []
     monkeypatch.setattr(Server, "serve_forever", lambda self: served.append(self))
+    monkeypatch.setenv("MRP_SERVE_API_KEY", "from-the-environment")
     assert main(["--port", "0", "--strategy", "dynamic", "--threshold", "0.6", "--max-new-tokens", "8",
                  "--threads", "1", "--quiet"]) == 0
-    (server,) = served
+    assert main(["--port", "0", "--threads", "1", "--quiet", "--api-key", "given"]) == 0
+    server, keyed = served
+    assert server.api_key == "from-the-environment" and keyed.api_key == "given"
     assert server.model_name == "sdar-stdlib-mrp" and server.quiet
     assert {k: v for k, v in server.defaults.items() if v is not None} == {
         "strategy": "dynamic", "threshold": 0.6, "max_new_tokens": 8, "do_sample": False, "temperature": 1.0}
