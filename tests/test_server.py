@@ -183,7 +183,7 @@ def test_a_chat_completion_renders_the_conversation_and_streams_the_same_text(sh
     chunks = chunks[:-1]
     assert all(chunk["object"] == "chat.completion.chunk" and chunk["id"] == chunks[0]["id"] for chunk in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert len(chunks) >= 5  # the opening chunk, one a finished block (40 tokens: 3 blocks), the end, the usage
+    assert len(chunks) >= 5  # the opening chunk, the text as the blocks fill (40 tokens: 3 blocks), the end, the usage
     deltas = [chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks if chunk["choices"]]
     assert "".join(deltas) == text
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 2) + [
