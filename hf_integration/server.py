@@ -1,7 +1,8 @@
 """``mrp-serve``: an OpenAI-compatible HTTP server for an SDAR+MRP checkpoint (by default the small model shipped here).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as server-sent
-events), ``GET /v1/models``, ``GET /health``. Any OpenAI client talks to it::
+events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus' text format). Any OpenAI client talks
+to it::
 
     mrp-serve --port 8000 --strategy speculative -K 3
     curl localhost:8000/v1/completions -d '{"prompt": "def mean(values):", "max_tokens": 32}'
@@ -81,6 +82,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json({"status": "ok"})
         elif not self.authorized():
             return
+        elif self.path == "/metrics":
+            self.send_text(prometheus_text(*self.server.batcher.metrics()))
         elif self.path == "/v1/models":
             self.send_json({"object": "list", "data": [model]})
         elif self.path == f"/v1/models/{self.server.model_name}":
@@ -155,9 +158,12 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"the body is not valid JSON ({err})") from None
 
     def send_json(self, payload: dict, status: int = 200) -> None:
-        data = json.dumps(payload, ensure_ascii=False).encode()
+        self.send_text(json.dumps(payload, ensure_ascii=False), status, "application/json")
+
+    def send_text(self, text: str, status: int = 200, kind: str = "text/plain; version=0.0.4") -> None:
+        data = text.encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -166,6 +172,26 @@ class Handler(BaseHTTPRequestHandler):
         """Request lines on standard error, as http.server writes them, unless ``quiet``."""
         if not self.server.quiet:
             super().log_message(format, *args)
+
+
+METRICS = [("waiting_requests", "gauge", "requests waiting for a decoding call", None),
+           ("generate_calls_total", "counter", "generate() calls", "calls"),
+           ("failed_generate_calls_total", "counter", "generate() calls that raised", "failed_calls"),
+           ("requests_total", "counter", "requests decoded", "requests"),
+           ("rows_total", "counter", "rows decoded (prompts x n)", "rows"),
+           ("new_tokens_total", "counter", "new tokens the completions keep", "new_tokens"),
+           ("decoding_seconds_total", "counter", "seconds spent in generate() calls", "seconds")]
+
+
+def prometheus_text(waiting: int, totals) -> str:
+    """``GET /metrics``: the decoding thread's :class:`.server_batcher.Totals` and the requests waiting, in
+    Prometheus' text format (``mrp_serve_`` names)."""
+    lines = []
+    for name, kind, help_text, field in METRICS:
+        value = waiting if field is None else getattr(totals, field)
+        name = f"mrp_serve_{name}"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"
 
 
 def check_decodable(model, request: Request) -> int:

@@ -13,6 +13,7 @@ other rows go on. Not part of a checkpoint's remote code.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import queue
 import threading
@@ -61,6 +62,19 @@ class Job:
         return self.pieces.get()
 
 
+@dataclass
+class Totals:
+    """What a :class:`Batcher` has decoded since it started: ``generate()`` calls (and those that raised), the
+    requests and rows they decoded, the new tokens the completions keep, and the seconds spent in the calls."""
+
+    calls: int = 0
+    failed_calls: int = 0
+    requests: int = 0
+    rows: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+
 class _StreamedRows:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
     has decoded) that stops nothing but the rows whose client has gone, and puts each new token of a streamed job's
@@ -102,6 +116,7 @@ class Batcher:
         self.waiting: collections.deque[Job] = collections.deque()
         self.changed = threading.Condition()
         self.closed = False
+        self.totals = Totals()
         self.thread = threading.Thread(target=self._serve, name="mrp-serve decoding", daemon=True)
         self.thread.start()
 
@@ -111,6 +126,18 @@ class Batcher:
             self.waiting.append(job)
             self.changed.notify()
         return job
+
+    def metrics(self) -> tuple[int, Totals]:
+        """(requests waiting for a call, a copy of the :class:`Totals`), read together."""
+        with self.changed:
+            return len(self.waiting), dataclasses.replace(self.totals)
+
+    def _count(self, batch: list[Job], new_tokens: int, seconds: float, failed: bool) -> None:
+        with self.changed:
+            t = self.totals
+            t.calls, t.failed_calls, t.requests = t.calls + 1, t.failed_calls + failed, t.requests + len(batch)
+            t.rows, t.new_tokens, t.seconds = t.rows + sum(job.rows for job in batch), t.new_tokens + new_tokens, \
+                t.seconds + seconds
 
     def close(self) -> None:
         """End the decoding thread once the jobs waiting now are done."""
@@ -165,6 +192,7 @@ class Batcher:
             for job in batch:
                 job.future.set_exception(err)
             streams.end()
+            self._count(batch, 0, time.perf_counter() - start, failed=True)
             return
         width, stats = input_ids.shape[1], out.stats.as_dict()
         results = []
@@ -175,6 +203,7 @@ class Batcher:
                                       {key: stats[key][row] for key in ("backbone_forwards", "mrp_forwards",
                                                                         "tokens_per_forward")}, logprobs))
         seconds, new_tokens = time.perf_counter() - start, sum(len(c.ids) for c in results)
+        self._count(batch, new_tokens, seconds, failed=False)
         for job in batch:
             job.future.set_result(results[: job.rows])
             results = results[job.rows :]

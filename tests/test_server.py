@@ -485,10 +485,44 @@ def test_a_failure_while_decoding_is_answered_with_a_500_and_the_server_goes_on(
         code, answer = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
         chunks = events(url + "/v1/completions", {"prompt": "x", "max_tokens": 4, "stream": True})
         served = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+        metrics = metrics_of(url)
     assert code == 500 and answer["error"] == {"message": "RuntimeError: CUDA out of memory", "type": "server_error",
                                                "param": None, "code": None}
     assert chunks == [answer, "[DONE]"]
     assert served[0] == 200
+    assert metrics["generate_calls_total"] == 3 and metrics["failed_generate_calls_total"] == 2
+    assert metrics["new_tokens_total"] == served[1]["usage"]["completion_tokens"]
+
+
+def metrics_of(url: str) -> dict[str, float]:
+    """``GET /metrics``, each ``mrp_serve_`` sample by its name without the prefix (its HELP and TYPE lines checked)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        lines = response.read().decode().splitlines()
+    samples = {}
+    for help_line, type_line, sample in zip(lines[::3], lines[1::3], lines[2::3]):
+        name, value = sample.split(" ")
+        assert help_line.startswith(f"# HELP {name} ") and type_line.split(" ")[:3] == ["#", "TYPE", name]
+        samples[name.removeprefix("mrp_serve_")] = float(value)
+    return samples
+
+
+def test_metrics_count_what_the_server_decoded(shipped):
+    """GET /metrics: nothing at first; then the calls, requests, rows (prompts x n) and new tokens of what was served
+    (the new tokens those the responses count), and the seconds decoding."""
+    tokenizer, model = shipped
+    with serving(tokenizer, model) as url:
+        first = metrics_of(url)
+        _, two = post(url + "/v1/completions", {"prompt": ["a = 1\n", "b = 2\n"], "max_tokens": 5})
+        _, sampled = post(url + "/v1/completions", {"prompt": "c = 3\n", "max_tokens": 3, "temperature": 1, "n": 2})
+        after = metrics_of(url)
+    assert first == dict.fromkeys(first, 0.0) and len(first) == 7
+    assert {name: after[name] for name in ("waiting_requests", "generate_calls_total", "failed_generate_calls_total",
+                                           "requests_total", "rows_total")} == {
+        "waiting_requests": 0, "generate_calls_total": 2, "failed_generate_calls_total": 0, "requests_total": 2,
+        "rows_total": 4}
+    assert after["new_tokens_total"] == two["usage"]["completion_tokens"] + sampled["usage"]["completion_tokens"]
+    assert after["decoding_seconds_total"] > 0
 
 
 def test_a_chat_request_to_a_model_without_a_chat_template_is_refused(shipped):
@@ -542,7 +576,8 @@ def test_a_server_with_an_api_key_answers_only_requests_that_send_it(shipped):
             for headers in ({}, {"Authorization": "Bearer sk-other"}, {"Authorization": "sk-local"},
                             {"Authorization": "Bearer \u00ff"}):
                 for request in (urllib.request.Request(url + "/v1/completions", data=body, headers=headers),
-                                urllib.request.Request(url + "/v1/models", headers=headers)):
+                                urllib.request.Request(url + "/v1/models", headers=headers),
+                                urllib.request.Request(url + "/metrics", headers=headers)):
                     with pytest.raises(urllib.error.HTTPError) as refused:
                         urllib.request.urlopen(request, timeout=60)
                     assert refused.value.code == 401
