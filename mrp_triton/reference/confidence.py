@@ -40,15 +40,19 @@ TOP_H_CANDIDATES = 100  # the most likely tokens top-h chooses among (transforme
 
 
 def mix32(x):
-    """32-bit integer mixer on values in [0, 2**32); works on Python ints and int64 tensors.
+    """32-bit integer mixer on values in [0, 2**32); works on Python ints and int64 tensors, a tensor in place (pass
+    one of your own: one temporary a shift instead of one an operation, for the hash of every token of a sampled pick
+    is most of its time on a CPU).
 
     Bit-identical to ``mrp_triton.confidence._mix32`` (same wrapping-free int64 arithmetic).
     """
-    x = x ^ (x >> 16)
-    x = (x * _M1) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * _M2) & MASK32
-    x = x ^ (x >> 16)
+    x ^= x >> 16
+    x *= _M1
+    x &= MASK32
+    x ^= x >> 15
+    x *= _M2
+    x &= MASK32
+    x ^= x >> 16
     return x
 
 
@@ -75,22 +79,11 @@ def gumbel_uniform(seed: int, noise_keys: torch.Tensor, V: int) -> torch.Tensor:
     return gumbel_uniform_at(seed, noise_keys, ids.expand(noise_keys.shape[0], V))
 
 
-def _mix32_(x: torch.Tensor) -> torch.Tensor:
-    """:func:`mix32` of an int64 tensor, in place in ``x`` (one temporary a shift instead of one an operation: the
-    hash of every token of a sampled pick is most of its time on a CPU)."""
-    x ^= x >> 16
-    x.mul_(_M1).bitwise_and_(MASK32)
-    x ^= x >> 15
-    x.mul_(_M2).bitwise_and_(MASK32)
-    x ^= x >> 16
-    return x
-
-
 def gumbel_uniform_at(seed: int, noise_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in (0, 1), never 0 or 1, of token ``ids`` int64 [N, M] (ids >= 0) under the keys
     [N, 3]: ``((h >> 9) + 0.5) / 2**23`` with h the hash of the row's key and the id."""
-    x = _mix32_(row_hash(seed, noise_keys)[:, None] ^ ids)
-    x = _mix32_(x.add_(_GOLDEN).bitwise_and_(MASK32))
+    x = mix32(row_hash(seed, noise_keys)[:, None] ^ ids)
+    x = mix32(x.add_(_GOLDEN).bitwise_and_(MASK32))
     return x.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(1.0 / 8388608.0)
 
 
