@@ -78,11 +78,15 @@ class Totals:
 class _StreamedRows:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
     has decoded) that stops nothing but the rows whose client has gone, and puts each new token of a streamed job's
-    row in its ``pieces``, with the row's choice index, until the row's end (an EOS or padding: ``ends``).
-    ``streamed``: (row, job, choice) triples."""
+    row in its ``pieces``, with the row's choice index, until the row's end (an EOS or padding: ``ends``). ``batch``:
+    the call's jobs, whose rows lie in their order (``Job.rows`` each); ``streamed``: each streamed row's (row, job,
+    choice)."""
 
-    def __init__(self, streamed: list[tuple[int, Job, int]], ends: set[int]):
-        self.streamed, self.ends = streamed, ends
+    def __init__(self, batch: list[Job], ends: set[int]):
+        self.jobs, self.ends = [job for job in batch if job.request.stream], ends
+        firsts = itertools.accumulate((job.rows for job in batch), initial=0)
+        self.streamed = [(first + index, job, index) for first, job in zip(firsts, batch) if job.request.stream
+                         for index in range(job.rows)]
         self.ended: set[int] = set()
 
     def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
@@ -98,7 +102,7 @@ class _StreamedRows:
 
     def end(self) -> None:
         """Every stream's pieces end."""
-        for job in {id(job): job for _, job, _ in self.streamed}.values():
+        for job in self.jobs:
             job.pieces.put(None)
 
 
@@ -133,11 +137,15 @@ class Batcher:
             return len(self.waiting), dataclasses.replace(self.totals)
 
     def _count(self, batch: list[Job], new_tokens: int, seconds: float, failed: bool) -> None:
+        """Add one call to the totals (``failed``: it raised)."""
         with self.changed:
-            t = self.totals
-            t.calls, t.failed_calls, t.requests = t.calls + 1, t.failed_calls + failed, t.requests + len(batch)
-            t.rows, t.new_tokens, t.seconds = t.rows + sum(job.rows for job in batch), t.new_tokens + new_tokens, \
-                t.seconds + seconds
+            totals = self.totals
+            totals.calls += 1
+            totals.failed_calls += failed
+            totals.requests += len(batch)
+            totals.rows += sum(job.rows for job in batch)
+            totals.new_tokens += new_tokens
+            totals.seconds += seconds
 
     def close(self) -> None:
         """End the decoding thread once the jobs waiting now are done."""
@@ -179,10 +187,8 @@ class Batcher:
             extra["output_confidences"] = True
         if batch[0].request.settings["do_sample"]:  # a seed per prompt: each request's own
             extra["seed"] = [job.request.settings["seed"] for job in batch for _ in job.request.prompts]
-        starts = itertools.accumulate((job.rows for job in batch), initial=0)
-        streams = _StreamedRows([(start + index, job, index) for start, job in zip(starts, batch) if job.request.stream
-                                 for index in range(job.rows)], self.eos_ids | {self.pad_id})
-        if streams.streamed:
+        streams = _StreamedRows(batch, self.eos_ids | {self.pad_id})
+        if streams.jobs:
             extra.update(stopping_criteria=[streams], pad_token_id=self.pad_id)
         start = time.perf_counter()
         try:
