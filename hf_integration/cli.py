@@ -268,7 +268,8 @@ def check_layout(model, prompts: PromptBatch, settings: dict) -> GenerationSetti
     ValueError or TypeError generate() would raise); returns the resolved settings."""
     resolved = GenerationSettings.resolve(model, None, settings, prompt_width=prompts.ids.shape[1],
                                            prompts=len(prompts.lens))
-    prompts.block_ends(resolved.max_new_tokens, resolved.block_length, model.config.max_position_embeddings)
+    prompts.block_ends(resolved.new_tokens_per_prompt(len(prompts.lens)), resolved.block_length,
+                       model.config.max_position_embeddings)
     return resolved
 
 

@@ -354,9 +354,10 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
 
         input_ids (or ``inputs``, transformers' name): [B, P] (left or right padded, with ``attention_mask`` [B, P]
         of 0/1) ->
-        ids [B * num_return_sequences, P + max_new_tokens]; with ``return_dict_in_generate=True`` an output
-        with ``.sequences`` and per-row ``.stats``. Keywords (also read from ``generation_config`` and the model's
-        generation config): see :class:`.generation_settings.GenerationSettings`.
+        ids [B * num_return_sequences, P + max_new_tokens] (the largest, given one per prompt); with
+        ``return_dict_in_generate=True`` an output with ``.sequences`` and per-row ``.stats``. Keywords (also read
+        from ``generation_config`` and the model's generation config): see
+        :class:`.generation_settings.GenerationSettings`.
         """
         return generate_blocks(self, input_ids, attention_mask, generation_config, kwargs)
 

@@ -110,6 +110,7 @@ class Handler(BaseHTTPRequestHandler):
         server = self.server
         request = read_request(self.read_body(), endpoint, server.tokenizer, server.defaults, server.model_name)
         request.max_new_tokens = check_decodable(server.model, request)
+        request.settings["max_new_tokens"] = request.max_new_tokens  # what it shares a call with may ask another
         job, rid = server.batcher.submit(request), response_id(endpoint)
         if request.stream:
             self.send_response(200)

@@ -2,10 +2,11 @@
 ``generate()`` call.
 
 Only this thread calls the model. It takes the oldest waiting request and every other waiting request with the same
-``generate()`` keywords (a sampled request's ``seed`` aside), up to ``max_batch_size`` rows, and decodes them as one
-left-padded batch: each row moves on through its blocks on its own, a greedy row gives what it gives alone, and each
-prompt of a sampled request draws with the request's seed (a seed per prompt) what it draws alone, so batching changes
-the speed, not the text. A streamed request's row sends its new tokens as the call decodes them (through a stopping
+``generate()`` keywords (a sampled request's ``seed`` and the new tokens a request asks for aside), up to
+``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on through its blocks on its own and
+stops at its request's ``max_new_tokens`` (a count per prompt), a greedy row gives what it gives alone, and each prompt
+of a sampled request draws with the request's seed (a seed per prompt) what it draws alone, so batching changes the
+speed, not the text. A streamed request's row sends its new tokens as the call decodes them (through a stopping
 criterion, which sees each new token once every row of the call has it), and ends once its client is gone, while the
 other rows go on. Not part of a checkpoint's remote code.
 """
@@ -78,9 +79,9 @@ class Totals:
 class _StreamedRows:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
     has decoded) that stops nothing but the rows whose client has gone, and puts each new token of a streamed job's
-    row in its ``pieces``, with the row's choice index, until the row's end (an EOS or padding: ``ends``). ``batch``:
-    the call's jobs, whose rows lie in their order (``Job.rows`` each); ``streamed``: each streamed row's (row, job,
-    choice)."""
+    row in its ``pieces``, with the row's choice index, until the row's end (an EOS or padding: ``ends``; or its
+    request's ``max_new_tokens``). ``batch``: the call's jobs, whose rows lie in their order (``Job.rows`` each);
+    ``streamed``: each streamed row's (row, job, choice)."""
 
     def __init__(self, batch: list[Job], ends: set[int]):
         self.jobs, self.ends = [job for job in batch if job.request.stream], ends
@@ -88,15 +89,17 @@ class _StreamedRows:
         self.streamed = [(first + index, job, index) for first, job in zip(firsts, batch) if job.request.stream
                          for index in range(job.rows)]
         self.ended: set[int] = set()
+        self.calls = 0  # the new tokens each row has decoded
 
     def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
         last = input_ids[:, -1].tolist()  # the new token (generate() calls this once a new token)
+        self.calls += 1
         gone = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         for row, job, index in self.streamed:
             gone[row] = job.cancelled.is_set()
             if row not in self.ended:
                 job.pieces.put((index, [last[row]]))
-                if last[row] in self.ends:
+                if last[row] in self.ends or self.calls == job.request.settings.get("max_new_tokens"):
                     self.ended.add(row)
         return gone
 
@@ -187,6 +190,9 @@ class Batcher:
             extra["output_confidences"] = True
         if batch[0].request.settings["do_sample"]:  # a seed per prompt: each request's own
             extra["seed"] = [job.request.settings["seed"] for job in batch for _ in job.request.prompts]
+        limits = [job.request.settings.get("max_new_tokens") for job in batch for _ in job.request.prompts]
+        if len(set(limits)) > 1:  # a count per prompt: each request's own
+            extra["max_new_tokens"] = limits
         streams = _StreamedRows(batch, self.eos_ids | {self.pad_id})
         if streams.jobs:
             extra.update(stopping_criteria=[streams], pad_token_id=self.pad_id)
@@ -222,6 +228,10 @@ class Batcher:
 
 
 def _decoded_alike(one: Request, other: Request) -> bool:
-    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed
-    aside (the call takes a seed per prompt)."""
-    return {**one.settings, "seed": None} == {**other.settings, "seed": None}
+    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed and
+    the new tokens asked for aside (the call takes a seed and a ``max_new_tokens`` per prompt; a request that leaves
+    ``max_new_tokens`` to generate()'s default shares only with those that do too)."""
+    def key(settings: dict) -> dict:
+        return {**settings, "seed": None, "max_new_tokens": "max_new_tokens" in settings}
+
+    return key(one.settings) == key(other.settings)

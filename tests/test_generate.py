@@ -265,21 +265,24 @@ SAMPLING = [dict(strategy="speculative", mrp_steps=2, do_sample=True, temperatur
 
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.integers(1, 13), min_size=2, max_size=4), kwargs=st.sampled_from(STRATEGIES + SAMPLING),
-       max_new=st.integers(1, 13), eos=st.integers(0, MASK_ID - 4), graphs=st.booleans(), loop=st.booleans(),
-       reveal=st.booleans(), seed=st.integers(0, 10**4))
-def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, eos, graphs, loop, reveal, seed):
-    """Drawn prompt lengths, strategy, new tokens and EOS token (rows stop at different blocks): rows moving on
-    per row (steps replayed or not) and rows starting blocks together (the other way; the replayed call with or
-    without a device loop) give the same tokens, per-row counts and (drawn: ``output_reveal_steps``,
-    ``output_confidences``) reveal steps and confidences, and with greedy decoding each row of the (left-padded) batch
-    gives exactly what it gives alone. (With one seed for the call, sampling noise is keyed by the row's index in
-    the batch, so a sampled row alone is another draw; with a seed per prompt, each prompt draws what it draws alone
-    with its seed.)"""
+       max_new=st.lists(st.integers(1, 13), min_size=4, max_size=4), own=st.booleans(),
+       eos=st.integers(0, MASK_ID - 4), graphs=st.booleans(), loop=st.booleans(), reveal=st.booleans(),
+       seed=st.integers(0, 10**4))
+def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_new, own, eos, graphs, loop, reveal,
+                                                      seed):
+    """Drawn prompt lengths, strategy, new tokens (drawn: one count for the call, or one per prompt) and EOS token
+    (rows stop at different blocks): rows moving on per row (steps replayed or not) and rows starting blocks together
+    (the other way; the replayed call with or without a device loop) give the same tokens, per-row counts and (drawn:
+    ``output_reveal_steps``, ``output_confidences``) reveal steps and confidences, and with greedy decoding each row of
+    the (left-padded) batch gives exactly what it gives alone (with its own count), padding after it. (With one seed
+    for the call, sampling noise is keyed by the row's index in the batch, so a sampled row alone is another draw;
+    with a seed per prompt, each prompt draws what it draws alone with its seed.)"""
     rows = [random_prompts(1, n, seed=seed + i)[0] for i, n in enumerate(lens)]
     ids, mask = padded_batch(rows, "left")
     P = ids.shape[1]
-    common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
-                  output_reveal_steps=reveal, output_confidences=reveal, **kwargs)
+    limits = max_new[: len(rows)] if own else [max_new[0]] * len(rows)
+    common = dict(max_new_tokens=limits if own else limits[0], eos_token_id=eos, pad_token_id=0,
+                  return_dict_in_generate=True, output_reveal_steps=reveal, output_confidences=reveal, **kwargs)
     # static and direct rows start their blocks together anyway
     moving = kwargs["strategy"] in READ_BY["per_row_blocks"]
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs, device_loop=graphs and loop, **common)
@@ -292,32 +295,39 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
         torch.testing.assert_close(out.confidences, together.confidences, rtol=1e-6, atol=0)
     for name, value in vars(out.stats).items():
         assert torch.equal(getattr(together.stats, name), value), name
+    assert out.sequences.shape[1] == P + max(limits)
     if kwargs.get("do_sample"):
-        _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, seed)
+        _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, limits, seed)
         return
     for b, r in enumerate(rows):
-        alone = model.generate(r[None], **common)
-        assert torch.equal(out.sequences[b, P - len(r):], alone.sequences[0]), b
+        alone = model.generate(r[None], **dict(common, max_new_tokens=limits[b]))
+        own_part, past = slice(P - len(r), P + limits[b]), slice(P + limits[b], None)
+        assert torch.equal(out.sequences[b, own_part], alone.sequences[0]), b
+        assert not out.sequences[b, past].any(), b  # padding (pad_token_id 0)
         if reveal:
-            assert torch.equal(out.reveal_steps[b, P - len(r):], alone.reveal_steps[0]), b
-            torch.testing.assert_close(out.confidences[b, P - len(r):], alone.confidences[0], rtol=1e-6, atol=0)
+            assert torch.equal(out.reveal_steps[b, own_part], alone.reveal_steps[0]), b
+            torch.testing.assert_close(out.confidences[b, own_part], alone.confidences[0], rtol=1e-6, atol=0)
+            assert not out.reveal_steps[b, past].any() and not out.confidences[b, past].any(), b
         for name in ("backbone_forwards", "mrp_forwards", "tokens_committed", "tokens_remasked"):
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
 
 
-def _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, seed):
+def _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, limits, seed):
     """With a seed per prompt (two samples each), every prompt's rows of the (left-padded) batch are the samples it
-    draws alone with its seed: tokens, per-row counts, reveal steps and confidences."""
+    draws alone with its seed (and its new tokens, ``limits``): tokens, per-row counts, reveal steps and
+    confidences."""
     P, seeds = ids.shape[1], [seed + 1000 * b for b in range(len(rows))]
     out = model.generate(ids, attention_mask=mask, **dict(common, seed=seeds, num_return_sequences=2))
     assert len({tuple(row) for row in out.sequences.tolist()}) > 1  # not one draw for all
     for b, r in enumerate(rows):
-        alone = model.generate(r[None], **dict(common, seed=seeds[b], num_return_sequences=2))
-        both = slice(2 * b, 2 * b + 2)
-        assert torch.equal(out.sequences[both, P - len(r):], alone.sequences), b
+        alone = model.generate(r[None], **dict(common, seed=seeds[b], num_return_sequences=2,
+                                               max_new_tokens=limits[b]))
+        both, own_part = slice(2 * b, 2 * b + 2), slice(P - len(r), P + limits[b])
+        assert torch.equal(out.sequences[both, own_part], alone.sequences), b
+        assert not out.sequences[both, P + limits[b]:].any(), b
         if alone.reveal_steps is not None:
-            assert torch.equal(out.reveal_steps[both, P - len(r):], alone.reveal_steps), b
-            torch.testing.assert_close(out.confidences[both, P - len(r):], alone.confidences, rtol=1e-6, atol=0)
+            assert torch.equal(out.reveal_steps[both, own_part], alone.reveal_steps), b
+            torch.testing.assert_close(out.confidences[both, own_part], alone.confidences, rtol=1e-6, atol=0)
         for name, value in vars(alone.stats).items():
             assert torch.equal(getattr(out.stats, name)[both], value), (name, b)
 
@@ -704,6 +714,11 @@ BAD_INPUTS = [
     (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3)), ValueError, "shape of input_ids"),
     (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
     (dict(max_new_tokens=2.5), TypeError, "max_new_tokens"),
+    (dict(max_new_tokens=[2, 3]), ValueError, "max_new_tokens has 2 counts for 1 prompts: give one per row of"),
+    (dict(max_new_tokens=[]), ValueError, "max_new_tokens has 0 counts for 1 prompts"),
+    (dict(max_new_tokens=[0]), ValueError, "max_new_tokens=0 must be >= 1"),
+    (dict(max_new_tokens=[2.0]), TypeError, "max_new_tokens must be an int, got float"),
+    (dict(max_new_tokens=[600]), ValueError, "max_position_embeddings"),
     (dict(max_new_tokens=600), ValueError, "max_position_embeddings"),
     (dict(max_new_tokens=None, max_length=3), ValueError, r"max_length=3 must be >= 4 \(the input_ids are 3 wide"),
     (dict(max_new_tokens=None, max_length="8"), TypeError, "max_length"),

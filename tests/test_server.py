@@ -301,8 +301,9 @@ def test_a_stream_never_sends_text_it_would_have_to_take_back(text, stop, cut):
 
 def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped, monkeypatch):
     """While a call decodes, the requests that arrive wait; then the oldest goes with every waiting request of the
-    same settings (up to max_batch_size rows; a greedy request's seed and sampled requests' seeds aside; streamed or
-    not) in one call, while one with other settings gets its own. Each completion is the one its prompt gets alone:
+    same settings (up to max_batch_size rows; a greedy request's seed, sampled requests' seeds and the max_tokens each
+    asks aside; streamed or not) in one call, while one with other settings gets its own (so does one leaving
+    max_new_tokens to generate()'s default). Each completion is the one its prompt gets alone, with its max_tokens:
     greedy, or sampled with its request's seed (its own, or the one drawn for it); the streamed one's pieces are its
     tokens."""
     tokenizer, model = shipped
@@ -317,21 +318,22 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
     reports = []
     batcher = Batcher(model, max_batch_size=4, report=reports.append)
 
-    def submit(prompt, **fields):
+    def submit(prompt, defaults=DEFAULTS, **fields):
         return batcher.submit(read_request({"prompt": prompt, "max_tokens": 16, **fields}, "completions", tokenizer,
-                                           DEFAULTS, "sdar"))
+                                           defaults, "sdar"))
 
     jobs = [submit("import os\n")]
     while not calls:
         threading.Event().wait(0.01)
-    jobs += [submit("def add(a, b):\n"), submit("class Box:\n", seed=9),  # a greedy request's seed: no matter
-             submit(["x = 1\n", "y = 2\n"]),  # 4 rows
+    jobs += [submit("def add(a, b):\n"), submit("class Box:\n", seed=9, max_tokens=7),  # a greedy request's seed:
+             submit(["x = 1\n", "y = 2\n"], max_tokens=30),  # 4 rows                     # no matter
              submit("z = 3\n"),  # a fifth row: too many for that call
              submit("def add(a, b):\n", temperature=0.7, seed=5, n=2),  # sampled: together, a seed each
-             submit("def add(a, b):\n", stream=True),  # streamed: with z
+             submit("def add(a, b):\n", stream=True, max_tokens=10),  # streamed: with z
              submit("class Box:\n", temperature=0.7, n=2),  # a seed drawn for it
-             submit("def add(a, b):\n", temperature=0.7, seed=6, n=2),
-             submit("def add(a, b):\n", strategy="speculative")]  # other settings
+             submit("def add(a, b):\n", temperature=0.7, seed=6, n=2, max_tokens=12),
+             submit("def add(a, b):\n", strategy="speculative"),  # other settings
+             submit("z = 3\n", defaults={"strategy": "static"}, max_tokens=None)]  # generate()'s max_new_tokens
     gate.set()
     pieces = []
     while (piece := jobs[6].next_piece()) is not None:
@@ -341,18 +343,20 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
     assert pieces == results[6][0].ids
     batcher.close()
     add, box = "def add(a, b):\n", "class Box:\n"
-    assert calls == [["import os\n"], [add, box, "x = 1\n", "y = 2\n"], ["z = 3\n", add], [add, box], [add], [add]]
+    assert calls == [["import os\n"], [add, box, "x = 1\n", "y = 2\n"], ["z = 3\n", add], [add, box], [add], [add],
+                     ["z = 3\n"]]
     assert [line.split(":")[0] for line in reports] == [
         "1 request, 1 row in one static call", "3 requests, 4 rows in one static call",
         "2 requests, 2 rows in one static call", "2 requests, 4 rows in one static call",
-        "1 request, 2 rows in one static call", "1 request, 1 row in one speculative call"]
+        "1 request, 2 rows in one static call", "1 request, 1 row in one speculative call",
+        "1 request, 1 row in one static call"]
     new_tokens = sum(len(completion.ids) for completions in results[1:4] for completion in completions)
     assert reports[1].split(": ")[1].startswith(f"{new_tokens} new tokens in ")
-    greedy = {"max_new_tokens": 16, "strategy": "static"}
     samples = {tuple(completion.ids) for job in (jobs[5], jobs[8]) for completion in job.future.result()}
     assert len(samples) == 4  # two seeds, two samples each
     for job, completions in zip(jobs, results):
-        settings = dict(greedy)
+        settings = {"strategy": job.request.settings["strategy"],
+                    "max_new_tokens": job.request.settings.get("max_new_tokens")}
         if job.request.settings["do_sample"]:
             settings.update(do_sample=True, temperature=0.7, seed=job.request.settings["seed"], num_return_sequences=2)
         n = settings.get("num_return_sequences", 1)

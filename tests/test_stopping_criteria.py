@@ -84,16 +84,18 @@ def test_criteria_are_called_token_by_token_and_stop_each_row_at_its_step(model,
        kwargs=st.sampled_from([dict(strategy="static"), dict(strategy="dynamic", threshold=0.3),
                                dict(strategy="direct", mrp_steps=2), dict(strategy="speculative", mrp_steps=3),
                                dict(strategy="remask")]),
-       max_new=st.integers(1, 12), eos=st.integers(0, 62), graphs=st.booleans(), loop=st.booleans(),
-       seed=st.integers(0, 10**4), data=st.data())
-def test_any_batch_keeps_the_free_run_up_to_each_rows_first_stop(model, lens, side, kwargs, max_new, eos, graphs,
+       max_new=st.integers(1, 12), own=st.booleans(), eos=st.integers(0, 62), graphs=st.booleans(),
+       loop=st.booleans(), seed=st.integers(0, 10**4), data=st.data())
+def test_any_batch_keeps_the_free_run_up_to_each_rows_first_stop(model, lens, side, kwargs, max_new, own, eos, graphs,
                                                                    loop, seed, data):
-    """Drawn prompts, padding side, strategy, EOS, engine (steps replayed or not, in a device loop or not) and
-    step at which a criterion stops each row (or never): each row keeps the free run's tokens up to its EOS or its
-    step, whichever comes first; the criterion is called for steps 1, 2, ... up to the last row's end, each call
-    holding the batch as the output would be at that step."""
+    """Drawn prompts, padding side, strategy, new tokens (drawn: one count for the call, or one per prompt), EOS,
+    engine (steps replayed or not, in a device loop or not) and step at which a criterion stops each row (or never):
+    each row keeps the free run's tokens up to its EOS or its step, whichever comes first; the criterion is called for
+    steps 1, 2, ... up to the last row's end, each call holding the batch as the output would be at that step."""
     ids, mask = padded_batch([random_prompts(1, n, seed=seed + b)[0] for b, n in enumerate(lens)], side)
-    common = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
+    limits = data.draw(st.lists(st.integers(1, max_new), min_size=len(lens), max_size=len(lens))) if own else max_new
+    max_new = max(limits) if own else max_new
+    common = dict(max_new_tokens=limits, eos_token_id=eos, pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
     free = model.generate(ids, attention_mask=mask, **common)
     steps = data.draw(st.lists(st.none() | st.integers(1, max_new), min_size=len(lens), max_size=len(lens)))
     criterion = StopAtSteps(steps, width=ids.shape[1])

@@ -106,7 +106,10 @@ class BlockDecoder:
         self.block = T = settings.block_length
         device = prompts.ids.device
         self.device = device
-        ends = prompts.block_ends(settings.max_new_tokens, T, config.max_position_embeddings)
+        copies = settings.num_return_sequences
+        # per original row, the most new tokens it decodes
+        limits = [n for n in settings.new_tokens_per_prompt(len(prompts.lens) // copies) for _ in range(copies)]
+        ends = prompts.block_ends(limits, T, config.max_position_embeddings)
         total = max(ends)
         graphed = settings.cuda_graphs if settings.cuda_graphs is not None else device.type == "cuda"
         if settings.device_loop and not graphed:
@@ -133,8 +136,9 @@ class BlockDecoder:
         self.first_blocks = [n // T for n in prompts.lens]  # each row's first block with masks (host)
         self.first_block = torch.tensor(self.first_blocks, device=device)
         self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)] + [0] * (B - real)
+        self.limits = limits + [settings.max_new_tokens] * (B - real)
         # The positions a row's last block keeps (host, per working row): up to its last new token.
-        self.last_block_kept = [(n + settings.max_new_tokens - 1) % T + 1 for n in prompts.lens]
+        self.last_block_kept = [(n + limit - 1) % T + 1 for n, limit in zip(prompts.lens, self.limits)]
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
         # Before the engine: packing may move the weights' storage, which keys a graphed engine.
         self.packed = settings.packed_projections and model.pack_projections()
@@ -144,7 +148,7 @@ class BlockDecoder:
                             device, T, settings.mrp_steps if settings.strategy == "speculative" else 0)
         self.engine = engine_for(model, shape, graphed)
         self.engine.use_settings(settings)
-        self.engine.use_layout(lens, lens + settings.max_new_tokens)
+        self.engine.use_layout(lens, lens + torch.tensor(self.limits, device=device))
         self.cache, self.graphs = self.engine.cache, self.engine.graphs
         self.settings_key = settings.step_key()
         self.draft = None if settings.draft_vocab is None else draft_head(
@@ -163,6 +167,8 @@ class BlockDecoder:
         self.lagged_checks = self.graphs is not None and not settings.device_loop and bool(settings.eos_ids)
         self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
         self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop ended it)
+        # original row -> the most new tokens it keeps, where fewer than the call's max_new_tokens
+        self.row_limits = {r: limit for r, limit in enumerate(limits) if limit < settings.max_new_tokens}
         self.deadline = None if settings.max_time is None else time.monotonic() + settings.max_time
         self.stream = None if settings.streamer is None else BlockStream(
             settings.streamer, prompts.ids[0, : prompts.lens[0]], settings.max_new_tokens, settings.eos_ids, T)
@@ -691,7 +697,7 @@ class BlockDecoder:
         # Host state per working row: masks left in its block, blocks left to decode (with this one; 0 for a
         # finished row kept as padding of a graphed batch, see retire).
         masks = [T - n % T if b else 0 for n, b in zip(self.prompts.lens, self.blocks_to_decode)]
-        self.masks_left = [min(m, self.settings.max_new_tokens) for m in masks]  # the kept ones (masked_kept)
+        self.masks_left = [min(m, limit) for m, limit in zip(masks, self.limits)]  # the kept ones (masked_kept)
         self.blocks_left = list(self.blocks_to_decode)
         # SDAR's schedule is the block's, the first block's too (its masks follow the prompt's tail): it just runs out
         # of masks sooner
@@ -816,12 +822,18 @@ class BlockDecoder:
             r = rows[i]
             self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
                                       self._new_tokens_through_block(r, starts[i]))
-        for r, keep in self.criteria.stopped_rows(self.x, self.new_tokens_kept).items():
+        for r, keep in self.criteria.stopped_rows(self.x, self.kept_at_most).items():
             self.new_tokens_kept[r] = keep
             if self.stream is not None:
                 self.stream.cut(keep)
         for i in full:
             ended[i] = ended[i] or rows[i] in self.new_tokens_kept
+
+    @property
+    def kept_at_most(self) -> dict[int, int]:
+        """Original row -> the most new tokens it keeps, where fewer than ``max_new_tokens``: those a stop string, a
+        stopping criterion or ``max_time`` left it, else its own limit (``max_new_tokens`` given per prompt)."""
+        return {**self.row_limits, **self.new_tokens_kept}
 
     def _out_of_time(self, full: list[int], rows: list[int], starts: list[int], ended: list[bool]) -> None:
         """``max_time`` has passed: the ``full`` rows end with this block (``ended``), keeping its new tokens

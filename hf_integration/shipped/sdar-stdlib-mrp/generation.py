@@ -95,7 +95,7 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         decoder = BlockDecoder(model, prompts, settings)
         x = decoder.run(DECODING[settings.strategy])
         sequences, kept = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
-                                           decoder.mask_id, decoder.new_tokens_kept)
+                                           decoder.mask_id, decoder.kept_at_most)
         if settings.return_dict_in_generate:
             def new_positions(noted: torch.Tensor, asked: bool) -> torch.Tensor | None:
                 """The engine's per-position notes [B', total] laid out as ``sequences`` (0 off the new tokens)."""

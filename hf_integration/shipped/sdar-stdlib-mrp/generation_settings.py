@@ -135,7 +135,11 @@ def _model_fields(diff: dict, config) -> dict:
 @dataclass
 class GenerationSettings:
     """Everything that steers decoding. ``max_new_tokens`` defaults to ``max_length`` minus the width of
-    ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64; ``min_new_tokens`` holds EOS back
+    ``input_ids`` when only ``max_length`` is given (as in transformers), else to 64; a list of one count per prompt
+    gives each prompt (its copies too) its own, and the output is as wide as the largest asks (a row's tokens past its
+    own count are padding): each prompt gives what it gives alone with its count, as a server batching requests that
+    ask for different lengths needs (``new_token_limits`` then holds the list, ``max_new_tokens`` the largest).
+    ``min_new_tokens`` holds EOS back
     (every ``eos_token_id``, excluded from the picks and their softmax, as transformers' logits processor sets its
     logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no row ends before them (stop strings,
     stopping criteria and ``max_time`` still may); ``min_length`` asks the same of the width of ``input_ids`` plus the
@@ -214,7 +218,7 @@ class GenerationSettings:
     are refused when a call asks for them (a value other than the default) with a strategy that does not read
     them; set in the model's own generation config, they apply to the calls whose strategy reads them."""
 
-    max_new_tokens: int | None = None
+    max_new_tokens: int | Sequence[int] | None = None  # validated: an int (a list moves to new_token_limits)
     max_length: int | None = None
     min_new_tokens: int | None = None
     repetition_penalty: float | None = None
@@ -265,6 +269,7 @@ class GenerationSettings:
     use_cache: bool = True
     prefill_chunk_size: int | None = None
     eos_ids: tuple[int, ...] = field(default=(), init=False)
+    new_token_limits: tuple[int, ...] | None = field(default=None, init=False)  # one per prompt, or None
 
     @classmethod
     def names(cls) -> set[str]:
@@ -344,6 +349,7 @@ class GenerationSettings:
         if {"max_new_tokens", "max_length"} <= asked:
             logger.warning_once(f"both max_new_tokens={settings.max_new_tokens} and max_length={settings.max_length} "
                                 "were given: max_new_tokens wins (as in transformers)")
+        settings._split_new_token_limits(prompts)
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         settings._check_seeds(prompts)
@@ -372,6 +378,23 @@ class GenerationSettings:
             _int_at_least("seed", seed, 0)
             if seed >= 2**64:
                 raise ValueError(f"seed={seed} must be below 2**64 (the noise hash reads 64 bits of it)")
+
+    def _split_new_token_limits(self, prompts: int | None) -> None:
+        """A list of ``max_new_tokens`` (one count >= 1 per prompt) goes to ``new_token_limits`` (a tuple), its largest
+        to ``max_new_tokens``."""
+        if not isinstance(self.max_new_tokens, (list, tuple)):
+            return
+        limits = tuple(self.max_new_tokens)
+        if len(limits) != (prompts or len(limits)) or not limits:
+            raise ValueError(f"max_new_tokens has {len(limits)} counts for {prompts or 'the'} prompts: give one per "
+                             "row of input_ids (or one int for the whole batch)")
+        for limit in limits:
+            _int_at_least("max_new_tokens", limit, 1)
+        self.new_token_limits, self.max_new_tokens = limits, max(limits)
+
+    def new_tokens_per_prompt(self, prompts: int) -> list[int]:
+        """The most new tokens each of a call's ``prompts`` prompts decodes (each of its copies too)."""
+        return list(self.new_token_limits or (self.max_new_tokens,) * prompts)
 
     def _check_sampling(self, asked: set[str]) -> None:
         """Raise if the call asked for a sampling setting (:data:`SAMPLING`: ``temperature``, ``top_k``, ...) without

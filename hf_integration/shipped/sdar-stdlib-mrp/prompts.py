@@ -82,10 +82,10 @@ class PromptBatch:
             left.append(bool(where[0] > 0))
         return cls(ids=ids, lens=lens, left_padded=left, width=input_ids.shape[1])
 
-    def block_ends(self, max_new_tokens: int, block: int, max_position_embeddings: int) -> list[int]:
-        """Per row, the end of its last block: its prompt and ``max_new_tokens`` rounded up to whole blocks.
-        Raises a ValueError when a row's end passes ``max_position_embeddings``."""
-        ends = [(n + max_new_tokens + block - 1) // block * block for n in self.lens]
+    def block_ends(self, new_tokens: list[int], block: int, max_position_embeddings: int) -> list[int]:
+        """Per row, the end of its last block: its prompt and its ``new_tokens`` (the most it decodes, one count a
+        row) rounded up to whole blocks. Raises a ValueError when a row's end passes ``max_position_embeddings``."""
+        ends = [(n + new + block - 1) // block * block for n, new in zip(self.lens, new_tokens, strict=True)]
         if max(ends) > max_position_embeddings:
             raise ValueError(f"prompt + max_new_tokens need {max(ends)} positions (rounded up to whole blocks of "
                              f"{block}) but the model has max_position_embeddings={max_position_embeddings}; "
@@ -124,7 +124,8 @@ class PromptBatch:
         One host read; raises a RuntimeError if a kept token is still the mask token."""
         B, device = len(self.lens), x.device
         steps = torch.arange(max_new_tokens, device=device)
-        new = x[:B].gather(1, self._row_layout[0].to(device)[:, None] + steps)  # [B, max_new_tokens]
+        # [B, max_new_tokens] (clamped: a row with a limit of its own may end before the layout does)
+        new = x[:B].gather(1, (self._row_layout[0].to(device)[:, None] + steps).clamp(max=x.shape[1] - 1))
         count = torch.tensor([min(new_tokens_kept.get(b, max_new_tokens), max_new_tokens) for b in range(B)],
                              device=device)
         if eos_ids:
