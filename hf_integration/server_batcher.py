@@ -2,13 +2,13 @@
 ``generate()`` call.
 
 Only this thread calls the model. It takes the oldest waiting request and every other waiting request with the same
-``generate()`` keywords (a sampled request's ``seed`` and the new tokens a request asks for aside), up to
-``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on through its blocks on its own and
-stops at its request's ``max_new_tokens`` (a count per prompt), a greedy row gives what it gives alone, and each prompt
-of a sampled request draws with the request's seed (a seed per prompt) what it draws alone, so batching changes the
-speed, not the text. A streamed request's row sends its new tokens as the call decodes them (through a stopping
-criterion, which sees each new token once every row of the call has it), and ends once its client is gone, while the
-other rows go on. Not part of a checkpoint's remote code.
+``generate()`` keywords (a sampled request's ``seed``, the new tokens and the stop strings a request asks for aside),
+up to ``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on through its blocks on its
+own and stops at its request's ``max_new_tokens`` and stop strings (``generate()`` takes them per prompt), a greedy
+row gives what it gives alone, and each prompt of a sampled request draws with the request's seed (a seed per prompt)
+what it draws alone, so batching changes the speed, not the text. A streamed request's row sends its new tokens as
+the call decodes them (through a stopping criterion, which sees each new token once every row of the call has it),
+and ends once its client is gone, while the other rows go on. Not part of a checkpoint's remote code.
 """
 
 from __future__ import annotations
@@ -193,6 +193,10 @@ class Batcher:
         limits = [job.request.settings.get("max_new_tokens") for job in batch for _ in job.request.prompts]
         if len(set(limits)) > 1:  # a count per prompt: each request's own
             extra["max_new_tokens"] = limits
+        stops = [job.request.stop for job in batch for _ in job.request.prompts]
+        if len({tuple(strings) for strings in stops}) > 1:  # a list per prompt (empty: none), each request's own
+            extra.update(stop_strings=stops,
+                         tokenizer=next(job.request.settings["tokenizer"] for job in batch if job.request.stop))
         streams = _StreamedRows(batch, self.eos_ids | {self.pad_id})
         if streams.jobs:
             extra.update(stopping_criteria=[streams], pad_token_id=self.pad_id)
@@ -228,10 +232,11 @@ class Batcher:
 
 
 def _decoded_alike(one: Request, other: Request) -> bool:
-    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed and
-    the new tokens asked for aside (the call takes a seed and a ``max_new_tokens`` per prompt; a request that leaves
-    ``max_new_tokens`` to generate()'s default shares only with those that do too)."""
+    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed, the
+    new tokens and the stop strings asked for aside (the call takes a seed, a ``max_new_tokens`` and stop strings per
+    prompt; a request that leaves ``max_new_tokens`` to generate()'s default shares only with those that do too)."""
     def key(settings: dict) -> dict:
-        return {**settings, "seed": None, "max_new_tokens": "max_new_tokens" in settings}
+        return {**settings, "seed": None, "max_new_tokens": "max_new_tokens" in settings, "stop_strings": None,
+                "tokenizer": None}
 
     return key(one.settings) == key(other.settings)

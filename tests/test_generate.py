@@ -719,6 +719,11 @@ BAD_INPUTS = [
     (dict(max_new_tokens=[0]), ValueError, "max_new_tokens=0 must be >= 1"),
     (dict(max_new_tokens=[2.0]), TypeError, "max_new_tokens must be an int, got float"),
     (dict(max_new_tokens=[600]), ValueError, "max_position_embeddings"),
+    (dict(stop_strings=[["ab"], ["c"]], tokenizer=LetterTokenizer()), ValueError,
+     r"stop_strings has 2 lists for 1 prompts: give one per row of input_ids \(an empty list: none for that row\)"),
+    (dict(stop_strings=[["ab"], "c"], tokenizer=LetterTokenizer()), TypeError,
+     "stop_strings must be a non-empty string, a list of them, or a list of one such list per prompt"),
+    (dict(stop_strings=[[""]], tokenizer=LetterTokenizer()), TypeError, "stop_strings must be a non-empty string"),
     (dict(max_new_tokens=600), ValueError, "max_position_embeddings"),
     (dict(max_new_tokens=None, max_length=3), ValueError, r"max_length=3 must be >= 4 \(the input_ids are 3 wide"),
     (dict(max_new_tokens=None, max_length="8"), TypeError, "max_length"),
@@ -1541,6 +1546,34 @@ def test_stop_strings_end_each_row_after_the_token_that_completes_one(model, kwa
         assert torch.equal(alone.sequences[0, lens[b]:], out.sequences[b, 7:]), b
         assert alone.stats.tokens_committed[0] == out.stats.tokens_committed[b], b
     assert out.stats.tokens_committed[0] < free_out.stats.tokens_committed[0]  # row 0 stopped blocks early
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=2),
+                                    dict(strategy="remask", threshold=0.4)], ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_stop_strings_and_max_new_tokens_per_prompt_give_each_prompt_what_it_gives_alone(model, kwargs, graphs):
+    """Stop strings and new tokens given per prompt (a list each; one prompt without stop strings, one whose string
+    never shows, while the first one's string shows in every row's free text): each row is what its prompt gives
+    alone with its own, padding after it, with the same counts; the row whose stop string shows stops there."""
+    tok = LetterTokenizer()
+    prompts = [random_prompts(1, n, seed=40 + b)[0] for b, n in enumerate([4, 7, 2])]
+    ids, mask = padded_batch(prompts, "left")
+    common = dict(pad_token_id=0, eos_token_id=[], return_dict_in_generate=True, tokenizer=tok, **kwargs)
+    free = [tok.decode(model.generate(r[None], max_new_tokens=20, **common).sequences[0, len(r):].tolist())
+            for r in prompts]
+    shared = next(letter for letter in free[0][:7] if all(letter in text[:4] for text in free[1:]))
+    stops, limits = [[shared, "zzzzzz"], [], ["zzzzzz"]], [20, 9, 14]
+    out = model.generate(ids, attention_mask=mask, stop_strings=stops, max_new_tokens=limits, cuda_graphs=graphs,
+                         **common)
+    assert out.sequences.shape[1] == 7 + 20
+    for b, r in enumerate(prompts):
+        alone = model.generate(r[None], max_new_tokens=limits[b], **common,
+                               **(dict(stop_strings=stops[b]) if stops[b] else {}))
+        assert torch.equal(out.sequences[b, 7 - len(r): 7 + limits[b]], alone.sequences[0]), b
+        assert not out.sequences[b, 7 + limits[b]:].any() and out.new_tokens[b] == alone.new_tokens[0], b
+        for name, value in vars(alone.stats).items():
+            assert torch.equal(getattr(out.stats, name)[b], value[0]), (b, name)
+    assert out.new_tokens.tolist()[1:] == [9, 14] and out.new_tokens[0] <= 7
 
 
 def test_stop_strings_cut_the_stream_too(model):

@@ -301,9 +301,10 @@ def test_a_stream_never_sends_text_it_would_have_to_take_back(text, stop, cut):
 
 def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped, monkeypatch):
     """While a call decodes, the requests that arrive wait; then the oldest goes with every waiting request of the
-    same settings (up to max_batch_size rows; a greedy request's seed, sampled requests' seeds and the max_tokens each
-    asks aside; streamed or not) in one call, while one with other settings gets its own (so does one leaving
-    max_new_tokens to generate()'s default). Each completion is the one its prompt gets alone, with its max_tokens:
+    same settings (up to max_batch_size rows; a greedy request's seed, sampled requests' seeds and the max_tokens and
+    stop strings each asks aside; streamed or not) in one call, while one with other settings gets its own (so does
+    one leaving max_new_tokens to generate()'s default). Each completion is the one its prompt gets alone, with its
+    max_tokens and stop strings:
     greedy, or sampled with its request's seed (its own, or the one drawn for it); the streamed one's pieces are its
     tokens."""
     tokenizer, model = shipped
@@ -325,11 +326,11 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
     jobs = [submit("import os\n")]
     while not calls:
         threading.Event().wait(0.01)
-    jobs += [submit("def add(a, b):\n"), submit("class Box:\n", seed=9, max_tokens=7),  # a greedy request's seed:
-             submit(["x = 1\n", "y = 2\n"], max_tokens=30),  # 4 rows                     # no matter
+    jobs += [submit("def add(a, b):\n"), submit("class Box:\n", seed=9, max_tokens=7, stop="\n"),  # a greedy
+             submit(["x = 1\n", "y = 2\n"], max_tokens=30, stop=["=", "("]),  # 4 rows  # request's seed: no matter
              submit("z = 3\n"),  # a fifth row: too many for that call
              submit("def add(a, b):\n", temperature=0.7, seed=5, n=2),  # sampled: together, a seed each
-             submit("def add(a, b):\n", stream=True, max_tokens=10),  # streamed: with z
+             submit("def add(a, b):\n", stream=True, max_tokens=10, stop="("),  # streamed: with z
              submit("class Box:\n", temperature=0.7, n=2),  # a seed drawn for it
              submit("def add(a, b):\n", temperature=0.7, seed=6, n=2, max_tokens=12),
              submit("def add(a, b):\n", strategy="speculative"),  # other settings
@@ -356,7 +357,8 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
     assert len(samples) == 4  # two seeds, two samples each
     for job, completions in zip(jobs, results):
         settings = {"strategy": job.request.settings["strategy"],
-                    "max_new_tokens": job.request.settings.get("max_new_tokens")}
+                    "max_new_tokens": job.request.settings.get("max_new_tokens"),
+                    **({"stop_strings": job.request.stop, "tokenizer": tokenizer} if job.request.stop else {})}
         if job.request.settings["do_sample"]:
             settings.update(do_sample=True, temperature=0.7, seed=job.request.settings["seed"], num_return_sequences=2)
         n = settings.get("num_return_sequences", 1)

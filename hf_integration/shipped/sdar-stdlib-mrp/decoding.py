@@ -165,7 +165,10 @@ class BlockDecoder:
         # Replayed steps without a device loop, when an EOS may settle a row before the schedule's check: the host
         # reads after each step whether the step before it left work (LaggedFlags), and stops there.
         self.lagged_checks = self.graphs is not None and not settings.device_loop and bool(settings.eos_ids)
-        self.stops = None if settings.stop_strings is None else StopStrings(settings.tokenizer, settings.stop_strings)
+        # per original row, its stop strings (None: it has none)
+        self.stops = None if settings.stop_strings is None else [
+            StopStrings(settings.tokenizer, strings) if strings else None
+            for strings in settings.stops_per_prompt(real // copies) for _ in range(copies)]
         self.new_tokens_kept: dict[int, int] = {}  # original row -> new tokens it keeps (a stop ended it)
         # original row -> the most new tokens it keeps, where fewer than the call's max_new_tokens
         self.row_limits = {r: limit for r, limit in enumerate(limits) if limit < settings.max_new_tokens}
@@ -804,10 +807,10 @@ class BlockDecoder:
         original row, ``starts``: its block start."""
         for i in full:
             r, first_new = rows[i], self.prompts.lens[rows[i]]
-            if r in self.new_tokens_kept:  # stopping criteria ended it at an earlier token
+            if r in self.new_tokens_kept or self.stops[r] is None:  # criteria ended it earlier, or it has no stops
                 continue
             end = min(starts[i] + self.block, ends[i])
-            keep = self.stops.tokens_to_keep(self.x[r, first_new:end].tolist(), max(starts[i] - first_new, 0))
+            keep = self.stops[r].tokens_to_keep(self.x[r, first_new:end].tolist(), max(starts[i] - first_new, 0))
             if keep is not None:
                 ended[i] = True
                 self.new_tokens_kept[r] = keep

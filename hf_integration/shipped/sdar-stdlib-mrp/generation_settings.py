@@ -179,7 +179,8 @@ class GenerationSettings:
     so a batch takes as many steps as its slowest row alone, at the price of the finished block riding in the next
     forward of every row (``False``: rows start their blocks together; the output is the same either way);
     ``stop_strings`` (with the ``tokenizer`` that decodes the ids, as in transformers) end a row once its new text
-    contains one of them: checked as its blocks fill, the tokens after the one completing it become padding;
+    contains one of them: checked as its blocks fill, the tokens after the one completing it become padding (a list
+    of one list of strings per prompt gives each prompt its own, an empty one none);
     ``stopping_criteria`` (transformers' criteria, called as its generate calls them, once per new token in order as
     soon as every row has decoded it: :mod:`.stopping_criteria`) end a row at the first token at which one holds;
     ``max_time`` (seconds, as in transformers) ends every row with the block it is decoding once that much time has
@@ -262,7 +263,8 @@ class GenerationSettings:
     device_loop: bool = False
     packed_projections: bool = True
     streamer: object | None = None
-    stop_strings: str | list[str] | tuple[str, ...] | None = None
+    stop_strings: str | Sequence[str] | Sequence[Sequence[str]] | None = None  # validated: a tuple of strings, or
+    # of one tuple of them per prompt (stops_per_prompt), or None
     stopping_criteria: Sequence | None = None  # validated: a non-empty tuple of callables, or None
     max_time: float | None = None
     tokenizer: object | None = None
@@ -353,6 +355,7 @@ class GenerationSettings:
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         settings._check_seeds(prompts)
+        settings._check_stops_per_prompt(prompts)
         settings._check_sampling(asked)
         settings._check_minimum(asked)
         return settings
@@ -391,6 +394,23 @@ class GenerationSettings:
         for limit in limits:
             _int_at_least("max_new_tokens", limit, 1)
         self.new_token_limits, self.max_new_tokens = limits, max(limits)
+
+    def _check_stops_per_prompt(self, prompts: int | None) -> None:
+        """``stop_strings`` given per prompt: one list for each (an empty one: none), not all empty (None then)."""
+        strings = self.stop_strings
+        if not (isinstance(strings, tuple) and strings and all(isinstance(x, tuple) for x in strings)):
+            return
+        if len(strings) != (prompts or len(strings)):
+            raise ValueError(f"stop_strings has {len(strings)} lists for {prompts} prompts: give one per row of "
+                             "input_ids (an empty list: none for that row), or one list for the whole batch")
+        if not any(strings):
+            self.stop_strings = None
+
+    def stops_per_prompt(self, prompts: int) -> list[tuple[str, ...]]:
+        """The stop strings of each of a call's ``prompts`` prompts (each of its copies too; empty: none)."""
+        strings = self.stop_strings or ()
+        per_prompt = bool(strings) and isinstance(strings[0], tuple)
+        return list(strings) if per_prompt else [strings] * prompts
 
     def new_tokens_per_prompt(self, prompts: int) -> list[int]:
         """The most new tokens each of a call's ``prompts`` prompts decodes (each of its copies too)."""
@@ -464,8 +484,10 @@ class GenerationSettings:
         for name, neutral in NEUTRAL.items():  # asks nothing: nothing for the steps to do
             if getattr(self, name) == neutral and not isinstance(getattr(self, name), bool):
                 setattr(self, name, None)
-        if isinstance(self.stop_strings, (str, list)):
-            self.stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if isinstance(self.stop_strings, str):
+            self.stop_strings = (self.stop_strings,)
+        elif isinstance(self.stop_strings, (list, tuple)):  # a list of one list per prompt: a tuple of tuples
+            self.stop_strings = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in self.stop_strings)
         if isinstance(self.stopping_criteria, (list, tuple)):  # transformers' StoppingCriteriaList is a list
             self.stopping_criteria = tuple(self.stopping_criteria) or None
         if self.eos_token_id is None:
@@ -528,9 +550,12 @@ class GenerationSettings:
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")
         if self.stop_strings is not None:
-            if not isinstance(self.stop_strings, tuple) or not self.stop_strings or \
-                    not all(isinstance(x, str) and x for x in self.stop_strings):
-                raise TypeError(f"stop_strings must be a non-empty string or a list of them, got {self.stop_strings!r}")
+            strings = self.stop_strings
+            per_prompt = isinstance(strings, tuple) and strings and all(isinstance(x, tuple) for x in strings)
+            if not isinstance(strings, tuple) or not strings or not all(
+                    isinstance(x, str) and x for x in (sum(strings, ()) if per_prompt else strings)):
+                raise TypeError(f"stop_strings must be a non-empty string, a list of them, or a list of one such list "
+                                f"per prompt, got {self.stop_strings!r}")
             if not callable(getattr(self.tokenizer, "decode", None)):
                 raise ValueError("stop_strings needs the tokenizer that decodes the ids: pass tokenizer=... (as "
                                  "transformers' generate does)")
