@@ -5,7 +5,10 @@ Each client is a thread that sends one ``/v1/completions`` request (``max_tokens
 ``seed``) over HTTP to a server in this process, all at once; per strategy, temperature and ``--max-batch-size``: the
 median wall time of ``--repeats`` rounds until the last answer, the new tokens a second it gives, and whether every
 completion equals the one at ``--max-batch-size 1`` (each request decoded alone). With ``--stream`` the clients stream
-(server-sent events, the text joined from the deltas; results to ``serve_<device>_stream``).
+(server-sent events, the text joined from the deltas; results to ``serve_<device>_stream``). With ``--mixed`` the
+clients ask for different lengths and stop strings, as real clients do: client i asks for ``max_tokens`` (i % 4 + 1)
+quarters of ``--max-new-tokens`` (EOS held back for the first quarter), an odd one with a stop string (results to
+``serve_<device>_mixed``); new tokens a second then count the tokens the completions hold.
 
     python benchmarks/bench_serve.py              # the shipped model, 16 clients, results to benchmarks/results/
     python benchmarks/bench_serve.py --clients 4 --max-new-tokens 8 --repeats 1 --out /tmp/serve
@@ -32,26 +35,41 @@ from bench_e2e import heldout_prompts  # noqa: E402
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
 from hf_integration.server import Server  # noqa: E402
 
-FIELDS = ["strategy", "temperature", "stream", "max_batch_size", "clients", "max_new_tokens", "seconds_median",
-          "new_tokens_per_s", "same_as_alone", "gpu", "torch", "triton", "commit"]
+FIELDS = ["strategy", "temperature", "stream", "mixed", "max_batch_size", "clients", "max_new_tokens",
+          "seconds_median", "new_tokens_per_s", "same_as_alone", "gpu", "torch", "triton", "commit"]
+MIXED_STOP = ["\n\n\n"]  # what an odd client of --mixed stops at
+
+
+def request_body(i: int, prompt: str, max_new_tokens: int, temperature: float, stream: bool, mixed: bool) -> dict:
+    """Client i's request (see the module docstring)."""
+    body = {"prompt": prompt, "max_tokens": max_new_tokens, "min_tokens": max_new_tokens, "temperature": temperature,
+            "stream": stream, **({"seed": i} if temperature else {})}
+    if mixed:
+        body.update(max_tokens=max_new_tokens * (i % 4 + 1) // 4, min_tokens=max_new_tokens // 4,
+                    **({"stop": MIXED_STOP} if i % 2 else {}))
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 def serve_round(server: Server, prompts: list[str], max_new_tokens: int, temperature: float,
-                stream: bool = False) -> tuple[float, list[str]]:
-    """One request a prompt, each from a thread of its own, all at once (sampled requests seeded by their index;
-    ``stream``: streamed, the text joined from the deltas): (seconds until the last answer, texts)."""
+                stream: bool = False, mixed: bool = False) -> tuple[float, list[str], int]:
+    """One request a prompt (:func:`request_body`), each from a thread of its own, all at once (``stream``: streamed,
+    the text joined from the deltas): (seconds until the last answer, texts, new tokens the completions hold)."""
     url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
-    texts = [None] * len(prompts)
+    texts, tokens = [None] * len(prompts), [0] * len(prompts)
 
     def client(i: int) -> None:
-        body = {"prompt": prompts[i], "max_tokens": max_new_tokens, "min_tokens": max_new_tokens,
-                "temperature": temperature, "stream": stream, **({"seed": i} if temperature else {})}
+        body = request_body(i, prompts[i], max_new_tokens, temperature, stream, mixed)
         with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode())) as response:
             if not stream:
-                texts[i] = json.loads(response.read())["choices"][0]["text"]
+                answer = json.loads(response.read())
+                texts[i], tokens[i] = answer["choices"][0]["text"], answer["usage"]["completion_tokens"]
                 return
-            events = [line[6:].strip() for line in map(bytes.decode, response) if line.startswith("data: ")]
-            texts[i] = "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1])
+            events = [json.loads(line[6:]) for line in map(bytes.decode, response)
+                      if line.startswith("data: ") and line[6:].strip() != "[DONE]"]
+            texts[i] = "".join(event["choices"][0]["text"] for event in events[:-1])
+            tokens[i] = events[-1]["usage"]["completion_tokens"]
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     start = time.perf_counter()
@@ -62,7 +80,7 @@ def serve_round(server: Server, prompts: list[str], max_new_tokens: int, tempera
     failed = [i for i, text in enumerate(texts) if text is None]
     if failed:
         raise RuntimeError(f"clients {failed} got no answer (their errors are printed above)")
-    return time.perf_counter() - start, texts
+    return time.perf_counter() - start, texts, sum(tokens)
 
 
 def serve_sizes(args, model, tokenizer, prompts: list[str], strategy: str, temperature: float, meta: dict) -> list:
@@ -74,18 +92,19 @@ def serve_sizes(args, model, tokenizer, prompts: list[str], strategy: str, tempe
         serve_round(server, prompts[:1], args.max_new_tokens, temperature)  # warm-up (GPU: compilation, capture)
         seconds, texts = [], None
         for _ in range(args.repeats):
-            took, texts = serve_round(server, prompts, args.max_new_tokens, temperature, args.stream)
+            took, texts, tokens = serve_round(server, prompts, args.max_new_tokens, temperature, args.stream,
+                                              args.mixed)
             seconds.append(took)
         server.shutdown()
         server.server_close()
         alone = alone if size != 1 else texts
         median = statistics.median(seconds)
-        rows.append({"strategy": strategy, "temperature": temperature, "stream": args.stream, "max_batch_size": size,
-                     "clients": args.clients, "max_new_tokens": args.max_new_tokens, "seconds_median": median,
-                     "new_tokens_per_s": args.clients * args.max_new_tokens / median,
+        rows.append({"strategy": strategy, "temperature": temperature, "stream": args.stream, "mixed": args.mixed,
+                     "max_batch_size": size, "clients": args.clients, "max_new_tokens": args.max_new_tokens,
+                     "seconds_median": median, "new_tokens_per_s": tokens / median,
                      "same_as_alone": None if alone is None else texts == alone, **meta})
-        print(f"{strategy:<12} temperature {temperature:g} max-batch-size {size:>3}: {args.clients} clients x "
-              f"{args.max_new_tokens} tokens in {median:.2f} s ({rows[-1]['new_tokens_per_s']:.0f} new tokens/s), "
+        print(f"{strategy:<12} temperature {temperature:g} max-batch-size {size:>3}: {args.clients} clients, "
+              f"{tokens} new tokens in {median:.2f} s ({rows[-1]['new_tokens_per_s']:.0f} new tokens/s), "
               f"same as alone: {rows[-1]['same_as_alone']}")
     return rows
 
@@ -100,6 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", nargs="+", default=["static", "speculative"])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="0: greedy")
     p.add_argument("--stream", action="store_true", help="the clients stream (server-sent events)")
+    p.add_argument("--mixed", action="store_true", help="the clients ask for different lengths and stop strings")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch runs on")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -114,7 +134,7 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             rows += serve_sizes(args, model, tokenizer, prompts, strategy, temperature, meta)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    write_results(args.out, f"serve_{device}" + "_stream" * args.stream, FIELDS, rows, {"meta": meta, "rows": rows,
+    write_results(args.out, f"serve_{device}" + "_stream" * args.stream + "_mixed" * args.mixed, FIELDS, rows, {"meta": meta, "rows": rows,
                                                              "command": " ".join(sys.argv)}, float_format=".4g")
     return 0
 
