@@ -134,8 +134,9 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             rows += serve_sizes(args, model, tokenizer, prompts, strategy, temperature, meta)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    write_results(args.out, f"serve_{device}" + "_stream" * args.stream + "_mixed" * args.mixed, FIELDS, rows, {"meta": meta, "rows": rows,
-                                                             "command": " ".join(sys.argv)}, float_format=".4g")
+    name = f"serve_{device}" + "_stream" * args.stream + "_mixed" * args.mixed
+    write_results(args.out, name, FIELDS, rows, {"meta": meta, "rows": rows, "command": " ".join(sys.argv)},
+                  float_format=".4g")
     return 0
 
 

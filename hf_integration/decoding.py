@@ -137,6 +137,9 @@ class BlockDecoder:
         self.first_block = torch.tensor(self.first_blocks, device=device)
         self.blocks_to_decode = [end // T - first for end, first in zip(ends, self.first_blocks)] + [0] * (B - real)
         self.limits = limits + [settings.max_new_tokens] * (B - real)
+        # the rows whose prefill computes their prompt's blocks: all but the later copies of a prompt, which get the
+        # first copy's keys and values
+        self.computes_prompt = [b % copies == 0 or b >= real for b in range(B)]
         # The positions a row's last block keeps (host, per working row): up to its last new token.
         self.last_block_kept = [(n + limit - 1) % T + 1 for n, limit in zip(prompts.lens, self.limits)]
         self.uses_mrp = settings.strategy in MRP_STRATEGIES
@@ -746,16 +749,24 @@ class BlockDecoder:
     def _prefill(self) -> None:
         """Commit every row's full prompt blocks: in one forward, or with ``prefill_chunk_size`` in forwards of that
         many positions at most (rounded down to whole blocks, at least one), each attending to the cache the ones
-        before it wrote; the last one fused into the first step when the rows' prompts span the same blocks."""
+        before it wrote; the last one fused into the first step when the rows' prompts span the same blocks. With
+        ``num_return_sequences`` copies of each prompt, only each prompt's first copy computes them (a ragged
+        forward); the other copies get its keys and values."""
         T, prefill = self.block, max(self.first_blocks)
         if not prefill:
             return
+        B, copies = self.x.shape[0], self.settings.num_return_sequences
         chunk = self.settings.prefill_chunk_size
         blocks = prefill if chunk is None else max(chunk // T, 1)
         for start in range(0, prefill, blocks):
             span = torch.arange(start * T, min(start + blocks, prefill) * T, device=self.device)
-            self.commit(self.x[:, span], span.expand(self.x.shape[0], -1), counted=False)
-        if min(self.first_blocks) < prefill:
+            self.commit(self.x[:, span], span.expand(B, -1), counted=False, rows=self.computes_prompt)
+        if copies > 1:
+            self.flush()
+            later = torch.tensor([b for b, computes in enumerate(self.computes_prompt) if not computes],
+                                 device=self.device)
+            self.cache.copy_rows(later - later % copies, later, prefill * T)
+        if min(self.first_blocks) < prefill or copies > 1:
             # Rows with fewer full prompt blocks keep only their own: the rest of their width is
             # masked out and overwritten by their next commits.
             self.flush()

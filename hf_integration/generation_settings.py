@@ -148,7 +148,8 @@ class GenerationSettings:
     row's first new token; ``bad_words_ids`` of one token each are suppressed tokens (a sequence of several tokens is
     refused: which of its tokens comes last depends on the order a block is decoded in). ``num_return_sequences``
     (sampling only) decodes each prompt that many times, the copies next to each other in the output and each drawing
-    its own noise. ``repetition_penalty`` (> 0; 1, transformers' default, none) is transformers' repetition
+    its own noise (the prompt's prefill computed once, its later copies getting the first's keys and values).
+    ``repetition_penalty`` (> 0; 1, transformers' default, none) is transformers' repetition
     penalty, greedy or sampled: every pick scales down the logit of each token the row has seen so far (a positive one
     divided by it, a negative one multiplied), before the temperature and the filters; what a row has seen is its
     prompt, its finished blocks and the tokens committed in its block so far (a speculative draft's are seen by the

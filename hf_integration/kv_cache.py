@@ -86,6 +86,12 @@ class StaticKVCache:
         if not self.full_width:
             self.length = int(self.lengths.max())
 
+    def copy_rows(self, sources: torch.Tensor, targets: torch.Tensor, n: int) -> None:
+        """Every slot's keys and values of the first ``n`` positions of rows ``sources`` into rows ``targets`` (int64
+        [R] each; the lengths are left as they are)."""
+        self.keys[:, targets, :, :n] = self.keys[:, sources, :, :n]
+        self.values[:, targets, :, :n] = self.values[:, sources, :, :n]
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Shrink the batch to ``rows`` (int64 [B'], increasing): the other rows are finished and stop
         costing work. The kept rows move to the front of the same buffers."""
@@ -166,6 +172,14 @@ class AttentionInputs:
             computed = torch.arange(self.tokens.shape[0], device=self.tokens.device)
             self._places = self.tokens.new_full((B * T,), -1).index_copy_(0, self.tokens, computed).view(B, T)
         return self._places
+
+    def computing_rows(self) -> torch.Tensor | None:
+        """Ragged: the grid rows that hold every computed place, when those are the riders' written ones only (a
+        finished block written in a forward of its own, the prefill's too: the other rows cost nothing, what the CPU
+        reference attention exploits); else None (every row may compute places)."""
+        if self.tokens is None or self.tokens.shape[0] != self.riders.shape[0] * self.write_len:
+            return None
+        return self.riders
 
     def from_grid(self, x: torch.Tensor) -> torch.Tensor:
         """The computed places of ``x`` [B, T, ...]: [1, L, ...] in the order of ``tokens``."""

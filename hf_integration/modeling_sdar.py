@@ -175,7 +175,7 @@ class SDARAttention(nn.Module):
             if attn.write_len:  # visible from the next forward on (after cache.advance)
                 attn.write(self.layer_idx, k, v)
             out = mrp_triton.cached_attention(q, k, v, past_k, past_v, attn.cache.lengths, attn.positions,
-                                              attn.block_size, attn.segments, attn.places())
+                                              attn.block_size, attn.segments, attn.places(), attn.computing_rows())
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
 

@@ -192,7 +192,7 @@ def _merge_splits_kernel(part_ptr, ml_ptr, place_ptr, o_ptr, spl_b, spl_t, so_b,
     tl.store(o_ptr + b * so_b + h * so_h + at * so_t + dims, out.to(o_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places) -> None:
+def _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places, rows=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or cache_k.dim() != 4:
         raise ValueError("q must be [B, Hq, T, D], k and v [B, Hkv, T, D], cache_k and cache_v [B, Hkv, W, D]")
     Bq, Hq, Tq, D = q.shape
@@ -207,6 +207,10 @@ def _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places)
                              f"tensor on q's device, got q {tuple(q.shape)} and places {tuple(places.shape)} "
                              f"{places.dtype} on {places.device}")
         B, T = places.shape
+    if rows is not None and (places is None or rows.dim() != 1 or rows.dtype != torch.int64 or
+                             rows.device != q.device):
+        raise ValueError("rows (the grid rows holding a ragged forward's computed places) must be an int64 tensor [R] "
+                         "on q's device, given with places")
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if cache_k.shape[:2] != (B, Hkv) or cache_k.shape[3] != D or cache_v.shape != cache_k.shape:
@@ -229,11 +233,13 @@ def _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places)
 def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                             cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
                             segments: torch.Tensor | None = None, places: torch.Tensor | None = None,
-                            splits: int | None = None, shared_limit: int | None = None) -> torch.Tensor:
-    """Triton launcher of :func:`cached_attention` (same arguments and result). ``splits``: pieces each row's
-    committed slots are cut into (default: :func:`_splits`; tests and benchmarks set it); ``shared_limit``: the
-    shared memory a program may use, which the key/value tiles are fitted to (default: the GPU's; tests set it)."""
-    _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places)
+                            rows: torch.Tensor | None = None, splits: int | None = None,
+                            shared_limit: int | None = None) -> torch.Tensor:
+    """Triton launcher of :func:`cached_attention` (same arguments and result; ``rows`` is checked, and left unused:
+    a program whose query tile holds no computed place returns at once). ``splits``: pieces each row's committed
+    slots are cut into (default: :func:`_splits`; tests and benchmarks set it); ``shared_limit``: the shared memory
+    a program may use, which the key/value tiles are fitted to (default: the GPU's; tests set it)."""
+    _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places, rows)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
     if cache_v.stride() != cache_k.stride():
@@ -310,7 +316,8 @@ def _splits(programs: int, width: int, device: torch.device) -> int:
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
-                     segments: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
+                     segments: torch.Tensor | None = None, places: torch.Tensor | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention (scale 1/sqrt(D), grouped-query heads) of T new positions over each row's
     committed cache prefix and themselves.
 
@@ -324,9 +331,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
 
     A ragged forward computes only some positions of the [B, T] grid of ``positions``: ``places`` int64 [B, T]
     gives each one's index in q, k, v ([1, Hq or Hkv, L, D]), -1 for a position not computed (neither a query
-    nor a key); the result is [1, Hq, L, D]."""
-    args = (q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places)
+    nor a key); the result is [1, Hq, L, D]. ``rows`` (ragged; int64 [R] or None): grid rows that hold every
+    computed place, which the reference attends alone (the kernel skips empty query tiles anyway)."""
+    args = (q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places, rows)
     if q.dtype != torch.float64 and select_backend(q.device, q, k, v, cache_k, cache_v) == "triton":
         return cached_attention_triton(*args)
-    _check_args(*args[:7], segments, places)
+    _check_args(*args[:7], segments, places, rows)
     return cached_attention_reference(*args)

@@ -98,7 +98,8 @@ def test_ragged_kernel_matches_reference(p, splits, data):
     """A ragged forward: a drawn subset of the [B, T] grid computed (at least one position; all of them too), held
     as one row of L places in a drawn order. The kernel equals the reference (the positions not computed are
     neither queries nor keys, the programs of query tiles with none computed return at once), and with every
-    position computed both equal the dense attention, place by place."""
+    position computed both equal the dense attention, place by place; given the grid rows that hold the computed
+    places (``rows``), the reference attends those alone and gives the same, and the kernel the same as without."""
     B, T = p["B"], p["T"]
     keep = torch.tensor(data.draw(st.one_of(st.just([True] * (B * T)),
                                             st.lists(st.booleans(), min_size=B * T, max_size=B * T).filter(any))))
@@ -122,6 +123,11 @@ def test_ragged_kernel_matches_reference(p, splits, data):
                                   places=places.to(DEV))
     assert out.shape == expect.shape == (1, p["Hq"], L, p["D"]) and out.dtype == p["dtype"]
     torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
+    rows = keep.view(B, T).any(1).nonzero().flatten().to(DEV)
+    torch.testing.assert_close(ref.cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args,
+                                                    places=places.to(DEV), rows=rows), expect, atol=1e-6, rtol=0)
+    assert torch.equal(cached_attention_triton(q, k, v, ck, cv, *args, places=places.to(DEV), rows=rows,
+                                               splits=splits), out)
     if L == B * T:
         dense = ref.cached_attention(q_grid.float(), k_grid.float(), v_grid.float(), ck.float(), cv.float(), *args)
         torch.testing.assert_close(expect, ragged(dense), atol=1e-5, rtol=0)
@@ -276,10 +282,13 @@ def test_float64_and_cpu_dispatch_to_the_reference():
     (dict(places=torch.tensor([[0, 1, 2]], dtype=torch.int32)), "with places"),
     (dict(places=torch.tensor([[0, 1, 2]], device="meta")), "with places"),
     (dict(q=torch.zeros(2, 2, 3, 8), k=torch.zeros(2, 1, 3, 8), places=torch.tensor([[0, 1, 2]])), "with places"),
+    (dict(rows=torch.tensor([0])), "rows .* given with places"),
+    (dict(places=torch.tensor([[0, 1, 2]]), rows=torch.tensor([0], dtype=torch.int32)), "rows .* must be an int64"),
 ], ids=lambda x: None if isinstance(x, dict) else x)
 def test_bad_arguments_are_named(bad, message, op):
     """Each check of ``_check`` (which the reference path runs too) names its argument: a wrong shape, dtype or
-    device of any operand, and a ragged forward's q of more than one row or places not int64 on q's device."""
+    device of any operand, a ragged forward's q of more than one row or places not int64 on q's device, and rows
+    without places or not int64."""
     p = dict(B=1, Hkv=1, Hq=2, T=3, D=8, W=4, block=4, seed=3, dtype=torch.float32)
     q, k, v, ck, cv = _tensors(p, "cpu")
     args = dict(q=q, k=k, v=v, cache_k=ck, cache_v=cv, lengths=torch.tensor([4]), positions=torch.tensor([[4, 5, 6]]),

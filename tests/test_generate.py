@@ -958,6 +958,35 @@ def test_a_chunked_prefill_gives_the_output_of_one_prefill_forward(model, monkey
         writes.clear()
 
 
+@pytest.mark.parametrize("graphs, chunk", [(False, None), (True, None), (False, 8)])
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=2),
+                                    dict(strategy="remask", threshold=0.4)], ids=lambda k: k["strategy"])
+def test_the_copies_of_a_prompt_share_its_prefill(model, monkeypatch, kwargs, graphs, chunk):
+    """num_return_sequences=3 of 2 prompts (9 and 14 tokens: 2 and 3 full blocks of 4): each prompt's full blocks are
+    computed once, by its first copy (each prefill forward computes 2 rows' positions, not 6; with CUDA-graph shaped
+    steps the graphed batch's 2 padding rows too), the later copies getting its keys and values; the output, counts
+    included, is that of the prompts repeated in input_ids (whose rows the sampling noise keys alike: by the row's
+    index in the batch), in whole or chunked prefill forwards."""
+    computed, original = [], model.model.forward
+
+    def spy(input_ids, *args, attn=None, **kw):
+        if attn.write_len > 4:  # a prefill forward
+            computed.append(input_ids.numel() // attn.write_len)
+        return original(input_ids, *args, attn=attn, **kw)
+
+    monkeypatch.setattr(model.model, "forward", spy)
+    rows = [random_prompts(1, n, seed=60 + n)[0] for n in (9, 14)]
+    common = dict(max_new_tokens=11, eos_token_id=5, pad_token_id=0, return_dict_in_generate=True, do_sample=True,
+                  temperature=0.9, seed=7, cuda_graphs=graphs, prefill_chunk_size=chunk, **kwargs)
+    out = model.generate(*padded_batch(rows, "left"), num_return_sequences=3, **common)
+    assert computed == [4 if graphs else 2] * len(computed) and computed
+    repeated = model.generate(*padded_batch([r for r in rows for _ in range(3)], "left"), **common)
+    assert computed[-1] == 8 if graphs else 6
+    assert torch.equal(out.sequences, repeated.sequences)
+    for name, value in vars(repeated.stats).items():
+        assert torch.equal(getattr(out.stats, name), value), name
+
+
 def _forward_batch_sizes(model, monkeypatch) -> list[int]:
     """Record the batch size of every backbone forward."""
     sizes, original = [], model.model.forward

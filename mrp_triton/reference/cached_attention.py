@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
-                     segments: torch.Tensor | None = None, places: torch.Tensor | None = None) -> torch.Tensor:
+                     segments: torch.Tensor | None = None, places: torch.Tensor | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention (scale 1/sqrt(D), grouped-query heads) of T new positions.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (the new positions); cache_k, cache_v: [B, Hkv, W, D] of
@@ -20,8 +21,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     [B, Hq, T, D] in q's dtype.
 
     Ragged (``places`` int64 [B, T]): q, k, v are [1, H, L, D], grid position (b, t) of ``positions`` at index
-    places[b, t] of L, or not computed where it is -1 (neither a query nor a key); returns [1, Hq, L, D]."""
+    places[b, t] of L, or not computed where it is -1 (neither a query nor a key); returns [1, Hq, L, D]. ``rows``
+    (ragged; int64 [R] or None): grid rows that hold every computed place, the only ones attended (a prefill that
+    some rows compute costs theirs only)."""
     if places is not None:
+        if rows is not None:
+            places, positions, lengths = places[rows], positions[rows], lengths[rows]
+            cache_k, cache_v = cache_k[rows], cache_v[rows]
         return _ragged(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places)
     B, _, T, _ = q.shape
     W = cache_k.shape[2]
