@@ -120,7 +120,8 @@ class PromptBatch:
     def kept_counts(self, x: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...], mask_id: int,
                     new_tokens_kept: dict[int, int]) -> list[int]:
         """Per row of the decoded layout x [B', total], the new tokens it keeps: up to its first EOS, at most
-        ``max_new_tokens`` and its first ``new_tokens_kept[b]`` where given (a stop string or criterion ended it).
+        ``max_new_tokens`` and its first ``new_tokens_kept[b]`` where given (a stop string, a criterion or
+        ``max_time`` ended it, or it has a ``max_new_tokens`` of its own).
         One host read; raises a RuntimeError if a kept token is still the mask token."""
         B, device = len(self.lens), x.device
         steps = torch.arange(max_new_tokens, device=device)

@@ -24,9 +24,11 @@ import argparse
 import hmac
 import json
 import os
+import select
 import socket
 import sys
 import traceback
+from concurrent.futures import TimeoutError as WaitedTooLong
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -42,6 +44,17 @@ from .server_requests import (Request, RequestError, choice, cut_at_stop, envelo
 MAX_BATCH_SIZE = 8
 MAX_BODY_BYTES = 16 * 2**20
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+CLIENT_CHECK_S = 0.25  # how often a request that does not stream checks, while it waits, that its client is there
+
+
+def client_gone(connection: socket.socket) -> bool:
+    """Whether the client has closed ``connection`` (its end reads as EOF now; what it sent ahead stays unread)."""
+    if not select.select([connection], [], [], 0)[0]:
+        return False
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:  # reset by the client
+        return True
 
 
 class Server(ThreadingHTTPServer):
@@ -128,10 +141,24 @@ class Handler(BaseHTTPRequestHandler):
                 events.close()  # which stops the decoding of a client that left
             return
         try:
-            completions = job.future.result()
+            completions = self.wait_for(job)
         except (ValueError, TypeError) as err:  # generate() refused the settings of the batch
             raise RequestError(str(err)) from None
+        if completions is None:  # the client left: no one to answer
+            self.close_connection = True
+            return
         self.send_json(response_body(endpoint, rid, server.model_name, request, completions, server.tokenizer))
+
+    def wait_for(self, job: Job) -> list | None:
+        """The completions of a job that does not stream, or None once its client has closed the connection (checked
+        every ``CLIENT_CHECK_S`` seconds while it waits), which stops its decoding: its rows end with their block."""
+        while True:
+            try:
+                return job.future.result(timeout=CLIENT_CHECK_S)
+            except WaitedTooLong:
+                if client_gone(self.connection):
+                    job.cancelled.set()
+                    return None
 
     def authorized(self) -> bool:
         """Whether the request carries the server's API key (any request does when it has none); if not, answer it

@@ -6,9 +6,10 @@ Only this thread calls the model. It takes the oldest waiting request and every 
 up to ``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on through its blocks on its
 own and stops at its request's ``max_new_tokens`` and stop strings (``generate()`` takes them per prompt), a greedy
 row gives what it gives alone, and each prompt of a sampled request draws with the request's seed (a seed per prompt)
-what it draws alone, so batching changes the speed, not the text. A streamed request's row sends its new tokens as
-the call decodes them (through a stopping criterion, which sees each new token once every row of the call has it),
-and ends once its client is gone, while the other rows go on. Not part of a checkpoint's remote code.
+what it draws alone, so batching changes the speed, not the text. A stopping criterion, which sees each new token
+once every row of the call has it, watches the call's rows: a streamed request's row sends its new tokens as the call
+decodes them, and the rows of a request whose client is gone (streamed or not) end, while the other rows go on. Not
+part of a checkpoint's remote code.
 """
 
 from __future__ import annotations
@@ -76,27 +77,30 @@ class Totals:
     seconds: float = 0.0
 
 
-class _StreamedRows:
+class _RowWatch:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
-    has decoded) that stops nothing but the rows whose client has gone, and puts each new token of a streamed job's
-    row in its ``pieces``, with the row's choice index, until the row's end (an EOS or padding: ``ends``; or its
-    request's ``max_new_tokens``). ``batch``: the call's jobs, whose rows lie in their order (``Job.rows`` each);
-    ``streamed``: each streamed row's (row, job, choice)."""
+    has decoded) that stops nothing but the rows of the jobs no one waits for any more (``Job.cancelled``: the client
+    has gone), and puts each new token of a streamed job's row in its ``pieces``, with the row's choice index, until
+    the row's end (an EOS or padding: ``ends``; or its request's ``max_new_tokens``). ``batch``: the call's jobs,
+    whose rows lie in their order (``Job.rows`` each): ``spans``, each job's; ``streamed``: each streamed row's (row,
+    job, choice)."""
 
     def __init__(self, batch: list[Job], ends: set[int]):
         self.jobs, self.ends = [job for job in batch if job.request.stream], ends
-        firsts = itertools.accumulate((job.rows for job in batch), initial=0)
+        firsts = list(itertools.accumulate((job.rows for job in batch), initial=0))
+        self.spans = [(slice(first, first + job.rows), job) for first, job in zip(firsts, batch)]
         self.streamed = [(first + index, job, index) for first, job in zip(firsts, batch) if job.request.stream
                          for index in range(job.rows)]
         self.ended: set[int] = set()
         self.calls = 0  # the new tokens each row has decoded
 
     def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
-        last = input_ids[:, -1].tolist()  # the new token (generate() calls this once a new token)
         self.calls += 1
         gone = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        for rows, job in self.spans:
+            gone[rows] = job.cancelled.is_set()
+        last = input_ids[:, -1].tolist() if self.streamed else []  # the new token (one call a new token)
         for row, job, index in self.streamed:
-            gone[row] = job.cancelled.is_set()
             if row not in self.ended:
                 job.pieces.put((index, [last[row]]))
                 if last[row] in self.ends or self.calls == job.request.settings.get("max_new_tokens"):
@@ -197,9 +201,8 @@ class Batcher:
         if len({tuple(strings) for strings in stops}) > 1:  # a list per prompt (empty: none), each request's own
             extra.update(stop_strings=stops,
                          tokenizer=next(job.request.settings["tokenizer"] for job in batch if job.request.stop))
-        streams = _StreamedRows(batch, self.eos_ids | {self.pad_id})
-        if streams.jobs:
-            extra.update(stopping_criteria=[streams], pad_token_id=self.pad_id)
+        watch = _RowWatch(batch, self.eos_ids | {self.pad_id})
+        extra.update(stopping_criteria=[watch], pad_token_id=self.pad_id)
         start = time.perf_counter()
         try:
             out = self.model.generate(input_ids, attention_mask=mask, return_dict_in_generate=True,
@@ -207,7 +210,7 @@ class Batcher:
         except Exception as err:  # noqa: BLE001 - the request's error, sent to whoever waits for it
             for job in batch:
                 job.future.set_exception(err)
-            streams.end()
+            watch.end()
             self._count(batch, 0, time.perf_counter() - start, failed=True)
             return
         width, stats = input_ids.shape[1], out.stats.as_dict()
@@ -223,7 +226,7 @@ class Batcher:
         for job in batch:
             job.future.set_result(results[: job.rows])
             results = results[job.rows :]
-        streams.end()
+        watch.end()
         if self.report is not None:
             requests, rows = len(batch), out.sequences.shape[0]
             self.report(f"{requests} request{'s' * (requests > 1)}, {rows} row{'s' * (rows > 1)} in one "

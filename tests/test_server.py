@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -391,6 +392,59 @@ def test_a_stream_whose_client_left_stops_its_row_and_the_others_go_on(shipped):
     ids = tokenizer("import os\n").input_ids
     assert len(rest.ids) == 200
     assert rest.ids == kept(alone(model, ids, max_new_tokens=200, min_new_tokens=200), len(ids))
+
+
+def test_a_request_whose_client_left_stops_its_row_and_the_others_go_on(shipped, monkeypatch):
+    """A request that does not stream shares a call with another; its client closes the connection while the call
+    decodes: the server notices (a waiting request checks its connection), answers nothing and stops its row, which
+    ends short of its 300 tokens (EOS held back: it decodes all 300 unless stopped), while the other row decodes its
+    300 as alone."""
+    tokenizer, model = shipped
+    started, gate, real = [], threading.Event(), model.generate
+
+    def held(input_ids, **settings):
+        started.append(input_ids.shape[0])
+        gate.wait(120) if len(started) == 1 else None
+        out = real(input_ids, **settings)
+        started.append(out.new_tokens.tolist())
+        return out
+
+    monkeypatch.setattr(model, "generate", held)
+    server = Server(("127.0.0.1", 0), model, tokenizer, DEFAULTS, "sdar", quiet=True)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    answers = []
+
+    def client(body):
+        answers.append(post(url, body))
+
+    with serving_on(server):
+        threads = [threading.Thread(target=client, args=({"prompt": "x = 1\n", "max_tokens": 4},))]
+        threads[0].start()  # holds the decoding thread while the two others queue
+        while not started:
+            time.sleep(0.01)
+        leaving = socket.create_connection(server.server_address)
+        body = json.dumps({"prompt": "def f(x):\n", "max_tokens": 300, "min_tokens": 300}).encode()  # no EOS
+        leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        while server.batcher.metrics()[0] < 1:
+            time.sleep(0.01)
+        threads.append(threading.Thread(target=client, args=({"prompt": "import os\n", "max_tokens": 300,
+                                                              "min_tokens": 300},)))
+        threads[1].start()
+        while server.batcher.metrics()[0] < 2:
+            time.sleep(0.01)
+        gate.set()
+        while len(started) < 3:  # the shared call has begun
+            time.sleep(0.01)
+        leaving.close()
+        for thread in threads:
+            thread.join(300)
+    assert started[2] == 2 and 0 < started[3][0] < 300 and started[3][1] == 300, started
+    (status, first), (status2, other) = answers
+    assert status == status2 == 200 and len(answers) == 2
+    ids = tokenizer("import os\n").input_ids
+    assert other["choices"][0]["text"] == tokenizer.decode(
+        kept(alone(model, ids, max_new_tokens=300, min_new_tokens=300), len(ids)), skip_special_tokens=True)
 
 
 def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
