@@ -761,15 +761,14 @@ class BlockDecoder:
         for start in range(0, prefill, blocks):
             span = torch.arange(start * T, min(start + blocks, prefill) * T, device=self.device)
             self.commit(self.x[:, span], span.expand(B, -1), counted=False, rows=self.computes_prompt)
-        if copies > 1:
-            self.flush()
-            later = torch.tensor([b for b, computes in enumerate(self.computes_prompt) if not computes],
-                                 device=self.device)
-            self.cache.copy_rows(later - later % copies, later, prefill * T)
         if min(self.first_blocks) < prefill or copies > 1:
+            self.flush()
+            if copies > 1:  # the later copies get their first copy's keys and values
+                later = torch.tensor([b for b, computes in enumerate(self.computes_prompt) if not computes],
+                                     device=self.device)
+                self.cache.copy_rows(later - later % copies, later, prefill * T)
             # Rows with fewer full prompt blocks keep only their own: the rest of their width is
             # masked out and overwritten by their next commits.
-            self.flush()
             self.cache.lengths.copy_(self.first_block * T)
 
     def _move_on(self, block: torch.Tensor, positions: torch.Tensor, bar, together: bool):
