@@ -23,6 +23,7 @@ from mrp_triton._checks import MAX_TOP_M
 from mrp_triton.confidence import check_temperature
 
 from .draft_vocab import normalize_draft_vocab
+from .stopping_criteria import takes_confidences
 
 logger = logging.get_logger(__name__)
 
@@ -183,7 +184,8 @@ class GenerationSettings:
     contains one of them: checked as its blocks fill, the tokens after the one completing it become padding (a list
     of one list of strings per prompt gives each prompt its own, an empty one none);
     ``stopping_criteria`` (transformers' criteria, called as its generate calls them, once per new token in order as
-    soon as every row has decoded it: :mod:`.stopping_criteria`) end a row at the first token at which one holds;
+    soon as every row has decoded it: :mod:`.stopping_criteria`; one with ``takes_confidences = True`` also gets each
+    new token's confidence, with ``output_confidences``) end a row at the first token at which one holds;
     ``max_time`` (seconds, as in transformers) ends every row with the block it is decoding once that much time has
     passed since the call began (checked as blocks fill, so a call may run past it by the rest of a block); ``progress``
     shows a bar over blocks; ``streamer`` (one prompt at a time) is an object with ``put(ids)`` and ``end()``, like
@@ -564,6 +566,10 @@ class GenerationSettings:
                                                        all(map(callable, self.stopping_criteria))):
             raise TypeError(f"stopping_criteria must be a list (or transformers.StoppingCriteriaList) of criteria "
                             f"called as criterion(input_ids, scores), got {reprlib.repr(self.stopping_criteria)}")
+        if not self.output_confidences and any(map(takes_confidences, self.stopping_criteria or ())):
+            raise ValueError("stopping_criteria holds a criterion that takes each new token's confidence "
+                             "(takes_confidences=True): pass output_confidences=True (and return_dict_in_generate=True)"
+                             ", which notes them")
         self._normalize_bans(config.vocab_size)
         if self.prefill_chunk_size is not None:
             _int_at_least("prefill_chunk_size", self.prefill_chunk_size, 1, " (None: the whole prompt in one forward)")

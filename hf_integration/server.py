@@ -29,6 +29,7 @@ import socket
 import sys
 import traceback
 from concurrent.futures import TimeoutError as WaitedTooLong
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from .cli import (HelpFormatter, UsageError, add_decoding_options, add_model_opt
 from .prompts import PromptBatch
 from .server_batcher import Batcher, Job
 from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_of,
-                              read_request, response_id, streamable, usage)
+                              read_request, response_id, shown_tokens, streamable, token_offsets, usage)
 
 MAX_BATCH_SIZE = 8
 MAX_BODY_BYTES = 16 * 2**20
@@ -122,8 +123,8 @@ class Handler(BaseHTTPRequestHandler):
     def serve(self, endpoint: str) -> None:
         server = self.server
         request = read_request(self.read_body(), endpoint, server.tokenizer, server.defaults, server.model_name)
-        request.max_new_tokens = check_decodable(server.model, request)
-        request.settings["max_new_tokens"] = request.max_new_tokens  # what it shares a call with may ask another
+        # resolved (what it shares a call with may ask another count; a finish reason reads it)
+        request.settings["max_new_tokens"] = check_decodable(server.model, request)
         job, rid = server.batcher.submit(request), response_id(endpoint)
         if request.stream:
             self.send_response(200)
@@ -253,46 +254,90 @@ def response_body(endpoint: str, rid: str, model_name: str, request: Request, co
         reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
         choices.append({**choice(endpoint, index, text, reason, chunk=False), "stats": completion.stats})
         if request.logprobs:
-            choices[-1]["logprobs"] = logprobs_of(endpoint, tokenizer, completion.ids, completion.logprobs, text)
+            offsets = token_offsets(tokenizer, completion.ids)
+            shown = shown_tokens(offsets, len(text))
+            choices[-1]["logprobs"] = logprobs_of(endpoint, tokenizer, completion.ids[:shown],
+                                                  completion.logprobs[:shown], offsets[:shown])
     return {**envelope(endpoint, rid, model_name, chunk=False), "choices": choices,
             "usage": usage(sum(map(len, request.prompts)), sum(len(c.ids) for c in completions))}
 
 
+@dataclass
+class StreamedChoice:
+    """A stream's choice as its tokens come: their ids, log-probabilities (when asked) and offsets in ``text``, the
+    text of the ids; the part of that text sent so far (``sent``) and the tokens whose log-probabilities were."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: str = ""
+    sent_tokens: int = 0
+
+    def add(self, tokenizer, ids: list[int], logprobs: list[float] | None) -> None:
+        for token in ids:
+            self.offsets.append(len(self.text))
+            self.ids.append(token)
+            self.text = tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.logprobs += logprobs or []
+
+
 def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str):
     """The server-sent events of a streamed request: chunks of each choice's new text as the call decodes it (held
-    back where a stop string may be starting; a choice a prompt's sample, indexed as :func:`response_body` does), then
-    a chunk a choice with its finish reason, with ``stream_options.include_usage`` one with the usage, and ``[DONE]``.
-    A client that leaves stops the decoding of its rows."""
+    back where a stop string may be starting; a choice a prompt's sample, indexed as :func:`response_body` does), if
+    asked with the log-probabilities of the tokens that text adds (the tokens starting in it; all of a choice's chunks
+    together give :func:`response_body`'s), then a chunk a choice with its finish reason, with
+    ``stream_options.include_usage`` one with the usage, and ``[DONE]``. A client that leaves stops the decoding of its
+    rows."""
     head = envelope(endpoint, rid, model_name, chunk=True)
+    request = job.request
 
     def event(payload) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    ids, sent = [[] for _ in range(job.rows)], [""] * job.rows
+    def chunk(index: int, text: str | None, reason: str | None, ids, logprobs, offsets) -> dict:
+        """A chunk of choice ``index``: the text it adds, its finish reason, and (when asked) the log-probabilities
+        of its tokens ``ids`` (at ``offsets`` in the choice's text)."""
+        body = choice(endpoint, index, text, reason, chunk=True)
+        if request.logprobs:
+            body["logprobs"] = logprobs_of(endpoint, tokenizer, ids, logprobs, offsets)
+        return {**head, "choices": [body]}
+
+    streamed = [StreamedChoice() for _ in range(job.rows)]
     try:
         for index in range(job.rows) if endpoint == "chat" else ():  # a chunk a choice, as every chunk
             yield event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}]})
         while (piece := job.next_piece()) is not None:
-            index, new = piece
-            ids[index] += new
-            text = streamable(tokenizer.decode(ids[index], skip_special_tokens=True), job.request.stop)
-            if len(text) > len(sent[index]):
-                yield event({**head, "choices": [choice(endpoint, index, text[len(sent[index]):], None, chunk=True)]})
-                sent[index] = text
+            index, new, logprobs = piece
+            one = streamed[index]
+            one.add(tokenizer, new, logprobs)
+            text = streamable(one.text, request.stop)
+            if len(text) > len(one.sent):
+                first = one.sent_tokens
+                one.sent_tokens += shown_tokens(one.offsets[first:], len(text))
+                tokens = slice(first, one.sent_tokens)
+                yield event(chunk(index, text[len(one.sent):], None, one.ids[tokens], one.logprobs[tokens],
+                                  one.offsets[tokens]))
+                one.sent = text
         try:
             completions = job.future.result()
         except Exception as err:  # noqa: BLE001 - the stream has begun: its last event says what failed
             yield event(RequestError(f"{type(err).__name__}: {err}", status=500).body())
             yield "data: [DONE]\n\n"
             return
-        for index, completion in enumerate(completions):
-            text, stopped = completion_text(tokenizer, completion.ids, job.request.stop)
-            reason = finish_reason(len(completion.ids), completion.ended, stopped, job.request.max_new_tokens)
-            yield event({**head, "choices": [choice(endpoint, index, text[len(sent[index]):] or None, reason,
-                                                    chunk=True) | {"stats": completion.stats}]})
-        if job.request.include_usage:
-            yield event({**head, "choices": [], "usage": usage(sum(map(len, job.request.prompts)),
+        for index, (completion, one) in enumerate(zip(completions, streamed)):
+            text, stopped = completion_text(tokenizer, completion.ids, request.stop)
+            reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
+            first = one.sent_tokens
+            offsets = token_offsets(tokenizer, completion.ids, start=first) if request.logprobs else []
+            tokens = slice(first, first + shown_tokens(offsets, len(text)))
+            last = chunk(index, text[len(one.sent):] or None, reason, completion.ids[tokens],
+                         (completion.logprobs or [])[tokens], offsets[: tokens.stop - first])
+            last["choices"][0]["stats"] = completion.stats
+            yield event(last)
+        if request.include_usage:
+            yield event({**head, "choices": [], "usage": usage(sum(map(len, request.prompts)),
                                                                sum(len(c.ids) for c in completions))})
         yield "data: [DONE]\n\n"
     finally:

@@ -46,8 +46,9 @@ class Completion:
 @dataclass
 class Job:
     """A request waiting or decoding. ``future`` gets its completions (``n`` a prompt, a prompt's together, in its
-    prompts' order) or the error ``generate()`` raised; a streamed job's ``pieces`` gets (choice, new token ids): each
-    choice's (row's) new tokens as the call decodes them, then None; ``cancelled`` is set when no one waits for it any
+    prompts' order) or the error ``generate()`` raised; a streamed job's ``pieces`` gets (choice, new token ids, their
+    log-probabilities or None): each choice's (row's) new tokens as the call decodes them (with their
+    log-probabilities if the request asks for them), then None; ``cancelled`` is set when no one waits for it any
     more."""
 
     request: Request
@@ -59,8 +60,9 @@ class Job:
     def rows(self) -> int:
         return len(self.request.prompts) * self.request.settings.get("num_return_sequences", 1)
 
-    def next_piece(self) -> tuple[int, list[int]] | None:
-        """A streamed job's next (choice, new token ids) (waiting for it), or None once the stream has ended."""
+    def next_piece(self) -> tuple[int, list[int], list[float] | None] | None:
+        """A streamed job's next (choice, new token ids, their log-probabilities if the request asks for them)
+        (waiting for it), or None once the stream has ended."""
         return self.pieces.get()
 
 
@@ -80,8 +82,9 @@ class Totals:
 class _RowWatch:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
     has decoded) that stops nothing but the rows of the jobs no one waits for any more (``Job.cancelled``: the client
-    has gone), and puts each new token of a streamed job's row in its ``pieces``, with the row's choice index, until
-    the row's end (an EOS or padding: ``ends``; or its request's ``max_new_tokens``). ``batch``: the call's jobs,
+    has gone), and puts each new token of a streamed job's row in its ``pieces``, with the row's choice index (and the
+    token's log-probability if the request asks for it: the watch then takes the tokens' confidences), until the row's
+    end (an EOS or padding: ``ends``; or its request's ``max_new_tokens``). ``batch``: the call's jobs,
     whose rows lie in their order (``Job.rows`` each): ``spans``, each job's; ``streamed``: each streamed row's (row,
     job, choice)."""
 
@@ -93,17 +96,19 @@ class _RowWatch:
                          for index in range(job.rows)]
         self.ended: set[int] = set()
         self.calls = 0  # the new tokens each row has decoded
+        self.takes_confidences = any(job.request.logprobs for job in self.jobs)
 
-    def __call__(self, input_ids: torch.Tensor, scores) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, scores, confidences: torch.Tensor | None = None) -> torch.Tensor:
         self.calls += 1
         gone = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         for rows, job in self.spans:
             gone[rows] = job.cancelled.is_set()
         last = input_ids[:, -1].tolist() if self.streamed else []  # the new token (one call a new token)
+        logprobs = confidences[:, -1].log().tolist() if confidences is not None else []
         for row, job, index in self.streamed:
             if row not in self.ended:
-                job.pieces.put((index, [last[row]]))
-                if last[row] in self.ends or self.calls == job.request.settings.get("max_new_tokens"):
+                job.pieces.put((index, [last[row]], [logprobs[row]] if job.request.logprobs else None))
+                if last[row] in self.ends or self.calls == job.request.max_new_tokens:
                     self.ended.add(row)
         return gone
 
@@ -187,17 +192,21 @@ class Batcher:
         batch = [job for job in batch if not (job.cancelled.is_set() and job.future.cancel())]
         if not batch:
             return
-        prompts = [ids for job in batch for ids in job.request.prompts]
-        input_ids, mask = left_padded(prompts, self.model.device)
+
+        def per_prompt(value: Callable[[Request], object]) -> list:
+            """``value`` of each job's request once for each of its prompts, in the call's order."""
+            return [value(job.request) for job in batch for _ in job.request.prompts]
+
+        input_ids, mask = left_padded(sum((job.request.prompts for job in batch), []), self.model.device)
         extra = {}
         if any(job.request.logprobs for job in batch):
             extra["output_confidences"] = True
         if batch[0].request.settings["do_sample"]:  # a seed per prompt: each request's own
-            extra["seed"] = [job.request.settings["seed"] for job in batch for _ in job.request.prompts]
-        limits = [job.request.settings.get("max_new_tokens") for job in batch for _ in job.request.prompts]
+            extra["seed"] = per_prompt(lambda request: request.settings["seed"])
+        limits = per_prompt(lambda request: request.max_new_tokens)
         if len(set(limits)) > 1:  # a count per prompt: each request's own
             extra["max_new_tokens"] = limits
-        stops = [job.request.stop for job in batch for _ in job.request.prompts]
+        stops = per_prompt(lambda request: request.stop)
         if len({tuple(strings) for strings in stops}) > 1:  # a list per prompt (empty: none), each request's own
             extra.update(stop_strings=stops,
                          tokenizer=next(job.request.settings["tokenizer"] for job in batch if job.request.stop))

@@ -57,16 +57,20 @@ class Request:
     """A request read: its prompts' token ids (one list a prompt, each non-empty), the ``generate()`` keywords
     (``num_return_sequences`` is the request's ``n``; a sampled request's ``seed`` is its own or one drawn for it,
     which keys each of its prompts' samples as if that prompt were sent alone), whether it streams, with
-    ``include_usage`` whether its stream ends with a usage chunk, the new tokens it asks for once its settings are
-    resolved (``max_new_tokens``: what a completion's ``finish_reason`` reads), and whether its choices carry each
-    token's log-probability (``logprobs``)."""
+    ``include_usage`` whether its stream ends with a usage chunk, and whether its choices carry each token's
+    log-probability (``logprobs``)."""
 
     prompts: list[list[int]]
     settings: dict
     stream: bool
     include_usage: bool
-    max_new_tokens: int | None = None
     logprobs: bool = False
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The new tokens it asks for (what a completion's ``finish_reason`` reads): its settings', which the server
+        resolves before the request waits (None: generate()'s default, not resolved)."""
+        return self.settings.get("max_new_tokens")
 
     @property
     def stop(self) -> list[str]:
@@ -121,8 +125,6 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     stop = _stop_strings(body.get("stop"))
     stream = body.get("stream") is True
     logprobs = _asks_for_logprobs(body, endpoint)
-    if stream and logprobs:
-        raise RequestError("logprobs are not streamed here: send stream=false to get them", param="logprobs")
     from_defaults = {name: value for name, value in defaults.items()
                      if value is not None and not (name in SAMPLING and not sample)}
     strategy = given.pop("strategy", from_defaults.pop("strategy", "static"))
@@ -172,23 +174,31 @@ def _asks_for_logprobs(body: dict, endpoint: str) -> bool:
     return True
 
 
-def logprobs_of(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], text: str) -> dict:
-    """OpenAI's ``logprobs`` of a choice whose new tokens are ``ids`` with log-probabilities ``logprobs`` and whose
-    text (cut before a stop string) is ``text``: the tokens that make that text (those starting before its end; an
-    EOS, or the tokens of a stop string cut off, left out), each as its own text (``tokenizer.decode([id])``) with
-    its log-probability; for ``/v1/completions`` also each token's offset in the text, and as its ``top_logprobs``
-    the chosen token alone."""
-    tokens, offsets, values = [], [], []
-    for i, (token, value) in enumerate(zip(ids, logprobs)):
-        offset = len(tokenizer.decode(ids[:i], skip_special_tokens=True))
-        if offset >= len(text):
-            break
-        tokens.append(tokenizer.decode([token], skip_special_tokens=True))
-        offsets.append(offset)
-        values.append(max(value, -9999.0))  # a probability that underflowed: JSON has no -inf
+def token_offsets(tokenizer, ids: list[int], start: int = 0) -> list[int]:
+    """The offset of each of ``ids`` from ``start`` on in the text of ``ids``: the length of the text of the tokens
+    before it."""
+    return [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) for i in range(start, len(ids))]
+
+
+def shown_tokens(offsets: list[int], text_length: int) -> int:
+    """How many tokens, at ``offsets`` in their choice's text, make its first ``text_length`` characters: those
+    starting before that end (an EOS, or the tokens of a stop string cut off, start at or past it)."""
+    shown = 0
+    while shown < len(offsets) and offsets[shown] < text_length:
+        shown += 1
+    return shown
+
+
+def logprobs_of(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], offsets: list[int]) -> dict:
+    """OpenAI's ``logprobs`` of a choice's tokens ``ids`` (all or a stream chunk's), with log-probabilities
+    ``logprobs``, at ``offsets`` in the choice's text: each token as its own text (``tokenizer.decode([id])``) with
+    its log-probability; for ``/v1/completions`` also its offset, and as its ``top_logprobs`` the chosen token
+    alone."""
+    tokens = [tokenizer.decode([token], skip_special_tokens=True) for token in ids]
+    values = [max(value, -9999.0) for value in logprobs]  # a probability that underflowed: JSON has no -inf
     if endpoint == "completions":
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [{t: v} for t, v in zip(tokens, values)],
-                "text_offset": offsets}
+                "text_offset": list(offsets)}
     return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
                         for t, v in zip(tokens, values)], "refusal": None}
 

@@ -12,8 +12,11 @@ class CriteriaCheck:
     """Calls each of ``criteria`` as ``criterion(input_ids, scores)`` for new-token steps t = 1, 2, ...: input_ids
     [B, W + t] is the batch as the output would lay it out had decoding stopped at t new tokens (rows that ended
     earlier, by an EOS, a stop string or a criterion, hold padding past their end, as in transformers), ``scores`` is
-    None (a block-diffusion step has no next-token scores). A row ends at the first step at which a criterion's
-    verdict (a bool, or a bool tensor [B]) holds for it; the calls stop once every row has ended."""
+    None (a block-diffusion step has no next-token scores). A criterion whose ``takes_confidences`` attribute is true
+    is also passed ``confidences=``: float32 [B, W + t] laid out as input_ids, each new token's probability (as
+    ``output_confidences`` gives it, which the call then needs), 0 at prompt and padding positions. A row ends at the
+    first step at which a criterion's verdict (a bool, or a bool tensor [B]) holds for it; the calls stop once every
+    row has ended."""
 
     def __init__(self, criteria, prompts: PromptBatch, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
                  mask_id: int):
@@ -27,10 +30,12 @@ class CriteriaCheck:
         row the criteria stopped counts as ended already)."""
         self.decoded[row] = max(self.decoded[row], min(new_tokens, self.max_new))
 
-    def stopped_rows(self, x: torch.Tensor, new_tokens_kept: dict[int, int]) -> dict[int, int]:
+    def stopped_rows(self, x: torch.Tensor, new_tokens_kept: dict[int, int],
+                     confidences: torch.Tensor | None = None) -> dict[int, int]:
         """Call the criteria for the steps every row has decoded since the last call (x: the decoded layout
         [B', total], its first B rows the prompts'; ``new_tokens_kept``: the rows that ended early, and how many
-        new tokens each keeps). Returns the rows the criteria end, and how many new tokens each keeps."""
+        new tokens each keeps; ``confidences``: each position's, laid out as x, for the criteria that take them).
+        Returns the rows the criteria end, and how many new tokens each keeps."""
         stopped: dict[int, int] = {}
         while self.called < min(self.decoded):  # (a row stopped here waits for no later step: the others may go on)
             ready = min(self.decoded)
@@ -39,8 +44,12 @@ class CriteriaCheck:
                 if max(kept) < t:  # every row ended before this step: transformers' loop is over
                     self.called = self.max_new
                     return stopped
-                input_ids = self.prompts.lay_out(x, [min(k, t) for k in kept], t, self.pad_id)
-                verdicts = [self._verdict(criterion(input_ids, None), len(kept)) for criterion in self.criteria]
+                shown = [min(k, t) for k in kept]
+                input_ids = self.prompts.lay_out(x, shown, t, self.pad_id)
+                extra = {} if confidences is None else {
+                    "confidences": self.prompts.lay_out(confidences, shown, t, 0, prompt=False)}
+                verdicts = [self._verdict(criterion(input_ids, None, **(extra if takes_confidences(criterion) else {})),
+                                          len(kept)) for criterion in self.criteria]
                 for b, done in enumerate(map(any, zip(*verdicts))):
                     if done and kept[b] >= t:
                         kept[b] = stopped[b] = t
@@ -56,3 +65,8 @@ class CriteriaCheck:
             raise ValueError(f"stopping_criteria must return a bool or a bool tensor [batch={rows}] (as transformers' "
                              f"criteria do), got {done.dtype} of shape {tuple(done.shape)}")
         return done.expand(rows).tolist()
+
+
+def takes_confidences(criterion) -> bool:
+    """Whether a stopping criterion asks for each new token's confidence (its ``takes_confidences`` attribute)."""
+    return getattr(criterion, "takes_confidences", False) is True

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import http.client
 import json
+import queue
 import socket
 import subprocess
 import sys
@@ -24,9 +25,10 @@ from hypothesis import given, strategies as st
 
 from hf_integration.cli import SHIPPED_MODEL, load
 from hf_integration.cli_prompts import chat_ids
-from hf_integration.server import Server, main
-from hf_integration.server_batcher import Batcher
-from hf_integration.server_requests import cut_at_stop, read_request, streamable
+from hf_integration.server import Server, main, stream_events
+from hf_integration.server_batcher import Batcher, Completion, Job
+from hf_integration.server_requests import Request, cut_at_stop, read_request, streamable
+from tiny_models import LetterTokenizer
 from training_fixtures import subprocess_env
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
@@ -259,6 +261,76 @@ def test_a_stream_cut_by_a_stop_string_sends_the_text_before_it(shipped):
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_streams_logprobs_are_the_unstreamed_ones_chunk_by_chunk(shipped, endpoint):
+    """Sampled choices (n=2, a seed; for /v1/completions two prompts) cut by a stop string, asking for logprobs: each
+    chunk carries the log-probabilities of the tokens starting in the text it adds (/v1/completions: their offsets
+    lie in it), a choice's chunks together carry what the same request gets unstreamed, and a stream that does not
+    ask for them, beside it in the call, gets none."""
+    tokenizer, model = shipped
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    request = {"max_tokens": 32, "temperature": 0.9, "seed": 4, "n": 2}
+    request.update({"prompt": ["def mean(values):\n", "import os\n"], "logprobs": 0, "stop": "("}
+                   if endpoint == "completions" else
+                   {"messages": [{"role": "user", "content": "def mean(values):"}], "logprobs": True, "stop": "#"})
+
+    def entries(logprobs) -> list[tuple]:
+        """(token, log-probability, offset or None) of each token of a choice's logprobs."""
+        if endpoint == "completions":
+            return list(zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["text_offset"]))
+        return [(t["token"], t["logprob"], None) for t in logprobs["content"]]
+
+    with serving(tokenizer, model) as url:
+        status, body = post(url + path, request)
+        streams = {}
+
+        def stream(key, logprobs):
+            streams[key] = events(url + path, {**request, "stream": True, "logprobs": logprobs})
+
+        threads = [threading.Thread(target=stream, args=args) for args in (("with", request["logprobs"]),
+                                                                             ("without", None))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert status == 200
+    texts, joined = [""] * len(body["choices"]), [[] for _ in body["choices"]]
+    for chunk in streams["with"][:-1]:
+        (delta,) = chunk["choices"]
+        if endpoint == "chat" and "role" in delta["delta"]:
+            assert delta["logprobs"] is None
+            continue
+        index, text = delta["index"], delta["text"] if endpoint == "completions" else delta["delta"].get("content")
+        new = entries(delta["logprobs"])
+        if endpoint == "completions" and delta["finish_reason"] is None:
+            assert text and all(len(texts[index]) <= offset < len(texts[index]) + len(text) for *_, offset in new)
+        texts[index] += text or ""
+        joined[index] += new
+    expected = [entries(c["logprobs"]) for c in body["choices"]]
+    assert joined == expected
+    assert all(expected) and sum(c["finish_reason"] == "stop" for c in body["choices"]) >= 1
+    assert all(delta["logprobs"] is None for chunk in streams["without"][:-1] for delta in chunk["choices"])
+
+
+def test_a_chunk_carries_the_logprobs_of_the_tokens_starting_in_the_text_it_sends():
+    """Tokens x a a b x with stop string "ab" (letters as token ids): the second "a" may start the stop string, so the
+    chunk that sends the first "a" leaves its log-probability for later; the stop string then ends the text, and
+    the last chunk sends nothing more: x and the first a, each with its own log-probability and offset."""
+    ids, values = [23, 0, 0, 1, 23], [-0.5, -1.0, -1.5, -2.0, -2.5]
+    job = Job(Request([[2]], {"stop_strings": ["ab"], "max_new_tokens": 8}, stream=True, include_usage=False,
+                      logprobs=True), pieces=queue.SimpleQueue())
+    for token, value in zip(ids, values):
+        job.pieces.put((0, [token], [value]))
+    job.pieces.put(None)
+    job.future.set_result([Completion(ids[:4], ended=False, stats={}, logprobs=values[:4])])
+    chunks = [json.loads(e.removeprefix("data: ")) for e in stream_events(job, "completions", "id", LetterTokenizer(),
+                                                                             "sdar") if "[DONE]" not in e]
+    assert [(c["choices"][0]["text"], c["choices"][0]["logprobs"]["tokens"], c["choices"][0]["logprobs"]["text_offset"],
+             c["choices"][0]["finish_reason"]) for c in chunks] == [("x", ["x"], [0], None), ("a", ["a"], [1], None),
+                                                                   ("", [], [], "stop")]
+    assert [c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks] == [[-0.5], [-1.0], []]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_a_stream_of_several_choices_sends_each_ones_text_under_its_index(shipped, endpoint):
     """Sampled (n=2, a seed) and, for /v1/completions, two prompts: each choice's deltas join to the text the same
     request gets unstreamed, each choice ends with its finish reason and stats, and the usage counts them all."""
@@ -472,7 +544,6 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "the 2 most likely tokens at each position"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "integer >= 0"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 0, "stream": True}, 400, "logprobs", "not streamed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
      400, "top_logprobs", "give top_logprobs=0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
@@ -596,7 +667,7 @@ def test_a_chat_request_to_a_model_without_a_chat_template_is_refused(shipped):
 
 def test_the_openai_client_talks_to_mrp_serve(shipped):
     """The OpenAI Python client: models, a completion with an extension field (extra_body), a sampled one that its
-    seed repeats, a streamed chat completion, one with its tokens' logprobs, and an error."""
+    seed repeats, a chat completion with its tokens' logprobs streamed and not, and an error."""
     tokenizer, model = shipped
     with serving(tokenizer, model, {"strategy": "speculative", "max_new_tokens": 24}) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -610,8 +681,8 @@ def test_the_openai_client_talks_to_mrp_serve(shipped):
         sampled = [client.completions.create(model="sdar", prompt="import", max_tokens=12, temperature=0.9, seed=3,
                                              n=2, top_p=0.95) for _ in range(2)]
         assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
-        stream = client.chat.completions.create(model="sdar", messages=[{"role": "user", "content": "def f(x):"}],
-                                                max_tokens=24, stream=True)
+        stream = list(client.chat.completions.create(model="sdar", messages=[{"role": "user", "content": "def f(x):"}],
+                                                     max_tokens=24, stream=True, logprobs=True))
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         reply = client.chat.completions.create(model="sdar", messages=[{"role": "user", "content": "def f(x):"}],
                                                max_tokens=24)
@@ -620,6 +691,8 @@ def test_the_openai_client_talks_to_mrp_serve(shipped):
                                                 max_tokens=24, logprobs=True)
         tokens = scored.choices[0].logprobs.content
         assert "".join(t.token for t in tokens) == text and all(t.logprob < 0 for t in tokens)
+        assert [t for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for t in chunk.choices[0].logprobs.content] == tokens
         with pytest.raises(openai.BadRequestError, match="presence_penalty"):
             client.completions.create(model="sdar", prompt="x", presence_penalty=1.0)
 

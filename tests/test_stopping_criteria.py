@@ -109,6 +109,45 @@ def test_any_batch_keeps_the_free_run_up_to_each_rows_first_stop(model, lens, si
         assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t)), t
 
 
+class StopBelowConfidence(StoppingCriteria):
+    """Takes each new token's confidence (``takes_confidences``): records them, and stops a row at its first new token
+    less likely than ``floor``."""
+
+    takes_confidences = True
+
+    def __init__(self, floor: float):
+        self.floor, self.calls = floor, []
+
+    def __call__(self, input_ids, scores, confidences=None):
+        assert confidences.shape == input_ids.shape and confidences.dtype == torch.float32
+        self.calls.append(confidences.clone())
+        return (confidences[:, -1] > 0) & (confidences[:, -1] < self.floor)  # (0: a row that ended: padding)
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=3),
+                                    dict(strategy="remask")], ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_criterion_that_takes_confidences_sees_each_new_tokens_and_can_stop_on_them(model, kwargs, graphs):
+    """A criterion with takes_confidences=True gets, at step t, the confidences of output_confidences laid out as
+    input_ids (0 at the prompts and past each row's end); stopping each row at its first token less likely than the
+    free run's median keeps the free run up to that token."""
+    ids, mask = _batch("left")
+    common = dict(max_new_tokens=12, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True,
+                  output_confidences=True, **kwargs)
+    free = model.generate(ids, attention_mask=mask, **common)
+    new = free.confidences[:, WIDTH:]
+    floor = new.median().item()
+    criterion = StopBelowConfidence(floor)
+    out = model.generate(ids, attention_mask=mask, stopping_criteria=[criterion], cuda_graphs=graphs, **common)
+    kept = [next((j + 1 for j, c in enumerate(row) if c < floor), 12) for row in new.tolist()]
+    assert out.new_tokens.tolist() == kept and min(kept) < 12
+    assert len(criterion.calls) == max(kept)
+    for t, call in enumerate(criterion.calls, 1):
+        shown = torch.arange(t)[None, :] < torch.tensor(kept)[:, None]
+        assert torch.equal(call, torch.cat([torch.zeros(3, WIDTH), torch.where(shown, new[:, :t], 0.0)], 1)), t
+    assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, 12))
+
+
 def test_the_calls_end_when_every_row_has_stopped_and_so_does_decoding(model):
     """A criterion that stops every row at step 2 (a plain True, as lm-eval's return) is called twice; decoding ends
     with the first block (fewer steps than the free run) and every row keeps 2 new tokens."""
@@ -289,6 +328,7 @@ def test_an_empty_list_asks_for_nothing(model):
      r"stopping_criteria must return a bool or a bool tensor \[batch=2\].* of shape \(3,\)"),
     ([lambda input_ids, scores: torch.zeros(2, dtype=torch.long)], ValueError,
      r"stopping_criteria must return .*got torch.int64"),
+    ([StopBelowConfidence(0.5)], ValueError, r"takes each new token's confidence .* pass output_confidences=True"),
 ])
 def test_bad_criteria_are_refused_by_name(model, criteria, error, match):
     with pytest.raises(error, match=match):

@@ -835,7 +835,8 @@ class BlockDecoder:
             r = rows[i]
             self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
                                       self._new_tokens_through_block(r, starts[i]))
-        for r, keep in self.criteria.stopped_rows(self.x, self.kept_at_most).items():
+        confidences = self.engine.confidences if self.settings.output_confidences else None
+        for r, keep in self.criteria.stopped_rows(self.x, self.kept_at_most, confidences).items():
             self.new_tokens_kept[r] = keep
             if self.stream is not None:
                 self.stream.cut(keep)
