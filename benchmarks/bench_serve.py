@@ -6,9 +6,10 @@ Each client is a thread that sends one ``/v1/completions`` request (``max_tokens
 median wall time of ``--repeats`` rounds until the last answer, the new tokens a second it gives, and whether every
 completion equals the one at ``--max-batch-size 1`` (each request decoded alone). With ``--stream`` the clients stream
 (server-sent events, the text joined from the deltas; results to ``serve_<device>_stream``). With ``--mixed`` the
-clients ask for different lengths and stop strings, as real clients do: client i asks for ``max_tokens`` (i % 4 + 1)
-quarters of ``--max-new-tokens`` (EOS held back for the first quarter), an odd one with a stop string (results to
-``serve_<device>_mixed``); new tokens a second then count the tokens the completions hold.
+clients ask for different lengths, stop strings and temperatures, as real clients do: client i asks for
+``max_tokens`` (i % 4 + 1) quarters of ``--max-new-tokens`` (EOS held back for the first quarter), an odd one with a
+stop string, and sampled ones at (i % 3 + 3) / 4 of the row's temperature (results to ``serve_<device>_mixed``); new
+tokens a second then count the tokens the completions hold.
 
     python benchmarks/bench_serve.py              # the shipped model, 16 clients, results to benchmarks/results/
     python benchmarks/bench_serve.py --clients 4 --max-new-tokens 8 --repeats 1 --out /tmp/serve
@@ -46,7 +47,7 @@ def request_body(i: int, prompt: str, max_new_tokens: int, temperature: float, s
             "stream": stream, **({"seed": i} if temperature else {})}
     if mixed:
         body.update(max_tokens=max_new_tokens * (i % 4 + 1) // 4, min_tokens=max_new_tokens // 4,
-                    **({"stop": MIXED_STOP} if i % 2 else {}))
+                    **({"stop": MIXED_STOP} if i % 2 else {}), temperature=temperature * (i % 3 + 3) / 4)
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", nargs="+", default=["static", "speculative"])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="0: greedy")
     p.add_argument("--stream", action="store_true", help="the clients stream (server-sent events)")
-    p.add_argument("--mixed", action="store_true", help="the clients ask for different lengths and stop strings")
+    p.add_argument("--mixed", action="store_true",
+                   help="the clients ask for different lengths, stop strings and temperatures")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch runs on")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

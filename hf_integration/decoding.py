@@ -207,8 +207,17 @@ class BlockDecoder:
 
     @property
     def temperature(self) -> torch.Tensor | float:
-        """What the logits are divided by: the temperature (on the device) when sampling, else 1."""
-        return self.on_device("temperature") if self.settings.do_sample else 1.0
+        """What the logits are divided by: the temperature (on the device: 0-d, or with one per prompt each working
+        row's, [B']) when sampling, else 1."""
+        if not self.settings.do_sample:
+            return 1.0
+        return self.on_device("temperature") if self.settings.temperatures is None else \
+            self.engine.temperatures[self.rows]
+
+    def temperature_by_position(self, T: int) -> torch.Tensor | float:
+        """:attr:`temperature` for the B' * T rows of a step's flattened [B', T] positions."""
+        t = self.temperature
+        return t.repeat_interleave(T) if isinstance(t, torch.Tensor) and t.dim() else t
 
     @property
     def stats(self) -> DecodeStats:
@@ -563,7 +572,7 @@ class BlockDecoder:
         # the temperature and the filters are read on the device too
         keys = self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None
         picks = mrp_triton.confidence(
-            logits.reshape(B * T, V), temperature=self.temperature, skip_rows=~candidates.reshape(-1),
+            logits.reshape(B * T, V), temperature=self.temperature_by_position(T), skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), **self.token_bans(positions, V), **self._penalty(seen, V),
             do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(),
             entropy=entropy)
@@ -600,7 +609,8 @@ class BlockDecoder:
             if ban:
                 z = exclude_banned(z.view(B * T, -1), **ban).view(B, T, -1)
             top, ids = z.topk(top_m, dim=-1)  # the order among equal logits does not matter to a draft
-            return *picks, top * inverse_temperature(self.temperature), ids.masked_fill(top == float("-inf"), -1)
+            top = top * inverse_temperature(self.temperature)[..., None]  # (one a row: [B', 1, 1])
+            return *picks, top, ids.masked_fill(top == float("-inf"), -1)
         if seen and draft is not None:  # the table by draft column, as the draft's weight rows
             seen = dict(seen, seen_tokens=draft.columns(seen["seen_tokens"].T).T)
         out = mrp_triton.lm_head_confidence(
@@ -622,7 +632,8 @@ class BlockDecoder:
         B, T, H = hidden.shape
         tok, conf = mrp_triton.candidate_confidence(
             hidden.reshape(B * T, H), self.model.lm_head.weight, ids.reshape(B * T, -1), rest.reshape(-1),
-            seed_hidden=seed_h.reshape(B * T, H), vocab_mean=self.engine.vocab_mean, temperature=self.temperature,
+            seed_hidden=seed_h.reshape(B * T, H), vocab_mean=self.engine.vocab_mean,
+            temperature=self.temperature_by_position(T),
             skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
             noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
             **self.sampling_cuts(), **self._penalty(seen))

@@ -55,16 +55,18 @@ HF_KEYWORDS = frozenset(HF_DEFAULTS.to_dict()) | {
     if p.default is not inspect.Parameter.empty}
 # Settings a captured decoding step does not bake in (so not part of its key): they never change what a step
 # computes, or reach it through a buffer (the seed; denoising_steps, through each row's quota set when its block
-# starts).
+# starts; the new tokens per prompt, through the rows' layout).
 OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_sequences", "eos_token_id",
                      "pad_token_id", "return_dict_in_generate", "progress", "streamer", "cuda_graphs", "eos_ids",
                      "per_row_blocks", "device_loop", "stop_strings", "stopping_criteria", "max_time", "tokenizer",
-                     "use_cache", "seed", "denoising_steps", "prefill_chunk_size")
+                     "use_cache", "seed", "denoising_steps", "prefill_chunk_size", "new_token_limits")
 # Settings the steps read from the decode engine's buffers (DecodeEngine.use_settings): only whether one is set
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
 ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
                  "threshold", "entropy_bound", "residual_delta", "min_new_tokens", "repetition_penalty")
+# Per-row values the steps read from the decode engine's buffers of one value a row: as for ON_THE_DEVICE.
+PER_ROW_ON_THE_DEVICE = ("temperatures",)
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -140,6 +142,8 @@ class GenerationSettings:
     gives each prompt (its copies too) its own, and the output is as wide as the largest asks (a row's tokens past its
     own count are padding): each prompt gives what it gives alone with its count, as a server batching requests that
     ask for different lengths needs (``new_token_limits`` then holds the list, ``max_new_tokens`` the largest).
+    ``temperature`` (sampling) may also be a list of one per prompt (each of its copies too): each prompt draws what
+    it draws alone at its temperature with its seed (``temperatures`` then holds the list).
     ``min_new_tokens`` holds EOS back
     (every ``eos_token_id``, excluded from the picks and their softmax, as transformers' logits processor sets its
     logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no row ends before them (stop strings,
@@ -234,7 +238,7 @@ class GenerationSettings:
     threshold: float | None = None
     entropy_bound: float | None = None
     do_sample: bool = False
-    temperature: float = 1.0
+    temperature: float | Sequence[float] = 1.0  # validated: a float (a list moves to temperatures)
     top_h: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -275,6 +279,7 @@ class GenerationSettings:
     prefill_chunk_size: int | None = None
     eos_ids: tuple[int, ...] = field(default=(), init=False)
     new_token_limits: tuple[int, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    temperatures: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
 
     @classmethod
     def names(cls) -> set[str]:
@@ -290,7 +295,7 @@ class GenerationSettings:
                 return None
             if name == "top_k":
                 return self.top_k_max
-            return value is None if name in ON_THE_DEVICE + IN_THE_BAN_TABLE else repr(value)
+            return value is None if name in ON_THE_DEVICE + PER_ROW_ON_THE_DEVICE + IN_THE_BAN_TABLE else repr(value)
 
         return tuple((f.name, part(f.name)) for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
 
@@ -355,6 +360,7 @@ class GenerationSettings:
             logger.warning_once(f"both max_new_tokens={settings.max_new_tokens} and max_length={settings.max_length} "
                                 "were given: max_new_tokens wins (as in transformers)")
         settings._split_new_token_limits(prompts)
+        settings._split_temperatures(prompts)
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         settings._check_seeds(prompts)
@@ -376,10 +382,7 @@ class GenerationSettings:
     def _check_seeds(self, prompts: int | None) -> None:
         """``seed`` is an int in [0, 2**64), or a list or tuple of them with one per prompt (kept as a tuple)."""
         if isinstance(self.seed, (list, tuple)):
-            if prompts is not None and len(self.seed) != prompts:
-                raise ValueError(f"seed has {len(self.seed)} seeds for {prompts} prompts: give one per row of "
-                                 "input_ids (or one int for the whole batch)")
-            self.seed = tuple(self.seed)
+            self.seed = _one_per_prompt("seed", self.seed, prompts, "seeds", "one int")
         for seed in self.seed if isinstance(self.seed, tuple) else (self.seed,):
             _int_at_least("seed", seed, 0)
             if seed >= 2**64:
@@ -390,13 +393,26 @@ class GenerationSettings:
         to ``max_new_tokens``."""
         if not isinstance(self.max_new_tokens, (list, tuple)):
             return
-        limits = tuple(self.max_new_tokens)
-        if len(limits) != (prompts or len(limits)) or not limits:
-            raise ValueError(f"max_new_tokens has {len(limits)} counts for {prompts or 'the'} prompts: give one per "
-                             "row of input_ids (or one int for the whole batch)")
+        limits = _one_per_prompt("max_new_tokens", self.max_new_tokens, prompts, "counts", "one int")
         for limit in limits:
             _int_at_least("max_new_tokens", limit, 1)
         self.new_token_limits, self.max_new_tokens = limits, max(limits)
+
+    def _split_temperatures(self, prompts: int | None) -> None:
+        """A list of ``temperature`` (one usable temperature per prompt) goes to ``temperatures`` (a tuple; None when
+        they are all the same: ``temperature`` then holds it), ``temperature`` then holding 1 (unread)."""
+        if not isinstance(self.temperature, (list, tuple)):
+            return
+        values = _one_per_prompt("temperature", self.temperature, prompts, "values", "one float")
+        if not self.do_sample:
+            raise ValueError(f"temperature={list(values)!r} steers sampling, which this call does not do: pass "
+                             "do_sample=True (or drop it)")
+        for value in values:
+            check_temperature(_number("temperature", value))
+        if len(set(values)) == 1:
+            self.temperature = values[0]
+        else:
+            self.temperatures, self.temperature = tuple(map(float, values)), 1.0
 
     def _check_stops_per_prompt(self, prompts: int | None) -> None:
         """``stop_strings`` given per prompt: one list for each (an empty one: none), not all empty (None then)."""
@@ -648,6 +664,16 @@ def _token_id(name: str, value, vocab_size: int) -> int:
     if i is None or not 0 <= i < vocab_size:
         raise ValueError(f"{name} {value!r} is not a token id of the vocabulary [0, {vocab_size})")
     return i
+
+
+def _one_per_prompt(name: str, values, prompts: int | None, unit: str, single: str) -> tuple:
+    """``values`` (a list or tuple given as ``name``, ``unit`` of them) as a tuple, refused unless it holds one per
+    prompt (``prompts``; None: any number but none); ``single``: what the whole batch may have instead."""
+    values = tuple(values)
+    if not values or len(values) != (prompts or len(values)):
+        raise ValueError(f"{name} has {len(values)} {unit} for {prompts or 'the'} prompts: give one per row of "
+                         f"input_ids (or {single} for the whole batch)")
+    return values
 
 
 def _int_at_least(name: str, value, low: int, why: str = "") -> None:

@@ -163,15 +163,17 @@ def check_top_m(top_m, vocab: int) -> None:
                          f"vocabulary, {vocab}), got {top_m!r}")
 
 
-def check_device_scalar(name: str, value, device: torch.device) -> bool:
+def check_device_scalar(name: str, value, device: torch.device, rows: int | None = None) -> bool:
     """Whether ``value`` (a setting such as a temperature, threshold or top-k) is given as a 0-d real tensor on
-    ``device``: the op then reads it there, so one captured CUDA graph serves every value (which is not checked
-    on the host: that would synchronise). Any other tensor is refused; a Python number returns False."""
+    ``device`` (or, where the op takes one a row, ``rows`` given, a [rows] one): the op then reads it there, so one
+    captured CUDA graph serves every value (which is not checked on the host: that would synchronise). Any other
+    tensor is refused; a Python number returns False."""
     if not isinstance(value, torch.Tensor):
         return False
-    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
-        raise ValueError(f"{name} must be a number or a 0-d real tensor, got a {value.dtype} tensor of "
-                         f"shape {tuple(value.shape)}")
+    shapes = [()] if rows is None else [(), (rows,)]
+    if tuple(value.shape) not in shapes or value.dtype == torch.bool or value.is_complex():
+        raise ValueError(f"{name} must be a number or a 0-d real tensor" + ("" if rows is None else
+                         f" (or one a row, [{rows}])") + f", got a {value.dtype} tensor of shape {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but the data on {device}; move them together")
     return True

@@ -33,7 +33,7 @@ from .reference.confidence import inverse_temperature
 
 
 @triton.jit(do_not_specialize=["M"])  # H: one value a model (a loop bound)
-def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, inv_t, t_ptr,
+def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, inv_t, t_ptr, t_stride,
                    seen_ptr, seen_rows_ptr, pen_ptr, z_ptr, lse_ptr, tok_ptr, prob_ptr,
                    M, H, V, stride_h, stride_hs, stride_w, stride_ids,
                    HAS_SKIP: tl.constexpr, GREEDY: tl.constexpr, T_TENSOR: tl.constexpr, HAS_PENALTY: tl.constexpr,
@@ -56,7 +56,7 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
         dots += tl.sum(w * h[None, :], axis=1)
         moved += (h - hs) * mu
     if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
-        inv_t = (1.0 / tl.load(t_ptr).to(tl.float64)).to(tl.float32)
+        inv_t = (1.0 / tl.load(t_ptr + row * t_stride).to(tl.float64)).to(tl.float32)
     if HAS_PENALTY:  # the repetition penalty at the listed tokens this row has seen (its row of the seen table)
         pen, inv_pen = penalty_factors(pen_ptr)
         seen = tl.load(seen_ptr + tl.load(seen_rows_ptr + row) * V + w_rows, mask=listed, other=0)
@@ -140,7 +140,8 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     seen, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tok)
     _listed_kernel[(N,)](
         h, hs, w, mean, i, rest.float().contiguous(), skip,
-        inv_t, temperature if t_tensor else tok, seen, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
+        inv_t, temperature if t_tensor else tok, temperature.stride(0) if t_tensor and temperature.dim() else 0,
+        seen, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
         h.stride(0), hs.stride(0), w.stride(0), i.stride(0), HAS_SKIP=skip_rows is not None, GREEDY=not do_sample,
         T_TENSOR=t_tensor, HAS_PENALTY=repetition_penalty is not None,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
@@ -158,13 +159,13 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
 
     hidden, seed_hidden: [N, H] (the draft's hidden state and its round's seed's); weight: [V, H] (the lm_head);
     ids: int64 [N, M] (1 <= M <= 64; -1 past a row's list); rest: [N] (log of the seed's softmax mass outside the
-    list, in units of logits / temperature); vocab_mean: [H] (the mean lm_head row); temperature: float or 0-d
-    tensor; skip_rows: bool [N] or None; sampling: ``noise_keys`` int64 [N, 3] and optional top_k / top_p / min_p /
-    typical_p / epsilon_cutoff / eta_cutoff / top_h (applied among the listed tokens: typical, epsilon, eta and top-h
-    to their softmax over the listed tokens); ``repetition_penalty`` with ``seen_tokens`` [C, V] and ``seen_rows``
-    [N]: the penalty at the listed tokens each row has seen (as :func:`.confidence.confidence`). Returns (tokens
-    int64 [N], probs float32 [N]); -1 / 0 for skipped rows and rows with nothing listed. Semantics:
-    :mod:`mrp_triton.reference.candidate_confidence`.
+    list, in units of logits / temperature); vocab_mean: [H] (the mean lm_head row); temperature: float, 0-d
+    tensor or one a row [N]; skip_rows: bool [N] or None; sampling: ``noise_keys`` int64 [N, 3] and optional top_k /
+    top_p / min_p / typical_p / epsilon_cutoff / eta_cutoff / top_h (applied among the listed tokens: typical,
+    epsilon, eta and top-h to their softmax over the listed tokens); ``repetition_penalty`` with ``seen_tokens``
+    [C, V] and ``seen_rows`` [N]: the penalty at the listed tokens each row has seen (as
+    :func:`.confidence.confidence`). Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows and rows
+    with nothing listed. Semantics: :mod:`mrp_triton.reference.candidate_confidence`.
     """
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)

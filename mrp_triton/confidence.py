@@ -126,7 +126,7 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, cut_ptr, ban_tok_ptr, ban_rows_ptr,
     seen_ptr, seen_rows_ptr, pen_ptr, part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
-    V, tiles, S, scale, inv_t, t_ptr, mask_id, seed_h,
+    V, tiles, S, scale, inv_t, t_ptr, t_stride, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_PENALTY: tl.constexpr,
     DO_SAMPLE: tl.constexpr,
     HAS_CUT: tl.constexpr, ENTROPY: tl.constexpr,
@@ -144,7 +144,7 @@ def _conf_partial_kernel(
         skip = tl.load(skip_ptr + row)
         hi = tl.where(skip != 0, lo, hi)
     if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
-        inv_t = (1.0 / tl.load(t_ptr).to(tl.float64)).to(tl.float32)
+        inv_t = (1.0 / tl.load(t_ptr + row * t_stride).to(tl.float64)).to(tl.float32)
     M32 = tl.full([], 0xFFFFFFFF, tl.int64)
     h = tl.full([], 0, tl.int64)
     if DO_SAMPLE:
@@ -357,11 +357,11 @@ def _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, 
 def check_sampling(rows: int, device: torch.device, data: str, temperature, do_sample, noise_keys, top_k,
                    top_p, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
                    typical_p=None) -> None:
-    """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number or
-    0-d device tensor), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p, top_h and typical_p in (0, 1]
-    and min_p, epsilon_cutoff and eta_cutoff in [0, 1] (or None), and top_k_max an int >= 1 not below an int top_k
-    (or None)."""
-    if not check_device_scalar("temperature", temperature, device):
+    """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number, or
+    device tensor: 0-d or one a row), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p, top_h and
+    typical_p in (0, 1] and min_p, epsilon_cutoff and eta_cutoff in [0, 1] (or None), and top_k_max an int >= 1 not
+    below an int top_k (or None)."""
+    if not check_device_scalar("temperature", temperature, device, rows=rows):
         check_temperature(temperature)
     if do_sample:
         if not isinstance(noise_keys, torch.Tensor) or noise_keys.dtype != torch.int64 or \
@@ -401,7 +401,8 @@ def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, bann
     bands = []
     for i in range(0, N, step):
         res = None if residual is None else residual[..., i:i + step, :]
-        z = effective_logits(logits[i:i + step], res, scale=scale, temperature=temperature,
+        t = temperature[i:i + step] if isinstance(temperature, torch.Tensor) and temperature.dim() else temperature
+        z = effective_logits(logits[i:i + step], res, scale=scale, temperature=t,
                              mask_token_id=mask_token_id, banned_tokens=banned_tokens,
                              ban_rows=None if ban_rows is None else ban_rows[i:i + step],
                              **_penalty_rows(penalty, slice(i, i + step)))
@@ -483,7 +484,8 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
         skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, seen, seen_at, pen,
         part, part_idx, tok, prob, lse, ent,
-        V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy, mask_id, seed_h,
+        V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy,
+        temperature.stride(0) if t_tensor and temperature.dim() else 0, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None,
         HAS_PENALTY=repetition_penalty is not None, DO_SAMPLE=sample,
         HAS_CUT=cut is not None, ENTROPY=bool(entropy),
@@ -517,7 +519,8 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers: :func:`.reference.confidence.sampling_cut`)
     and ``top_h`` (transformers' top-h: among the 100 most likely, those whose entropy terms take at most top_h of
     the entropy) are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every
-    value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]); ``top_k_max`` (an int) is the
+    value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]), ``temperature`` also one a row
+    ([N] on that device: rows of different temperatures in one launch); ``top_k_max`` (an int) is the
     largest value a ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits
     instead of sorting the row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)

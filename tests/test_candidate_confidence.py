@@ -46,17 +46,19 @@ def _drawn_penalty(penalty, N: int, V: int, g: torch.Generator) -> dict:
 
 @settings(max_examples=25)
 @given(N=st.integers(1, 12), H=st.integers(1, 70), V=st.integers(1, 90), M=st.integers(1, 64),
-       dtype=st.sampled_from(DTYPES), temperature=st.sampled_from((1.0, 0.5, 2.0, "tensor")),
+       dtype=st.sampled_from(DTYPES), temperature=st.sampled_from((1.0, 0.5, 2.0, "tensor", "rows")),
        skip=st.booleans(), block_h=st.sampled_from((None, 16)), penalty=st.sampled_from((None, 0.5, 2.0, "tensor")),
        seed=st.integers(0, 2**16))
 def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, block_h, penalty, seed):
     """The greedy pick against the reference (a temperature and a repetition penalty given as numbers or as the 0-d
-    float64 tensors the decode engine passes; the penalty at the listed tokens each row has seen, rows reading
-    shared rows of the seen table)."""
+    float64 tensors the decode engine passes, the temperature also one a row; the penalty at the listed tokens each
+    row has seen, rows reading shared rows of the seen table)."""
     g = torch.Generator().manual_seed(seed)
     hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, dtype, g)
     if temperature == "tensor":  # read on the device, as captured decoding steps pass it
         temperature = torch.tensor(0.8, dtype=torch.float64, device=DEV)
+    elif temperature == "rows":
+        temperature = (torch.rand(N, generator=g, dtype=torch.float64) * 2 + 0.2).to(DEV)
     skip_rows = (torch.rand(N, generator=g) < 0.3).to(DEV) if skip else None
     kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, skip_rows=skip_rows,
               **_drawn_penalty(penalty, N, V, g))
@@ -80,13 +82,15 @@ def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, b
                                 dict(min_p=0.01, epsilon_cutoff=0.02, eta_cutoff=0.1), dict(top_h=0.5),
                                 dict(top_h=0.8, top_k=5), dict(typical_p=0.5), dict(min_p=0.05, typical_p=0.3,
                                                                                     epsilon_cutoff=0.05))),
-       seed=st.integers(0, 2**16))
-def test_sampled_kernel_matches_reference(N, H, V, M, filters, seed):
+       per_row=st.booleans(), seed=st.integers(0, 2**16))
+def test_sampled_kernel_matches_reference(N, H, V, M, filters, per_row, seed):
+    """The sampled pick against the reference under each filter, at one temperature or one a row."""
     g = torch.Generator().manual_seed(seed)
     hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, torch.float32, g)
     keys = torch.randint(0, 2**40, (N, 3), generator=g).to(DEV)
-    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=0.7, do_sample=True, seed=seed, noise_keys=keys,
-              **filters)
+    temperature = (torch.rand(N, generator=g, dtype=torch.float64) * 2 + 0.2).to(DEV) if per_row else 0.7
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, do_sample=True, seed=seed,
+              noise_keys=keys, **filters)
     with poisoned_allocations():
         tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, **kw)
     want_tok, want_prob = candidate_confidence_reference(hidden, weight, ids, rest, **kw)

@@ -89,7 +89,9 @@ def _cases(draw):
     banned, ban_rows = _drawn_ban(draw, g, N, V)
     kw = dict(**_drawn_penalty(draw, g, N, V),
         scale=draw(st.sampled_from([1.0, 0.5, -2.0])),
-        temperature=draw(st.sampled_from([1.0, 0.7, 2.5])),
+        temperature=draw(st.sampled_from([1.0, 0.7, 2.5]) |  # or one a row
+                         st.just(torch.tensor([0.7, 1.0, 2.5, 0.3], dtype=torch.float64)[torch.randint(0, 4, (N,),
+                                                                                                    generator=g)])),
         skip_rows=skip,
         mask_token_id=draw(st.sampled_from([None, 0, V - 1, V + 5])),
         banned_tokens=banned,
@@ -115,14 +117,15 @@ def _cases(draw):
 def test_kernel_matches_reference(case):
     """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-h /
     top-k / top-p / min-p / typical / epsilon / eta keep, the entropy asked for or not, a repetition penalty at the
-    tokens each row has seen); a temperature, the filters and the penalty given to the kernel as float64 0-d tensors
-    (read on the device) scale, filter and sample exactly as the numbers do, top_k with or without a top_k_max."""
+    tokens each row has seen, one temperature or one a row); a temperature, the filters and the penalty given to the
+    kernel as float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k with
+    or without a top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
         for name in ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
                      "repetition_penalty"):
-            if kw.get(name) is not None:
+            if kw.get(name) is not None and not isinstance(kw[name], torch.Tensor):
                 dev_kw[name] = torch.tensor(float(kw[name]), dtype=torch.float64, device=DEV)
         if kw["top_k"] is not None and top_k_max is not None:
             dev_kw["top_k_max"] = top_k_max or kw["top_k"]
@@ -256,6 +259,32 @@ def test_the_sampled_cut_is_the_same_computed_a_few_rows_at_a_time(monkeypatch):
     for a, b, c in zip(chunked, whole, expected):
         assert torch.equal(a, b)
         torch.testing.assert_close(a.cpu(), c, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 300])  # the rows' cuts in one piece, or a row at a time
+def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
+    """Rows at temperatures 0.3, 1, 2.5, ... in one launch (a float64 tensor [N] on the device): each row's token,
+    probability and log-sum-exp are bit-identical to a launch with its own temperature as a 0-d tensor, greedy and
+    sampled (top-p then cuts each row at its own temperature), kernel and reference alike."""
+    if chunk is not None:
+        monkeypatch.setattr(importlib.import_module("mrp_triton.confidence"), "CUT_CHUNK", chunk)
+    g = torch.Generator().manual_seed(21)
+    N, V = 6, 300
+    L = (torch.randn(N, V, generator=g) * 3).to(DEV)
+    keys = torch.randint(0, 1000, (N, 3), generator=g).to(DEV)
+    temperatures = torch.tensor([0.3, 1.0, 2.5, 0.7, 1.0, 4.0], dtype=torch.float64, device=DEV)
+    for sampled in (dict(do_sample=False), dict(do_sample=True, seed=3, noise_keys=keys),
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_p=0.8)):
+        for op, extra in ((confidence_triton, dict(splits=2, block_v=64)), (confidence_ref, {})):
+            together = op(L, temperature=temperatures, entropy=True, **sampled, **extra)
+            for n in range(N):
+                alone = op(L[n:n + 1], temperature=temperatures[n], entropy=True,
+                           **{k: (v[n:n + 1] if k == "noise_keys" else v) for k, v in sampled.items()}, **extra)
+                for a, b in zip(together, alone):
+                    assert torch.equal(a[n:n + 1], b), (op.__name__, sampled, n)
+        ref = confidence_ref(L.cpu(), temperature=temperatures.cpu(), **{k: (v.cpu() if k == "noise_keys" else v)
+                                                                          for k, v in sampled.items()})
+        _check(confidence_triton(L, temperature=temperatures, **sampled), ref)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 0.3, 1.7, 2.5, 0.013])
@@ -629,7 +658,7 @@ def test_reference_backend_on_cpu_matches():
     (dict(skip_rows=torch.zeros(2, dtype=torch.bool, device="meta")), "skip_rows is on meta"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"),
-    (dict(temperature=torch.ones(2)), "temperature must be a number or a 0-d real tensor"),
+    (dict(temperature=torch.ones(3)), r"temperature must be a number or a 0-d real tensor \(or one a row, \[2\]\)"),
     (dict(top_p=torch.tensor(True)), "top_p must be a number or a 0-d real tensor"),
     (dict(temperature=torch.tensor(1 + 0j)), "temperature must be a number or a 0-d real tensor"),
     (dict(top_k=torch.tensor([3])), "top_k must be a number or a 0-d real tensor"),

@@ -297,7 +297,7 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
         assert torch.equal(getattr(together.stats, name), value), name
     assert out.sequences.shape[1] == P + max(limits)
     if kwargs.get("do_sample"):
-        _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, limits, seed)
+        _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, limits, seed, graphs)
         return
     for b, r in enumerate(rows):
         alone = model.generate(r[None], **dict(common, max_new_tokens=limits[b]))
@@ -312,16 +312,18 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
             assert getattr(out.stats, name)[b] == getattr(alone.stats, name)[0], (name, b)
 
 
-def _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, limits, seed):
-    """With a seed per prompt (two samples each), every prompt's rows of the (left-padded) batch are the samples it
-    draws alone with its seed (and its new tokens, ``limits``): tokens, per-row counts, reveal steps and
-    confidences."""
+def _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, limits, seed, graphs):
+    """With a seed and a temperature per prompt (two samples each; steps replayed or not), every prompt's rows of the
+    (left-padded) batch are the samples it draws alone with its seed and temperature (and its new tokens,
+    ``limits``): tokens, per-row counts, reveal steps and confidences."""
     P, seeds = ids.shape[1], [seed + 1000 * b for b in range(len(rows))]
-    out = model.generate(ids, attention_mask=mask, **dict(common, seed=seeds, num_return_sequences=2))
+    temperatures = [0.6 + 0.35 * b for b in range(len(rows))]
+    out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs,
+                         **dict(common, seed=seeds, temperature=temperatures, num_return_sequences=2))
     assert len({tuple(row) for row in out.sequences.tolist()}) > 1  # not one draw for all
     for b, r in enumerate(rows):
-        alone = model.generate(r[None], **dict(common, seed=seeds[b], num_return_sequences=2,
-                                               max_new_tokens=limits[b]))
+        alone = model.generate(r[None], **dict(common, seed=seeds[b], temperature=temperatures[b],
+                                               num_return_sequences=2, max_new_tokens=limits[b]))
         both, own_part = slice(2 * b, 2 * b + 2), slice(P - len(r), P + limits[b])
         assert torch.equal(out.sequences[both, own_part], alone.sequences), b
         assert not out.sequences[both, P + limits[b]:].any(), b
@@ -800,6 +802,12 @@ BAD_INPUTS = [
     (dict(do_sample=True, seed=[-3]), ValueError, "seed=-3 must be >= 0"),
     (dict(do_sample=True, seed=[2**64]), ValueError, "seed=18446744073709551616 must be below 2\\*\\*64"),
     (dict(do_sample=True, seed=["7"]), TypeError, "seed must be an int, got str"),
+    (dict(do_sample=True, temperature=[0.5, 1.0]), ValueError, "temperature has 2 values for 1 prompts: give one "
+                                                                "per row of input_ids"),
+    (dict(do_sample=True, temperature=[]), ValueError, "temperature has 0 values"),
+    (dict(do_sample=True, temperature=[0.0]), ValueError, "temperature must be a finite float > 0"),
+    (dict(do_sample=True, temperature=["hot"]), TypeError, "temperature must be a number, got str"),
+    (dict(temperature=[0.5]), ValueError, r"temperature=\[0.5\] steers sampling, which this call does not do"),
     (dict(strategy="dynamic", threshold="0.5"), TypeError, "threshold must be a number, got str"),
     (dict(strategy="dynamic", threshold=True), TypeError, "threshold must be a number, got bool"),
     (dict(do_sample=True, top_p="0.9"), TypeError, "top_p must be a number"),
@@ -1306,6 +1314,18 @@ def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch)
     assert bounds and all(isinstance(k, torch.Tensor) and k.item() == 100 and m == 128 for k, m in bounds)
 
 
+def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):
+    """Per-prompt temperatures and new-token counts reach the steps through buffers (each row's temperature, the
+    rows' layout): calls with other lists share the captured steps, while a list of temperatures keys other steps
+    than one temperature (they read it a row)."""
+    def key(**kw):
+        return GenerationSettings.resolve(model, None, dict(do_sample=True, **kw), 6, prompts=3).step_key()
+
+    assert key(temperature=[0.5, 1.0, 2.0]) == key(temperature=[0.7, 0.7, 3.0]) != key(temperature=0.7)
+    assert key(temperature=[0.7] * 3) == key(temperature=0.7)  # the same for all: one temperature
+    assert key(max_new_tokens=[4, 8, 16]) == key(max_new_tokens=[5, 6, 7]) == key(max_new_tokens=16)
+
+
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
                                                   ("remask", "threshold", (0.9, 0.3)),
                                                   ("remask", "residual_delta", (2.0, 0.05)),
@@ -1603,6 +1623,36 @@ def test_stop_strings_and_max_new_tokens_per_prompt_give_each_prompt_what_it_giv
         for name, value in vars(alone.stats).items():
             assert torch.equal(getattr(out.stats, name)[b], value[0]), (b, name)
     assert out.new_tokens.tolist()[1:] == [9, 14] and out.new_tokens[0] <= 7
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="direct", mrp_steps=2),
+                                    dict(strategy="remask", threshold=0.4),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_p=0.9)],
+                         ids=lambda k: k["strategy"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_temperature_per_prompt_gives_each_prompt_what_it_draws_alone_at_it(model, kwargs, graphs):
+    """Sampled with a seed and a temperature per prompt (remask's confidences of its MRP pass, listed draft
+    candidates and their top-p cut all read each row's): each row is what its prompt draws alone at its temperature
+    with its seed (tokens, confidences, stats), then with the temperatures in another order (graphed: replaying the
+    steps the first call recorded), and the confidences differ from one temperature for all."""
+    prompts = [random_prompts(1, n, seed=60 + b)[0] for b, n in enumerate([4, 7, 2])]
+    ids, mask = padded_batch(prompts, "left")
+    temperatures, seeds = [0.3, 1.0, 2.5], [11, 12, 13]
+    common = dict(max_new_tokens=12, do_sample=True, pad_token_id=0, eos_token_id=[], return_dict_in_generate=True,
+                  output_confidences=True, **kwargs)
+    for order in (1, -1):  # then other temperatures: a graphed engine replays the steps it recorded (same key)
+        out = model.generate(ids, attention_mask=mask, seed=seeds, temperature=temperatures[::order],
+                             cuda_graphs=graphs, **common)
+        for b, r in enumerate(prompts):
+            alone = model.generate(r[None], seed=seeds[b], temperature=temperatures[::order][b], **common)
+            assert torch.equal(out.sequences[b, 7 - len(r):], alone.sequences[0]), (order, b)
+            torch.testing.assert_close(out.confidences[b, 7 - len(r):], alone.confidences[0], rtol=1e-6, atol=0)
+            for name, value in vars(alone.stats).items():
+                assert torch.equal(getattr(out.stats, name)[b], value[0]), (order, b, name)
+    out = model.generate(ids, attention_mask=mask, seed=seeds, temperature=temperatures, **common)
+    one = model.generate(ids, attention_mask=mask, seed=seeds, temperature=1.0, **common)
+    assert not torch.equal(one.confidences[0], out.confidences[0]) and not torch.equal(one.confidences[2],
+                                                                                       out.confidences[2])
 
 
 def test_stop_strings_cut_the_stream_too(model):

@@ -40,7 +40,7 @@ def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperatur
         dots = penalized(dots, repetition_penalty, seen)
     z = comparable(dots * inv_t)
     z = z.masked_fill(~listed, float("-inf"))
-    shift = (hidden.to(acc) - seed_hidden.to(acc)) @ vocab_mean.to(acc) * inv_t
+    shift = (hidden.to(acc) - seed_hidden.to(acc)) @ vocab_mean.to(acc) * inv_t.reshape(-1)
     return z, torch.logaddexp(torch.logsumexp(z, dim=-1), rest.to(acc) + shift)
 
 

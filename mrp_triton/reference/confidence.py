@@ -6,7 +6,8 @@ Defined behaviour (shared with the Triton kernel):
   the residual is summed in fp32 in order r = 0..R-1; ``penalized``: transformers' repetition penalty at the tokens
   a row has seen, :func:`penalized`; the division is a multiplication by ``1 / temperature``
   rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
-  on the device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``);
+  on the device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``; ``temperature``
+  also one a row, [N]);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax), and so is token v in row n when
   ``banned_tokens[v] & ban_rows[n]`` is nonzero (bool or uint8, each bit a class of ban; ``ban_rows`` None: every
@@ -98,11 +99,12 @@ def gumbel_noise_at(seed: int, noise_keys: torch.Tensor, ids: torch.Tensor) -> t
 
 
 def inverse_temperature(temperature) -> torch.Tensor:
-    """0-d float32 ``1 / temperature``: divided in float64 and rounded to fp32 once, as the kernel multiplies by
-    it. ``temperature``: a float, or a 0-d tensor (the result stays on its device; float64 gives exactly the
-    float's result)."""
+    """float32 ``1 / temperature``: divided in float64 and rounded to fp32 once, as the kernel multiplies by it.
+    ``temperature``: a float, a 0-d tensor (0-d results), or one a row [N] (an [N, 1] result, which scales the rows
+    of [N, V] logits); a tensor's result stays on its device (float64 gives exactly the float's result)."""
     if isinstance(temperature, torch.Tensor):
-        return (1.0 / temperature.double()).float()
+        inverse = (1.0 / temperature.double()).float()
+        return inverse[:, None] if inverse.dim() else inverse
     return torch.tensor(1.0 / temperature, dtype=torch.float32)
 
 
