@@ -46,8 +46,8 @@ class CriteriaCheck:
                     return stopped
                 shown = [min(k, t) for k in kept]
                 input_ids = self.prompts.lay_out(x, shown, t, self.pad_id)
-                extra = {} if confidences is None else {
-                    "confidences": self.prompts.lay_out(confidences, shown, t, 0, prompt=False)}
+                extra = {"confidences": self.prompts.lay_out(confidences, shown, t, 0, prompt=False)} \
+                    if confidences is not None and any(map(takes_confidences, self.criteria)) else {}
                 verdicts = [self._verdict(criterion(input_ids, None, **(extra if takes_confidences(criterion) else {})),
                                           len(kept)) for criterion in self.criteria]
                 for b, done in enumerate(map(any, zip(*verdicts))):
