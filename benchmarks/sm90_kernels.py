@@ -75,7 +75,7 @@ def _confidence() -> list[Variant]:
                    "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
                    "lse_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32",
                    "inv_t": "fp32",
-                   "t_ptr": "*fp64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
+                   "t_ptr": "*fp64", "t_stride": "i64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
                    "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "HAS_PENALTY": "constexpr",
                    "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr",
                    "ENTROPY": "constexpr", "FINAL": "constexpr", "T_TENSOR": "constexpr", "PREFETCH": "constexpr",
@@ -262,10 +262,10 @@ def _model_ops() -> list[Variant]:
         out += _backward_kernels(dt)
     # a draft step among 16 listed tokens a position (draft_candidates=16), greedy and sampled
     sig = {"h_ptr": "*bf16", "hs_ptr": "*bf16", "w_ptr": "*bf16", "mean_ptr": "*fp32", "ids_ptr": "*i64",
-           "rest_ptr": "*fp32", "skip_ptr": "*u8", "inv_t": "fp32", "t_ptr": "*fp64", "seen_ptr": "*u8",
-           "seen_rows_ptr": "*i64", "pen_ptr": "*fp64", "z_ptr": "*fp32", "lse_ptr": "*fp32", "tok_ptr": "*i64",
-           "prob_ptr": "*fp32", "M": "i32", "H": "i32", "V": "i32", "stride_h": "i64", "stride_hs": "i64",
-           "stride_w": "i64", "stride_ids": "i64", "HAS_SKIP": "constexpr", "GREEDY": "constexpr",
+           "rest_ptr": "*fp32", "skip_ptr": "*u8", "inv_t": "fp32", "t_ptr": "*fp64", "t_stride": "i64",
+           "seen_ptr": "*u8", "seen_rows_ptr": "*i64", "pen_ptr": "*fp64", "z_ptr": "*fp32", "lse_ptr": "*fp32",
+           "tok_ptr": "*i64", "prob_ptr": "*fp32", "M": "i32", "H": "i32", "V": "i32", "stride_h": "i64",
+           "stride_hs": "i64", "stride_w": "i64", "stride_ids": "i64", "HAS_SKIP": "constexpr", "GREEDY": "constexpr",
            "T_TENSOR": "constexpr", "HAS_PENALTY": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
     out += [Variant(f"candidate_confidence bf16 greedy={greedy}{' penalty' if pen else ''}", "candidate_confidence",
                     "_listed_kernel", sig, {"HAS_SKIP": True, "GREEDY": greedy, "T_TENSOR": not greedy,
