@@ -199,11 +199,22 @@ class BlockDecoder:
         when it is not set; a captured step reads its value at every replay, so graphs serve every value."""
         return None if getattr(self.settings, name) is None else self.engine.on_device[name]
 
-    def sampling_cuts(self) -> dict:
-        """The filters a sampled pick applies (keyword arguments of the confidence ops, named by ``CUTS``: top_h,
-        top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff), each the 0-d tensor the steps read it from (None
-        where not set); none when greedy (the most likely token is always kept)."""
-        return {name: self.on_device(name) for name in CUTS} if self.settings.do_sample else {}
+    def sampling_cuts(self, T: int) -> dict:
+        """The filters a sampled pick over the B' * T rows of a step's flattened [B', T] positions applies (keyword
+        arguments of the confidence ops, named by ``CUTS``: top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff,
+        eta_cutoff), each the 0-d tensor the steps read it from (None where not set; top_p given per prompt: each
+        position's, [B' * T]); none when greedy (the most likely token is always kept)."""
+        if not self.settings.do_sample:
+            return {}
+        cuts = {name: self.on_device(name) for name in CUTS}
+        if self.settings.top_ps is not None:
+            cuts["top_p"] = self.per_row("top_ps").repeat_interleave(T)
+        return cuts
+
+    def per_row(self, name: str) -> torch.Tensor:
+        """float64 [B']: each working row's value of a setting the call gives per prompt (``name``: its list's,
+        :data:`.PER_PROMPT`; read on the device, so one set of captured steps serves every list)."""
+        return self.engine.per_row[name][self.rows]
 
     @property
     def temperature(self) -> torch.Tensor | float:
@@ -211,8 +222,7 @@ class BlockDecoder:
         row's, [B']) when sampling, else 1."""
         if not self.settings.do_sample:
             return 1.0
-        return self.on_device("temperature") if self.settings.temperatures is None else \
-            self.engine.temperatures[self.rows]
+        return self.on_device("temperature") if self.settings.temperatures is None else self.per_row("temperatures")
 
     def temperature_by_position(self, T: int) -> torch.Tensor | float:
         """:attr:`temperature` for the B' * T rows of a step's flattened [B', T] positions."""
@@ -574,7 +584,7 @@ class BlockDecoder:
         picks = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature_by_position(T), skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), **self.token_bans(positions, V), **self._penalty(seen, V),
-            do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(),
+            do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(T),
             entropy=entropy)
         return tuple(x.view(B, T) for x in picks)
 
@@ -636,7 +646,7 @@ class BlockDecoder:
             temperature=self.temperature_by_position(T),
             skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
             noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
-            **self.sampling_cuts(), **self._penalty(seen))
+            **self.sampling_cuts(T), **self._penalty(seen))
         return tok.view(B, T), conf.view(B, T)
 
     def commit_picks(self, block: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

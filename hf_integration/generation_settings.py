@@ -65,8 +65,11 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # value up to its bound: GenerationSettings.top_k_max).
 ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
                  "threshold", "entropy_bound", "residual_delta", "min_new_tokens", "repetition_penalty")
-# Per-row values the steps read from the decode engine's buffers of one value a row: as for ON_THE_DEVICE.
-PER_ROW_ON_THE_DEVICE = ("temperatures",)
+# Per-prompt lists of a setting (setting -> the field that holds the list), which the steps read from the decode
+# engine's buffers of one value a row (DecodeEngine.per_row): as for ON_THE_DEVICE, only whether a call gives one is
+# part of a step's key.
+PER_PROMPT = {"temperature": "temperatures", "top_p": "top_ps"}
+PER_ROW_ON_THE_DEVICE = tuple(PER_PROMPT.values())
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -142,8 +145,9 @@ class GenerationSettings:
     gives each prompt (its copies too) its own, and the output is as wide as the largest asks (a row's tokens past its
     own count are padding): each prompt gives what it gives alone with its count, as a server batching requests that
     ask for different lengths needs (``new_token_limits`` then holds the list, ``max_new_tokens`` the largest).
-    ``temperature`` (sampling) may also be a list of one per prompt (each of its copies too): each prompt draws what
-    it draws alone at its temperature with its seed (``temperatures`` then holds the list).
+    ``temperature`` and ``top_p`` (sampling) may also be lists of one per prompt (each of its copies too): each prompt
+    draws what it draws alone at its temperature and top-p with its seed (``temperatures`` and ``top_ps`` then hold
+    the lists).
     ``min_new_tokens`` holds EOS back
     (every ``eos_token_id``, excluded from the picks and their softmax, as transformers' logits processor sets its
     logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no row ends before them (stop strings,
@@ -280,6 +284,7 @@ class GenerationSettings:
     eos_ids: tuple[int, ...] = field(default=(), init=False)
     new_token_limits: tuple[int, ...] | None = field(default=None, init=False)  # one per prompt, or None
     temperatures: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    top_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
 
     @classmethod
     def names(cls) -> set[str]:
@@ -360,7 +365,8 @@ class GenerationSettings:
             logger.warning_once(f"both max_new_tokens={settings.max_new_tokens} and max_length={settings.max_length} "
                                 "were given: max_new_tokens wins (as in transformers)")
         settings._split_new_token_limits(prompts)
-        settings._split_temperatures(prompts)
+        for name in PER_PROMPT:
+            settings._split_per_prompt(name, prompts)
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         settings._check_seeds(prompts)
@@ -398,21 +404,27 @@ class GenerationSettings:
             _int_at_least("max_new_tokens", limit, 1)
         self.new_token_limits, self.max_new_tokens = limits, max(limits)
 
-    def _split_temperatures(self, prompts: int | None) -> None:
-        """A list of ``temperature`` (one usable temperature per prompt) goes to ``temperatures`` (a tuple; None when
-        they are all the same: ``temperature`` then holds it), ``temperature`` then holding 1 (unread)."""
-        if not isinstance(self.temperature, (list, tuple)):
+    def _split_per_prompt(self, name: str, prompts: int | None) -> None:
+        """A list of setting ``name`` (:data:`PER_PROMPT`: one usable value per prompt, of a sampled call) goes to its
+        field of lists (a tuple of floats; None when they are all the same: ``name`` then holds it), ``name`` then
+        holding its default (unread)."""
+        values = getattr(self, name)
+        if not isinstance(values, (list, tuple)):
             return
-        values = _one_per_prompt("temperature", self.temperature, prompts, "values", "one float")
+        values = _one_per_prompt(name, values, prompts, "values", "one number")
         if not self.do_sample:
-            raise ValueError(f"temperature={list(values)!r} steers sampling, which this call does not do: pass "
+            raise ValueError(f"{name}={list(values)!r} steers sampling, which this call does not do: pass "
                              "do_sample=True (or drop it)")
         for value in values:
-            check_temperature(_number("temperature", value))
+            if name == "temperature":
+                check_temperature(_number(name, value))
+            elif not 0.0 < _number(name, value) <= 1.0:
+                raise ValueError(f"{name}={value} must be in (0, 1]")
         if len(set(values)) == 1:
-            self.temperature = values[0]
+            setattr(self, name, values[0])
         else:
-            self.temperatures, self.temperature = tuple(map(float, values)), 1.0
+            setattr(self, PER_PROMPT[name], tuple(map(float, values)))
+            setattr(self, name, self._default(name))
 
     def _check_stops_per_prompt(self, prompts: int | None) -> None:
         """``stop_strings`` given per prompt: one list for each (an empty one: none), not all empty (None then)."""

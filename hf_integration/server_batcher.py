@@ -2,14 +2,15 @@
 ``generate()`` call.
 
 Only this thread calls the model. It takes the oldest waiting request and every other waiting request with the same
-``generate()`` keywords (a sampled request's ``seed`` and ``temperature``, the new tokens and the stop strings a
-request asks for aside), up to ``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on
-through its blocks on its own and stops at its request's ``max_new_tokens`` and stop strings (``generate()`` takes
-them per prompt), a greedy row gives what it gives alone, and each prompt of a sampled request draws with the
-request's seed and temperature (``generate()`` takes both per prompt too) what it draws alone, so batching changes the
-speed, not the text. A stopping criterion, which sees each new token once every row of the call has it, watches the
-call's rows: a streamed request's row sends its new tokens as the call decodes them, and the rows of a request whose
-client is gone (streamed or not) end, while the other rows go on. Not part of a checkpoint's remote code.
+``generate()`` keywords (a sampled request's ``seed``, ``temperature`` and ``top_p``, the new tokens and the stop
+strings a request asks for aside), up to ``max_batch_size`` rows, and decodes them as one left-padded batch: each row
+moves on through its blocks on its own and stops at its request's ``max_new_tokens`` and stop strings (``generate()``
+takes them per prompt), a greedy row gives what it gives alone, and each prompt of a sampled request draws with the
+request's seed, temperature and top-p (``generate()`` takes them per prompt too) what it draws alone, so batching
+changes the speed, not the text. A stopping criterion, which sees each new token once every row of the call has it,
+watches the call's rows: a streamed request's row sends its new tokens as the call decodes them, and the rows of a
+request whose client is gone (streamed or not) end, while the other rows go on. Not part of a checkpoint's remote
+code.
 """
 
 from __future__ import annotations
@@ -201,9 +202,12 @@ class Batcher:
         extra = {}
         if any(job.request.logprobs for job in batch):
             extra["output_confidences"] = True
-        if batch[0].request.settings["do_sample"]:  # a seed per prompt, and a temperature: each request's own
+        if batch[0].request.settings["do_sample"]:  # a seed, a temperature and a top-p per prompt: each request's own
             extra["seed"] = per_prompt(lambda request: request.settings["seed"])
             extra["temperature"] = per_prompt(lambda request: request.settings.get("temperature", 1.0))
+            top_ps = per_prompt(lambda request: request.settings.get("top_p") or 1.0)  # (1: none cut)
+            if len(set(top_ps)) > 1:
+                extra["top_p"] = top_ps
         limits = per_prompt(lambda request: request.max_new_tokens)
         if len(set(limits)) > 1:  # a count per prompt: each request's own
             extra["max_new_tokens"] = limits
@@ -245,12 +249,12 @@ class Batcher:
 
 
 def _decoded_alike(one: Request, other: Request) -> bool:
-    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed and
-    temperature, the new tokens and the stop strings asked for aside (the call takes a seed, a temperature, a
-    ``max_new_tokens`` and stop strings per prompt; a request that leaves ``max_new_tokens`` to generate()'s default
-    shares only with those that do too)."""
+    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed,
+    temperature and top-p, the new tokens and the stop strings asked for aside (the call takes a seed, a temperature,
+    a top-p, a ``max_new_tokens`` and stop strings per prompt; a request that leaves ``max_new_tokens`` to
+    generate()'s default shares only with those that do too)."""
     def key(settings: dict) -> dict:
-        return {**settings, "seed": None, "temperature": None, "max_new_tokens": "max_new_tokens" in settings,
-                "stop_strings": None, "tokenizer": None}
+        return {**settings, "seed": None, "temperature": None, "top_p": None,
+                "max_new_tokens": "max_new_tokens" in settings, "stop_strings": None, "tokenizer": None}
 
     return key(one.settings) == key(other.settings)

@@ -50,7 +50,7 @@ from ._checks import (ban_operands, check_banned, check_device_scalar, check_ker
                       check_skip_rows, penalty_operands)
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
-from .reference.confidence import cuts_anything, effective_logits, sampling_cut, seed_hash
+from .reference.confidence import cuts_anything, effective_logits, row_slice, sampling_cut, seed_hash
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -373,7 +373,10 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    for name, value in (("top_p", top_p), ("top_h", top_h), ("typical_p", typical_p)):
+    if top_p is not None and not check_device_scalar("top_p", top_p, device, rows=rows) and \
+            (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    for name, value in (("top_h", top_h), ("typical_p", typical_p)):
         if value is not None and not check_device_scalar(name, value, device) and \
                 (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0):
             raise ValueError(f"{name} must be in (0, 1] or None, got {value!r}")
@@ -401,12 +404,11 @@ def _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, bann
     bands = []
     for i in range(0, N, step):
         res = None if residual is None else residual[..., i:i + step, :]
-        t = temperature[i:i + step] if isinstance(temperature, torch.Tensor) and temperature.dim() else temperature
-        z = effective_logits(logits[i:i + step], res, scale=scale, temperature=t,
+        z = effective_logits(logits[i:i + step], res, scale=scale, temperature=row_slice(temperature, i, step),
                              mask_token_id=mask_token_id, banned_tokens=banned_tokens,
                              ban_rows=None if ban_rows is None else ban_rows[i:i + step],
                              **_penalty_rows(penalty, slice(i, i + step)))
-        bands.append(sampling_cut(z, **cuts))
+        bands.append(sampling_cut(z, **{name: row_slice(value, i, step) for name, value in cuts.items()}))
     return torch.cat(bands) if len(bands) > 1 else bands[0]
 
 
@@ -519,10 +521,10 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers: :func:`.reference.confidence.sampling_cut`)
     and ``top_h`` (transformers' top-h: among the 100 most likely, those whose entropy terms take at most top_h of
     the entropy) are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every
-    value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]), ``temperature`` also one a row
-    ([N] on that device: rows of different temperatures in one launch); ``top_k_max`` (an int) is the
-    largest value a ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits
-    instead of sorting the row (the caller guarantees the bound; ignored without ``top_k``).
+    value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]), ``temperature`` and ``top_p``
+    also one a row ([N] on that device: rows of different temperatures and top-p in one launch); ``top_k_max`` (an
+    int) is the largest value a ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest
+    logits instead of sorting the row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. With ``entropy`` also the entropy (nats) of each row's full softmax, float32
     [N] (+inf where the token is -1), from the same pass (one more running sum).

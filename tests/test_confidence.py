@@ -100,7 +100,8 @@ def _cases(draw):
         seed=draw(st.integers(0, 2**40)),
         noise_keys=torch.randint(-5, 2**33, (N, 3), generator=g),
         top_k=draw(st.none() | st.integers(1, 40)),  # greedy picks ignore them (the best token is always kept)
-        top_p=draw(st.none() | st.floats(0.05, 1.0)),
+        top_p=draw(st.none() | st.floats(0.05, 1.0) |  # or one a row
+                   st.just((torch.rand(N, generator=g, dtype=torch.float64) * 0.95 + 0.05))),
         min_p=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(0.001, 0.5)),
         epsilon_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
         eta_cutoff=draw(st.none() | st.sampled_from([0.0, 1.0]) | st.floats(1e-4, 0.5)),
@@ -117,9 +118,9 @@ def _cases(draw):
 def test_kernel_matches_reference(case):
     """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-h /
     top-k / top-p / min-p / typical / epsilon / eta keep, the entropy asked for or not, a repetition penalty at the
-    tokens each row has seen, one temperature or one a row); a temperature, the filters and the penalty given to the
-    kernel as float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers do, top_k with
-    or without a top_k_max."""
+    tokens each row has seen, one temperature and top-p or one a row); a temperature, the filters and the penalty
+    given to the kernel as float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers
+    do, top_k with or without a top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
@@ -265,7 +266,8 @@ def test_the_sampled_cut_is_the_same_computed_a_few_rows_at_a_time(monkeypatch):
 def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
     """Rows at temperatures 0.3, 1, 2.5, ... in one launch (a float64 tensor [N] on the device): each row's token,
     probability and log-sum-exp are bit-identical to a launch with its own temperature as a 0-d tensor, greedy and
-    sampled (top-p then cuts each row at its own temperature), kernel and reference alike."""
+    sampled (top-p then cuts each row at its own temperature; then each row at its own top-p too), kernel and
+    reference alike."""
     if chunk is not None:
         monkeypatch.setattr(importlib.import_module("mrp_triton.confidence"), "CUT_CHUNK", chunk)
     g = torch.Generator().manual_seed(21)
@@ -273,17 +275,20 @@ def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
     L = (torch.randn(N, V, generator=g) * 3).to(DEV)
     keys = torch.randint(0, 1000, (N, 3), generator=g).to(DEV)
     temperatures = torch.tensor([0.3, 1.0, 2.5, 0.7, 1.0, 4.0], dtype=torch.float64, device=DEV)
+    top_ps = torch.tensor([0.8, 1.0, 0.3, 0.95, 0.5, 0.6], dtype=torch.float64, device=DEV)
     for sampled in (dict(do_sample=False), dict(do_sample=True, seed=3, noise_keys=keys),
-                    dict(do_sample=True, seed=3, noise_keys=keys, top_p=0.8)):
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_p=0.8),
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_p=top_ps, min_p=0.01)):
         for op, extra in ((confidence_triton, dict(splits=2, block_v=64)), (confidence_ref, {})):
             together = op(L, temperature=temperatures, entropy=True, **sampled, **extra)
             for n in range(N):
                 alone = op(L[n:n + 1], temperature=temperatures[n], entropy=True,
-                           **{k: (v[n:n + 1] if k == "noise_keys" else v) for k, v in sampled.items()}, **extra)
+                           **{k: (v[n:n + 1] if k in ("noise_keys", "top_p") and isinstance(v, torch.Tensor) else v)
+                              for k, v in sampled.items()}, **extra)
                 for a, b in zip(together, alone):
                     assert torch.equal(a[n:n + 1], b), (op.__name__, sampled, n)
-        ref = confidence_ref(L.cpu(), temperature=temperatures.cpu(), **{k: (v.cpu() if k == "noise_keys" else v)
-                                                                          for k, v in sampled.items()})
+        ref = confidence_ref(L.cpu(), temperature=temperatures.cpu(), **{
+            k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sampled.items()})
         _check(confidence_triton(L, temperature=temperatures, **sampled), ref)
 
 

@@ -313,16 +313,19 @@ def test_any_batch_gives_each_row_what_it_gives_alone(model, lens, kwargs, max_n
 
 
 def _each_prompt_draws_with_its_seed_what_it_draws_alone(model, rows, ids, mask, common, limits, seed, graphs):
-    """With a seed and a temperature per prompt (two samples each; steps replayed or not), every prompt's rows of the
-    (left-padded) batch are the samples it draws alone with its seed and temperature (and its new tokens,
-    ``limits``): tokens, per-row counts, reveal steps and confidences."""
-    P, seeds = ids.shape[1], [seed + 1000 * b for b in range(len(rows))]
-    temperatures = [0.6 + 0.35 * b for b in range(len(rows))]
+    """With a seed and a temperature (and a top-p, where the call cuts by one) per prompt (two samples each; steps
+    replayed or not), every prompt's rows of the (left-padded) batch are the samples it draws alone with its seed
+    and temperature (and its new tokens, ``limits``): tokens, per-row counts, reveal steps and confidences."""
+    P = ids.shape[1]
+    lists = {"seed": [seed + 1000 * b for b in range(len(rows))],
+             "temperature": [0.6 + 0.35 * b for b in range(len(rows))]}
+    if common.get("top_p") is not None:
+        lists["top_p"] = [0.5 + 0.15 * b for b in range(len(rows))]
     out = model.generate(ids, attention_mask=mask, cuda_graphs=graphs,
-                         **dict(common, seed=seeds, temperature=temperatures, num_return_sequences=2))
+                         **dict(common, **lists, num_return_sequences=2))
     assert len({tuple(row) for row in out.sequences.tolist()}) > 1  # not one draw for all
     for b, r in enumerate(rows):
-        alone = model.generate(r[None], **dict(common, seed=seeds[b], temperature=temperatures[b],
+        alone = model.generate(r[None], **dict(common, **{name: values[b] for name, values in lists.items()},
                                                num_return_sequences=2, max_new_tokens=limits[b]))
         both, own_part = slice(2 * b, 2 * b + 2), slice(P - len(r), P + limits[b])
         assert torch.equal(out.sequences[both, own_part], alone.sequences), b
@@ -808,6 +811,10 @@ BAD_INPUTS = [
     (dict(do_sample=True, temperature=[0.0]), ValueError, "temperature must be a finite float > 0"),
     (dict(do_sample=True, temperature=["hot"]), TypeError, "temperature must be a number, got str"),
     (dict(temperature=[0.5]), ValueError, r"temperature=\[0.5\] steers sampling, which this call does not do"),
+    (dict(do_sample=True, top_p=[0.5, 0.9]), ValueError, "top_p has 2 values for 1 prompts"),
+    (dict(do_sample=True, top_p=[1.5]), ValueError, r"top_p=1.5 must be in \(0, 1\]"),
+    (dict(do_sample=True, top_p=[None]), TypeError, "top_p must be a number, got NoneType"),
+    (dict(top_p=[0.5]), ValueError, r"top_p=\[0.5\] steers sampling"),
     (dict(strategy="dynamic", threshold="0.5"), TypeError, "threshold must be a number, got str"),
     (dict(strategy="dynamic", threshold=True), TypeError, "threshold must be a number, got bool"),
     (dict(do_sample=True, top_p="0.9"), TypeError, "top_p must be a number"),
@@ -1315,15 +1322,16 @@ def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch)
 
 
 def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):
-    """Per-prompt temperatures and new-token counts reach the steps through buffers (each row's temperature, the
-    rows' layout): calls with other lists share the captured steps, while a list of temperatures keys other steps
-    than one temperature (they read it a row)."""
+    """Per-prompt temperatures, top-p and new-token counts reach the steps through buffers (each row's temperature
+    and top-p, the rows' layout): calls with other lists share the captured steps, while a list of temperatures (or
+    top-p) keys other steps than one value (they read it a row)."""
     def key(**kw):
         return GenerationSettings.resolve(model, None, dict(do_sample=True, **kw), 6, prompts=3).step_key()
 
     assert key(temperature=[0.5, 1.0, 2.0]) == key(temperature=[0.7, 0.7, 3.0]) != key(temperature=0.7)
     assert key(temperature=[0.7] * 3) == key(temperature=0.7)  # the same for all: one temperature
     assert key(max_new_tokens=[4, 8, 16]) == key(max_new_tokens=[5, 6, 7]) == key(max_new_tokens=16)
+    assert key(top_p=[0.5, 1.0, 0.9]) == key(top_p=[0.1, 0.2, 0.3]) != key(top_p=0.5) != key()
 
 
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
@@ -1627,14 +1635,18 @@ def test_stop_strings_and_max_new_tokens_per_prompt_give_each_prompt_what_it_giv
 
 @pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="direct", mrp_steps=2),
                                     dict(strategy="remask", threshold=0.4),
-                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_p=0.9)],
-                         ids=lambda k: k["strategy"])
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_p=0.9),
+                                    dict(strategy="static", top_p=[0.6, 1.0, 0.2], min_p=0.02),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4,
+                                         top_p=[0.5, 0.9, 0.95])],
+                         ids=lambda k: k["strategy"] + " top_p list" * isinstance(k.get("top_p"), list))
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_temperature_per_prompt_gives_each_prompt_what_it_draws_alone_at_it(model, kwargs, graphs):
     """Sampled with a seed and a temperature per prompt (remask's confidences of its MRP pass, listed draft
-    candidates and their top-p cut all read each row's): each row is what its prompt draws alone at its temperature
-    with its seed (tokens, confidences, stats), then with the temperatures in another order (graphed: replaying the
-    steps the first call recorded), and the confidences differ from one temperature for all."""
+    candidates and their top-p cut all read each row's), and a top-p per prompt too: each row is what its prompt
+    draws alone at its temperature (and top-p) with its seed (tokens, confidences, stats), then with the temperatures
+    in another order (graphed: replaying the steps the first call recorded), and the confidences differ from one
+    temperature for all."""
     prompts = [random_prompts(1, n, seed=60 + b)[0] for b, n in enumerate([4, 7, 2])]
     ids, mask = padded_batch(prompts, "left")
     temperatures, seeds = [0.3, 1.0, 2.5], [11, 12, 13]
@@ -1644,7 +1656,8 @@ def test_a_temperature_per_prompt_gives_each_prompt_what_it_draws_alone_at_it(mo
         out = model.generate(ids, attention_mask=mask, seed=seeds, temperature=temperatures[::order],
                              cuda_graphs=graphs, **common)
         for b, r in enumerate(prompts):
-            alone = model.generate(r[None], seed=seeds[b], temperature=temperatures[::order][b], **common)
+            own = {name: value[b] for name, value in kwargs.items() if isinstance(value, list)}
+            alone = model.generate(r[None], seed=seeds[b], temperature=temperatures[::order][b], **{**common, **own})
             assert torch.equal(out.sequences[b, 7 - len(r):], alone.sequences[0]), (order, b)
             torch.testing.assert_close(out.confidences[b, 7 - len(r):], alone.confidences[0], rtol=1e-6, atol=0)
             for name, value in vars(alone.stats).items():

@@ -374,11 +374,11 @@ def test_a_stream_never_sends_text_it_would_have_to_take_back(text, stop, cut):
 
 def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped, monkeypatch):
     """While a call decodes, the requests that arrive wait; then the oldest goes with every waiting request of the
-    same settings (up to max_batch_size rows; a greedy request's seed, sampled requests' seeds and temperatures and
-    the max_tokens and stop strings each asks aside; streamed or not) in one call, while one with other settings gets
-    its own (so does one leaving max_new_tokens to generate()'s default). Each completion is the one its prompt gets
-    alone, with its max_tokens and stop strings: greedy, or sampled at its request's temperature with its seed (its
-    own, or the one drawn for it); the streamed one's pieces are its tokens."""
+    same settings (up to max_batch_size rows; a greedy request's seed, sampled requests' seeds, temperatures and top-p
+    and the max_tokens and stop strings each asks aside; streamed or not) in one call, while one with other settings
+    gets its own (so does one leaving max_new_tokens to generate()'s default). Each completion is the one its prompt
+    gets alone, with its max_tokens and stop strings: greedy, or sampled at its request's temperature and top-p with
+    its seed (its own, or the one drawn for it); the streamed one's pieces are its tokens."""
     tokenizer, model = shipped
     calls, gate, real = [], threading.Event(), model.generate
 
@@ -403,7 +403,7 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
              submit("z = 3\n"),  # a fifth row: too many for that call
              submit("def add(a, b):\n", temperature=0.7, seed=5, n=2),  # sampled: together, a seed each
              submit("def add(a, b):\n", stream=True, max_tokens=10, stop="("),  # streamed: with z
-             submit("class Box:\n", temperature=1.3, n=2),  # a seed drawn for it, another temperature
+             submit("class Box:\n", temperature=1.3, top_p=0.8, n=2),  # a seed drawn for it, another temperature
              submit("def add(a, b):\n", temperature=0.7, seed=6, n=2, max_tokens=12),
              submit("def add(a, b):\n", strategy="speculative"),  # other settings
              submit("z = 3\n", defaults={"strategy": "static"}, max_tokens=None)]  # generate()'s max_new_tokens
@@ -433,7 +433,8 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
                     **({"stop_strings": job.request.stop, "tokenizer": tokenizer} if job.request.stop else {})}
         if job.request.settings["do_sample"]:
             settings.update(do_sample=True, temperature=job.request.settings["temperature"],
-                            seed=job.request.settings["seed"], num_return_sequences=2)
+                            seed=job.request.settings["seed"], num_return_sequences=2,
+                            top_p=job.request.settings.get("top_p"))
         n = settings.get("num_return_sequences", 1)
         assert len(completions) == len(job.request.prompts) * n
         for p, ids in enumerate(job.request.prompts):

@@ -7,7 +7,7 @@ Defined behaviour (shared with the Triton kernel):
   a row has seen, :func:`penalized`; the division is a multiplication by ``1 / temperature``
   rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
   on the device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``; ``temperature``
-  also one a row, [N]);
+  and ``top_p`` also one a row, [N]);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax), and so is token v in row n when
   ``banned_tokens[v] & ban_rows[n]`` is nonzero (bool or uint8, each bit a class of ban; ``ban_rows`` None: every
@@ -270,6 +270,8 @@ def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None, top_h=None) 
     if top_p is not None:
         p = torch.softmax(sz.masked_fill(ranks >= kept[:, None], float("-inf")), dim=-1).nan_to_num(nan=0.0)
         before = torch.cumsum(p, dim=-1) - p  # mass ranked strictly before each value
+        if isinstance(top_p, torch.Tensor) and top_p.dim():  # one a row
+            top_p = top_p[:, None]
         reached = (before >= top_p) & (ranks >= 1) & (top_p < 1.0)
         kept = torch.minimum(kept, torch.where(reached, ranks, width).amin(-1))
     return sz.gather(1, (kept - 1)[:, None])[:, 0]
@@ -319,9 +321,14 @@ def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, **
         for i in range(0, max(1, z.shape[0]), step):  # one (empty) chunk for N = 0
             zi = z[i:i + step]  # the cut is a row's own: cut chunk by chunk
             score = zi + gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1])
-            picks.append(drop_filtered(score, zi, **cuts).max(dim=-1))
+            picks.append(drop_filtered(score, zi, **{k: row_slice(v, i, step) for k, v in cuts.items()}).max(dim=-1))
         best, tok = (torch.cat(x) for x in zip(*picks)) if len(picks) > 1 else picks[0]
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
+
+
+def row_slice(value, start: int, count: int):
+    """Rows start .. start + count - 1 of a setting given one a row (a tensor [N]); any other value as it is."""
+    return value[start:start + count] if isinstance(value, torch.Tensor) and value.dim() else value
 
 
 def softmax_entropy(z: torch.Tensor) -> torch.Tensor:

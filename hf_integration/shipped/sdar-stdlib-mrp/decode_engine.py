@@ -24,7 +24,7 @@ import torch
 from mrp_triton import select_backend
 from mrp_triton.reference.confidence import seed_hash
 
-from .generation_settings import ON_THE_DEVICE, GenerationSettings
+from .generation_settings import ON_THE_DEVICE, PER_ROW_ON_THE_DEVICE, GenerationSettings
 from .kv_cache import StaticKVCache
 from .modeling_sdar import rotary_cos_sin
 from .step_graphs import LaggedFlags, StepGraphs
@@ -127,7 +127,9 @@ class DecodeEngine:
         self.confidences = torch.zeros((s.batch, s.max_len), dtype=torch.float32, device=s.device)
         self.loop_steps = torch.zeros((), dtype=torch.long, device=s.device)
         self.noise_rows = torch.zeros(s.batch, dtype=torch.long, device=s.device)  # by original row
-        self.temperatures = torch.ones(s.batch, dtype=torch.float64, device=s.device)  # by original row, if per prompt
+        # by original row, the settings a call gives per prompt (GenerationSettings.PER_PROMPT's lists)
+        self.per_row = {name: torch.ones(s.batch, dtype=torch.float64, device=s.device)
+                        for name in PER_ROW_ON_THE_DEVICE}
         self.draft_rows: dict = {}  # the lm_head rows of each listed draft vocabulary (draft_vocab.draft_head)
         self.vocab_mean: torch.Tensor | None = None  # the mean lm_head row (draft_candidates.refresh_vocab_mean)
         self._copy_index: dict[tuple[int, int], torch.Tensor] = {}
@@ -138,15 +140,17 @@ class DecodeEngine:
 
     def use_settings(self, settings: GenerationSettings) -> None:
         """This call's values of the settings the captured steps read on the device: each row's first noise-key
-        column (:func:`noise_rows`), each row's temperature where the call gives one per prompt (``temperatures``;
-        1 past the prompts' rows) and those in ``on_device`` (float64, so a step computes exactly what it would
+        column (:func:`noise_rows`), each row's value of the settings the call gives per prompt (``per_row``, by
+        the list's name: ``temperatures``, ``top_ps``; 1 past the prompts' rows and without a list) and those in
+        ``on_device`` (float64, so a step computes exactly what it would
         from the Python float; an unset one holds 1)."""
         copies = settings.num_return_sequences
         self.noise_rows.copy_(noise_rows(settings.seed, copies, self.shape.batch))
-        self.temperatures.fill_(1.0)
-        if settings.temperatures is not None:
-            per_row = torch.tensor(settings.temperatures, dtype=torch.float64).repeat_interleave(copies)
-            self.temperatures[: per_row.shape[0]] = per_row.to(self.temperatures.device)
+        for name, buffer in self.per_row.items():
+            buffer.fill_(1.0)
+            if getattr(settings, name) is not None:
+                values = torch.tensor(getattr(settings, name), dtype=torch.float64).repeat_interleave(copies)
+                buffer[: values.shape[0]] = values.to(buffer.device)
         for name, value in self.on_device.items():
             value.fill_(1.0 if getattr(settings, name) is None else float(getattr(settings, name)))
         self.is_eos.zero_()
