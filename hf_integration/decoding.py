@@ -208,13 +208,15 @@ class BlockDecoder:
             return {}
         cuts = {name: self.on_device(name) for name in CUTS}
         if self.settings.top_ps is not None:
-            cuts["top_p"] = self.per_row("top_ps").repeat_interleave(T)
+            cuts["top_p"] = self.per_row("top_ps", T)
         return cuts
 
-    def per_row(self, name: str) -> torch.Tensor:
-        """float64 [B']: each working row's value of a setting the call gives per prompt (``name``: its list's,
-        :data:`.PER_PROMPT`; read on the device, so one set of captured steps serves every list)."""
-        return self.engine.per_row[name][self.rows]
+    def per_row(self, name: str, T: int = 1) -> torch.Tensor:
+        """float64 [B' * T]: each working row's value (T times, for a step's flattened [B', T] positions) of a setting
+        the call gives per prompt (``name``: its list's, :data:`.PER_PROMPT`; read on the device, so one set of
+        captured steps serves every list)."""
+        values = self.engine.per_row[name][self.rows]
+        return values if T == 1 else values.repeat_interleave(T)
 
     @property
     def temperature(self) -> torch.Tensor | float:
@@ -226,8 +228,9 @@ class BlockDecoder:
 
     def temperature_by_position(self, T: int) -> torch.Tensor | float:
         """:attr:`temperature` for the B' * T rows of a step's flattened [B', T] positions."""
-        t = self.temperature
-        return t.repeat_interleave(T) if isinstance(t, torch.Tensor) and t.dim() else t
+        if self.settings.do_sample and self.settings.temperatures is not None:
+            return self.per_row("temperatures", T)
+        return self.temperature
 
     @property
     def stats(self) -> DecodeStats:

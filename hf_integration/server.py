@@ -39,8 +39,8 @@ from .cli import (HelpFormatter, UsageError, add_decoding_options, add_model_opt
                   decoding_settings, load_for, set_threads)
 from .prompts import PromptBatch
 from .server_batcher import Batcher, Job
-from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_of,
-                              read_request, response_id, shown_tokens, streamable, token_offsets, usage)
+from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_in_text,
+                              logprobs_of, read_request, response_id, shown_tokens, streamable, usage)
 
 MAX_BATCH_SIZE = 8
 MAX_BODY_BYTES = 16 * 2**20
@@ -254,10 +254,7 @@ def response_body(endpoint: str, rid: str, model_name: str, request: Request, co
         reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
         choices.append({**choice(endpoint, index, text, reason, chunk=False), "stats": completion.stats})
         if request.logprobs:
-            offsets = token_offsets(tokenizer, completion.ids)
-            shown = shown_tokens(offsets, len(text))
-            choices[-1]["logprobs"] = logprobs_of(endpoint, tokenizer, completion.ids[:shown],
-                                                  completion.logprobs[:shown], offsets[:shown])
+            choices[-1]["logprobs"] = logprobs_in_text(endpoint, tokenizer, completion.ids, completion.logprobs, text)
     return {**envelope(endpoint, rid, model_name, chunk=False), "choices": choices,
             "usage": usage(sum(map(len, request.prompts)), sum(len(c.ids) for c in completions))}
 
@@ -295,12 +292,12 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
     def event(payload) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def chunk(index: int, text: str | None, reason: str | None, ids, logprobs, offsets) -> dict:
+    def chunk(index: int, text: str | None, reason: str | None, logprobs: dict | None) -> dict:
         """A chunk of choice ``index``: the text it adds, its finish reason, and (when asked) the log-probabilities
-        of its tokens ``ids`` (at ``offsets`` in the choice's text)."""
+        of its tokens (OpenAI's ``logprobs``)."""
         body = choice(endpoint, index, text, reason, chunk=True)
-        if request.logprobs:
-            body["logprobs"] = logprobs_of(endpoint, tokenizer, ids, logprobs, offsets)
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         return {**head, "choices": [body]}
 
     streamed = [StreamedChoice() for _ in range(job.rows)]
@@ -309,16 +306,17 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
             yield event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}]})
         while (piece := job.next_piece()) is not None:
-            index, new, logprobs = piece
+            index, new, new_logprobs = piece
             one = streamed[index]
-            one.add(tokenizer, new, logprobs)
+            one.add(tokenizer, new, new_logprobs)
             text = streamable(one.text, request.stop)
             if len(text) > len(one.sent):
                 first = one.sent_tokens
                 one.sent_tokens += shown_tokens(one.offsets[first:], len(text))
-                tokens = slice(first, one.sent_tokens)
-                yield event(chunk(index, text[len(one.sent):], None, one.ids[tokens], one.logprobs[tokens],
-                                  one.offsets[tokens]))
+                sent = slice(first, one.sent_tokens)
+                logprobs = logprobs_of(endpoint, tokenizer, one.ids[sent], one.logprobs[sent], one.offsets[sent]) \
+                    if request.logprobs else None
+                yield event(chunk(index, text[len(one.sent):], None, logprobs))
                 one.sent = text
         try:
             completions = job.future.result()
@@ -329,11 +327,9 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
         for index, (completion, one) in enumerate(zip(completions, streamed)):
             text, stopped = completion_text(tokenizer, completion.ids, request.stop)
             reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
-            first = one.sent_tokens
-            offsets = token_offsets(tokenizer, completion.ids, start=first) if request.logprobs else []
-            tokens = slice(first, first + shown_tokens(offsets, len(text)))
-            last = chunk(index, text[len(one.sent):] or None, reason, completion.ids[tokens],
-                         (completion.logprobs or [])[tokens], offsets[: tokens.stop - first])
+            logprobs = logprobs_in_text(endpoint, tokenizer, completion.ids, completion.logprobs, text,
+                                        start=one.sent_tokens) if request.logprobs else None
+            last = chunk(index, text[len(one.sent):] or None, reason, logprobs)
             last["choices"][0]["stats"] = completion.stats
             yield event(last)
         if request.include_usage:

@@ -189,6 +189,15 @@ def shown_tokens(offsets: list[int], text_length: int) -> int:
     return shown
 
 
+def logprobs_in_text(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], text: str,
+                     start: int = 0) -> dict:
+    """OpenAI's ``logprobs`` (:func:`logprobs_of`) of a choice's tokens ``ids`` from ``start`` on that make its
+    ``text`` (cut before a stop string): those starting before its end."""
+    offsets = token_offsets(tokenizer, ids, start)
+    end = start + shown_tokens(offsets, len(text))
+    return logprobs_of(endpoint, tokenizer, ids[start:end], logprobs[start:end], offsets[: end - start])
+
+
 def logprobs_of(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], offsets: list[int]) -> dict:
     """OpenAI's ``logprobs`` of a choice's tokens ``ids`` (all or a stream chunk's), with log-probabilities
     ``logprobs``, at ``offsets`` in the choice's text: each token as its own text (``tokenizer.decode([id])``) with

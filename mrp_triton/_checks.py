@@ -8,6 +8,7 @@ that it must match in shape, dtype and device.
 from __future__ import annotations
 
 import numbers
+import struct
 
 import torch
 
@@ -140,6 +141,16 @@ def penalty_operands(repetition_penalty, seen_tokens, seen_rows, rows: int, dumm
     which = torch.arange(rows, device=device) if seen_rows is None else seen_rows.contiguous()
     pen = torch.as_tensor(repetition_penalty, dtype=torch.float64, device=device)
     return table, which, pen
+
+
+def temperature_operands(temperature, dummy: torch.Tensor) -> tuple[float, torch.Tensor, int, bool]:
+    """What a kernel with ``T_TENSOR`` (the temperature read on the device) or without reads: ``(inv_t, t, stride,
+    on_device)``. A number gives ``inv_t`` = 1 / temperature divided in float64 and rounded to fp32 (as the
+    reference), ``dummy`` and stride 0; a tensor (0-d, or one a row [N]) gives inv_t 1 (the kernel computes it from
+    the tensor), the tensor and its row stride (0 for a 0-d one)."""
+    if isinstance(temperature, torch.Tensor):
+        return 1.0, temperature, temperature.stride(0) if temperature.dim() else 0, True
+    return struct.unpack("f", struct.pack("f", 1.0 / float(temperature)))[0], dummy, 0, False
 
 
 def ban_operands(banned_tokens, ban_rows, rows: int, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,12 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import MAX_TOP_M, check_penalty, check_skip_rows, penalty_operands
+from ._checks import MAX_TOP_M, check_penalty, check_skip_rows, penalty_operands, temperature_operands
 from .backend import select_backend
 from .confidence import check_sampling, comparable, penalized, penalty_factors
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
 from .reference.candidate_confidence import pick_listed
-from .reference.confidence import inverse_temperature
 
 
 @triton.jit(do_not_specialize=["M"])  # H: one value a model (a loop bound)
@@ -133,15 +132,13 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
         return tok, prob
     contiguous = [t if t.stride(-1) == 1 else t.contiguous() for t in (hidden, seed_hidden, weight, ids)]
     h, hs, w, i = contiguous
-    t_tensor = isinstance(temperature, torch.Tensor)
-    inv_t = 1.0 if t_tensor else inverse_temperature(temperature).item()  # fp32-rounded, as the reference
+    inv_t, t, t_stride, t_tensor = temperature_operands(temperature, tok)
     mean = vocab_mean.float().contiguous()
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else tok  # read at skip + row
     seen, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tok)
     _listed_kernel[(N,)](
         h, hs, w, mean, i, rest.float().contiguous(), skip,
-        inv_t, temperature if t_tensor else tok, temperature.stride(0) if t_tensor and temperature.dim() else 0,
-        seen, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
+        inv_t, t, t_stride, seen, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
         h.stride(0), hs.stride(0), w.stride(0), i.stride(0), HAS_SKIP=skip_rows is not None, GREEDY=not do_sample,
         T_TENSOR=t_tensor, HAS_PENALTY=repetition_penalty is not None,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)

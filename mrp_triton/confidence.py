@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import (ban_operands, check_banned, check_device_scalar, check_kernel_device, check_penalty,
-                      check_skip_rows, penalty_operands)
+                      check_skip_rows, penalty_operands, temperature_operands)
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import cuts_anything, effective_logits, row_slice, sampling_cut, seed_hash
@@ -373,11 +372,8 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not check_device_scalar("top_p", top_p, device, rows=rows) and \
-            (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < float(top_p) <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    for name, value in (("top_h", top_h), ("typical_p", typical_p)):
-        if value is not None and not check_device_scalar(name, value, device) and \
+    for name, value, per_row in (("top_p", top_p, rows), ("top_h", top_h, None), ("typical_p", typical_p, None)):
+        if value is not None and not check_device_scalar(name, value, device, rows=per_row) and \
                 (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0):
             raise ValueError(f"{name} must be in (0, 1] or None, got {value!r}")
     for name, value in (("min_p", min_p), ("epsilon_cutoff", epsilon_cutoff), ("eta_cutoff", eta_cutoff)):
@@ -471,10 +467,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     seen, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, dummy)
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
-    t_tensor = isinstance(temperature, torch.Tensor)
-    # 1 / temperature divided in float64, rounded to fp32 (as the reference): a kernel argument, or for a tensor
-    # computed by the kernel from it
-    inv_t = 1.0 if t_tensor else struct.unpack("f", struct.pack("f", 1.0 / float(temperature)))[0]
+    inv_t, t, t_stride, t_tensor = temperature_operands(temperature, dummy)
     if S > 1:
         part = torch.empty(N * S * (5 if entropy else 4), dtype=torch.float32, device=dev)
         part_idx = torch.empty(N * S, dtype=torch.int64, device=dev)
@@ -486,8 +479,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
         skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, seen, seen_at, pen,
         part, part_idx, tok, prob, lse, ent,
-        V, chunk // BLOCK_V, S, float(scale), inv_t, temperature if t_tensor else dummy,
-        temperature.stride(0) if t_tensor and temperature.dim() else 0, mask_id, seed_h,
+        V, chunk // BLOCK_V, S, float(scale), inv_t, t, t_stride, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None,
         HAS_PENALTY=repetition_penalty is not None, DO_SAMPLE=sample,
         HAS_CUT=cut is not None, ENTROPY=bool(entropy),

@@ -416,10 +416,7 @@ class GenerationSettings:
             raise ValueError(f"{name}={list(values)!r} steers sampling, which this call does not do: pass "
                              "do_sample=True (or drop it)")
         for value in values:
-            if name == "temperature":
-                check_temperature(_number(name, value))
-            elif not 0.0 < _number(name, value) <= 1.0:
-                raise ValueError(f"{name}={value} must be in (0, 1]")
+            _check_sampling_value(name, value)
         if len(set(values)) == 1:
             setattr(self, name, values[0])
         else:
@@ -562,12 +559,12 @@ class GenerationSettings:
             raise TypeError(f"cuda_graphs must be a bool or None (on for a CUDA model), got "
                             f"{type(self.cuda_graphs).__name__}")
         if self.do_sample:
-            check_temperature(_number("temperature", self.temperature))
+            _check_sampling_value("temperature", self.temperature)
         if self.top_k is not None:
             _int_at_least("top_k", self.top_k, 0, " (0 or None: no top-k cut)")
         for name in ("top_p", "top_h", "typical_p"):
-            if getattr(self, name) is not None and not 0.0 < _number(name, getattr(self, name)) <= 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1] (or None to disable)")
+            if getattr(self, name) is not None:
+                _check_sampling_value(name, getattr(self, name), " (or None to disable)")
         if self.repetition_penalty is not None and not 0.0 < _number("repetition_penalty", self.repetition_penalty) \
                 < math.inf:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1 or None: "
@@ -676,6 +673,15 @@ def _token_id(name: str, value, vocab_size: int) -> int:
     if i is None or not 0 <= i < vocab_size:
         raise ValueError(f"{name} {value!r} is not a token id of the vocabulary [0, {vocab_size})")
     return i
+
+
+def _check_sampling_value(name: str, value, why: str = "") -> None:
+    """A usable ``temperature`` (:func:`check_temperature`), or a ``top_p``, ``top_h`` or ``typical_p`` in (0, 1]
+    (``why``: what the error adds)."""
+    if name == "temperature":
+        check_temperature(_number(name, value))
+    elif not 0.0 < _number(name, value) <= 1.0:
+        raise ValueError(f"{name}={value} must be in (0, 1]{why}")
 
 
 def _one_per_prompt(name: str, values, prompts: int | None, unit: str, single: str) -> tuple:
