@@ -8,8 +8,9 @@ completion equals the one at ``--max-batch-size 1`` (each request decoded alone)
 (server-sent events, the text joined from the deltas; results to ``serve_<device>_stream``). With ``--mixed`` the
 clients ask for different lengths, stop strings and temperatures, as real clients do: client i asks for
 ``max_tokens`` (i % 4 + 1) quarters of ``--max-new-tokens`` (EOS held back for the first quarter), an odd one with a
-stop string, and sampled ones at (i % 3 + 3) / 4 of the row's temperature (results to ``serve_<device>_mixed``); new
-tokens a second then count the tokens the completions hold.
+stop string, and in a sampled round each one at (i % 3 + 3) / 4 of the round's temperature but every fifth (i % 5 ==
+4), which decodes greedily (results to ``serve_<device>_mixed``); new tokens a second then count the tokens the
+completions hold.
 
     python benchmarks/bench_serve.py              # the shipped model, 16 clients, results to benchmarks/results/
     python benchmarks/bench_serve.py --clients 4 --max-new-tokens 8 --repeats 1 --out /tmp/serve
@@ -43,11 +44,13 @@ MIXED_STOP = ["\n\n\n"]  # what an odd client of --mixed stops at
 
 def request_body(i: int, prompt: str, max_new_tokens: int, temperature: float, stream: bool, mixed: bool) -> dict:
     """Client i's request (see the module docstring)."""
+    if mixed:
+        temperature = temperature * (i % 3 + 3) / 4 if i % 5 != 4 else 0.0
     body = {"prompt": prompt, "max_tokens": max_new_tokens, "min_tokens": max_new_tokens, "temperature": temperature,
             "stream": stream, **({"seed": i} if temperature else {})}
     if mixed:
         body.update(max_tokens=max_new_tokens * (i % 4 + 1) // 4, min_tokens=max_new_tokens // 4,
-                    **({"stop": MIXED_STOP} if i % 2 else {}), temperature=temperature * (i % 3 + 3) / 4)
+                    **({"stop": MIXED_STOP} if i % 2 else {}))
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8], help="0: greedy")
     p.add_argument("--stream", action="store_true", help="the clients stream (server-sent events)")
     p.add_argument("--mixed", action="store_true",
-                   help="the clients ask for different lengths, stop strings and temperatures")
+                   help="the clients ask for different lengths, stop strings and temperatures (some greedy)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch runs on")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

@@ -71,19 +71,22 @@ def _confidence() -> list[Variant]:
                 (False, True, False, False, False, False, False, True, False, False, 2048, 8)]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
                    "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "cut_ptr": "*fp32", "ban_tok_ptr": "*u8",
-                   "ban_rows_ptr": "*u8", "seen_ptr": "*u8", "seen_rows_ptr": "*i64", "pen_ptr": "*fp64",
+                   "ban_rows_ptr": "*u8", "sample_ptr": "*u8", "seen_ptr": "*u8", "seen_rows_ptr": "*i64",
+                   "pen_ptr": "*fp64",
                    "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
                    "lse_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32",
                    "inv_t": "fp32",
                    "t_ptr": "*fp64", "t_stride": "i64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
                    "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "HAS_PENALTY": "constexpr",
-                   "DO_SAMPLE": "constexpr", "HAS_CUT": "constexpr",
+                   "DO_SAMPLE": "constexpr", "SAMPLE_ROWS": "constexpr", "HAS_CUT": "constexpr",
                    "ENTROPY": "constexpr", "FINAL": "constexpr", "T_TENSOR": "constexpr", "PREFETCH": "constexpr",
                    "BLOCK_V": "constexpr"}
+            rows = sample and t_tensor  # a sampled launch with a temperature a row: greedy rows among them too
             consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "HAS_BAN": ban, "HAS_PENALTY": pen,
-                      "DO_SAMPLE": sample, "HAS_CUT": cut,
+                      "DO_SAMPLE": sample, "SAMPLE_ROWS": rows, "HAS_CUT": cut,
                       "ENTROPY": ent, "FINAL": final, "T_TENSOR": t_tensor, "PREFETCH": prefetch, "BLOCK_V": bv}
-            out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={sample}{' cut' if cut else ''}"
+            out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={'rows' if rows else sample}"
+                               f"{' cut' if cut else ''}"
                                f"{' ban' if ban else ''}{' penalty' if pen else ''}{' entropy' if ent else ''} "
                                f"prefetch={prefetch} {bv}",
                                "confidence",

@@ -141,9 +141,9 @@ class DecodeEngine:
     def use_settings(self, settings: GenerationSettings) -> None:
         """This call's values of the settings the captured steps read on the device: each row's first noise-key
         column (:func:`noise_rows`), each row's value of the settings the call gives per prompt (``per_row``, by
-        the list's name: ``temperatures``, ``top_ps``; 1 past the prompts' rows and without a list) and those in
-        ``on_device`` (float64, so a step computes exactly what it would
-        from the Python float; an unset one holds 1)."""
+        the list's name: ``temperatures``, ``top_ps``, ``sampling``; 1 past the prompts' rows and without a list)
+        and those in ``on_device`` (float64, so a step computes exactly what it would from the Python float; an unset
+        one holds 1)."""
         copies = settings.num_return_sequences
         self.noise_rows.copy_(noise_rows(settings.seed, copies, self.shape.batch))
         for name, buffer in self.per_row.items():

@@ -218,6 +218,13 @@ class BlockDecoder:
         values = self.engine.per_row[name][self.rows]
         return values if T == 1 else values.repeat_interleave(T)
 
+    def sampling_rows(self, T: int) -> bool | torch.Tensor:
+        """The ops' ``do_sample`` for the B' * T rows of a step's flattened [B', T] positions: the call's, or with
+        ``do_sample`` given per prompt whether each position's row samples (bool [B' * T])."""
+        if self.settings.sampling is None:
+            return self.settings.do_sample
+        return self.per_row("sampling", T) != 0
+
     @property
     def temperature(self) -> torch.Tensor | float:
         """What the logits are divided by: the temperature (on the device: 0-d, or with one per prompt each working
@@ -587,7 +594,7 @@ class BlockDecoder:
         picks = mrp_triton.confidence(
             logits.reshape(B * T, V), temperature=self.temperature_by_position(T), skip_rows=~candidates.reshape(-1),
             mask_token_id=self.mask_among(V), **self.token_bans(positions, V), **self._penalty(seen, V),
-            do_sample=s.do_sample, seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(T),
+            do_sample=self.sampling_rows(T), seed=0, noise_keys=keys, top_k_max=s.top_k_max, **self.sampling_cuts(T),
             entropy=entropy)
         return tuple(x.view(B, T) for x in picks)
 
@@ -647,7 +654,7 @@ class BlockDecoder:
             hidden.reshape(B * T, H), self.model.lm_head.weight, ids.reshape(B * T, -1), rest.reshape(-1),
             seed_hidden=seed_h.reshape(B * T, H), vocab_mean=self.engine.vocab_mean,
             temperature=self.temperature_by_position(T),
-            skip_rows=~candidates.reshape(-1), do_sample=s.do_sample,
+            skip_rows=~candidates.reshape(-1), do_sample=self.sampling_rows(T),
             noise_keys=self.noise_keys(positions, counter).reshape(B * T, 3) if s.do_sample else None,
             **self.sampling_cuts(T), **self._penalty(seen))
         return tok.view(B, T), conf.view(B, T)

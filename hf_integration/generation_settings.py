@@ -69,7 +69,7 @@ ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p",
 # engine's buffers of one value a row (DecodeEngine.per_row): as for ON_THE_DEVICE, only whether a call gives one is
 # part of a step's key.
 PER_PROMPT = {"temperature": "temperatures", "top_p": "top_ps"}
-PER_ROW_ON_THE_DEVICE = tuple(PER_PROMPT.values())
+PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), "sampling")  # sampling: do_sample per prompt
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -147,7 +147,9 @@ class GenerationSettings:
     ask for different lengths needs (``new_token_limits`` then holds the list, ``max_new_tokens`` the largest).
     ``temperature`` and ``top_p`` (sampling) may also be lists of one per prompt (each of its copies too): each prompt
     draws what it draws alone at its temperature and top-p with its seed (``temperatures`` and ``top_ps`` then hold
-    the lists).
+    the lists). ``do_sample`` may be a list too: the prompts given False pick greedily in the same call (no noise, no
+    filter, at temperature 1: what they give alone with ``do_sample=False``; their entries in the other lists are
+    unread), the others sample (``sampling`` then holds the list, ``do_sample`` True).
     ``min_new_tokens`` holds EOS back
     (every ``eos_token_id``, excluded from the picks and their softmax, as transformers' logits processor sets its
     logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no row ends before them (stop strings,
@@ -241,7 +243,7 @@ class GenerationSettings:
     strategy: str = "static"
     threshold: float | None = None
     entropy_bound: float | None = None
-    do_sample: bool = False
+    do_sample: bool | Sequence[bool] = False  # validated: a bool (a list moves to sampling)
     temperature: float | Sequence[float] = 1.0  # validated: a float (a list moves to temperatures)
     top_h: float | None = None
     top_k: int | None = None
@@ -285,6 +287,7 @@ class GenerationSettings:
     new_token_limits: tuple[int, ...] | None = field(default=None, init=False)  # one per prompt, or None
     temperatures: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
     top_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    sampling: tuple[bool, ...] | None = field(default=None, init=False)  # whether each prompt samples, or None
 
     @classmethod
     def names(cls) -> set[str]:
@@ -365,8 +368,10 @@ class GenerationSettings:
             logger.warning_once(f"both max_new_tokens={settings.max_new_tokens} and max_length={settings.max_length} "
                                 "were given: max_new_tokens wins (as in transformers)")
         settings._split_new_token_limits(prompts)
+        settings._split_sampling(prompts)
         for name in PER_PROMPT:
             settings._split_per_prompt(name, prompts)
+        settings._greedy_prompts_at_temperature_1()
         settings._fill_defaults(model.config, prompt_width)
         settings.validate(model)
         settings._check_seeds(prompts)
@@ -403,6 +408,30 @@ class GenerationSettings:
         for limit in limits:
             _int_at_least("max_new_tokens", limit, 1)
         self.new_token_limits, self.max_new_tokens = limits, max(limits)
+
+    def _split_sampling(self, prompts: int | None) -> None:
+        """A list of ``do_sample`` (one bool per prompt) goes to ``sampling`` (a tuple; None when they are all the
+        same: ``do_sample`` then holds it), ``do_sample`` then True (the call samples)."""
+        if not isinstance(self.do_sample, (list, tuple)):
+            return
+        values = _one_per_prompt("do_sample", self.do_sample, prompts, "flags", "one bool")
+        wrong = next((value for value in values if not isinstance(value, bool)), None)
+        if wrong is not None:
+            raise TypeError(f"do_sample must be a bool, or a list of one bool per prompt; the list holds {wrong!r}")
+        if len(set(values)) == 1:
+            self.do_sample = values[0]
+        else:
+            self.sampling, self.do_sample = values, True
+
+    def _greedy_prompts_at_temperature_1(self) -> None:
+        """With ``sampling``, the prompts that do not sample pick at temperature 1 (as a greedy call does): the
+        temperature becomes one per prompt (``temperatures``, even if all are 1: one set of captured steps serves
+        every such call), theirs 1."""
+        if self.sampling is None:
+            return
+        given = self.temperatures or (self.temperature,) * len(self.sampling)
+        self.temperatures = tuple(float(t) if sampled else 1.0 for t, sampled in zip(given, self.sampling))
+        self.temperature = self._default("temperature")
 
     def _split_per_prompt(self, name: str, prompts: int | None) -> None:
         """A list of setting ``name`` (:data:`PER_PROMPT`: one usable value per prompt, of a sampled call) goes to its
@@ -538,6 +567,9 @@ class GenerationSettings:
         if self.num_return_sequences > 1 and not self.do_sample:
             raise ValueError(f"num_return_sequences={self.num_return_sequences} without sampling gives identical "
                              "copies: set do_sample=True (or num_return_sequences=1)")
+        if self.num_return_sequences > 1 and self.sampling is not None:
+            raise ValueError(f"num_return_sequences={self.num_return_sequences} gives identical copies of the prompts "
+                             "whose do_sample is False: sample every prompt (or num_return_sequences=1)")
         _int_at_least("denoising_steps", self.denoising_steps, 1)
         if self.denoising_steps > self.block_length:
             raise ValueError(f"denoising_steps={self.denoising_steps} must be in 1..block_length "

@@ -2,15 +2,16 @@
 ``generate()`` call.
 
 Only this thread calls the model. It takes the oldest waiting request and every other waiting request with the same
-``generate()`` keywords (a sampled request's ``seed``, ``temperature`` and ``top_p``, the new tokens and the stop
-strings a request asks for aside), up to ``max_batch_size`` rows, and decodes them as one left-padded batch: each row
-moves on through its blocks on its own and stops at its request's ``max_new_tokens`` and stop strings (``generate()``
-takes them per prompt), a greedy row gives what it gives alone, and each prompt of a sampled request draws with the
-request's seed, temperature and top-p (``generate()`` takes them per prompt too) what it draws alone, so batching
-changes the speed, not the text. A stopping criterion, which sees each new token once every row of the call has it,
-watches the call's rows: a streamed request's row sends its new tokens as the call decodes them, and the rows of a
-request whose client is gone (streamed or not) end, while the other rows go on. Not part of a checkpoint's remote
-code.
+``generate()`` keywords (whether a request samples, a sampled request's ``seed``, ``temperature`` and ``top_p``, the
+new tokens and the stop strings a request asks for aside; a greedy request reads no sampling setting, so it shares a
+call with sampled ones whatever theirs), up to ``max_batch_size`` rows, and decodes them as one left-padded batch: each
+row moves on through its blocks on its own and stops at its request's ``max_new_tokens`` and stop strings
+(``generate()`` takes them per prompt), a greedy row gives what it gives alone, and each prompt of a sampled request
+draws with the request's seed, temperature and top-p (``generate()`` takes them, and ``do_sample``, per prompt too)
+what it draws alone, so batching changes the speed, not the text. A stopping criterion, which sees each new token once
+every row of the call has it, watches the call's rows: a streamed request's row sends its new tokens as the call
+decodes them, and the rows of a request whose client is gone (streamed or not) end, while the other rows go on. Not
+part of a checkpoint's remote code.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cli_prompts import left_padded
+from .generation_settings import SAMPLING
 from .server_requests import Request
 
 
@@ -181,7 +183,8 @@ class Batcher:
             first = self.waiting.popleft()
             batch, rows = [first], first.rows
             for job in list(self.waiting):
-                if _decoded_alike(job.request, first.request) and rows + job.rows <= self.max_batch_size:
+                if rows + job.rows <= self.max_batch_size and \
+                        all(_decoded_alike(job.request, other.request) for other in batch):
                     self.waiting.remove(job)
                     batch.append(job)
                     rows += job.rows
@@ -202,12 +205,15 @@ class Batcher:
         extra = {}
         if any(job.request.logprobs for job in batch):
             extra["output_confidences"] = True
-        if batch[0].request.settings["do_sample"]:  # a seed, a temperature and a top-p per prompt: each request's own
-            extra["seed"] = per_prompt(lambda request: request.settings["seed"])
+        sampled = [job for job in batch if job.request.settings["do_sample"]]
+        if sampled:  # a seed, a temperature and a top-p per prompt: each request's own (a greedy one's unread)
+            extra["seed"] = per_prompt(lambda request: request.settings.get("seed", 0))
             extra["temperature"] = per_prompt(lambda request: request.settings.get("temperature", 1.0))
             top_ps = per_prompt(lambda request: request.settings.get("top_p") or 1.0)  # (1: none cut)
             if len(set(top_ps)) > 1:
                 extra["top_p"] = top_ps
+            if len(sampled) < len(batch):  # greedy requests among them: whether each prompt samples
+                extra["do_sample"] = per_prompt(lambda request: request.settings["do_sample"])
         limits = per_prompt(lambda request: request.max_new_tokens)
         if len(set(limits)) > 1:  # a count per prompt: each request's own
             extra["max_new_tokens"] = limits
@@ -220,7 +226,7 @@ class Batcher:
         start = time.perf_counter()
         try:
             out = self.model.generate(input_ids, attention_mask=mask, return_dict_in_generate=True,
-                                      **{**batch[0].request.settings, **extra})
+                                      **{**(sampled or batch)[0].request.settings, **extra})
         except Exception as err:  # noqa: BLE001 - the request's error, sent to whoever waits for it
             for job in batch:
                 job.future.set_exception(err)
@@ -249,12 +255,15 @@ class Batcher:
 
 
 def _decoded_alike(one: Request, other: Request) -> bool:
-    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, a sampled request's seed,
-    temperature and top-p, the new tokens and the stop strings asked for aside (the call takes a seed, a temperature,
-    a top-p, a ``max_new_tokens`` and stop strings per prompt; a request that leaves ``max_new_tokens`` to
-    generate()'s default shares only with those that do too)."""
+    """Whether two requests' prompts may share a ``generate()`` call: the same keywords, whether they sample, a sampled
+    request's seed, temperature and top-p, the new tokens and the stop strings asked for aside (the call takes them
+    per prompt; a request that leaves ``max_new_tokens`` to generate()'s default shares only with those that do too),
+    and a greedy request's with a sampled one's sampling settings aside too (greedy rows read none)."""
+    greedy = not (one.settings["do_sample"] and other.settings["do_sample"])
+
     def key(settings: dict) -> dict:
-        return {**settings, "seed": None, "temperature": None, "top_p": None,
+        return {**{name: value for name, value in settings.items() if not (greedy and name in SAMPLING)},
+                "do_sample": None, "seed": None, "temperature": None, "top_p": None,
                 "max_new_tokens": "max_new_tokens" in settings, "stop_strings": None, "tokenizer": None}
 
     return key(one.settings) == key(other.settings)

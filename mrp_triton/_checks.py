@@ -65,12 +65,26 @@ def check_token_id(mask_token_id) -> None:
 
 def check_skip_rows(skip_rows, rows: int, device: torch.device, data: str) -> None:
     """``skip_rows`` must be None or a bool tensor [rows] on ``device``, one per row of the tensor named ``data``."""
-    if skip_rows is None:
-        return
-    if not isinstance(skip_rows, torch.Tensor) or skip_rows.dtype != torch.bool or tuple(skip_rows.shape) != (rows,):
-        raise ValueError(f"skip_rows must be a bool tensor of shape [{rows}] (one per row of {data}), or None")
-    if skip_rows.device != device:
-        raise ValueError(f"skip_rows is on {skip_rows.device} but {data} is on {device}")
+    if skip_rows is not None:
+        check_row_flags("skip_rows", skip_rows, rows, device, data, "or None")
+
+
+def check_row_flags(name: str, flags, rows: int, device: torch.device, data: str, instead: str) -> None:
+    """Argument ``name`` must be a bool tensor [rows] on ``device``, one per row of the tensor named ``data``
+    (``instead``: what else it may be, for the message)."""
+    if not isinstance(flags, torch.Tensor) or flags.dtype != torch.bool or tuple(flags.shape) != (rows,):
+        raise ValueError(f"{name} must be a bool tensor of shape [{rows}] (one per row of {data}), {instead}")
+    if flags.device != device:
+        raise ValueError(f"{name} is on {flags.device} but {data} is on {device}")
+
+
+def sample_operands(do_sample, dummy: torch.Tensor) -> tuple[bool, torch.Tensor, bool]:
+    """What a kernel with ``DO_SAMPLE`` and ``SAMPLE_ROWS`` reads (checked by :func:`check_row_flags`): ``(sample,
+    rows, per_row)``. A bool gives whether the launch samples, ``dummy`` and False; a bool tensor [N] (the rows that
+    sample, the others picking greedily) gives True, the tensor as uint8 and True."""
+    if isinstance(do_sample, torch.Tensor):
+        return True, do_sample.contiguous().view(torch.uint8), True
+    return bool(do_sample), dummy, False
 
 
 BAN_DTYPES = (torch.bool, torch.uint8)

@@ -29,6 +29,7 @@ from .backend import select_backend
 from .confidence import check_sampling, comparable, penalized, penalty_factors
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
 from .reference.candidate_confidence import pick_listed
+from .reference.confidence import may_sample
 
 
 @triton.jit(do_not_specialize=["M"])  # H: one value a model (a loop bound)
@@ -139,12 +140,13 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     _listed_kernel[(N,)](
         h, hs, w, mean, i, rest.float().contiguous(), skip,
         inv_t, t, t_stride, seen, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
-        h.stride(0), hs.stride(0), w.stride(0), i.stride(0), HAS_SKIP=skip_rows is not None, GREEDY=not do_sample,
+        h.stride(0), hs.stride(0), w.stride(0), i.stride(0), HAS_SKIP=skip_rows is not None,
+        GREEDY=not may_sample(do_sample),
         T_TENSOR=t_tensor, HAS_PENALTY=repetition_penalty is not None,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
-    if do_sample:
-        tok, prob = pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=True, seed=seed, noise_keys=noise_keys,
-                                **cuts)
+    if may_sample(do_sample):
+        tok, prob = pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=do_sample, seed=seed,
+                                noise_keys=noise_keys, **cuts)
     return tok, prob
 
 
@@ -157,7 +159,8 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     hidden, seed_hidden: [N, H] (the draft's hidden state and its round's seed's); weight: [V, H] (the lm_head);
     ids: int64 [N, M] (1 <= M <= 64; -1 past a row's list); rest: [N] (log of the seed's softmax mass outside the
     list, in units of logits / temperature); vocab_mean: [H] (the mean lm_head row); temperature: float, 0-d
-    tensor or one a row [N]; skip_rows: bool [N] or None; sampling: ``noise_keys`` int64 [N, 3] and optional top_k /
+    tensor or one a row [N]; skip_rows: bool [N] or None; ``do_sample``: a bool, or a bool tensor [N] (the rows that
+    sample; the others pick greedily); sampling: ``noise_keys`` int64 [N, 3] and optional top_k /
     top_p (also one a row) / min_p / typical_p / epsilon_cutoff / eta_cutoff / top_h (applied among the listed
     tokens: typical, epsilon, eta and top-h to their softmax over the listed tokens); ``repetition_penalty`` with
     ``seen_tokens`` [C, V] and ``seen_rows`` [N]: the penalty at the listed tokens each row has seen (as

@@ -28,7 +28,8 @@ second launch merges them (two launches, no atomics, deterministic).
 Sampling: Gumbel-max with ``g = -log(-log(u))``, ``u`` from a counter-based 32-bit hash of
 (seed, noise_keys[n, 0..2], v) that is bit-identical to the reference (int64 arithmetic on values
 < 2**32 with multipliers < 2**31, so nothing ever overflows). The filters (top_h / top_k / top_p / min_p /
-typical_p / epsilon_cutoff / eta_cutoff; sampling only: the greedy pick is always kept) need a row's largest values
+typical_p / epsilon_cutoff / eta_cutoff; sampling only: a greedy pick reads none, and a greedy row of a sampled launch
+(``do_sample`` one a row) neither its noise nor its band) need a row's largest values
 or its softmax: the launcher materialises z [N, V] in fp32 with torch ops and finds where the filters cut them
 (``reference.confidence.sampling_cut``: a band of values per row, from ``torch.topk`` of top_k (or ``top_k_max``, or
 with top_h 100) values, or a sort of the row for top-p alone and for typical_p; min_p needs only the row's max,
@@ -46,10 +47,10 @@ import triton
 import triton.language as tl
 
 from ._checks import (ban_operands, check_banned, check_device_scalar, check_kernel_device, check_penalty,
-                      check_skip_rows, penalty_operands, temperature_operands)
+                      check_row_flags, check_skip_rows, penalty_operands, sample_operands, temperature_operands)
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
-from .reference.confidence import cuts_anything, effective_logits, row_slice, sampling_cut, seed_hash
+from .reference.confidence import cuts_anything, effective_logits, may_sample, row_slice, sampling_cut, seed_hash
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -124,10 +125,10 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, cut_ptr, ban_tok_ptr, ban_rows_ptr,
-    seen_ptr, seen_rows_ptr, pen_ptr, part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
+    sample_ptr, seen_ptr, seen_rows_ptr, pen_ptr, part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
     V, tiles, S, scale, inv_t, t_ptr, t_stride, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_PENALTY: tl.constexpr,
-    DO_SAMPLE: tl.constexpr,
+    DO_SAMPLE: tl.constexpr, SAMPLE_ROWS: tl.constexpr,
     HAS_CUT: tl.constexpr, ENTROPY: tl.constexpr,
     FINAL: tl.constexpr, T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -146,6 +147,8 @@ def _conf_partial_kernel(
         inv_t = (1.0 / tl.load(t_ptr + row * t_stride).to(tl.float64)).to(tl.float32)
     M32 = tl.full([], 0xFFFFFFFF, tl.int64)
     h = tl.full([], 0, tl.int64)
+    if SAMPLE_ROWS:  # whether this row samples (else it picks greedily)
+        sampled = tl.load(sample_ptr + row) != 0
     if DO_SAMPLE:
         h = seed_h.to(tl.int64)
         for j in tl.static_range(3):
@@ -212,6 +215,8 @@ def _conf_partial_kernel(
             sc = x + (-tl.log(-tl.log(u)))
             if HAS_CUT:
                 sc = tl.where((x >= low) & (x <= high), sc, float("-inf"))
+            if SAMPLE_ROWS:  # a greedy row scores z itself: no noise, no cut
+                sc = tl.where(sampled, sc, x)
             upd = sc > best_vec
             best_vec = tl.where(upd, sc, best_vec)
             z_vec = tl.where(upd, x, z_vec)
@@ -357,16 +362,19 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
                    top_p, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
                    typical_p=None) -> None:
     """The sampling settings of an op over ``rows`` rows of ``data`` on ``device``: a usable temperature (number, or
-    device tensor: 0-d or one a row), noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p, top_h and
+    device tensor: 0-d or one a row), do_sample a bool or a bool tensor [rows] on the device (the rows that sample),
+    noise keys int64 [rows, 3] when sampling, top_k >= 1, top_p, top_h and
     typical_p in (0, 1] and min_p, epsilon_cutoff and eta_cutoff in [0, 1] (or None), and top_k_max an int >= 1 not
     below an int top_k (or None)."""
     if not check_device_scalar("temperature", temperature, device, rows=rows):
         check_temperature(temperature)
-    if do_sample:
+    if isinstance(do_sample, torch.Tensor):
+        check_row_flags("do_sample", do_sample, rows, device, data, "or a bool for every row")
+    if may_sample(do_sample):
         if not isinstance(noise_keys, torch.Tensor) or noise_keys.dtype != torch.int64 or \
                 tuple(noise_keys.shape) != (rows, 3):
-            raise ValueError(f"do_sample=True needs noise_keys: int64 [{rows}, 3] = (sequence id, absolute position, "
-                             "step) per row")
+            raise ValueError(f"sampling (do_sample) needs noise_keys: int64 [{rows}, 3] = (sequence id, absolute "
+                             "position, step) per row")
         if noise_keys.device != device:
             raise ValueError(f"noise_keys is on {noise_keys.device} but {data} on {device}")
     if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
@@ -444,7 +452,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     ent = out[3] if entropy else prob  # a dummy pointer without entropy
     if N == 0:
         return out
-    sample = bool(do_sample)
+    sample, sample_rows, per_row = sample_operands(do_sample, tok)
     cut = None
     if sample and cuts_anything(cuts):
         cut = _cut_by_row_chunks(logits, residual, scale, temperature, mask_token_id, banned_tokens, ban_rows, penalty,
@@ -477,11 +485,11 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         logits, logits.stride(0),
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
-        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, seen, seen_at, pen,
+        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, sample_rows, seen, seen_at, pen,
         part, part_idx, tok, prob, lse, ent,
         V, chunk // BLOCK_V, S, float(scale), inv_t, t, t_stride, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None,
-        HAS_PENALTY=repetition_penalty is not None, DO_SAMPLE=sample,
+        HAS_PENALTY=repetition_penalty is not None, DO_SAMPLE=sample, SAMPLE_ROWS=per_row,
         HAS_CUT=cut is not None, ENTROPY=bool(entropy),
         FINAL=S == 1,
         T_TENSOR=t_tensor, PREFETCH=bool(prefetch), BLOCK_V=BLOCK_V, num_warps=nw,
@@ -501,22 +509,23 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
     skip_rows: bool [N] (True -> token -1, prob 0, lse -inf); banned_tokens: bool or uint8 [V] and ban_rows: bool or
-    uint8 [N] (token v excluded like the mask column in row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero:
-    each bit a class of ban; ban_rows None: every class in every row); ``repetition_penalty`` (a number > 0 or a 0-d
-    tensor) with seen_tokens: bool or uint8 [C, V] and seen_rows: int64 [N] in [0, C) (None: C = N, row n reads row
-    n): transformers' repetition penalty on the logits (plus residual) of the tokens row n has seen, those nonzero in
+    uint8 [N] (token v excluded like the mask column in row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero: each
+    bit a class of ban; ban_rows None: every class in every row); ``repetition_penalty`` (a number > 0 or a 0-d tensor)
+    with seen_tokens: bool or uint8 [C, V] and seen_rows: int64 [N] in [0, C) (None: C = N, row n reads row n):
+    transformers' repetition penalty on the logits (plus residual) of the tokens row n has seen, those nonzero in
     ``seen_tokens[seen_rows[n]]``, before the temperature (:func:`.reference.confidence.penalized`); noise_keys: int64
-    [N, 3] =
-    (sequence id, absolute position, step), required when ``do_sample``. ``temperature``, ``top_k``, ``top_p``,
-    ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as the most likely), ``typical_p``
-    (typical sampling: the tokens whose surprise is nearest the entropy, up to that mass), ``epsilon_cutoff``
-    and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers: :func:`.reference.confidence.sampling_cut`)
-    and ``top_h`` (transformers' top-h: among the 100 most likely, those whose entropy terms take at most top_h of
-    the entropy) are numbers or 0-d tensors on the logits' device (read there, so a captured CUDA graph serves every
-    value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in [0, 1]), ``temperature`` and ``top_p``
-    also one a row ([N] on that device: rows of different temperatures and top-p in one launch); ``top_k_max`` (an
-    int) is the largest value a ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest
-    logits instead of sorting the row (the caller guarantees the bound; ignored without ``top_k``).
+    [N, 3] = (sequence id, absolute position, step), required when ``do_sample``: True, or a bool tensor [N] on the
+    logits' device, the rows that sample (the others pick greedily in the same launch: no noise, no filter).
+    ``temperature``, ``top_k``, ``top_p``, ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as
+    the most likely), ``typical_p`` (typical sampling: the tokens whose surprise is nearest the entropy, up to that
+    mass), ``epsilon_cutoff`` and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers:
+    :func:`.reference.confidence.sampling_cut`) and ``top_h`` (transformers' top-h: among the 100 most likely, those
+    whose entropy terms take at most top_h of the entropy) are numbers or 0-d tensors on the logits' device (read
+    there, so a captured CUDA graph serves every value; the caller checks such a tensor's value: > 0, >= 1, in
+    (0, 1], in [0, 1]), ``temperature`` and ``top_p`` also one a row ([N] on that device: rows of different
+    temperatures and top-p in one launch); ``top_k_max`` (an int) is the largest value a ``top_k`` tensor holds: the
+    top-k cut then selects that many of each row's largest logits instead of sorting the row (the caller guarantees
+    the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. With ``entropy`` also the entropy (nats) of each row's full softmax, float32
     [N] (+inf where the token is -1), from the same pass (one more running sum).

@@ -84,14 +84,16 @@ def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, b
                                                                                     epsilon_cutoff=0.05))),
        per_row=st.booleans(), seed=st.integers(0, 2**16))
 def test_sampled_kernel_matches_reference(N, H, V, M, filters, per_row, seed):
-    """The sampled pick against the reference under each filter, at one temperature (and top-p) or one a row."""
+    """The sampled pick against the reference under each filter, at one temperature (and top-p) or one a row (then
+    some rows sampling, the others picking greedily)."""
     g = torch.Generator().manual_seed(seed)
     hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, torch.float32, g)
     keys = torch.randint(0, 2**40, (N, 3), generator=g).to(DEV)
     temperature = (torch.rand(N, generator=g, dtype=torch.float64) * 2 + 0.2).to(DEV) if per_row else 0.7
     if per_row and "top_p" in filters:
         filters = dict(filters, top_p=(torch.rand(N, generator=g, dtype=torch.float64) * 0.9 + 0.1).to(DEV))
-    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, do_sample=True, seed=seed,
+    do_sample = (torch.rand(N, generator=g) < 0.5).to(DEV) if per_row else True
+    kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, do_sample=do_sample, seed=seed,
               noise_keys=keys, **filters)
     with poisoned_allocations():
         tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, **kw)
@@ -101,7 +103,8 @@ def test_sampled_kernel_matches_reference(N, H, V, M, filters, per_row, seed):
 
 
 @settings(max_examples=30)
-@given(V=st.integers(3, 50), H=st.integers(1, 8), do_sample=st.booleans(), temperature=st.sampled_from((1.0, 0.7)),
+@given(V=st.integers(3, 50), H=st.integers(1, 8), do_sample=st.sampled_from((False, True, "some rows")),
+       temperature=st.sampled_from((1.0, 0.7)),
        filters=st.sampled_from(({}, dict(min_p=0.3), dict(min_p=1.0), dict(epsilon_cutoff=0.1),
                                 dict(eta_cutoff=0.05), dict(min_p=0.1, epsilon_cutoff=0.05, eta_cutoff=0.5),
                                 dict(top_h=0.4), dict(typical_p=0.4), dict(typical_p=0.6, eta_cutoff=0.1))),
@@ -109,9 +112,12 @@ def test_sampled_kernel_matches_reference(N, H, V, M, filters, per_row, seed):
 def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, temperature, filters, penalty, seed):
     """With every token listed and nothing outside (rest -inf), the pick is the confidence op's on the whole logits:
     the same token (the same Gumbel noise per token id when sampling, among the same tokens min-p, typical, epsilon,
-    eta and top-h keep, under the same repetition penalty) and full-softmax probability."""
+    eta and top-h keep, under the same repetition penalty; greedy where only some rows sample) and full-softmax
+    probability."""
     g = torch.Generator().manual_seed(seed)
     N = 6
+    if do_sample == "some rows":
+        do_sample = torch.tensor([True, False, False, True, True, False])
     weight = torch.randint(-3, 4, (V, H), generator=g).double()  # integer logits: exact ties
     hidden = torch.randint(-2, 3, (N, H), generator=g).double()
     skip = torch.rand(N, generator=g) < 0.3
@@ -122,7 +128,8 @@ def test_every_token_listed_is_the_full_vocabulary_pick(V, H, do_sample, tempera
                                            seen_rows=torch.randint(0, 2, (N,), generator=g))
     tok, prob = candidate_confidence(hidden, weight, ids, torch.full((N,), float("-inf")), seed_hidden=hidden,
                                      vocab_mean=weight.mean(0), temperature=temperature, skip_rows=skip,
-                                     do_sample=do_sample, seed=seed, noise_keys=keys if do_sample else None,
+                                     do_sample=do_sample, seed=seed,
+                                     noise_keys=keys if do_sample is not False else None,
                                      **filters, **seen)
     want_tok, want_prob, _ = confidence_reference(hidden @ weight.T, temperature=temperature, mask_token_id=mask,
                                                   do_sample=do_sample, seed=seed, noise_keys=keys, skip_rows=skip,
@@ -263,8 +270,10 @@ def test_errors():
             op(h, w, ids, rest[:1], **kw)
         with pytest.raises(ValueError, match="vocab_mean must be"):
             op(h, w, ids, rest, seed_hidden=h, vocab_mean=torch.zeros(7))
-        with pytest.raises(ValueError, match="do_sample=True needs noise_keys"):
+        with pytest.raises(ValueError, match="sampling \\(do_sample\\) needs noise_keys"):
             op(h, w, ids, rest, do_sample=True, **kw)
+        with pytest.raises(ValueError, match="do_sample must be a bool tensor of shape \\[2\\]"):
+            op(h, w, ids, rest, do_sample=torch.ones(2, dtype=torch.int64), **kw)
         with pytest.raises(ValueError, match="temperature"):
             op(h, w, ids, rest, temperature=0.0, **kw)
         with pytest.raises(ValueError, match="skip_rows must be a bool tensor of shape \\[2\\]"):

@@ -96,7 +96,7 @@ def _cases(draw):
         mask_token_id=draw(st.sampled_from([None, 0, V - 1, V + 5])),
         banned_tokens=banned,
         ban_rows=ban_rows,
-        do_sample=draw(st.booleans()),
+        do_sample=draw(st.booleans() | st.just(torch.rand(N, generator=g) < 0.5)),  # or the rows that sample
         seed=draw(st.integers(0, 2**40)),
         noise_keys=torch.randint(-5, 2**33, (N, 3), generator=g),
         top_k=draw(st.none() | st.integers(1, 40)),  # greedy picks ignore them (the best token is always kept)
@@ -118,9 +118,9 @@ def _cases(draw):
 def test_kernel_matches_reference(case):
     """The kernel against the reference (tiles loaded one ahead or as processed, sampling among the tokens top-h /
     top-k / top-p / min-p / typical / epsilon / eta keep, the entropy asked for or not, a repetition penalty at the
-    tokens each row has seen, one temperature and top-p or one a row); a temperature, the filters and the penalty
-    given to the kernel as float64 0-d tensors (read on the device) scale, filter and sample exactly as the numbers
-    do, top_k with or without a top_k_max."""
+    tokens each row has seen, one temperature and top-p or one a row, every row sampling or some); a temperature, the
+    filters and the penalty given to the kernel as float64 0-d tensors (read on the device) scale, filter and sample
+    exactly as the numbers do, top_k with or without a top_k_max."""
     logits, residual, kw, splits, block_v, on_device, prefetch, top_k_max = case
     dev_kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     if on_device:
@@ -290,6 +290,31 @@ def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
         ref = confidence_ref(L.cpu(), temperature=temperatures.cpu(), **{
             k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sampled.items()})
         _check(confidence_triton(L, temperature=temperatures, **sampled), ref)
+
+
+@pytest.mark.parametrize("cut", [{}, dict(top_p=0.5), dict(typical_p=0.3, top_k=4)])
+def test_the_rows_that_sample_draw_as_sampled_launches_and_the_others_pick_greedily(cut):
+    """``do_sample`` one a row: each sampled row's token, probability and log-sum-exp are bit-identical to a sampled
+    launch of it, each other row's to a greedy launch (no noise, no cut: typical-p, which may cut the most likely
+    token, leaves a greedy row alone), kernel (the vocabulary in one piece and in splits) and reference alike."""
+    g = torch.Generator().manual_seed(5)
+    N, V = 7, 300
+    L = (torch.randn(N, V, generator=g) * 2).to(DEV)
+    L[3, 10:13] = L[3].max() + 1  # a three-way tie for the greedy pick of a row that does not sample
+    keys = torch.randint(0, 1000, (N, 3), generator=g).to(DEV)
+    rows = torch.tensor([True, False, True, False, False, True, True], device=DEV)
+    temperatures = torch.tensor([0.7, 1.0, 1.3, 1.0, 1.0, 2.0, 0.5], dtype=torch.float64, device=DEV)
+    for op, extra in ((confidence_triton, dict(splits=1)), (confidence_triton, dict(splits=3, block_v=64)),
+                      (confidence_ref, {})):
+        together = op(L, temperature=temperatures, do_sample=rows, seed=9, noise_keys=keys, entropy=True, **cut,
+                      **extra)
+        for n in range(N):
+            sampled = dict(do_sample=True, seed=9, noise_keys=keys[n:n + 1], **cut) if rows[n] else {}
+            alone = op(L[n:n + 1], temperature=temperatures[n], entropy=True, **sampled, **extra)
+            for a, b in zip(together, alone):
+                assert torch.equal(a[n:n + 1], b), (op.__name__, extra, n)
+    assert together[0][3] == 10
+    assert not torch.equal(together[0], confidence_ref(L, temperature=temperatures)[0])  # the sampled rows drew
 
 
 @pytest.mark.parametrize("temperature", [0.7, 0.3, 1.7, 2.5, 0.013])
@@ -658,6 +683,10 @@ def test_reference_backend_on_cpu_matches():
     (dict(temperature=0.0), "temperature"),
     (dict(temperature=-1.0), "temperature"),
     (dict(do_sample=True), "noise_keys"),
+    (dict(do_sample=torch.ones(2, dtype=torch.bool)), "noise_keys"),
+    (dict(do_sample=torch.ones(3, dtype=torch.bool)), r"do_sample must be a bool tensor of shape \[2\] .*or a bool"),
+    (dict(do_sample=torch.ones(2)), r"do_sample must be a bool tensor of shape \[2\]"),
+    (dict(do_sample=torch.ones(2, dtype=torch.bool, device="meta")), "do_sample is on meta"),
     (dict(residual=torch.zeros(2, 9)), "residual"),
     (dict(skip_rows=torch.zeros(2)), "skip_rows"),
     (dict(skip_rows=torch.zeros(2, dtype=torch.bool, device="meta")), "skip_rows is on meta"),

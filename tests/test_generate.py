@@ -815,6 +815,10 @@ BAD_INPUTS = [
     (dict(do_sample=True, top_p=[1.5]), ValueError, r"top_p=1.5 must be in \(0, 1\]"),
     (dict(do_sample=True, top_p=[None]), TypeError, "top_p must be a number, got NoneType"),
     (dict(top_p=[0.5]), ValueError, r"top_p=\[0.5\] steers sampling"),
+    (dict(do_sample=[True, False]), ValueError, "do_sample has 2 flags for 1 prompts: give one per row of input_ids"),
+    (dict(do_sample=[]), ValueError, "do_sample has 0 flags"),
+    (dict(do_sample=[1]), TypeError, "do_sample must be a bool, or a list of one bool per prompt; the list holds 1"),
+    (dict(do_sample=[False], temperature=0.5), ValueError, "temperature=0.5 steers sampling"),
     (dict(strategy="dynamic", threshold="0.5"), TypeError, "threshold must be a number, got str"),
     (dict(strategy="dynamic", threshold=True), TypeError, "threshold must be a number, got bool"),
     (dict(do_sample=True, top_p="0.9"), TypeError, "top_p must be a number"),
@@ -1326,12 +1330,15 @@ def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):
     and top-p, the rows' layout): calls with other lists share the captured steps, while a list of temperatures (or
     top-p) keys other steps than one value (they read it a row)."""
     def key(**kw):
-        return GenerationSettings.resolve(model, None, dict(do_sample=True, **kw), 6, prompts=3).step_key()
+        return GenerationSettings.resolve(model, None, {"do_sample": True, **kw}, 6, prompts=3).step_key()
 
     assert key(temperature=[0.5, 1.0, 2.0]) == key(temperature=[0.7, 0.7, 3.0]) != key(temperature=0.7)
     assert key(temperature=[0.7] * 3) == key(temperature=0.7)  # the same for all: one temperature
     assert key(max_new_tokens=[4, 8, 16]) == key(max_new_tokens=[5, 6, 7]) == key(max_new_tokens=16)
     assert key(top_p=[0.5, 1.0, 0.9]) == key(top_p=[0.1, 0.2, 0.3]) != key(top_p=0.5) != key()
+    assert key(do_sample=[True, False, True]) == key(do_sample=[False, False, True], temperature=[0.5, 1.0, 2.0]) \
+        == key(temperature=[0.5, 1.0, 2.0], do_sample=[False, True, True]) != key(temperature=[0.5, 1.0, 2.0])
+    assert key(do_sample=[True] * 3) == key()
 
 
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
@@ -1666,6 +1673,45 @@ def test_a_temperature_per_prompt_gives_each_prompt_what_it_draws_alone_at_it(mo
     one = model.generate(ids, attention_mask=mask, seed=seeds, temperature=1.0, **common)
     assert not torch.equal(one.confidences[0], out.confidences[0]) and not torch.equal(one.confidences[2],
                                                                                        out.confidences[2])
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="direct", mrp_steps=2),
+                                    dict(strategy="remask", threshold=0.4),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_p=0.9),
+                                    dict(strategy="speculative", mrp_steps=2, typical_p=0.3),
+                                    dict(strategy="entropy_bounded", typical_p=0.3, top_k=3)],
+                         ids=lambda k: "-".join(map(str, k.values())))
+@pytest.mark.parametrize("graphs", [False, True])
+def test_do_sample_per_prompt_gives_the_greedy_prompts_their_greedy_decoding(model, kwargs, graphs):
+    """``do_sample=[True, False, True]``: the sampled prompts draw what they draw alone (at their temperatures, with
+    their seeds), the other picks what it picks alone with ``do_sample=False`` (tokens, confidences, stats; its
+    temperature unread, its picks neither noised nor cut: typical-p may cut the most likely token), draft candidates
+    and remask's MRP pass included; sampling that prompt too changes it."""
+    prompts = [random_prompts(1, n, seed=60 + b)[0] for b, n in enumerate([4, 7, 2])]
+    ids, mask = padded_batch(prompts, "left")
+    sampling, temperatures, seeds = [True, False, True], [0.7, 2.0, 1.3], [11, 12, 13]
+    common = dict(max_new_tokens=12, pad_token_id=0, eos_token_id=[], return_dict_in_generate=True,
+                  output_confidences=True, cuda_graphs=graphs)
+    out = model.generate(ids, attention_mask=mask, do_sample=sampling, seed=seeds, temperature=temperatures,
+                         **common, **kwargs)
+    for b, r in enumerate(prompts):
+        if sampling[b]:
+            alone = model.generate(r[None], do_sample=True, seed=seeds[b], temperature=temperatures[b], **common,
+                                   **kwargs)
+        else:
+            alone = model.generate(r[None], **common,
+                                   **{k: v for k, v in kwargs.items() if k not in ("top_p", "typical_p", "top_k")})
+        assert torch.equal(out.sequences[b, 7 - len(r):], alone.sequences[0]), b
+        assert torch.equal(out.confidences[b, 7 - len(r):], alone.confidences[0]), b
+        for name, value in vars(alone.stats).items():
+            assert torch.equal(getattr(out.stats, name)[b], value[0]), (b, name)
+    every = model.generate(ids, attention_mask=mask, do_sample=True, seed=seeds, temperature=temperatures, **common,
+                           **kwargs)
+    assert torch.equal(every.sequences[0::2], out.sequences[0::2])
+    assert not torch.equal(every.confidences[1], out.confidences[1])
+    with pytest.raises(ValueError, match="num_return_sequences=2 gives identical copies of the prompts whose "
+                                         "do_sample is False"):
+        model.generate(ids, attention_mask=mask, do_sample=sampling, num_return_sequences=2)
 
 
 def test_stop_strings_cut_the_stream_too(model):

@@ -442,6 +442,42 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
             assert [c.ids for c in completions[p * n : (p + 1) * n]] == [kept(out, len(ids), row) for row in range(n)]
 
 
+@pytest.mark.parametrize("strategy", ["static", "speculative"])
+def test_greedy_requests_share_a_call_with_sampled_ones_whatever_their_sampling_settings(shipped, monkeypatch,
+                                                                                         strategy):
+    """Greedy requests (one streamed, one asking for logprobs) and a sampled one (a temperature, top-k and seed of
+    its own) share a call; a second sampled request, at another top-k, cannot share that call (the call has one top-k)
+    and gets its own. Each completion is what its prompt gets alone: greedy, or sampled with its request's settings
+    (and its logprobs those of the tokens it keeps)."""
+    tokenizer, model = shipped
+    calls, real = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda input_ids, **settings: calls.append(input_ids.shape[0]) or
+                        real(input_ids, **settings))
+    batcher = Batcher(model, max_batch_size=8)
+    bodies = [{"prompt": "import os\n"},
+              {"prompt": "def add(a, b):\n", "temperature": 0.8, "seed": 5, "top_k": 5},
+              {"prompt": "class Box:\n", "stream": True, "logprobs": 0},
+              {"prompt": "x = 1\n", "temperature": 1.2, "seed": 6, "top_k": 3}]
+    with batcher.changed:  # all wait before the decoding thread looks
+        jobs = [batcher.submit(read_request({**body, "max_tokens": 20, "strategy": strategy}, "completions",
+                                            tokenizer, DEFAULTS, "sdar")) for body in bodies]
+    while jobs[2].next_piece() is not None:
+        pass
+    results = [job.future.result(120)[0] for job in jobs]
+    batcher.close()
+    assert calls == [3, 1]
+    for job, completion in zip(jobs, results):
+        settings = {k: v for k, v in job.request.settings.items() if k not in ("stop_strings", "tokenizer")}
+        ids = job.request.prompts[0]
+        out = alone(model, ids, output_confidences=True, **settings)
+        assert completion.ids == kept(out, len(ids))
+        if job.request.logprobs:
+            assert completion.logprobs == out.confidences[0, len(ids):len(ids) + len(completion.ids)].log().tolist()
+    sampled = jobs[1].request.settings
+    greedy = alone(model, jobs[1].request.prompts[0], strategy=strategy, max_new_tokens=20)
+    assert results[1].ids != kept(greedy, len(jobs[1].request.prompts[0])) and sampled["do_sample"]
+
+
 def test_a_stream_whose_client_left_stops_its_row_and_the_others_go_on(shipped):
     """A streamed request and a plain one share a call; the stream's client leaves after its first piece: its row
     stops short of its 400 tokens (without the criterion's verdict it decodes all 400), the other row decodes on to
@@ -757,8 +793,9 @@ def test_mrp_serve_cli_listens_with_its_options_as_the_defaults(monkeypatch, cap
 def test_serve_benchmark_smoke(tmp_path, stream, mixed):
     """benchmarks/bench_serve.py on the shipped model: a row per strategy, temperature and max batch size, greedy and
     sampled completions (streamed: the text joined from the deltas; mixed: clients asking different lengths, stop
-    strings and temperatures) the same batched as alone."""
-    subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--clients", "3", "--max-new-tokens", "8",
+    strings and temperatures, the fifth greedy among sampled ones) the same batched as alone."""
+    subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--clients", "5" if mixed else "3",
+                    "--max-new-tokens", "8",
                     "--max-batch-sizes", "1", "4", "--strategies", "static", "speculative", "--temperatures", "0", "1",
                     "--repeats", "1", "--out", str(tmp_path)] + ["--stream"] * stream + ["--mixed"] * mixed,
                    check=True, cwd=REPO_ROOT, timeout=600,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import comparable, drop_filtered, gumbel_noise_at, inverse_temperature, penalized
+from .confidence import comparable, gumbel_noise_at, inverse_temperature, may_sample, penalized, sampled_score
 
 
 def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0, repetition_penalty=None,
@@ -49,8 +49,8 @@ def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_k
     among what the filters ``cuts`` (keyword arguments of :func:`.confidence.sampling_cut`) keep of the listed
     tokens: (tokens int64 [N], probs float32 [N])."""
     score = z
-    if do_sample:
-        score = drop_filtered(z + gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype), z, **cuts)
+    if may_sample(do_sample):
+        score = sampled_score(z, gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype), do_sample, **cuts)
     best, at = score.max(dim=-1)  # the first maximal column
     take = best > float("-inf")
     if skip_rows is not None:

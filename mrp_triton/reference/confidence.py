@@ -309,21 +309,35 @@ def drop_filtered(score: torch.Tensor, z: torch.Tensor, **cuts) -> torch.Tensor:
 
 def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, **cuts):
     """Token per row of effective logits z [N, V]: -1 where no finite candidate. Sampling draws among the tokens
-    the filters ``cuts`` keep (keyword arguments of :func:`sampling_cut`); a greedy pick needs no filter (the most
-    likely token is kept).
+    the filters ``cuts`` keep (keyword arguments of :func:`sampling_cut`); a greedy pick reads no filter.
+    ``do_sample``: a bool, or a bool tensor [N] (the rows that sample; the others pick greedily, :func:`sampled_score`).
     The noise is hashed a few rows at a time (about NOISE_CHUNK elements): on a CPU its int64 temporaries then stay
     in cache, which makes a pick over a large vocabulary several times faster than one [N, V] pass."""
-    if not do_sample:
+    if not may_sample(do_sample):
         best, tok = z.max(dim=-1)  # torch returns the first maximal index
     else:
         step = max(1, NOISE_CHUNK // max(1, z.shape[-1]))
         picks = []
         for i in range(0, max(1, z.shape[0]), step):  # one (empty) chunk for N = 0
             zi = z[i:i + step]  # the cut is a row's own: cut chunk by chunk
-            score = zi + gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1])
-            picks.append(drop_filtered(score, zi, **{k: row_slice(v, i, step) for k, v in cuts.items()}).max(dim=-1))
+            score = sampled_score(zi, gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1]),
+                                  row_slice(do_sample, i, step), **{k: row_slice(v, i, step) for k, v in cuts.items()})
+            picks.append(score.max(dim=-1))
         best, tok = (torch.cat(x) for x in zip(*picks)) if len(picks) > 1 else picks[0]
     return torch.where(best == float("-inf"), torch.full_like(tok, -1), tok)
+
+
+def may_sample(do_sample) -> bool:
+    """Whether a pick given ``do_sample`` (a bool, or a bool tensor of the rows that sample) reads noise."""
+    return isinstance(do_sample, torch.Tensor) or bool(do_sample)
+
+
+def sampled_score(z: torch.Tensor, noise: torch.Tensor, do_sample, **cuts) -> torch.Tensor:
+    """What a sampled pick maximises over logits z [N, M]: z plus the Gumbel ``noise`` [N, M] (z's dtype) at the
+    tokens the filters ``cuts`` keep, -inf elsewhere; with ``do_sample`` a bool tensor [N], z itself in the rows that
+    do not sample (a greedy pick)."""
+    score = drop_filtered(z + noise, z, **cuts)
+    return torch.where(do_sample[:, None], score, z) if isinstance(do_sample, torch.Tensor) else score
 
 
 def row_slice(value, start: int, count: int):
