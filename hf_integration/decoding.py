@@ -32,6 +32,7 @@ from transformers.utils.logging import tqdm
 
 import mrp_triton
 from mrp_triton.reference.confidence import CUTS, exclude_banned, inverse_temperature, penalized
+from mrp_triton.reference.lm_head_confidence import top_by_value
 
 from .decode_engine import BAN_EOS, BAN_FIRST, BAN_SUPPRESS, DecodeStats, EngineShape, engine_for
 from .draft_candidates import refresh_vocab_mean
@@ -82,8 +83,11 @@ class SDARGenerateOutput(ModelOutput):
     backbone's (a speculative round's tokens: the verify forward's on the candidate state each was verified on, so
     greedy speculative decoding gives static one-token-a-step decoding's; remask's: that of the reveal the MRP pass
     let stand), save those of direct decoding's MRP steps (the head's corrected logits'); 0 at prompt and padding
-    positions. new_tokens: int64
-    [B], the new tokens each row
+    positions. top_logprobs and top_token_ids (``output_top_logprobs=k``): float32 and int64 [B, P + max_new_tokens,
+    k], laid out as ``sequences``: at each new token the k most likely tokens of that same softmax (most likely first,
+    ties to the lowest id; the committed token among them when it is one of the k most likely) and their
+    log-probabilities; -inf and -1 at prompt and padding positions (and past the tokens a softmax has). new_tokens:
+    int64 [B], the new tokens each row
     keeps in ``sequences`` (up to its first EOS, the end of a stop string or the token a stopping criterion stopped
     at; the rest is padding), which may be fewer than ``stats.tokens_committed`` (a verify round or a denoising step
     can commit tokens past the EOS)."""
@@ -93,6 +97,8 @@ class SDARGenerateOutput(ModelOutput):
     batch_steps: int | None = None
     reveal_steps: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
     new_tokens: torch.Tensor | None = None
 
 
@@ -336,18 +342,41 @@ class BlockDecoder:
         engine.decoding_steps[self.rows] = step
         self._note_at(engine.reveal_steps, positions, before & (block != self.mask_id), step[:, None])
 
-    def note_confidences(self, positions: torch.Tensor, committed: torch.Tensor, conf: torch.Tensor) -> None:
+    def note_confidences(self, positions: torch.Tensor, committed: torch.Tensor, conf: torch.Tensor,
+                         top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """With ``output_confidences`` (on the device): note ``conf`` [B', T] of the tokens a step ``committed``
         (bool [B', T]) at ``positions`` [B', T] in the engine's ``confidences`` (a position that a later step commits
-        again, after a remask, is noted again)."""
+        again, after a remask, is noted again); with ``output_top_logprobs``, ``top`` too (the top log-probabilities
+        and their token ids, [B', T, k] each: :meth:`split_top`) in the engine's ``top_notes``."""
         if self.settings.output_confidences:
             self._note_at(self.engine.confidences, positions, committed, conf)
+        if top is not None:
+            for buffer, values in zip(self.engine.top_notes[self.settings.output_top_logprobs], top):
+                self._note_at(buffer, positions, committed, values)
+
+    def split_top(self, picks: tuple, top_m: int) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The picks of :meth:`pick_hidden` asked for :meth:`top_lists` ``(top_m)`` lists -> (the picks as asked for
+        with ``top_m`` (their lists cut to top_m; none for 0), with ``output_top_logprobs=k`` the first k of the
+        lists as log-probabilities (the top logits over temperature minus the lse) and their token ids, [..., k] each,
+        else None)."""
+        k = self.settings.output_top_logprobs
+        if not k:
+            return picks, None
+        *head, top, ids = picks
+        lists = (top[..., :top_m], ids[..., :top_m]) if top_m else ()
+        return (*head, *lists), (top[..., :k] - picks[2][..., None], ids[..., :k])
+
+    def top_lists(self, top_m: int = 0) -> int:
+        """How many top logits a committing pick asks :meth:`pick_hidden` for: ``top_m`` (a draft's candidates), and
+        with ``output_top_logprobs`` at least that many (:meth:`split_top` parts them)."""
+        return max(top_m, self.settings.output_top_logprobs)
 
     def _note_at(self, buffer: torch.Tensor, positions: torch.Tensor, where: torch.Tensor,
                  values: torch.Tensor) -> None:
-        """``values`` (broadcast to [B', T]) into ``buffer`` [B, max_len] (by original row) at ``positions`` [B', T]
-        ``where`` (bool [B', T]); the other positions keep theirs."""
+        """``values`` (broadcast to [B', T, ...]) into ``buffer`` [B, max_len, ...] (by original row) at ``positions``
+        [B', T] ``where`` (bool [B', T]); the other positions keep theirs."""
         rows = self.rows[:, None].expand_as(positions)
+        where = where[(...,) + (None,) * (buffer.dim() - 2)]
         buffer[rows, positions] = torch.where(where, values.to(buffer.dtype), buffer[rows, positions])
 
     def steps(self, kinds: tuple, *inputs: torch.Tensor, count: int, mutated: tuple[int, ...] = (),
@@ -628,7 +657,8 @@ class BlockDecoder:
             ban = self.token_bans(positions)
             if ban:
                 z = exclude_banned(z.view(B * T, -1), **ban).view(B, T, -1)
-            top, ids = z.topk(top_m, dim=-1)  # the order among equal logits does not matter to a draft
+            # ties to the lowest id, as the fused pick's lists: the first m of a longer list are the m-list
+            top, ids = (x.view(B, T, top_m) for x in top_by_value(z.view(B * T, -1), top_m))
             top = top * inverse_temperature(self.temperature)[..., None]  # (one a row: [B', 1, 1])
             return *picks, top, ids.masked_fill(top == float("-inf"), -1)
         if seen and draft is not None:  # the table by draft column, as the draft's weight rows
@@ -667,13 +697,14 @@ class BlockDecoder:
         row [B]) and count the forward. Returns the picks of :meth:`pick_hidden` (with ``top_m``, the positions'
         top_m lists too; with ``entropy_bound``, their entropies)."""
         by_entropy = entropy_bound is not None
-        picks = self.pick_hidden(hidden, positions, masked, self.noise_counter(), top_m=top_m, entropy=by_entropy,
-                                 seen=self.seen_tokens(block))
+        picks, top = self.split_top(self.pick_hidden(hidden, positions, masked, self.noise_counter(),
+                                                     top_m=self.top_lists(top_m), entropy=by_entropy,
+                                                     seen=self.seen_tokens(block)), top_m)
         committed = mrp_triton.select_commit(block, picks[0], picks[1], mask_token_id=self.mask_id, n=n,
                                              threshold=threshold, entropy=picks[3] if by_entropy else None,
                                              entropy_bound=entropy_bound)
         self.record(masked.any(-1), committed, mrp=mrp)
-        self.note_confidences(positions, committed, picks[1])
+        self.note_confidences(positions, committed, picks[1], top)
         return picks
 
     def scheduled_quota(self, quota_base: torch.Tensor, quota_extra: torch.Tensor,
@@ -866,8 +897,12 @@ class BlockDecoder:
             r = rows[i]
             self.criteria.row_decoded(r, self.settings.max_new_tokens if ended[i] else
                                       self._new_tokens_through_block(r, starts[i]))
-        confidences = self.engine.confidences if self.settings.output_confidences else None
-        for r, keep in self.criteria.stopped_rows(self.x, self.kept_at_most, confidences).items():
+        s, engine = self.settings, self.engine
+        notes = {"confidences": (engine.confidences, 0)} if s.output_confidences else {}
+        if s.output_top_logprobs:
+            values, ids = engine.top_notes[s.output_top_logprobs]
+            notes.update(top_logprobs=(values, float("-inf")), top_token_ids=(ids, -1))
+        for r, keep in self.criteria.stopped_rows(self.x, self.kept_at_most, notes).items():
             self.new_tokens_kept[r] = keep
             if self.stream is not None:
                 self.stream.cut(keep)

@@ -23,7 +23,7 @@ from mrp_triton._checks import MAX_TOP_M
 from mrp_triton.confidence import check_temperature
 
 from .draft_vocab import normalize_draft_vocab
-from .stopping_criteria import takes_confidences
+from .stopping_criteria import takes_confidences, takes_top_logprobs
 
 logger = logging.get_logger(__name__)
 
@@ -102,8 +102,8 @@ DONE_ANYWAY = {"cache_implementation": "static", "disable_compile": True}
 
 
 # transformers' settings refused here that have a counterpart, which the error that refuses them names
-COUNTERPARTS = {"output_scores": "output_confidences=True (each new token's probability)",
-                "output_logits": "output_confidences=True (each new token's probability)"}
+COUNTERPARTS = {name: "output_confidences=True (each new token's probability) or output_top_logprobs=k (the k most "
+                      "likely tokens at each new position)" for name in ("output_scores", "output_logits")}
 
 
 def _counterparts(names: list[str]) -> str:
@@ -195,7 +195,8 @@ class GenerationSettings:
     of one list of strings per prompt gives each prompt its own, an empty one none);
     ``stopping_criteria`` (transformers' criteria, called as its generate calls them, once per new token in order as
     soon as every row has decoded it: :mod:`.stopping_criteria`; one with ``takes_confidences = True`` also gets each
-    new token's confidence, with ``output_confidences``) end a row at the first token at which one holds;
+    new token's confidence, with ``output_confidences``, one with ``takes_top_logprobs = True`` its most likely tokens,
+    with ``output_top_logprobs``) end a row at the first token at which one holds;
     ``max_time`` (seconds, as in transformers) ends every row with the block it is decoding once that much time has
     passed since the call began (checked as blocks fill, so a call may run past it by the rest of a block); ``progress``
     shows a bar over blocks; ``streamer`` (one prompt at a time) is an object with ``put(ids)`` and ``end()``, like
@@ -203,7 +204,8 @@ class GenerationSettings:
     EOS), then ``end()``. ``output_reveal_steps`` (with ``return_dict_in_generate``) also returns, per output position,
     the row's decoding step that revealed its token for good (1 for the row's first step; 0 at prompt and padding
     positions): the order in which decoding filled each block; ``output_confidences`` the probability of each new token
-    under the softmax that committed it for good (:class:`.SDARGenerateOutput`). ``use_cache`` is accepted as
+    under the softmax that committed it for good, and ``output_top_logprobs=k`` (0 to 64) the k most likely tokens of
+    that softmax and their log-probabilities (:class:`.SDARGenerateOutput`). ``use_cache`` is accepted as
     transformers' ``generate`` takes it: decoding always runs on its KV cache, which gives the tokens a forward over the
     whole sequence would. ``prefill_chunk_size`` (transformers' name; default None: one forward) writes the prompt's
     full blocks into the cache in forwards of at most that many positions (rounded down to whole blocks, at least one),
@@ -261,6 +263,7 @@ class GenerationSettings:
     return_dict_in_generate: bool = False
     output_reveal_steps: bool = False
     output_confidences: bool = False
+    output_top_logprobs: int = 0
     mrp_steps: int = 3
     draft_schedule: str = "mrp"
     draft_vocab: int | Sequence[int] | torch.Tensor | None = None  # validated: an int or a sorted tuple of ids
@@ -583,10 +586,14 @@ class GenerationSettings:
         for name in FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        for name, field_name in (("output_reveal_steps", "reveal_steps"), ("output_confidences", "confidences")):
+        _int_at_least("output_top_logprobs", self.output_top_logprobs, 0)
+        if self.output_top_logprobs > MAX_TOP_M:
+            raise ValueError(f"output_top_logprobs={self.output_top_logprobs} must be at most {MAX_TOP_M}")
+        for name, field_name in (("output_reveal_steps", "reveal_steps"), ("output_confidences", "confidences"),
+                                 ("output_top_logprobs", "top_logprobs")):
             if getattr(self, name) and not self.return_dict_in_generate:
-                raise ValueError(f"{name}=True returns its values in the output's .{field_name}: pass "
-                                 "return_dict_in_generate=True too")
+                raise ValueError(f"{name}={getattr(self, name)} returns its values in the output's .{field_name}: "
+                                 "pass return_dict_in_generate=True too")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool or None (on for a CUDA model), got "
                             f"{type(self.cuda_graphs).__name__}")
@@ -626,6 +633,10 @@ class GenerationSettings:
         if not self.output_confidences and any(map(takes_confidences, self.stopping_criteria or ())):
             raise ValueError("stopping_criteria holds a criterion that takes each new token's confidence "
                              "(takes_confidences=True): pass output_confidences=True (and return_dict_in_generate=True)"
+                             ", which notes them")
+        if not self.output_top_logprobs and any(map(takes_top_logprobs, self.stopping_criteria or ())):
+            raise ValueError("stopping_criteria holds a criterion that takes each new token's most likely tokens "
+                             "(takes_top_logprobs=True): pass output_top_logprobs=k (and return_dict_in_generate=True)"
                              ", which notes them")
         self._normalize_bans(config.vocab_size)
         if self.prefill_chunk_size is not None:

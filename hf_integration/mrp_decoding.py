@@ -67,24 +67,28 @@ def _drafted(states: torch.Tensor, iota: torch.Tensor):
     return pos.masked_fill(none, -1), tok.masked_fill(none, -1)
 
 
-def verified_confidences(draft_pos: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
-                         target_conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a verify round committed and each token's confidence, from its drafts' positions draft_pos [B, K] (-1:
-    none), the accepted lengths [B], the bonus positions [B] (-1: none) and the backbone's confidences on the
-    candidate states C(0..K), target_conf [B, K+1, T]: accepted draft k at its position under C(k), the bonus under
-    C(accepted) (what ``verify_drafts`` compares and commits). Returns committed (bool [B, T]) and conf [B, T]."""
-    B, copies, T = target_conf.shape
+def verified_commits(draft_pos: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
+                     *targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a verify round committed and, of each of the backbone's ``targets`` on the candidate states C(0..K)
+    ([B, K+1, T, ...]: its confidences, its top log-probabilities ...), the committed tokens' values, from the drafts'
+    positions draft_pos [B, K] (-1: none), the accepted lengths [B] and the bonus positions [B] (-1: none): accepted
+    draft k at its position under C(k), the bonus under C(accepted) (what ``verify_drafts`` compares and commits).
+    Returns committed (bool [B, T]) and each target's values [B, T, ...] (0 where nothing was committed)."""
+    B, copies, T = targets[0].shape[:3]
     K = copies - 1
     steps = torch.arange(K, device=draft_pos.device).expand(B, K)
     where = torch.cat([draft_pos, bonus[:, None]], 1)  # [B, K+1]: the positions committed, in order
     ok = torch.cat([steps < accepted[:, None], bonus[:, None] >= 0], 1)
     copy = torch.cat([steps, accepted[:, None]], 1)  # the candidate state each was verified on
     rows = torch.arange(B, device=draft_pos.device)[:, None]
-    value = target_conf[rows, copy, where.clamp(min=0)]
     slot = torch.where(ok, where, T)  # a spare column T takes what was not committed
-    conf = target_conf.new_zeros((B, T + 1)).scatter_(1, slot, value)
     committed = ok.new_zeros((B, T + 1)).scatter_(1, slot, ok)
-    return committed[:, :T], conf[:, :T]
+    values = []
+    for target in targets:
+        value = target.new_zeros((B, T + 1, *target.shape[3:]))
+        value[rows, slot] = target[rows, copy, where.clamp(min=0)]  # (what lands on the spare column is dropped)
+        values.append(value[:, :T])
+    return committed[:, :T], *values
 
 
 def direct_steps(dec: BlockDecoder) -> tuple:
@@ -196,15 +200,18 @@ def speculation_round(dec: BlockDecoder):
         live = candidates[:, 0].any(-1)  # C(0) is the block
         flat_positions = positions.repeat(1, K + 1)
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copy)
-        picks = dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1), dec.noise_counter(copy), top_m=top_m,
-                                seen=dec.seen_tokens(states))
+        picks, top = dec.split_top(dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1),
+                                                   dec.noise_counter(copy), top_m=dec.top_lists(top_m),
+                                                   seen=dec.seen_tokens(states)), top_m)
         target_tok, target_conf = (x.view(B, K + 1, T) for x in picks[:2])
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, target_tok, target_conf,
                                                    mask_token_id=dec.mask_id)
         accepted = accepted.long()
         dec.record(live, accepted + (bonus >= 0))  # a row without masks accepts nothing and has no bonus
-        if dec.settings.output_confidences:
-            dec.note_confidences(positions, *verified_confidences(draft_pos, accepted, bonus, target_conf))
+        if dec.settings.output_confidences or top is not None:
+            targets = (target_conf, *(x.view(B, K + 1, T, -1) for x in top or ()))
+            committed, conf, *verified_top = verified_commits(draft_pos, accepted, bonus, *targets)
+            dec.note_confidences(positions, committed, conf, tuple(verified_top) or None)
         dec.stats.accepted_lengths.index_put_((dec.rows, accepted), (live > fresh).long(), accumulate=True)
         fresh.zero_()
         # the accepted candidate's slice of the forward (and of its picks) seeds the next round
@@ -266,7 +273,8 @@ def remask_step(dec: BlockDecoder):
         live = masked.any(-1)
         h_a = dec.backbone(block, positions)
         seen = dec.seen_tokens(block)  # the reveal's and its tau score's
-        tok, conf, _ = dec.pick_hidden(h_a, positions, masked, dec.noise_counter(), seen=seen)
+        (tok, conf, _), top = dec.split_top(dec.pick_hidden(h_a, positions, masked, dec.noise_counter(), seen=seen,
+                                                            top_m=dec.top_lists()), 0)
         before = block.clone()
         quota = dec.scheduled_quota(quota_base, quota_extra, steps_taken) * live  # >= 1: T // S, S <= T
         revealed = mrp_triton.select_commit(block, tok, conf, mask_token_id=dec.mask_id, n=quota,
@@ -275,7 +283,7 @@ def remask_step(dec: BlockDecoder):
         score = _token_scores(dec, h_a, corrected, tok, revealed, positions, seen)
         remasked = mrp_triton.remask(block, revealed, score, limit, mask_token_id=dec.mask_id, rule=rule)
         dec.record(live, revealed & ~remasked)
-        dec.note_confidences(positions, revealed & ~remasked, conf)
+        dec.note_confidences(positions, revealed & ~remasked, conf, top)
         dec.count("mrp_forwards", live)
         dec.count("tokens_remasked", remasked.sum(-1))
 

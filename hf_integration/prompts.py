@@ -150,8 +150,8 @@ class PromptBatch:
 
     def lay_out(self, x: torch.Tensor, kept: list[int], max_new_tokens: int, pad: int,
                 prompt: bool = True) -> torch.Tensor:
-        """Per-position values of the decoded layout x [B', total] (row b's prompt positions first, then its new
-        ones) -> [B, W + max_new_tokens] (W: the input's width), as the output lays out tokens: row b's prompt
+        """Per-position values of the decoded layout x [B', total, ...] (row b's prompt positions first, then its new
+        ones) -> [B, W + max_new_tokens, ...] (W: the input's width), as the output lays out tokens: row b's prompt
         (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new positions, ``pad`` elsewhere, on the row's
         padding side (as transformers does: ``out[:, W:]`` are the new tokens of a left-padded batch)."""
         device = x.device
@@ -159,5 +159,7 @@ class PromptBatch:
         source = torch.arange(self.width + max_new_tokens, device=device) - start[:, None]  # [B, W + new]: x's column
         shown = (source >= (0 if prompt else lens[:, None])) & \
             (source < lens[:, None] + torch.tensor(kept, device=device)[:, None])
-        values = x[: len(self.lens)].gather(1, source.clamp(0, x.shape[1] - 1))
+        rows = torch.arange(len(self.lens), device=device)[:, None]
+        values = x[rows, source.clamp(0, x.shape[1] - 1)]
+        shown = shown[(...,) + (None,) * (x.dim() - 2)]
         return torch.where(shown, values, torch.tensor(pad, dtype=x.dtype, device=device))

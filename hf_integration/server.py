@@ -254,29 +254,39 @@ def response_body(endpoint: str, rid: str, model_name: str, request: Request, co
         reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
         choices.append({**choice(endpoint, index, text, reason, chunk=False), "stats": completion.stats})
         if request.logprobs:
-            choices[-1]["logprobs"] = logprobs_in_text(endpoint, tokenizer, completion.ids, completion.logprobs, text)
+            choices[-1]["logprobs"] = logprobs_in_text(endpoint, tokenizer, completion.ids, completion.logprobs, text,
+                                                       requested_tops(request, completion.tops))
     return {**envelope(endpoint, rid, model_name, chunk=False), "choices": choices,
             "usage": usage(sum(map(len, request.prompts)), sum(len(c.ids) for c in completions))}
 
 
+def requested_tops(request: Request, tops: list[list[tuple[int, float]]]) -> list[list[tuple[int, float]]]:
+    """Each token's most likely tokens as many as ``request`` asks for (its call may have asked for more)."""
+    return [top[: request.top_logprobs] for top in tops]
+
+
 @dataclass
 class StreamedChoice:
-    """A stream's choice as its tokens come: their ids, log-probabilities (when asked) and offsets in ``text``, the
-    text of the ids; the part of that text sent so far (``sent``) and the tokens whose log-probabilities were."""
+    """A stream's choice as its tokens come: their ids, log-probabilities and most likely tokens (when asked) and
+    offsets in ``text``, the text of the ids; the part of that text sent so far (``sent``) and the tokens whose
+    log-probabilities were."""
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     text: str = ""
     sent: str = ""
     sent_tokens: int = 0
 
-    def add(self, tokenizer, ids: list[int], logprobs: list[float] | None) -> None:
+    def add(self, tokenizer, ids: list[int], logprobs: list[float] | None,
+            tops: list[list[tuple[int, float]]] | None) -> None:
         for token in ids:
             self.offsets.append(len(self.text))
             self.ids.append(token)
             self.text = tokenizer.decode(self.ids, skip_special_tokens=True)
         self.logprobs += logprobs or []
+        self.tops += tops or []
 
 
 def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str):
@@ -306,16 +316,16 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
             yield event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}]})
         while (piece := job.next_piece()) is not None:
-            index, new, new_logprobs = piece
+            index, new, new_logprobs, new_tops = piece
             one = streamed[index]
-            one.add(tokenizer, new, new_logprobs)
+            one.add(tokenizer, new, new_logprobs, new_tops)
             text = streamable(one.text, request.stop)
             if len(text) > len(one.sent):
                 first = one.sent_tokens
                 one.sent_tokens += shown_tokens(one.offsets[first:], len(text))
                 sent = slice(first, one.sent_tokens)
-                logprobs = logprobs_of(endpoint, tokenizer, one.ids[sent], one.logprobs[sent], one.offsets[sent]) \
-                    if request.logprobs else None
+                logprobs = logprobs_of(endpoint, tokenizer, one.ids[sent], one.logprobs[sent], one.offsets[sent],
+                                       requested_tops(request, one.tops[sent])) if request.logprobs else None
                 yield event(chunk(index, text[len(one.sent):], None, logprobs))
                 one.sent = text
         try:
@@ -328,7 +338,8 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
             text, stopped = completion_text(tokenizer, completion.ids, request.stop)
             reason = finish_reason(len(completion.ids), completion.ended, stopped, request.max_new_tokens)
             logprobs = logprobs_in_text(endpoint, tokenizer, completion.ids, completion.logprobs, text,
-                                        start=one.sent_tokens) if request.logprobs else None
+                                        requested_tops(request, completion.tops), start=one.sent_tokens) \
+                if request.logprobs else None
             last = chunk(index, text[len(one.sent):] or None, reason, logprobs)
             last["choices"][0]["stats"] = completion.stats
             yield event(last)

@@ -38,21 +38,23 @@ class Completion:
     """One completion: the new token ids it keeps, whether its last one is an EOS (``ended``), what it cost
     (``stats``: backbone and MRP forwards, tokens decoded a backbone forward) and, when its request asks for them,
     each new token's log-probability (``logprobs``: of the probability it was committed with, ``generate()``'s
-    ``output_confidences``)."""
+    ``output_confidences``) and its call's most likely tokens there (``tops``: (id, log-probability) pairs, most
+    likely first, ``output_top_logprobs``; empty lists when the call asks for none)."""
 
     ids: list[int]
     ended: bool
     stats: dict
     logprobs: list[float] | None = None
+    tops: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
 class Job:
     """A request waiting or decoding. ``future`` gets its completions (``n`` a prompt, a prompt's together, in its
     prompts' order) or the error ``generate()`` raised; a streamed job's ``pieces`` gets (choice, new token ids, their
-    log-probabilities or None): each choice's (row's) new tokens as the call decodes them (with their
-    log-probabilities if the request asks for them), then None; ``cancelled`` is set when no one waits for it any
-    more."""
+    log-probabilities or None, their most likely tokens or None): each choice's (row's) new tokens as the call
+    decodes them (with their log-probabilities and the request's most likely tokens if it asks for them, as
+    :class:`Completion` has them), then None; ``cancelled`` is set when no one waits for it any more."""
 
     request: Request
     future: Future = field(default_factory=Future)
@@ -63,9 +65,9 @@ class Job:
     def rows(self) -> int:
         return len(self.request.prompts) * self.request.settings.get("num_return_sequences", 1)
 
-    def next_piece(self) -> tuple[int, list[int], list[float] | None] | None:
-        """A streamed job's next (choice, new token ids, their log-probabilities if the request asks for them)
-        (waiting for it), or None once the stream has ended."""
+    def next_piece(self) -> tuple[int, list[int], list[float] | None, list | None] | None:
+        """A streamed job's next (choice, new token ids, their log-probabilities and most likely tokens if the request
+        asks for them) (waiting for it), or None once the stream has ended."""
         return self.pieces.get()
 
 
@@ -86,10 +88,10 @@ class _RowWatch:
     """A stopping criterion (``criterion(input_ids, scores)``, as ``generate()`` calls it once a new token every row
     has decoded) that stops nothing but the rows of the jobs no one waits for any more (``Job.cancelled``: the client
     has gone), and puts each new token of a streamed job's row in its ``pieces``, with the row's choice index (and the
-    token's log-probability if the request asks for it: the watch then takes the tokens' confidences), until the row's
-    end (an EOS or padding: ``ends``; or its request's ``max_new_tokens``). ``batch``: the call's jobs,
-    whose rows lie in their order (``Job.rows`` each): ``spans``, each job's; ``streamed``: each streamed row's (row,
-    job, choice)."""
+    token's log-probability and most likely tokens if the request asks for them: the watch then takes the tokens'
+    confidences and top log-probabilities), until the row's end (an EOS or padding: ``ends``; or its request's
+    ``max_new_tokens``). ``batch``: the call's jobs, whose rows lie in their order (``Job.rows`` each): ``spans``,
+    each job's; ``streamed``: each streamed row's (row, job, choice)."""
 
     def __init__(self, batch: list[Job], ends: set[int]):
         self.jobs, self.ends = [job for job in batch if job.request.stream], ends
@@ -100,17 +102,22 @@ class _RowWatch:
         self.ended: set[int] = set()
         self.calls = 0  # the new tokens each row has decoded
         self.takes_confidences = any(job.request.logprobs for job in self.jobs)
+        self.takes_top_logprobs = any(job.request.top_logprobs for job in self.jobs)
 
-    def __call__(self, input_ids: torch.Tensor, scores, confidences: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, scores, confidences: torch.Tensor | None = None,
+                 top_logprobs: torch.Tensor | None = None, top_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         self.calls += 1
         gone = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         for rows, job in self.spans:
             gone[rows] = job.cancelled.is_set()
         last = input_ids[:, -1].tolist() if self.streamed else []  # the new token (one call a new token)
         logprobs = confidences[:, -1].log().tolist() if confidences is not None else []
+        tops = top_pairs(top_token_ids[:, -1], top_logprobs[:, -1]) if top_logprobs is not None else []
         for row, job, index in self.streamed:
             if row not in self.ended:
-                job.pieces.put((index, [last[row]], [logprobs[row]] if job.request.logprobs else None))
+                asked = job.request.logprobs
+                job.pieces.put((index, [last[row]], [logprobs[row]] if asked else None,
+                                [tops[row] if job.request.top_logprobs else []] if asked else None))
                 if last[row] in self.ends or self.calls == job.request.max_new_tokens:
                     self.ended.add(row)
         return gone
@@ -205,6 +212,9 @@ class Batcher:
         extra = {}
         if any(job.request.logprobs for job in batch):
             extra["output_confidences"] = True
+        top_logprobs = max(job.request.top_logprobs for job in batch)
+        if top_logprobs:
+            extra["output_top_logprobs"] = top_logprobs
         sampled = [job for job in batch if job.request.settings["do_sample"]]
         if sampled:  # a seed, a temperature and a top-p per prompt: each request's own (a greedy one's unread)
             extra["seed"] = per_prompt(lambda request: request.settings.get("seed", 0))
@@ -237,10 +247,13 @@ class Batcher:
         results = []
         for row, kept in enumerate(out.new_tokens.tolist()):
             ids = out.sequences[row, width : width + kept].tolist()
-            logprobs = None if out.confidences is None else out.confidences[row, width : width + kept].log().tolist()
+            new = slice(width, width + kept)
+            logprobs = None if out.confidences is None else out.confidences[row, new].log().tolist()
+            tops = top_pairs(out.top_token_ids[row, new], out.top_logprobs[row, new]) if top_logprobs else \
+                [[] for _ in ids]
             results.append(Completion(ids, bool(ids) and ids[-1] in self.eos_ids,
                                       {key: stats[key][row] for key in ("backbone_forwards", "mrp_forwards",
-                                                                        "tokens_per_forward")}, logprobs))
+                                                                        "tokens_per_forward")}, logprobs, tops))
         seconds, new_tokens = time.perf_counter() - start, sum(len(c.ids) for c in results)
         self._count(batch, new_tokens, seconds, failed=False)
         for job in batch:
@@ -252,6 +265,13 @@ class Batcher:
             self.report(f"{requests} request{'s' * (requests > 1)}, {rows} row{'s' * (rows > 1)} in one "
                         f"{batch[0].request.settings['strategy']} call: {new_tokens} new tokens in {seconds:.2f} s "
                         f"({new_tokens / seconds:.0f} tokens/s)")
+
+
+def top_pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """Each position's most likely tokens as (id, log-probability) pairs, most likely first, from ``generate()``'s
+    ``top_token_ids`` and ``top_logprobs`` [L, k] (the pairs past a softmax's tokens, id -1, left out)."""
+    return [[(token, value) for token, value in zip(row_ids, row_values) if token >= 0]
+            for row_ids, row_values in zip(ids.tolist(), logprobs.tolist())]
 
 
 def _decoded_alike(one: Request, other: Request) -> bool:

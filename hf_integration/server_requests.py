@@ -2,12 +2,12 @@
 
 A request body (``/v1/completions`` or ``/v1/chat/completions``) becomes the prompts' token ids and the keywords of
 ``generate()`` (:func:`read_request`): the server's defaults (``mrp-serve``'s decoding options), then the request's
-OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``; ``logprobs`` for the response),
-then its extension fields, named as ``generate()`` names them (``strategy``, ``mrp_steps``, ``threshold``, ``top_k``,
-``min_p``, ``repetition_penalty``, ...; ``min_tokens`` is ``min_new_tokens``, as in vLLM), which the OpenAI clients
-send with ``extra_body``. A field this server does not read is refused, naming it, unless it asks for nothing
-(``presence_penalty=0``, ``echo=False``, ...): a request is never served as something it did not ask for.
-Not part of a checkpoint's remote code.
+OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``; ``logprobs`` and ``top_logprobs``
+for the response), then its extension fields, named as ``generate()`` names them (``strategy``, ``mrp_steps``,
+``threshold``, ``top_k``, ``min_p``, ``repetition_penalty``, ...; ``min_tokens`` is ``min_new_tokens``, as in vLLM),
+which the OpenAI clients send with ``extra_body``. A field this server does not read is refused, naming it, unless it
+asks for nothing (``presence_penalty=0``, ``echo=False``, ...): a request is never served as something it did not ask
+for. Not part of a checkpoint's remote code.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from .cli import read_by
 from .cli_prompts import UsageError, chat_ids, is_conversation
 from .generation_settings import SAMPLING
+
+MAX_TOP_LOGPROBS = 20  # the most likely tokens a request may ask for at each position (OpenAI's chat bound)
 
 
 class RequestError(ValueError):
@@ -42,7 +44,7 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "se
                  "user"}
 ENDPOINT_FIELDS = {"completions": {"prompt", "logprobs"},
                    "chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
-ASKING_FOR_NOTHING = {"echo": (False,), "best_of": (1,), "top_logprobs": (0,),
+ASKING_FOR_NOTHING = {"echo": (False,), "best_of": (1,), "top_logprobs": (0,),  # (completions: chat reads it)
                       "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
                       "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 # Extension fields: generate() keywords under their own names (min_tokens: vLLM's name for min_new_tokens).
@@ -58,13 +60,14 @@ class Request:
     (``num_return_sequences`` is the request's ``n``; a sampled request's ``seed`` is its own or one drawn for it,
     which keys each of its prompts' samples as if that prompt were sent alone), whether it streams, with
     ``include_usage`` whether its stream ends with a usage chunk, and whether its choices carry each token's
-    log-probability (``logprobs``)."""
+    log-probability (``logprobs``) and how many of the most likely tokens beside it (``top_logprobs``)."""
 
     prompts: list[list[int]]
     settings: dict
     stream: bool
     include_usage: bool
     logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -124,7 +127,7 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
         given.setdefault("seed", secrets.randbits(63))
     stop = _stop_strings(body.get("stop"))
     stream = body.get("stream") is True
-    logprobs = _asks_for_logprobs(body, endpoint)
+    logprobs, top_logprobs = _asks_for_logprobs(body, endpoint)
     from_defaults = {name: value for name, value in defaults.items()
                      if value is not None and not (name in SAMPLING and not sample)}
     strategy = given.pop("strategy", from_defaults.pop("strategy", "static"))
@@ -132,7 +135,8 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     if stop:
         settings.update(stop_strings=stop, tokenizer=tokenizer)
     options = body.get("stream_options") or {}
-    return Request(prompts, settings, stream, bool(stream and options.get("include_usage")), logprobs=logprobs)
+    return Request(prompts, settings, stream, bool(stream and options.get("include_usage")), logprobs=logprobs,
+                   top_logprobs=top_logprobs)
 
 
 def _check_fields(body: dict, endpoint: str) -> None:
@@ -151,27 +155,26 @@ def _check_fields(body: dict, endpoint: str) -> None:
         raise RequestError(f"unknown field {name!r} for this endpoint (it reads {', '.join(known)})", param=name)
 
 
-def _asks_for_logprobs(body: dict, endpoint: str) -> bool:
-    """Whether the request asks for each chosen token's log-probability (``/v1/completions``: ``logprobs: 0``;
-    chat: ``logprobs: true``); more likely tokens beside it (``logprobs`` > 0, ``top_logprobs`` > 0) are refused."""
+def _asks_for_logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
+    """Whether the request asks for each chosen token's log-probability, and for how many of the most likely tokens
+    beside it (``/v1/completions``: ``logprobs: k``; chat: ``logprobs: true`` and ``top_logprobs: k``; k up to
+    ``MAX_TOP_LOGPROBS``)."""
     if endpoint == "completions":
         value, name = body.get("logprobs"), "logprobs"
         if value is None or value is False:
-            return False
-        _count(value, name, minimum=0)
+            return False, 0
     else:
-        value, name = body.get("top_logprobs"), "top_logprobs"
-        if value is not None:
-            _count(value, name, minimum=0)
+        value, name = body.get("top_logprobs") or 0, "top_logprobs"
         if not isinstance(body.get("logprobs", False), (bool, type(None))):
             raise RequestError(f"logprobs must be true or false, got {body['logprobs']!r}", param="logprobs")
         if not body.get("logprobs"):
-            return False
-    if value:
-        raise RequestError(f"{name}={value} asks for the {value} most likely tokens at each position, which this "
-                           f"server does not compute (each token comes with the probability it was committed with, "
-                           f"not the alternatives): give {name}=0", param=name)
-    return True
+            if value:
+                raise RequestError(f"top_logprobs={value!r} needs logprobs=true", param="top_logprobs")
+            return False, 0
+    if _count(value, name, minimum=0) > MAX_TOP_LOGPROBS:
+        raise RequestError(f"{name}={value} asks for more of the most likely tokens than this server gives (at most "
+                           f"{MAX_TOP_LOGPROBS})", param=name)
+    return True, value
 
 
 def token_offsets(tokenizer, ids: list[int], start: int = 0) -> list[int]:
@@ -190,26 +193,42 @@ def shown_tokens(offsets: list[int], text_length: int) -> int:
 
 
 def logprobs_in_text(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], text: str,
-                     start: int = 0) -> dict:
+                     tops: list[list[tuple[int, float]]], start: int = 0) -> dict:
     """OpenAI's ``logprobs`` (:func:`logprobs_of`) of a choice's tokens ``ids`` from ``start`` on that make its
     ``text`` (cut before a stop string): those starting before its end."""
     offsets = token_offsets(tokenizer, ids, start)
     end = start + shown_tokens(offsets, len(text))
-    return logprobs_of(endpoint, tokenizer, ids[start:end], logprobs[start:end], offsets[: end - start])
+    return logprobs_of(endpoint, tokenizer, ids[start:end], logprobs[start:end], offsets[: end - start],
+                       tops[start:end])
 
 
-def logprobs_of(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], offsets: list[int]) -> dict:
+def logprobs_of(endpoint: str, tokenizer, ids: list[int], logprobs: list[float], offsets: list[int],
+                tops: list[list[tuple[int, float]]]) -> dict:
     """OpenAI's ``logprobs`` of a choice's tokens ``ids`` (all or a stream chunk's), with log-probabilities
-    ``logprobs``, at ``offsets`` in the choice's text: each token as its own text (``tokenizer.decode([id])``) with
-    its log-probability; for ``/v1/completions`` also its offset, and as its ``top_logprobs`` the chosen token
-    alone."""
-    tokens = [tokenizer.decode([token], skip_special_tokens=True) for token in ids]
-    values = [max(value, -9999.0) for value in logprobs]  # a probability that underflowed: JSON has no -inf
+    ``logprobs``, at ``offsets`` in the choice's text, and each one's most likely tokens (``tops``: (id,
+    log-probability) pairs, most likely first; empty lists when not asked): each token as its own text
+    (``tokenizer.decode([id])``) with its log-probability, and its most likely tokens (chat); for
+    ``/v1/completions`` also its offset, and as its ``top_logprobs`` its most likely tokens and the chosen one (a text
+    two of them share shows the likelier's)."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=True)
+
+    def value(logprob: float) -> float:
+        return max(logprob, -9999.0)  # a probability that underflowed: JSON has no -inf
+
+    tokens, values = [text(token) for token in ids], [value(logprob) for logprob in logprobs]
     if endpoint == "completions":
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [{t: v} for t, v in zip(tokens, values)],
-                "text_offset": list(offsets)}
-    return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, v in zip(tokens, values)], "refusal": None}
+        ranked = [sorted([*top, (token, logprob)], key=lambda pair: -pair[1])
+                  for token, logprob, top in zip(ids, logprobs, tops)]
+        listed = [{} for _ in ranked]
+        for entries, pairs in zip(listed, ranked):
+            for token, logprob in pairs:
+                entries.setdefault(text(token), value(logprob))
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": listed, "text_offset": list(offsets)}
+    return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),
+                         "top_logprobs": [{"token": text(token), "logprob": value(logprob),
+                                           "bytes": list(text(token).encode())} for token, logprob in top]}
+                        for t, v, top in zip(tokens, values, tops)], "refusal": None}
 
 
 def _completion_prompts(prompt, tokenizer) -> list[list[int]]:

@@ -59,24 +59,31 @@ def test_reveal_steps_and_confidences_are_the_oracles(model, prompt_len, max_new
     """output_reveal_steps: the step that revealed each new token is the uncached oracle's (one token a step, the
     most confident masked position first, or with sequential decoding the first; entropy-bounded runs; the last
     block's positions past the last new token count steps but are not output); output_confidences: each new token's
-    probability under the oracle's softmax at that step; prompt positions hold 0. Steps replayed (cuda_graphs on a
-    CPU model) note the same."""
+    probability under the oracle's softmax at that step; prompt positions hold 0; output_top_logprobs: the 3 largest
+    log-probabilities of that softmax, the committed token's first. Steps replayed (cuda_graphs on a CPU model) note
+    the same."""
     prompt = random_prompts(1, prompt_len, seed=prompt_len)[0]
     expected = torch.zeros(prompt_len + max_new, dtype=torch.long)
     conf = torch.zeros(prompt_len + max_new, dtype=torch.float64)
+    top = torch.full((prompt_len + max_new, 3), float("-inf"), dtype=torch.float64)
     tokens = naive_static_decode(model, prompt, max_new, model.config.block_size, reveal_steps=expected,
-                                 confidences=conf, **rule)
+                                 confidences=conf, top_logprobs=top, **rule)
     if kwargs["strategy"] == "sequential":  # left to right
         assert expected[prompt_len:].tolist() == list(range(1, max_new + 1))
     if rule.get("entropy_bound"):  # some steps reveal several tokens
         assert expected.max() < max_new
     for graphs in (False, True):
         out = model.generate(prompt[None], max_new_tokens=max_new, eos_token_id=[], return_dict_in_generate=True,
-                             output_reveal_steps=True, output_confidences=True, cuda_graphs=graphs, **kwargs)
+                             output_reveal_steps=True, output_confidences=True, output_top_logprobs=3,
+                             cuda_graphs=graphs, **kwargs)
         assert torch.equal(out.sequences[0], tokens)
         assert out.reveal_steps.tolist() == [expected.tolist()], graphs
         assert out.confidences.dtype == torch.float32 and (out.confidences[0, prompt_len:] > 0).all()
         torch.testing.assert_close(out.confidences[0].double(), conf, rtol=1e-5, atol=0)
+        assert out.top_logprobs.shape == out.top_token_ids.shape == (1, prompt_len + max_new, 3)
+        torch.testing.assert_close(out.top_logprobs[0].double(), top, rtol=1e-5, atol=1e-6)
+        assert torch.equal(out.top_token_ids[0, prompt_len:, 0], tokens[prompt_len:])
+        assert (out.top_token_ids[0, :prompt_len] == -1).all()
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -836,6 +843,12 @@ BAD_INPUTS = [
     (dict(strategy="speculative", draft_vocab=[3, 99]), ValueError, "draft_vocab holds ids outside"),
     (dict(strategy="dynamic", device_loop=True), ValueError, "device_loop=True .* needs cuda_graphs"),
     (dict(output_reveal_steps=True), ValueError, "output_reveal_steps=True .*: pass return_dict_in_generate=True"),
+    (dict(output_top_logprobs=3), ValueError, r"output_top_logprobs=3 returns its values in the output's "
+                                              r"\.top_logprobs: pass return_dict_in_generate=True"),
+    (dict(output_top_logprobs=65, return_dict_in_generate=True), ValueError, "output_top_logprobs=65 must be at "
+                                                                             "most 64"),
+    (dict(output_top_logprobs=-1), ValueError, "output_top_logprobs=-1 must be >= 0"),
+    (dict(output_top_logprobs=True), TypeError, "output_top_logprobs must be an int, got bool"),
     (dict(output_reveal_steps=1, return_dict_in_generate=True), TypeError, "output_reveal_steps must be a bool"),
     (dict(output_confidences=True), ValueError, "output_confidences=True .*: pass return_dict_in_generate=True"),
     (dict(output_confidences="yes", return_dict_in_generate=True), TypeError, "output_confidences must be a bool"),
@@ -1712,6 +1725,42 @@ def test_do_sample_per_prompt_gives_the_greedy_prompts_their_greedy_decoding(mod
     with pytest.raises(ValueError, match="num_return_sequences=2 gives identical copies of the prompts whose "
                                          "do_sample is False"):
         model.generate(ids, attention_mask=mask, do_sample=sampling, num_return_sequences=2)
+
+
+@pytest.mark.parametrize("kwargs", [dict(strategy="dynamic", threshold=0.3), dict(strategy="direct", mrp_steps=2),
+                                    dict(strategy="remask", threshold=0.4),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4),
+                                    dict(strategy="static", do_sample=True, seed=[1, 2, 3], temperature=0.8),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, do_sample=True,
+                                         seed=[1, 2, 3], top_p=0.9),
+                                    dict(strategy="remask", threshold=0.4, do_sample=[True, False, True], seed=4)],
+                         ids=lambda k: "-".join(map(str, k.values())))
+@pytest.mark.parametrize("graphs", [False, True])
+def test_top_logprobs_leave_decoding_as_it_is_and_rank_the_softmax_that_committed_each_token(model, kwargs, graphs):
+    """output_top_logprobs=k (fewer and more than a speculative call's 4 draft candidates, which the same lists
+    feed): tokens, confidences and stats as without; at each new token the k largest log-probabilities, in order, of
+    the softmax whose probability ``confidences`` gives: a greedy pick's token first, a sampled token at its
+    confidence's log-probability where it is among the k, below the k-th where not; -inf / -1 elsewhere."""
+    prompts = [random_prompts(1, n, seed=70 + b)[0] for b, n in enumerate([4, 7, 2])]
+    ids, mask = padded_batch(prompts, "left")
+    common = dict(max_new_tokens=12, pad_token_id=0, eos_token_id=[], return_dict_in_generate=True,
+                  output_confidences=True, cuda_graphs=graphs, **kwargs)
+    base = model.generate(ids, attention_mask=mask, **common)
+    do_sample = kwargs.get("do_sample", False)
+    sampled = torch.tensor(do_sample if isinstance(do_sample, list) else [do_sample] * 3)[:, None]
+    for k in (2, 6):
+        out = model.generate(ids, attention_mask=mask, output_top_logprobs=k, **common)
+        assert torch.equal(out.sequences, base.sequences) and torch.equal(out.confidences, base.confidences)
+        for name, value in vars(base.stats).items():
+            assert torch.equal(getattr(out.stats, name), value), name
+        tokens, top, top_ids = out.sequences[:, 7:], out.top_logprobs[:, 7:], out.top_token_ids[:, 7:]
+        assert top.shape == (3, 12, k) and (top[..., :-1] >= top[..., 1:]).all() and (top_ids >= 0).all()
+        assert (out.top_logprobs[:, :7] == float("-inf")).all() and (out.top_token_ids[:, :7] == -1).all()
+        chosen = top_ids == tokens[..., None]
+        logprob = base.confidences[:, 7:].log()
+        torch.testing.assert_close(top[chosen], logprob[chosen.any(-1)], rtol=1e-5, atol=1e-6)
+        assert (chosen[..., 0] | sampled).all() and (logprob[~chosen.any(-1)] <= top[~chosen.any(-1)][:, -1]).all()
+        assert sampled.any() or chosen[..., 0].all()
 
 
 def test_stop_strings_cut_the_stream_too(model):

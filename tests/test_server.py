@@ -195,9 +195,11 @@ def test_a_chat_completion_renders_the_conversation_and_streams_the_same_text(sh
 
 
 def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
-    """/v1/completions with logprobs=0 and chat with logprobs=true: the tokens that make the text (a stop string's
-    tokens cut off, the EOS left out), their offsets in it, and as each one's log-probability the log of generate()'s
-    output_confidences there; a request without logprobs in the same batch gets none."""
+    """/v1/completions with logprobs=3 and chat with logprobs=true (and top_logprobs=2, or none): the tokens that make
+    the text (a stop string's tokens cut off, the EOS left out), their offsets in it, as each one's log-probability
+    the log of generate()'s output_confidences there and as its most likely tokens generate()'s output_top_logprobs
+    (completions: the chosen token's beside them; a text two tokens share shows the likelier's); a request without
+    logprobs in the same batch gets none."""
     tokenizer, model = shipped
     prompts = ["def mean(values):\n", "import os\n"]
     with serving(tokenizer, model) as url:
@@ -207,10 +209,11 @@ def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
             replies[key] = post(url + path, body)
 
         messages = [{"role": "user", "content": "def parse(line):"}]
-        requests = [("plain", "/v1/completions", {"prompt": prompts, "max_tokens": 30, "logprobs": 0, "stop": "("}),
+        requests = [("plain", "/v1/completions", {"prompt": prompts, "max_tokens": 30, "logprobs": 3, "stop": "("}),
                     ("none", "/v1/completions", {"prompt": prompts[1], "max_tokens": 30, "stop": "("}),
                     ("chat", "/v1/chat/completions", {"messages": messages, "max_tokens": 30, "logprobs": True,
-                                                      "top_logprobs": 0})]
+                                                      "top_logprobs": 2}),
+                    ("chosen", "/v1/chat/completions", {"messages": messages, "max_tokens": 30, "logprobs": True})]
         threads = [threading.Thread(target=send, args=request) for request in requests]
         for thread in threads:
             thread.start()
@@ -220,10 +223,11 @@ def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
     assert status == 200 and body["choices"][0]["logprobs"] is None
     cut = 0
     cases = [("plain", i, tokenizer(p).input_ids) for i, p in enumerate(prompts)]
-    for key, index, ids in cases + [("chat", 0, chat_ids(tokenizer, messages, "sdar"))]:
+    for key, index, ids in cases + [(key, 0, chat_ids(tokenizer, messages, "sdar")) for key in ("chat", "chosen")]:
         status, body = replies[key]
         assert status == 200
-        out = alone(model, ids, max_new_tokens=30, output_confidences=True,
+        k = {"plain": 3, "chat": 2, "chosen": 0}[key]
+        out = alone(model, ids, max_new_tokens=30, output_confidences=True, output_top_logprobs=3,
                     **({"stop_strings": "(", "tokenizer": tokenizer} if key == "plain" else {}))
         new = kept(out, len(ids))
         reply = body["choices"][index]
@@ -238,12 +242,24 @@ def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
         expected = out.confidences[0, len(ids) : len(ids) + n].log().tolist()
         assert logprobs["token_logprobs"] == pytest.approx(expected, rel=1e-6)
         assert all(value < 0 for value in expected)
+        top_ids = out.top_token_ids[0, len(ids) : len(ids) + n, :k].tolist()
+        top_values = out.top_logprobs[0, len(ids) : len(ids) + n, :k].tolist()
+        tops = [[(tokenizer.decode([i], skip_special_tokens=True), v) for i, v in zip(*pair)]
+                for pair in zip(top_ids, top_values)]
         if key == "plain":
             cut += n < len(new)
             assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(n)]
-            assert logprobs["top_logprobs"] == [{t: v} for t, v in zip(logprobs["tokens"], logprobs["token_logprobs"])]
+            for listed, top, token, value in zip(logprobs["top_logprobs"], tops, logprobs["tokens"],
+                                                 logprobs["token_logprobs"]):
+                likelier = {}
+                for text_, v in sorted([*top, (token, value)], key=lambda pair: -pair[1]):
+                    likelier.setdefault(text_, v)
+                assert listed == pytest.approx(likelier, rel=1e-6) and len(listed) <= 4
         else:
-            assert all(t["bytes"] == list(t["token"].encode()) and t["top_logprobs"] == []
+            assert [[(t["token"], t["logprob"]) for t in entry["top_logprobs"]]
+                    for entry in reply["logprobs"]["content"]] == [pytest.approx(top, rel=1e-6) for top in tops]
+            assert all(t["bytes"] == list(t["token"].encode()) and
+                       all(alt["bytes"] == list(alt["token"].encode()) for alt in t["top_logprobs"])
                        for t in reply["logprobs"]["content"])
     assert cut  # a stop string or an EOS left tokens out
 
@@ -262,29 +278,32 @@ def test_a_stream_cut_by_a_stop_string_sends_the_text_before_it(shipped):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_a_streams_logprobs_are_the_unstreamed_ones_chunk_by_chunk(shipped, endpoint):
-    """Sampled choices (n=2, a seed; for /v1/completions two prompts) cut by a stop string, asking for logprobs: each
-    chunk carries the log-probabilities of the tokens starting in the text it adds (/v1/completions: their offsets
-    lie in it), a choice's chunks together carry what the same request gets unstreamed, and a stream that does not
-    ask for them, beside it in the call, gets none."""
+    """Sampled choices (n=2, a seed; for /v1/completions two prompts) cut by a stop string, asking for logprobs and
+    the 2 most likely tokens: each chunk carries those of the tokens starting in the text it adds (/v1/completions:
+    their offsets lie in it), a choice's chunks together carry what the same request gets unstreamed, and a stream
+    that does not ask for them, beside it in the call, gets none."""
     tokenizer, model = shipped
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     request = {"max_tokens": 32, "temperature": 0.9, "seed": 4, "n": 2}
-    request.update({"prompt": ["def mean(values):\n", "import os\n"], "logprobs": 0, "stop": "("}
+    request.update({"prompt": ["def mean(values):\n", "import os\n"], "logprobs": 2, "stop": "("}
                    if endpoint == "completions" else
-                   {"messages": [{"role": "user", "content": "def mean(values):"}], "logprobs": True, "stop": "#"})
+                   {"messages": [{"role": "user", "content": "def mean(values):"}], "logprobs": True, "stop": "#",
+                    "top_logprobs": 2})
 
     def entries(logprobs) -> list[tuple]:
-        """(token, log-probability, offset or None) of each token of a choice's logprobs."""
+        """(token, log-probability, its most likely tokens, offset or None) of each token of a choice's logprobs."""
         if endpoint == "completions":
-            return list(zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["text_offset"]))
-        return [(t["token"], t["logprob"], None) for t in logprobs["content"]]
+            return list(zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"],
+                            logprobs["text_offset"]))
+        return [(t["token"], t["logprob"], t["top_logprobs"], None) for t in logprobs["content"]]
 
     with serving(tokenizer, model) as url:
         status, body = post(url + path, request)
         streams = {}
 
         def stream(key, logprobs):
-            streams[key] = events(url + path, {**request, "stream": True, "logprobs": logprobs})
+            asked = {"logprobs": logprobs} if logprobs else {"logprobs": None, "top_logprobs": None}
+            streams[key] = events(url + path, {**request, "stream": True, **asked})
 
         threads = [threading.Thread(target=stream, args=args) for args in (("with", request["logprobs"]),
                                                                              ("without", None))]
@@ -303,6 +322,8 @@ def test_a_streams_logprobs_are_the_unstreamed_ones_chunk_by_chunk(shipped, endp
         new = entries(delta["logprobs"])
         if endpoint == "completions" and delta["finish_reason"] is None:
             assert text and all(len(texts[index]) <= offset < len(texts[index]) + len(text) for *_, offset in new)
+        # (completions: the chosen token among the 2, or beside them)
+        assert all(len(top) in ((2, 3) if endpoint == "completions" else (2,)) for _, _, top, _ in new)
         texts[index] += text or ""
         joined[index] += new
     expected = [entries(c["logprobs"]) for c in body["choices"]]
@@ -319,9 +340,9 @@ def test_a_chunk_carries_the_logprobs_of_the_tokens_starting_in_the_text_it_send
     job = Job(Request([[2]], {"stop_strings": ["ab"], "max_new_tokens": 8}, stream=True, include_usage=False,
                       logprobs=True), pieces=queue.SimpleQueue())
     for token, value in zip(ids, values):
-        job.pieces.put((0, [token], [value]))
+        job.pieces.put((0, [token], [value], [[]]))
     job.pieces.put(None)
-    job.future.set_result([Completion(ids[:4], ended=False, stats={}, logprobs=values[:4])])
+    job.future.set_result([Completion(ids[:4], ended=False, stats={}, logprobs=values[:4], tops=[[]] * 4)])
     chunks = [json.loads(e.removeprefix("data: ")) for e in stream_events(job, "completions", "id", LetterTokenizer(),
                                                                              "sdar") if "[DONE]" not in e]
     assert [(c["choices"][0]["text"], c["choices"][0]["logprobs"]["tokens"], c["choices"][0]["logprobs"]["text_offset"],
@@ -579,10 +600,14 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
 @pytest.mark.parametrize("path, body, status, param, message", [
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "the 2 most likely tokens at each position"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "at most 20"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "integer >= 0"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3},
-     400, "top_logprobs", "give top_logprobs=0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs", "at most 20"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -2},
+     400, "top_logprobs", "integer >= 0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
+     "top_logprobs", "top_logprobs=3 needs logprobs=true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
      "true or false"),
     ("/v1/completions", {"prompt": "x", "beams": 2}, 400, "beams", "unknown field 'beams'"),

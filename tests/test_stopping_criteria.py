@@ -120,31 +120,58 @@ class StopBelowConfidence(StoppingCriteria):
 
     def __call__(self, input_ids, scores, confidences=None):
         assert confidences.shape == input_ids.shape and confidences.dtype == torch.float32
-        self.calls.append(confidences.clone())
+        self.calls.append((confidences.clone(),))
         return (confidences[:, -1] > 0) & (confidences[:, -1] < self.floor)  # (0: a row that ended: padding)
 
 
+class StopOnCloseCalls(StoppingCriteria):
+    """Takes each new token's most likely tokens (``takes_top_logprobs``): records them, and stops a row at its first
+    new token whose two most likely tokens lie closer than ``margin`` (in log-probability)."""
+
+    takes_top_logprobs = True
+
+    def __init__(self, margin: float):
+        self.margin, self.calls = margin, []
+
+    def __call__(self, input_ids, scores, top_logprobs=None, top_token_ids=None):
+        assert top_logprobs.shape == top_token_ids.shape == (*input_ids.shape, 2)
+        self.calls.append((top_logprobs.clone(), top_token_ids.clone()))
+        return top_logprobs[:, -1, 0] - top_logprobs[:, -1, 1] < self.margin  # (nan in padding: False)
+
+
+@pytest.mark.parametrize("taken", ["confidences", "top_logprobs"])
 @pytest.mark.parametrize("kwargs", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=3),
                                     dict(strategy="remask")], ids=lambda k: k["strategy"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_a_criterion_that_takes_confidences_sees_each_new_tokens_and_can_stop_on_them(model, kwargs, graphs):
+def test_a_criterion_that_takes_notes_sees_each_new_tokens_and_can_stop_on_them(model, kwargs, graphs, taken):
     """A criterion with takes_confidences=True gets, at step t, the confidences of output_confidences laid out as
-    input_ids (0 at the prompts and past each row's end); stopping each row at its first token less likely than the
-    free run's median keeps the free run up to that token."""
+    input_ids (0 at the prompts and past each row's end), one with takes_top_logprobs=True the top log-probabilities
+    and token ids of output_top_logprobs (-inf and -1 there); stopping each row at its first token less likely than
+    the free run's median (or whose two most likely tokens lie closer than the median) keeps the free run up to that
+    token."""
     ids, mask = _batch("left")
-    common = dict(max_new_tokens=12, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True,
-                  output_confidences=True, **kwargs)
+    asked = dict(output_confidences=True) if taken == "confidences" else dict(output_top_logprobs=2)
+    common = dict(max_new_tokens=12, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True, **asked,
+                  **kwargs)
     free = model.generate(ids, attention_mask=mask, **common)
-    new = free.confidences[:, WIDTH:]
-    floor = new.median().item()
-    criterion = StopBelowConfidence(floor)
+    if taken == "confidences":
+        notes, scores = [(free.confidences, 0.0)], free.confidences[:, WIDTH:]
+    else:
+        notes = [(free.top_logprobs, float("-inf")), (free.top_token_ids, -1)]
+        scores = free.top_logprobs[:, WIDTH:, 0] - free.top_logprobs[:, WIDTH:, 1]
+    floor = scores.median().item()
+    criterion = StopBelowConfidence(floor) if taken == "confidences" else StopOnCloseCalls(floor)
     out = model.generate(ids, attention_mask=mask, stopping_criteria=[criterion], cuda_graphs=graphs, **common)
-    kept = [next((j + 1 for j, c in enumerate(row) if c < floor), 12) for row in new.tolist()]
+    kept = [next((j + 1 for j, c in enumerate(row) if c < floor), 12) for row in scores.tolist()]
     assert out.new_tokens.tolist() == kept and min(kept) < 12
     assert len(criterion.calls) == max(kept)
     for t, call in enumerate(criterion.calls, 1):
         shown = torch.arange(t)[None, :] < torch.tensor(kept)[:, None]
-        assert torch.equal(call, torch.cat([torch.zeros(3, WIDTH), torch.where(shown, new[:, :t], 0.0)], 1)), t
+        for got, (note, pad) in zip(call, notes, strict=True):
+            new = note[:, WIDTH : WIDTH + t]
+            where = shown[(...,) + (None,) * (new.dim() - 2)]
+            assert torch.equal(got, torch.cat([torch.full_like(note[:, :WIDTH], pad), torch.where(where, new, pad)],
+                                              1)), t
     assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, 12))
 
 
@@ -329,6 +356,7 @@ def test_an_empty_list_asks_for_nothing(model):
     ([lambda input_ids, scores: torch.zeros(2, dtype=torch.long)], ValueError,
      r"stopping_criteria must return .*got torch.int64"),
     ([StopBelowConfidence(0.5)], ValueError, r"takes each new token's confidence .* pass output_confidences=True"),
+    ([StopOnCloseCalls(0.5)], ValueError, r"takes each new token's most likely tokens .* pass output_top_logprobs=k"),
 ])
 def test_bad_criteria_are_refused_by_name(model, criteria, error, match):
     with pytest.raises(error, match=match):

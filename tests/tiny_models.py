@@ -64,7 +64,8 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
                         reveal_steps: torch.Tensor | None = None, confidences: torch.Tensor | None = None,
                         eos_ids: tuple[int, ...] = (), min_new: int = 0, suppress: tuple[int, ...] = (),
                         begin_suppress: tuple[int, ...] = (), leftmost: bool = False,
-                        entropy_bound: float | None = None, repetition_penalty: float | None = None):
+                        entropy_bound: float | None = None, repetition_penalty: float | None = None,
+                        top_logprobs: torch.Tensor | None = None):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
     the model sees, not decoded once the new tokens are). Returns the prompt and new tokens [P + max_new]; the
@@ -75,7 +76,8 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
     ``leftmost``: each step commits the first masked position (SDAR's sequential rule) instead of the most
     confident; ``entropy_bound``: the masked positions in order of their softmax's entropy (torch's Categorical),
     lowest first, while the entropies before sum to at most the bound. ``repetition_penalty``: transformers'
-    RepetitionPenaltyLogitsProcessor at each step, over the tokens the sequence holds (prompt and committed ones)."""
+    RepetitionPenaltyLogitsProcessor at each step, over the tokens the sequence holds (prompt and committed ones).
+    ``top_logprobs`` [P + max_new, k]: each revealed position's k largest log-probabilities of that softmax."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
     x = torch.full((1, end), MASK_ID, dtype=torch.long)
@@ -108,7 +110,9 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
             for pos in chosen:
                 x[0, start + pos] = tok[pos]
                 if start + pos < P + max_new:
-                    for noted, value in ((reveal_steps, step), (confidences, conf[pos])):
+                    top = None if top_logprobs is None else \
+                        logits[pos].log_softmax(-1).topk(top_logprobs.shape[1]).values
+                    for noted, value in ((reveal_steps, step), (confidences, conf[pos]), (top_logprobs, top)):
                         if noted is not None:
                             noted[start + pos] = value
     return x[0, : P + max_new]

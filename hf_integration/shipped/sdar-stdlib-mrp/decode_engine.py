@@ -118,6 +118,10 @@ class DecodeEngine:
         # with a repetition penalty, bool [batch, V]: the tokens each working row has seen before its block (its
         # prompt and finished blocks); made by the first call that asks for it (use_settings)
         self.seen: torch.Tensor | None = None
+        # output_top_logprobs=k: by original row and position, the k most likely tokens of the softmax that committed
+        # it and their log-probabilities, ([batch, max_len, k] float32, int64) by k; made by the first call asking
+        # for k (use_settings) and kept, as the steps captured for k write them
+        self.top_notes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.vocab_size = config.vocab_size
         self.stats = DecodeStats.zeros(s.batch, s.max_drafts, s.device)
         # output_reveal_steps: by original row, the decoding steps it has taken [B] and the step that revealed each
@@ -161,6 +165,11 @@ class DecodeEngine:
             self.ban_table[list(ids or ())] |= bit
         if settings.repetition_penalty is not None and self.seen is None:
             self.seen = torch.zeros((self.shape.batch, self.vocab_size), dtype=torch.bool, device=self.shape.device)
+        k = settings.output_top_logprobs
+        if k and k not in self.top_notes:
+            s = self.shape
+            self.top_notes[k] = (torch.full((s.batch, s.max_len, k), float("-inf"), device=s.device),
+                                 torch.full((s.batch, s.max_len, k), -1, dtype=torch.long, device=s.device))
 
     def use_layout(self, starts: torch.Tensor, ends: torch.Tensor) -> None:
         """This call's rows (every row of the engine's batch): where each one's new tokens start and end, int64
@@ -177,6 +186,9 @@ class DecodeEngine:
         self.decoding_steps.zero_()
         self.reveal_steps.zero_()
         self.confidences.zero_()
+        for values, ids in self.top_notes.values():
+            values.fill_(float("-inf"))
+            ids.fill_(-1)
         self.loop_steps.zero_()
         self._use_rows(self.shape.batch)
 

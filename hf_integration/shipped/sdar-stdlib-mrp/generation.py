@@ -97,14 +97,18 @@ def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         sequences, kept = prompts.assemble(x, settings.max_new_tokens, settings.eos_ids, settings.pad_token_id,
                                            decoder.mask_id, decoder.kept_at_most)
         if settings.return_dict_in_generate:
-            def new_positions(noted: torch.Tensor, asked: bool) -> torch.Tensor | None:
-                """The engine's per-position notes [B', total] laid out as ``sequences`` (0 off the new tokens)."""
-                return prompts.lay_out(noted, kept, settings.max_new_tokens, pad=0, prompt=False) if asked else None
+            def new_positions(noted: torch.Tensor, asked: bool, pad=0) -> torch.Tensor | None:
+                """The engine's per-position notes [B', total, ...] laid out as ``sequences`` (``pad`` off the new
+                tokens)."""
+                return prompts.lay_out(noted, kept, settings.max_new_tokens, pad=pad, prompt=False) if asked else None
 
-            engine = decoder.engine
+            engine, k = decoder.engine, settings.output_top_logprobs
+            top = engine.top_notes.get(k, (None, None))
             return SDARGenerateOutput(sequences=sequences, stats=decoder.stats.clone(rows=len(prompts.lens)),
                                       batch_steps=decoder.batch_steps,
                                       reveal_steps=new_positions(engine.reveal_steps, settings.output_reveal_steps),
                                       confidences=new_positions(engine.confidences, settings.output_confidences),
+                                      top_logprobs=new_positions(top[0], bool(k), pad=float("-inf")),
+                                      top_token_ids=new_positions(top[1], bool(k), pad=-1),
                                       new_tokens=torch.tensor(kept, dtype=torch.long, device=device))
     return sequences

@@ -14,9 +14,12 @@ class CriteriaCheck:
     earlier, by an EOS, a stop string or a criterion, hold padding past their end, as in transformers), ``scores`` is
     None (a block-diffusion step has no next-token scores). A criterion whose ``takes_confidences`` attribute is true
     is also passed ``confidences=``: float32 [B, W + t] laid out as input_ids, each new token's probability (as
-    ``output_confidences`` gives it, which the call then needs), 0 at prompt and padding positions. A row ends at the
-    first step at which a criterion's verdict (a bool, or a bool tensor [B]) holds for it; the calls stop once every
-    row has ended."""
+    ``output_confidences`` gives it, which the call then needs), 0 at prompt and padding positions; one whose
+    ``takes_top_logprobs`` attribute is true ``top_logprobs=`` and ``top_token_ids=``: float32 and int64 [B, W + t, k]
+    laid out as input_ids, each new token's k most likely tokens and their log-probabilities (as
+    ``output_top_logprobs=k`` gives them, which the call then needs), -inf and -1 elsewhere. A row ends at the first
+    step at which a criterion's verdict (a bool, or a bool tensor [B]) holds for it; the calls stop once every row has
+    ended."""
 
     def __init__(self, criteria, prompts: PromptBatch, max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
                  mask_id: int):
@@ -31,11 +34,12 @@ class CriteriaCheck:
         self.decoded[row] = max(self.decoded[row], min(new_tokens, self.max_new))
 
     def stopped_rows(self, x: torch.Tensor, new_tokens_kept: dict[int, int],
-                     confidences: torch.Tensor | None = None) -> dict[int, int]:
+                     notes: dict[str, tuple[torch.Tensor, float]] | None = None) -> dict[int, int]:
         """Call the criteria for the steps every row has decoded since the last call (x: the decoded layout
         [B', total], its first B rows the prompts'; ``new_tokens_kept``: the rows that ended early, and how many
-        new tokens each keeps; ``confidences``: each position's, laid out as x, for the criteria that take them).
-        Returns the rows the criteria end, and how many new tokens each keeps."""
+        new tokens each keeps; ``notes``: by keyword (``confidences``, ``top_logprobs``, ``top_token_ids``), each
+        position's values laid out as x [B', total, ...] and the value off the new tokens, for the criteria that take
+        them). Returns the rows the criteria end, and how many new tokens each keeps."""
         stopped: dict[int, int] = {}
         while self.called < min(self.decoded):  # (a row stopped here waits for no later step: the others may go on)
             ready = min(self.decoded)
@@ -46,9 +50,11 @@ class CriteriaCheck:
                     return stopped
                 shown = [min(k, t) for k in kept]
                 input_ids = self.prompts.lay_out(x, shown, t, self.pad_id)
-                extra = {"confidences": self.prompts.lay_out(confidences, shown, t, 0, prompt=False)} \
-                    if confidences is not None and any(map(takes_confidences, self.criteria)) else {}
-                verdicts = [self._verdict(criterion(input_ids, None, **(extra if takes_confidences(criterion) else {})),
+                asked = {name for criterion in self.criteria for name in notes_taken(criterion)}
+                extra = {name: self.prompts.lay_out(values, shown, t, pad, prompt=False)
+                         for name, (values, pad) in (notes or {}).items() if name in asked}
+                verdicts = [self._verdict(criterion(input_ids, None, **{name: extra[name]
+                                                                        for name in notes_taken(criterion)}),
                                           len(kept)) for criterion in self.criteria]
                 for b, done in enumerate(map(any, zip(*verdicts))):
                     if done and kept[b] >= t:
@@ -70,3 +76,15 @@ class CriteriaCheck:
 def takes_confidences(criterion) -> bool:
     """Whether a stopping criterion asks for each new token's confidence (its ``takes_confidences`` attribute)."""
     return getattr(criterion, "takes_confidences", False) is True
+
+
+def takes_top_logprobs(criterion) -> bool:
+    """Whether a stopping criterion asks for each new token's most likely tokens (its ``takes_top_logprobs``
+    attribute)."""
+    return getattr(criterion, "takes_top_logprobs", False) is True
+
+
+def notes_taken(criterion) -> tuple[str, ...]:
+    """The keywords a stopping criterion is called with besides (input_ids, scores)."""
+    return ("confidences",) * takes_confidences(criterion) + ("top_logprobs", "top_token_ids") * \
+        takes_top_logprobs(criterion)
