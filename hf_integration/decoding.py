@@ -37,7 +37,7 @@ from mrp_triton.reference.lm_head_confidence import top_by_value
 from .decode_engine import BAN_EOS, BAN_FIRST, BAN_SUPPRESS, DecodeStats, EngineShape, engine_for
 from .draft_candidates import refresh_vocab_mean
 from .draft_vocab import DraftHead, draft_head
-from .generation_settings import MRP_STRATEGIES, GenerationSettings
+from .generation_settings import MRP_STRATEGIES, PER_PROMPT, GenerationSettings
 from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
 from .step_graphs import conditional_nodes_supported, run_if
@@ -208,13 +208,14 @@ class BlockDecoder:
     def sampling_cuts(self, T: int) -> dict:
         """The filters a sampled pick over the B' * T rows of a step's flattened [B', T] positions applies (keyword
         arguments of the confidence ops, named by ``CUTS``: top_h, top_k, top_p, min_p, typical_p, epsilon_cutoff,
-        eta_cutoff), each the 0-d tensor the steps read it from (None where not set; top_p given per prompt: each
+        eta_cutoff), each the 0-d tensor the steps read it from (None where not set; given per prompt: each
         position's, [B' * T]); none when greedy (the most likely token is always kept)."""
         if not self.settings.do_sample:
             return {}
         cuts = {name: self.on_device(name) for name in CUTS}
-        if self.settings.top_ps is not None:
-            cuts["top_p"] = self.per_row("top_ps", T)
+        for name, lists in PER_PROMPT.items():
+            if name in cuts and getattr(self.settings, lists) is not None:
+                cuts[name] = self.per_row(lists, T)
         return cuts
 
     def per_row(self, name: str, T: int = 1) -> torch.Tensor:

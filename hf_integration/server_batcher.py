@@ -2,16 +2,16 @@
 ``generate()`` call.
 
 Only this thread calls the model. It takes the oldest waiting request and every other waiting request with the same
-``generate()`` keywords (whether a request samples, a sampled request's ``seed``, ``temperature`` and ``top_p``, the
-new tokens and the stop strings a request asks for aside; a greedy request reads no sampling setting, so it shares a
-call with sampled ones whatever theirs), up to ``max_batch_size`` rows, and decodes them as one left-padded batch: each
-row moves on through its blocks on its own and stops at its request's ``max_new_tokens`` and stop strings
-(``generate()`` takes them per prompt), a greedy row gives what it gives alone, and each prompt of a sampled request
-draws with the request's seed, temperature and top-p (``generate()`` takes them, and ``do_sample``, per prompt too)
-what it draws alone, so batching changes the speed, not the text. A stopping criterion, which sees each new token once
-every row of the call has it, watches the call's rows: a streamed request's row sends its new tokens as the call
-decodes them, and the rows of a request whose client is gone (streamed or not) end, while the other rows go on. Not
-part of a checkpoint's remote code.
+``generate()`` keywords (whether a request samples, a sampled request's ``seed``, ``temperature`` and filters ``top_p``,
+``min_p``, ``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff``, the new tokens and the stop strings a request asks for
+aside; a greedy request reads no sampling setting, so it shares a call with sampled ones whatever theirs), up to
+``max_batch_size`` rows, and decodes them as one left-padded batch: each row moves on through its blocks on its own and
+stops at its request's ``max_new_tokens`` and stop strings (``generate()`` takes them per prompt), a greedy row gives
+what it gives alone, and each prompt of a sampled request draws with the request's seed, temperature and filters
+(``generate()`` takes them, and ``do_sample``, per prompt too) what it draws alone, so batching changes the speed, not
+the text. A stopping criterion, which sees each new token once every row of the call has it, watches the call's rows: a
+streamed request's row sends its new tokens as the call decodes them, and the rows of a request whose client is gone
+(streamed or not) end, while the other rows go on. Not part of a checkpoint's remote code.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .cli_prompts import left_padded
-from .generation_settings import SAMPLING
+from .generation_settings import NEUTRAL, PER_PROMPT, SAMPLING
 from .server_requests import Request
+
+
+# The sampling filters a call takes one of per prompt, and the value at which each cuts nothing.
+FILTERS_PER_PROMPT = {name: NEUTRAL.get(name, 1.0) for name in PER_PROMPT if name != "temperature"}
 
 
 @dataclass
@@ -219,9 +223,10 @@ class Batcher:
         if sampled:  # a seed, a temperature and a top-p per prompt: each request's own (a greedy one's unread)
             extra["seed"] = per_prompt(lambda request: request.settings.get("seed", 0))
             extra["temperature"] = per_prompt(lambda request: request.settings.get("temperature", 1.0))
-            top_ps = per_prompt(lambda request: request.settings.get("top_p") or 1.0)  # (1: none cut)
-            if len(set(top_ps)) > 1:
-                extra["top_p"] = top_ps
+            for name, neutral in FILTERS_PER_PROMPT.items():  # (a request without one: its neutral value, none cut)
+                values = per_prompt(lambda request: _or(request.settings.get(name), neutral))
+                if len(set(values)) > 1:
+                    extra[name] = values
             if len(sampled) < len(batch):  # greedy requests among them: whether each prompt samples
                 extra["do_sample"] = per_prompt(lambda request: request.settings["do_sample"])
         limits = per_prompt(lambda request: request.max_new_tokens)
@@ -267,6 +272,11 @@ class Batcher:
                         f"({new_tokens / seconds:.0f} tokens/s)")
 
 
+def _or(value, default):
+    """``value``, or ``default`` where it is None."""
+    return default if value is None else value
+
+
 def top_pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:
     """Each position's most likely tokens as (id, log-probability) pairs, most likely first, from ``generate()``'s
     ``top_token_ids`` and ``top_logprobs`` [L, k] (the pairs past a softmax's tokens, id -1, left out)."""
@@ -276,14 +286,15 @@ def top_pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int,
 
 def _decoded_alike(one: Request, other: Request) -> bool:
     """Whether two requests' prompts may share a ``generate()`` call: the same keywords, whether they sample, a sampled
-    request's seed, temperature and top-p, the new tokens and the stop strings asked for aside (the call takes them
-    per prompt; a request that leaves ``max_new_tokens`` to generate()'s default shares only with those that do too),
-    and a greedy request's with a sampled one's sampling settings aside too (greedy rows read none)."""
+    request's seed, temperature and filters (:data:`FILTERS_PER_PROMPT`), the new tokens and the stop strings asked for
+    aside (the call takes them per prompt; a request that leaves ``max_new_tokens`` to generate()'s default shares only
+    with those that do too), and a greedy request's with a sampled one's sampling settings aside too (greedy rows read
+    none)."""
     greedy = not (one.settings["do_sample"] and other.settings["do_sample"])
 
     def key(settings: dict) -> dict:
         return {**{name: value for name, value in settings.items() if not (greedy and name in SAMPLING)},
-                "do_sample": None, "seed": None, "temperature": None, "top_p": None,
+                "do_sample": None, "seed": None, "temperature": None, **dict.fromkeys(FILTERS_PER_PROMPT),
                 "max_new_tokens": "max_new_tokens" in settings, "stop_strings": None, "tokenizer": None}
 
     return key(one.settings) == key(other.settings)

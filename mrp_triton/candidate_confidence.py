@@ -161,7 +161,7 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     list, in units of logits / temperature); vocab_mean: [H] (the mean lm_head row); temperature: float, 0-d
     tensor or one a row [N]; skip_rows: bool [N] or None; ``do_sample``: a bool, or a bool tensor [N] (the rows that
     sample; the others pick greedily); sampling: ``noise_keys`` int64 [N, 3] and optional top_k /
-    top_p (also one a row) / min_p / typical_p / epsilon_cutoff / eta_cutoff / top_h (applied among the listed
+    top_p / min_p / typical_p / epsilon_cutoff / eta_cutoff (each also one a row) / top_h (applied among the listed
     tokens: typical, epsilon, eta and top-h to their softmax over the listed tokens); ``repetition_penalty`` with
     ``seen_tokens`` [C, V] and ``seen_rows`` [N]: the penalty at the listed tokens each row has seen (as
     :func:`.confidence.confidence`). Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows and rows

@@ -380,12 +380,12 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    for name, value, per_row in (("top_p", top_p, rows), ("top_h", top_h, None), ("typical_p", typical_p, None)):
+    for name, value, per_row in (("top_p", top_p, rows), ("top_h", top_h, None), ("typical_p", typical_p, rows)):
         if value is not None and not check_device_scalar(name, value, device, rows=per_row) and \
                 (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0):
             raise ValueError(f"{name} must be in (0, 1] or None, got {value!r}")
     for name, value in (("min_p", min_p), ("epsilon_cutoff", epsilon_cutoff), ("eta_cutoff", eta_cutoff)):
-        if value is not None and not check_device_scalar(name, value, device) and \
+        if value is not None and not check_device_scalar(name, value, device, rows=rows) and \
                 (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0):
             raise ValueError(f"{name} must be in [0, 1] or None, got {value!r}")
     if top_k_max is not None:
@@ -520,12 +520,12 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     the most likely), ``typical_p`` (typical sampling: the tokens whose surprise is nearest the entropy, up to that
     mass), ``epsilon_cutoff`` and ``eta_cutoff`` (epsilon and eta sampling, as transformers' warpers:
     :func:`.reference.confidence.sampling_cut`) and ``top_h`` (transformers' top-h: among the 100 most likely, those
-    whose entropy terms take at most top_h of the entropy) are numbers or 0-d tensors on the logits' device (read
-    there, so a captured CUDA graph serves every value; the caller checks such a tensor's value: > 0, >= 1, in
-    (0, 1], in [0, 1]), ``temperature`` and ``top_p`` also one a row ([N] on that device: rows of different
-    temperatures and top-p in one launch); ``top_k_max`` (an int) is the largest value a ``top_k`` tensor holds: the
-    top-k cut then selects that many of each row's largest logits instead of sorting the row (the caller guarantees
-    the bound; ignored without ``top_k``).
+    whose entropy terms take at most top_h of the entropy) are numbers or 0-d tensors on the logits' device (read there,
+    so a captured CUDA graph serves every value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in
+    [0, 1]), ``temperature``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff`` also one a
+    row ([N] on that device: rows of different temperatures and filters in one launch); ``top_k_max`` (an int) is the
+    largest value a ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead
+    of sorting the row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. With ``entropy`` also the entropy (nats) of each row's full softmax, float32
     [N] (+inf where the token is -1), from the same pass (one more running sum).

@@ -266,8 +266,8 @@ def test_the_sampled_cut_is_the_same_computed_a_few_rows_at_a_time(monkeypatch):
 def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
     """Rows at temperatures 0.3, 1, 2.5, ... in one launch (a float64 tensor [N] on the device): each row's token,
     probability and log-sum-exp are bit-identical to a launch with its own temperature as a 0-d tensor, greedy and
-    sampled (top-p then cuts each row at its own temperature; then each row at its own top-p too), kernel and
-    reference alike."""
+    sampled (top-p then cuts each row at its own temperature; then each row at its own top-p, min-p, typical-p,
+    epsilon or eta too, a neutral value cutting nothing in its row), kernel and reference alike."""
     if chunk is not None:
         monkeypatch.setattr(importlib.import_module("mrp_triton.confidence"), "CUT_CHUNK", chunk)
     g = torch.Generator().manual_seed(21)
@@ -276,15 +276,23 @@ def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
     keys = torch.randint(0, 1000, (N, 3), generator=g).to(DEV)
     temperatures = torch.tensor([0.3, 1.0, 2.5, 0.7, 1.0, 4.0], dtype=torch.float64, device=DEV)
     top_ps = torch.tensor([0.8, 1.0, 0.3, 0.95, 0.5, 0.6], dtype=torch.float64, device=DEV)
+
+    def per_row(*values):
+        return torch.tensor(values, dtype=torch.float64, device=DEV)
+
     for sampled in (dict(do_sample=False), dict(do_sample=True, seed=3, noise_keys=keys),
                     dict(do_sample=True, seed=3, noise_keys=keys, top_p=0.8),
-                    dict(do_sample=True, seed=3, noise_keys=keys, top_p=top_ps, min_p=0.01)):
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_p=top_ps, min_p=0.01),
+                    dict(do_sample=True, seed=3, noise_keys=keys, min_p=per_row(0.2, 0, 0.05, 0.5, 0, 0.01),
+                         typical_p=per_row(0.9, 1, 0.5, 0.3, 0.95, 1)),
+                    dict(do_sample=True, seed=3, noise_keys=keys, epsilon_cutoff=per_row(0.01, 0, 0.1, 0.02, 0, 0.3),
+                         eta_cutoff=per_row(0, 0.05, 0.01, 0, 0.2, 0.001))):
         for op, extra in ((confidence_triton, dict(splits=2, block_v=64)), (confidence_ref, {})):
             together = op(L, temperature=temperatures, entropy=True, **sampled, **extra)
             for n in range(N):
                 alone = op(L[n:n + 1], temperature=temperatures[n], entropy=True,
-                           **{k: (v[n:n + 1] if k in ("noise_keys", "top_p") and isinstance(v, torch.Tensor) else v)
-                              for k, v in sampled.items()}, **extra)
+                           **{k: (v[n:n + 1] if isinstance(v, torch.Tensor) else v) for k, v in sampled.items()},
+                           **extra)
                 for a, b in zip(together, alone):
                     assert torch.equal(a[n:n + 1], b), (op.__name__, sampled, n)
         ref = confidence_ref(L.cpu(), temperature=temperatures.cpu(), **{
@@ -703,14 +711,14 @@ def test_reference_backend_on_cpu_matches():
     (dict(min_p=1.5), "min_p must be in \\[0, 1\\]"),
     (dict(min_p=-0.1), "min_p must be in \\[0, 1\\]"),
     (dict(min_p=True), "min_p must be in \\[0, 1\\]"),
-    (dict(min_p=torch.ones(2)), "min_p must be a number or a 0-d real tensor"),
+    (dict(min_p=torch.ones(3)), r"min_p must be a number or a 0-d real tensor \(or one a row, \[2\]\)"),
     (dict(epsilon_cutoff=1.5), "epsilon_cutoff must be in \\[0, 1\\]"),
     (dict(top_h=0.0), "top_h must be in \\(0, 1\\]"),
     (dict(top_h=True), "top_h must be in \\(0, 1\\]"),
     (dict(typical_p=0.0), "typical_p must be in \\(0, 1\\]"),
     (dict(typical_p=1.5), "typical_p must be in \\(0, 1\\]"),
     (dict(eta_cutoff=-0.1), "eta_cutoff must be in \\[0, 1\\]"),
-    (dict(eta_cutoff=torch.ones(2)), "eta_cutoff must be a number or a 0-d real tensor"),
+    (dict(eta_cutoff=torch.ones(3)), "eta_cutoff must be a number or a 0-d real tensor"),
     (dict(banned_tokens=torch.zeros(9, dtype=torch.bool)), "banned_tokens must be a bool or uint8 tensor of shape "
                                                            "\\[10\\]"),
     (dict(banned_tokens=torch.zeros(10, dtype=torch.long)), "banned_tokens must be a bool or uint8 tensor"),

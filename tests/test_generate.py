@@ -822,6 +822,9 @@ BAD_INPUTS = [
     (dict(do_sample=True, top_p=[1.5]), ValueError, r"top_p=1.5 must be in \(0, 1\]"),
     (dict(do_sample=True, top_p=[None]), TypeError, "top_p must be a number, got NoneType"),
     (dict(top_p=[0.5]), ValueError, r"top_p=\[0.5\] steers sampling"),
+    (dict(do_sample=True, min_p=[1.5]), ValueError, r"min_p=1.5 must be in \[0, 1\]"),
+    (dict(do_sample=True, epsilon_cutoff=[1.0]), ValueError, r"epsilon_cutoff=1.0 must be in \[0, 1\)"),
+    (dict(do_sample=True, typical_p=[0.0]), ValueError, r"typical_p=0.0 must be in \(0, 1\]"),
     (dict(do_sample=[True, False]), ValueError, "do_sample has 2 flags for 1 prompts: give one per row of input_ids"),
     (dict(do_sample=[]), ValueError, "do_sample has 0 flags"),
     (dict(do_sample=[1]), TypeError, "do_sample must be a bool, or a list of one bool per prompt; the list holds 1"),
@@ -1349,6 +1352,9 @@ def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):
     assert key(temperature=[0.7] * 3) == key(temperature=0.7)  # the same for all: one temperature
     assert key(max_new_tokens=[4, 8, 16]) == key(max_new_tokens=[5, 6, 7]) == key(max_new_tokens=16)
     assert key(top_p=[0.5, 1.0, 0.9]) == key(top_p=[0.1, 0.2, 0.3]) != key(top_p=0.5) != key()
+    assert key(min_p=[0.1, 0.0, 0.2]) == key(min_p=[0.3, 0.1, 0.0]) != key(min_p=0.1)
+    assert key(eta_cutoff=[0.1, 0.0, 0.2], typical_p=[0.5, 1.0, 1.0]) == \
+        key(eta_cutoff=[0.3, 0.1, 0.0], typical_p=[0.2, 0.3, 0.9])
     assert key(do_sample=[True, False, True]) == key(do_sample=[False, False, True], temperature=[0.5, 1.0, 2.0]) \
         == key(temperature=[0.5, 1.0, 2.0], do_sample=[False, True, True]) != key(temperature=[0.5, 1.0, 2.0])
     assert key(do_sample=[True] * 3) == key()
@@ -1658,15 +1664,19 @@ def test_stop_strings_and_max_new_tokens_per_prompt_give_each_prompt_what_it_giv
                                     dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_p=0.9),
                                     dict(strategy="static", top_p=[0.6, 1.0, 0.2], min_p=0.02),
                                     dict(strategy="speculative", mrp_steps=2, draft_candidates=4,
-                                         top_p=[0.5, 0.9, 0.95])],
-                         ids=lambda k: k["strategy"] + " top_p list" * isinstance(k.get("top_p"), list))
+                                         top_p=[0.5, 0.9, 0.95]),
+                                    dict(strategy="static", min_p=[0.05, 0.0, 0.2], typical_p=[0.9, 1.0, 0.5]),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4,
+                                         epsilon_cutoff=[0.01, 0.0, 0.05], eta_cutoff=[0.0, 0.02, 0.01])],
+                         ids=lambda k: k["strategy"] + "".join(f" {name} list" for name, value in k.items()
+                                                               if isinstance(value, list)))
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_temperature_per_prompt_gives_each_prompt_what_it_draws_alone_at_it(model, kwargs, graphs):
     """Sampled with a seed and a temperature per prompt (remask's confidences of its MRP pass, listed draft
-    candidates and their top-p cut all read each row's), and a top-p per prompt too: each row is what its prompt
-    draws alone at its temperature (and top-p) with its seed (tokens, confidences, stats), then with the temperatures
-    in another order (graphed: replaying the steps the first call recorded), and the confidences differ from one
-    temperature for all."""
+    candidates and their top-p cut all read each row's), and a top-p, min-p, typical-p, epsilon or eta per prompt too
+    (0 or 1, neutral, for one prompt): each row is what its prompt draws alone at its temperature (and filters) with
+    its seed (tokens, confidences, stats), then with the temperatures in another order (graphed: replaying the steps
+    the first call recorded), and the confidences differ from one temperature for all."""
     prompts = [random_prompts(1, n, seed=60 + b)[0] for b, n in enumerate([4, 7, 2])]
     ids, mask = padded_batch(prompts, "left")
     temperatures, seeds = [0.3, 1.0, 2.5], [11, 12, 13]

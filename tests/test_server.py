@@ -463,22 +463,34 @@ def test_waiting_requests_with_the_same_settings_share_one_generate_call(shipped
             assert [c.ids for c in completions[p * n : (p + 1) * n]] == [kept(out, len(ids), row) for row in range(n)]
 
 
+MIXED_REQUESTS = {  # the requests of a test below, and the rows of each call they share
+    "greedy and sampled": ([{"prompt": "import os\n"},
+                            {"prompt": "def add(a, b):\n", "temperature": 0.8, "seed": 5, "top_k": 5},
+                            {"prompt": "class Box:\n", "stream": True, "logprobs": 0},
+                            {"prompt": "x = 1\n", "temperature": 1.2, "seed": 6, "top_k": 3}], [3, 1]),
+    "filters": ([{"prompt": "import os\n", "temperature": 0.7, "seed": 1, "min_p": 0.1},
+                 {"prompt": "def add(a, b):\n", "temperature": 1.1, "seed": 2, "typical_p": 0.8,
+                  "epsilon_cutoff": 0.01},
+                 {"prompt": "class Box:\n", "temperature": 0.9, "seed": 3, "eta_cutoff": 0.02, "stream": True,
+                  "logprobs": 0},
+                 {"prompt": "x = 1\n", "temperature": 1.0, "seed": 4}], [4])}
+
+
+@pytest.mark.parametrize("mix", MIXED_REQUESTS)
 @pytest.mark.parametrize("strategy", ["static", "speculative"])
-def test_greedy_requests_share_a_call_with_sampled_ones_whatever_their_sampling_settings(shipped, monkeypatch,
-                                                                                         strategy):
+def test_requests_share_a_call_whatever_their_temperature_and_filters_greedy_or_not(shipped, monkeypatch, strategy,
+                                                                                     mix):
     """Greedy requests (one streamed, one asking for logprobs) and a sampled one (a temperature, top-k and seed of
     its own) share a call; a second sampled request, at another top-k, cannot share that call (the call has one top-k)
-    and gets its own. Each completion is what its prompt gets alone: greedy, or sampled with its request's settings
-    (and its logprobs those of the tokens it keeps)."""
+    and gets its own. Sampled requests at their own min-p, typical-p, epsilon and eta (one at none) share a call. Each
+    completion is what its prompt gets alone: greedy, or sampled with its request's settings (and its logprobs those
+    of the tokens it keeps)."""
     tokenizer, model = shipped
     calls, real = [], model.generate
     monkeypatch.setattr(model, "generate", lambda input_ids, **settings: calls.append(input_ids.shape[0]) or
                         real(input_ids, **settings))
     batcher = Batcher(model, max_batch_size=8)
-    bodies = [{"prompt": "import os\n"},
-              {"prompt": "def add(a, b):\n", "temperature": 0.8, "seed": 5, "top_k": 5},
-              {"prompt": "class Box:\n", "stream": True, "logprobs": 0},
-              {"prompt": "x = 1\n", "temperature": 1.2, "seed": 6, "top_k": 3}]
+    bodies, expected_calls = MIXED_REQUESTS[mix]
     with batcher.changed:  # all wait before the decoding thread looks
         jobs = [batcher.submit(read_request({**body, "max_tokens": 20, "strategy": strategy}, "completions",
                                             tokenizer, DEFAULTS, "sdar")) for body in bodies]
@@ -486,7 +498,7 @@ def test_greedy_requests_share_a_call_with_sampled_ones_whatever_their_sampling_
         pass
     results = [job.future.result(120)[0] for job in jobs]
     batcher.close()
-    assert calls == [3, 1]
+    assert calls == expected_calls
     for job, completion in zip(jobs, results):
         settings = {k: v for k, v in job.request.settings.items() if k not in ("stop_strings", "tokenizer")}
         ids = job.request.prompts[0]
@@ -494,9 +506,8 @@ def test_greedy_requests_share_a_call_with_sampled_ones_whatever_their_sampling_
         assert completion.ids == kept(out, len(ids))
         if job.request.logprobs:
             assert completion.logprobs == out.confidences[0, len(ids):len(ids) + len(completion.ids)].log().tolist()
-    sampled = jobs[1].request.settings
     greedy = alone(model, jobs[1].request.prompts[0], strategy=strategy, max_new_tokens=20)
-    assert results[1].ids != kept(greedy, len(jobs[1].request.prompts[0])) and sampled["do_sample"]
+    assert results[1].ids != kept(greedy, len(jobs[1].request.prompts[0])) and jobs[1].request.settings["do_sample"]
 
 
 def test_a_stream_whose_client_left_stops_its_row_and_the_others_go_on(shipped):

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import comparable, gumbel_noise_at, inverse_temperature, may_sample, penalized, sampled_score
+from .confidence import (comparable, gumbel_noise_at, inverse_temperature, may_sample, penalized, sampled_score,
+                         taken)
 
 
 def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0, repetition_penalty=None,
@@ -50,7 +51,9 @@ def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_k
     tokens: (tokens int64 [N], probs float32 [N])."""
     score = z
     if may_sample(do_sample):
-        score = sampled_score(z, gumbel_noise_at(seed, noise_keys, ids.clamp(min=0)).to(z.dtype), do_sample, **cuts)
+        listed = ids.clamp(min=0)
+        score = sampled_score(z, lambda rows: gumbel_noise_at(seed, taken(noise_keys, rows), taken(listed, rows)).to(
+            z.dtype), do_sample, **cuts)
     best, at = score.max(dim=-1)  # the first maximal column
     take = best > float("-inf")
     if skip_rows is not None:

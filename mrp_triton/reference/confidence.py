@@ -27,6 +27,8 @@ Defined behaviour (shared with the Triton kernel):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -226,6 +228,8 @@ def _typical_band(z: torch.Tensor, cut: torch.Tensor, typical_p) -> torch.Tensor
     ranked, order = torch.sort(distance, dim=-1)
     mass = torch.softmax(kept.gather(-1, order), dim=-1).cumsum(-1)
     mass_p = torch.as_tensor(typical_p, device=z.device)
+    if mass_p.dim():  # one a row
+        mass_p = mass_p[:, None]
     last = (mass < mass_p.to(mass.dtype)).sum(-1, keepdim=True).clamp(max=z.shape[-1] - 1)
     bound = torch.where(mass_p >= 1, float("inf"), ranked.gather(-1, last))
     inside = (distance <= bound) & (kept > float("-inf"))
@@ -320,7 +324,8 @@ def pick_tokens(z: torch.Tensor, *, do_sample=False, seed=0, noise_keys=None, **
         picks = []
         for i in range(0, max(1, z.shape[0]), step):  # one (empty) chunk for N = 0
             zi = z[i:i + step]  # the cut is a row's own: cut chunk by chunk
-            score = sampled_score(zi, gumbel_noise(seed, noise_keys[i:i + step], z.shape[-1]),
+            keys = noise_keys[i:i + step]
+            score = sampled_score(zi, lambda rows: gumbel_noise(seed, taken(keys, rows), z.shape[-1]),
                                   row_slice(do_sample, i, step), **{k: row_slice(v, i, step) for k, v in cuts.items()})
             picks.append(score.max(dim=-1))
         best, tok = (torch.cat(x) for x in zip(*picks)) if len(picks) > 1 else picks[0]
@@ -332,12 +337,24 @@ def may_sample(do_sample) -> bool:
     return isinstance(do_sample, torch.Tensor) or bool(do_sample)
 
 
-def sampled_score(z: torch.Tensor, noise: torch.Tensor, do_sample, **cuts) -> torch.Tensor:
-    """What a sampled pick maximises over logits z [N, M]: z plus the Gumbel ``noise`` [N, M] (z's dtype) at the
-    tokens the filters ``cuts`` keep, -inf elsewhere; with ``do_sample`` a bool tensor [N], z itself in the rows that
-    do not sample (a greedy pick)."""
-    score = drop_filtered(z + noise, z, **cuts)
-    return torch.where(do_sample[:, None], score, z) if isinstance(do_sample, torch.Tensor) else score
+def sampled_score(z: torch.Tensor, noise: Callable[[torch.Tensor | None], torch.Tensor], do_sample,
+                  **cuts) -> torch.Tensor:
+    """What a sampled pick maximises over logits z [N, M]: z plus the Gumbel noise at the tokens the filters ``cuts``
+    keep, -inf elsewhere (``noise(rows)``: the noise [n, M] of the rows ``rows``, int64 [n], or of every row for
+    None); with ``do_sample`` a bool tensor [N], z itself in the rows that do not sample (a greedy pick), whose noise
+    and cut are never computed (on a CPU the noise's hash is most of a sampled pick's cost)."""
+    if not isinstance(do_sample, torch.Tensor):
+        return drop_filtered(z + noise(None), z, **cuts)
+    rows = do_sample.nonzero()[:, 0]
+    sampled, score = z[rows], z.clone()
+    score[rows] = drop_filtered(sampled + noise(rows), sampled, **{name: taken(value, rows)
+                                                                   for name, value in cuts.items()})
+    return score
+
+
+def taken(value, rows: torch.Tensor | None):
+    """Rows ``rows`` (int64 [n]; None: all) of a tensor given one a row; any other value as it is."""
+    return value[rows] if rows is not None and isinstance(value, torch.Tensor) and value.dim() else value
 
 
 def row_slice(value, start: int, count: int):

@@ -68,7 +68,8 @@ ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p",
 # Per-prompt lists of a setting (setting -> the field that holds the list), which the steps read from the decode
 # engine's buffers of one value a row (DecodeEngine.per_row): as for ON_THE_DEVICE, only whether a call gives one is
 # part of a step's key.
-PER_PROMPT = {"temperature": "temperatures", "top_p": "top_ps"}
+PER_PROMPT = {"temperature": "temperatures", "top_p": "top_ps", "min_p": "min_ps", "typical_p": "typical_ps",
+              "epsilon_cutoff": "epsilon_cutoffs", "eta_cutoff": "eta_cutoffs"}
 PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), "sampling")  # sampling: do_sample per prompt
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
@@ -145,11 +146,13 @@ class GenerationSettings:
     gives each prompt (its copies too) its own, and the output is as wide as the largest asks (a row's tokens past its
     own count are padding): each prompt gives what it gives alone with its count, as a server batching requests that
     ask for different lengths needs (``new_token_limits`` then holds the list, ``max_new_tokens`` the largest).
-    ``temperature`` and ``top_p`` (sampling) may also be lists of one per prompt (each of its copies too): each prompt
-    draws what it draws alone at its temperature and top-p with its seed (``temperatures`` and ``top_ps`` then hold
-    the lists). ``do_sample`` may be a list too: the prompts given False pick greedily in the same call (no noise, no
-    filter, at temperature 1: what they give alone with ``do_sample=False``; their entries in the other lists are
-    unread), the others sample (``sampling`` then holds the list, ``do_sample`` True).
+    ``temperature``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff`` (sampling) may also
+    be lists of one per prompt (each of its copies too; a filter's neutral value, 1 or 0, cuts nothing for its
+    prompt): each prompt draws what it draws alone with its values and its seed (``temperatures``, ``top_ps``, ...
+    then hold the lists: :data:`PER_PROMPT`). ``do_sample`` may be a list too: the prompts given False pick greedily
+    in the same call (no noise, no filter, at temperature 1: what they give alone with ``do_sample=False``; their
+    entries in the other lists are unread), the others sample (``sampling`` then holds the list, ``do_sample``
+    True).
     ``min_new_tokens`` holds EOS back
     (every ``eos_token_id``, excluded from the picks and their softmax, as transformers' logits processor sets its
     logits to -inf) at each row's first ``min_new_tokens`` new tokens, so no row ends before them (stop strings,
@@ -290,6 +293,10 @@ class GenerationSettings:
     new_token_limits: tuple[int, ...] | None = field(default=None, init=False)  # one per prompt, or None
     temperatures: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
     top_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    min_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    typical_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    epsilon_cutoffs: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    eta_cutoffs: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
     sampling: tuple[bool, ...] | None = field(default=None, init=False)  # whether each prompt samples, or None
 
     @classmethod
@@ -601,18 +608,13 @@ class GenerationSettings:
             _check_sampling_value("temperature", self.temperature)
         if self.top_k is not None:
             _int_at_least("top_k", self.top_k, 0, " (0 or None: no top-k cut)")
-        for name in ("top_p", "top_h", "typical_p"):
+        for name in ("top_p", "top_h", "typical_p", "min_p", "epsilon_cutoff", "eta_cutoff"):
             if getattr(self, name) is not None:
                 _check_sampling_value(name, getattr(self, name), " (or None to disable)")
         if self.repetition_penalty is not None and not 0.0 < _number("repetition_penalty", self.repetition_penalty) \
                 < math.inf:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1 or None: "
                              "no penalty; above 1 discourages repeating a token)")
-        if self.min_p is not None and not 0.0 <= _number("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (or None to disable)")
-        for name in ("epsilon_cutoff", "eta_cutoff"):  # transformers applies neither at 1 or above
-            if getattr(self, name) is not None and not 0.0 <= _number(name, getattr(self, name)) < 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1) (0 or None to disable)")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")
@@ -719,10 +721,17 @@ def _token_id(name: str, value, vocab_size: int) -> int:
 
 
 def _check_sampling_value(name: str, value, why: str = "") -> None:
-    """A usable ``temperature`` (:func:`check_temperature`), or a ``top_p``, ``top_h`` or ``typical_p`` in (0, 1]
-    (``why``: what the error adds)."""
+    """A usable ``temperature`` (:func:`check_temperature`), a ``top_p``, ``top_h`` or ``typical_p`` in (0, 1], a
+    ``min_p`` in [0, 1], an ``epsilon_cutoff`` or ``eta_cutoff`` in [0, 1) (transformers applies neither at 1 or
+    above) (``why``: what the error adds)."""
     if name == "temperature":
         check_temperature(_number(name, value))
+    elif name == "min_p":
+        if not 0.0 <= _number(name, value) <= 1.0:
+            raise ValueError(f"{name}={value} must be in [0, 1]{why}")
+    elif name in ("epsilon_cutoff", "eta_cutoff"):
+        if not 0.0 <= _number(name, value) < 1.0:
+            raise ValueError(f"{name}={value} must be in [0, 1){why}")
     elif not 0.0 < _number(name, value) <= 1.0:
         raise ValueError(f"{name}={value} must be in (0, 1]{why}")
 
