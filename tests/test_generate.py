@@ -1735,6 +1735,8 @@ def test_do_sample_per_prompt_gives_the_greedy_prompts_their_greedy_decoding(mod
     with pytest.raises(ValueError, match="num_return_sequences=2 gives identical copies of the prompts whose "
                                          "do_sample is False"):
         model.generate(ids, attention_mask=mask, do_sample=sampling, num_return_sequences=2)
+    with pytest.raises(TypeError, match="temperature must be a number, got str"):
+        model.generate(ids, attention_mask=mask, do_sample=sampling, temperature="hot")
 
 
 @pytest.mark.parametrize("kwargs", [dict(strategy="dynamic", threshold=0.3), dict(strategy="direct", mrp_steps=2),

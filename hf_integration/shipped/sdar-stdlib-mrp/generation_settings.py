@@ -439,6 +439,8 @@ class GenerationSettings:
         every such call), theirs 1."""
         if self.sampling is None:
             return
+        if self.temperatures is None:
+            _check_sampling_value("temperature", self.temperature)
         given = self.temperatures or (self.temperature,) * len(self.sampling)
         self.temperatures = tuple(float(t) if sampled else 1.0 for t, sampled in zip(given, self.sampling))
         self.temperature = self._default("temperature")
