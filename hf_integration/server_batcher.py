@@ -220,7 +220,7 @@ class Batcher:
         if top_logprobs:
             extra["output_top_logprobs"] = top_logprobs
         sampled = [job for job in batch if job.request.settings["do_sample"]]
-        if sampled:  # a seed, a temperature and a top-p per prompt: each request's own (a greedy one's unread)
+        if sampled:  # a seed, a temperature and the filters per prompt: each request's own (a greedy one's unread)
             extra["seed"] = per_prompt(lambda request: request.settings.get("seed", 0))
             extra["temperature"] = per_prompt(lambda request: request.settings.get("temperature", 1.0))
             for name, neutral in FILTERS_PER_PROMPT.items():  # (a request without one: its neutral value, none cut)
