@@ -29,7 +29,6 @@ import socket
 import sys
 import traceback
 from concurrent.futures import TimeoutError as WaitedTooLong
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 from .cli import (HelpFormatter, UsageError, add_decoding_options, add_model_options, check_layout,
                   decoding_settings, load_for, set_threads)
 from .prompts import PromptBatch
+from .incremental_text import IncrementalText
 from .server_batcher import Batcher, Job
 from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_in_text,
                               logprobs_of, read_request, response_id, shown_tokens, streamable, usage)
@@ -265,26 +265,20 @@ def requested_tops(request: Request, tops: list[list[tuple[int, float]]]) -> lis
     return [top[: request.top_logprobs] for top in tops]
 
 
-@dataclass
-class StreamedChoice:
-    """A stream's choice as its tokens come: their ids, log-probabilities and most likely tokens (when asked) and
-    offsets in ``text``, the text of the ids; the part of that text sent so far (``sent``) and the tokens whose
-    log-probabilities were."""
+class StreamedChoice(IncrementalText):
+    """A stream's choice as its tokens come: their ids, text and offsets in it (:class:`.IncrementalText`),
+    log-probabilities and most likely tokens (when asked); the part of the text sent so far (``sent``) and how many
+    tokens' log-probabilities were (``sent_tokens``)."""
 
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    tops: list[list[tuple[int, float]]] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: str = ""
-    sent_tokens: int = 0
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.logprobs: list[float] = []
+        self.tops: list[list[tuple[int, float]]] = []
+        self.sent, self.sent_tokens = "", 0
 
-    def add(self, tokenizer, ids: list[int], logprobs: list[float] | None,
-            tops: list[list[tuple[int, float]]] | None) -> None:
-        for token in ids:
-            self.offsets.append(len(self.text))
-            self.ids.append(token)
-            self.text = tokenizer.decode(self.ids, skip_special_tokens=True)
+    def add(self, ids: list[int], logprobs: list[float] | None = None,
+            tops: list[list[tuple[int, float]]] | None = None) -> None:
+        super().add(ids)
         self.logprobs += logprobs or []
         self.tops += tops or []
 
@@ -310,7 +304,7 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
             body["logprobs"] = logprobs
         return {**head, "choices": [body]}
 
-    streamed = [StreamedChoice() for _ in range(job.rows)]
+    streamed = [StreamedChoice(tokenizer) for _ in range(job.rows)]
     try:
         for index in range(job.rows) if endpoint == "chat" else ():  # a chunk a choice, as every chunk
             yield event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -318,7 +312,7 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
         while (piece := job.next_piece()) is not None:
             index, new, new_logprobs, new_tops = piece
             one = streamed[index]
-            one.add(tokenizer, new, new_logprobs, new_tops)
+            one.add(new, new_logprobs, new_tops)
             text = streamable(one.text, request.stop)
             if len(text) > len(one.sent):
                 first = one.sent_tokens

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from .cli import read_by
 from .cli_prompts import UsageError, chat_ids, is_conversation
 from .generation_settings import SAMPLING
+from .incremental_text import token_offsets
 
 MAX_TOP_LOGPROBS = 20  # the most likely tokens a request may ask for at each position (OpenAI's chat bound)
 
@@ -177,12 +178,6 @@ def _asks_for_logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
     return True, value
 
 
-def token_offsets(tokenizer, ids: list[int], start: int = 0) -> list[int]:
-    """The offset of each of ``ids`` from ``start`` on in the text of ``ids``: the length of the text of the tokens
-    before it."""
-    return [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) for i in range(start, len(ids))]
-
-
 def shown_tokens(offsets: list[int], text_length: int) -> int:
     """How many tokens, at ``offsets`` in their choice's text, make its first ``text_length`` characters: those
     starting before that end (an EOS, or the tokens of a stop string cut off, start at or past it)."""
@@ -289,15 +284,14 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 
 def streamable(text: str, stop: list[str]) -> str:
-    """What of a completion's text so far a stream may send: the text before a stop string it holds; else the text
-    without its end where a stop string might be starting, and without a character that a later token may still
-    complete (a trailing U+FFFD)."""
+    """What of a completion's text so far (:class:`.IncrementalText`'s, which holds back a character a later token
+    may still complete) a stream may send: the text before a stop string it holds; else the text without its end
+    where a stop string might be starting."""
     text, stopped = cut_at_stop(text, stop)
     if stopped:
         return text
     held = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    text = text[: len(text) - held]
-    return text.rstrip("\ufffd")
+    return text[: len(text) - held]
 
 
 def finish_reason(kept: int, ended: bool, stopped: bool, max_new_tokens: int) -> str:

@@ -27,7 +27,7 @@ from hf_integration.cli import SHIPPED_MODEL, load
 from hf_integration.cli_prompts import chat_ids
 from hf_integration.server import Server, main, stream_events
 from hf_integration.server_batcher import Batcher, Completion, Job
-from hf_integration.server_requests import Request, cut_at_stop, read_request, streamable
+from hf_integration.server_requests import Request, cut_at_stop, logprobs_in_text, read_request, streamable
 from tiny_models import LetterTokenizer
 from training_fixtures import subprocess_env
 
@@ -349,6 +349,35 @@ def test_a_chunk_carries_the_logprobs_of_the_tokens_starting_in_the_text_it_send
              c["choices"][0]["finish_reason"]) for c in chunks] == [("x", ["x"], [0], None), ("a", ["a"], [1], None),
                                                                    ("", [], [], "stop")]
     assert [c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks] == [[-0.5], [-1.0], []]
+
+
+def test_a_stream_sends_a_character_split_over_tokens_once_it_is_whole(shipped):
+    """The shipped tokenizer's tokens of "é≥ café ∑" (é two of them, ≥ and ∑ three), streamed a token at a time: no
+    chunk carries U+FFFD, the chunks join to the unstreamed text, and each token's log-probability comes with the chunk
+    its character starts in; unstreamed, every token's comes, the last character's later bytes' too (offsets that
+    counted a partial character's U+FFFD put them past the text, and left them out)."""
+    tokenizer, _ = shipped
+    text = "é≥ café ∑"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    values = [-0.25 * (i + 1) for i in range(len(ids))]
+    job = Job(Request([[2]], {"max_new_tokens": len(ids)}, stream=True, include_usage=False, logprobs=True),
+              pieces=queue.SimpleQueue())
+    for token, value in zip(ids, values):
+        job.pieces.put((0, [token], [value], [[]]))
+    job.pieces.put(None)
+    job.future.set_result([Completion(ids, ended=True, stats={}, logprobs=values, tops=[[]] * len(ids))])
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0]
+              for e in stream_events(job, "completions", "id", tokenizer, "sdar") if "[DONE]" not in e]
+    assert "".join(c["text"] for c in chunks) == text and not any("\ufffd" in c["text"] for c in chunks)
+    assert [c["text"] for c in chunks[:3]] == ["é", "≥", " c"]  # the bytes of é and ≥ wait for their last
+    sent = 0
+    for c in chunks:
+        assert all(sent <= offset < sent + len(c["text"]) for offset in c["logprobs"]["text_offset"])
+        sent += len(c["text"])
+    assert [v for c in chunks for v in c["logprobs"]["token_logprobs"]] == values
+    unstreamed = logprobs_in_text("completions", tokenizer, ids, values, text, [[]] * len(ids))
+    assert unstreamed["token_logprobs"] == values  # the last character's later bytes too
+    assert unstreamed["text_offset"] == [o for c in chunks for o in c["logprobs"]["text_offset"]]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
