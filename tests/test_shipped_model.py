@@ -46,12 +46,19 @@ def test_shipped_remote_code_matches_the_package():
 
 
 def test_remote_code_imports_only_torch_transformers_einops_mrp_triton_and_the_standard_library():
-    """hf_integration's files are a checkpoint's remote code: where it loads, what the design card promises is
-    installed (torch, transformers, einops, mrp_triton); any other import, also one inside a function, would fail
-    there."""
-    allowed = {"torch", "transformers", "einops", "mrp_triton"} | set(sys.stdlib_module_names)
-    package = Path(hf_integration.__file__).parent
-    for path in sorted(package.glob("*.py")):
+    """The files ``save_pretrained`` copies into a checkpoint (the shipped one's) are its remote code: where it loads,
+    what the design card promises is installed (torch, transformers, einops, mrp_triton); any other import, also one
+    inside a function, would fail there. hf_integration's other files (the CLI and the server, installed with the
+    package, never copied) may import the package's dependencies too."""
+    remote = {"torch", "transformers", "einops", "mrp_triton"} | set(sys.stdlib_module_names)
+    dependencies = {"tokenizers", "huggingface_hub", "safetensors", "tqdm", "triton"}  # pyproject's, beside those
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    assert all(f'"{name.replace("_", "-")}' in pyproject for name in dependencies)
+    installed = remote | dependencies
+    shipped = {p.name for p in SHIPPED_MODEL.glob("*.py")}
+    assert "modeling_sdar_mrp.py" in shipped and "server.py" not in shipped
+    for path in sorted(Path(hf_integration.__file__).parent.glob("*.py")):
+        allowed = remote if path.name in shipped else installed
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
