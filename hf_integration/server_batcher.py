@@ -34,7 +34,8 @@ from .server_requests import Request
 
 
 # The sampling filters a call takes one of per prompt, and the value at which each cuts nothing.
-FILTERS_PER_PROMPT = {name: NEUTRAL.get(name, 1.0) for name in PER_PROMPT if name != "temperature"}
+FILTERS_PER_PROMPT = {name: NEUTRAL.get(name, None if name == "top_k" else 1.0) for name in PER_PROMPT
+                      if name != "temperature"}
 
 
 @dataclass

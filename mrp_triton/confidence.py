@@ -377,7 +377,7 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
                              "position, step) per row")
         if noise_keys.device != device:
             raise ValueError(f"noise_keys is on {noise_keys.device} but {data} on {device}")
-    if top_k is not None and not check_device_scalar("top_k", top_k, device) and \
+    if top_k is not None and not check_device_scalar("top_k", top_k, device, rows=rows) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     for name, value, per_row in (("top_p", top_p, rows), ("top_h", top_h, None), ("typical_p", typical_p, rows)):
@@ -522,10 +522,10 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     :func:`.reference.confidence.sampling_cut`) and ``top_h`` (transformers' top-h: among the 100 most likely, those
     whose entropy terms take at most top_h of the entropy) are numbers or 0-d tensors on the logits' device (read there,
     so a captured CUDA graph serves every value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in
-    [0, 1]), ``temperature``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff`` also one a
-    row ([N] on that device: rows of different temperatures and filters in one launch); ``top_k_max`` (an int) is the
-    largest value a ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead
-    of sorting the row (the caller guarantees the bound; ignored without ``top_k``).
+    [0, 1]), all but ``top_h`` also one a row ([N] on that device: rows of different temperatures and filters in one
+    launch; a row's top_k of V or more cuts nothing); ``top_k_max`` (an int) is the largest value a ``top_k`` tensor
+    holds: the top-k cut then selects that many of each row's largest logits instead of sorting the row (the caller
+    guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. With ``entropy`` also the entropy (nats) of each row's full softmax, float32
     [N] (+inf where the token is -1), from the same pass (one more running sum).

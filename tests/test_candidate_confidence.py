@@ -84,14 +84,16 @@ def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, b
                                                                                     epsilon_cutoff=0.05))),
        per_row=st.booleans(), seed=st.integers(0, 2**16))
 def test_sampled_kernel_matches_reference(N, H, V, M, filters, per_row, seed):
-    """The sampled pick against the reference under each filter, at one temperature (and top-p) or one a row (then
-    some rows sampling, the others picking greedily)."""
+    """The sampled pick against the reference under each filter, at one temperature (and top-p, top-k) or one a row
+    (then some rows sampling, the others picking greedily)."""
     g = torch.Generator().manual_seed(seed)
     hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, torch.float32, g)
     keys = torch.randint(0, 2**40, (N, 3), generator=g).to(DEV)
     temperature = (torch.rand(N, generator=g, dtype=torch.float64) * 2 + 0.2).to(DEV) if per_row else 0.7
     if per_row and "top_p" in filters:
         filters = dict(filters, top_p=(torch.rand(N, generator=g, dtype=torch.float64) * 0.9 + 0.1).to(DEV))
+    if per_row and "top_k" in filters:  # one a row, some at "no cut" (more than M)
+        filters = dict(filters, top_k=torch.randint(1, M + 3, (N,), generator=g).double().to(DEV))
     do_sample = (torch.rand(N, generator=g) < 0.5).to(DEV) if per_row else True
     kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, do_sample=do_sample, seed=seed,
               noise_keys=keys, **filters)

@@ -267,7 +267,8 @@ def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
     """Rows at temperatures 0.3, 1, 2.5, ... in one launch (a float64 tensor [N] on the device): each row's token,
     probability and log-sum-exp are bit-identical to a launch with its own temperature as a 0-d tensor, greedy and
     sampled (top-p then cuts each row at its own temperature; then each row at its own top-p, min-p, typical-p,
-    epsilon or eta too, a neutral value cutting nothing in its row), kernel and reference alike."""
+    epsilon, eta or top-k too, a neutral value, or a top-k of V or more, cutting nothing in its row; top-k with and
+    without a bound), kernel and reference alike."""
     if chunk is not None:
         monkeypatch.setattr(importlib.import_module("mrp_triton.confidence"), "CUT_CHUNK", chunk)
     g = torch.Generator().manual_seed(21)
@@ -286,7 +287,11 @@ def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
                     dict(do_sample=True, seed=3, noise_keys=keys, min_p=per_row(0.2, 0, 0.05, 0.5, 0, 0.01),
                          typical_p=per_row(0.9, 1, 0.5, 0.3, 0.95, 1)),
                     dict(do_sample=True, seed=3, noise_keys=keys, epsilon_cutoff=per_row(0.01, 0, 0.1, 0.02, 0, 0.3),
-                         eta_cutoff=per_row(0, 0.05, 0.01, 0, 0.2, 0.001))):
+                         eta_cutoff=per_row(0, 0.05, 0.01, 0, 0.2, 0.001)),
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_k=per_row(2, 300, 40, 1, 2**31 - 1, 5),
+                         top_p=top_ps),
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_k=per_row(2, 64, 40, 1, 7, 5), top_k_max=64,
+                         min_p=0.01)):
         for op, extra in ((confidence_triton, dict(splits=2, block_v=64)), (confidence_ref, {})):
             together = op(L, temperature=temperatures, entropy=True, **sampled, **extra)
             for n in range(N):

@@ -825,6 +825,10 @@ BAD_INPUTS = [
     (dict(do_sample=True, min_p=[1.5]), ValueError, r"min_p=1.5 must be in \[0, 1\]"),
     (dict(do_sample=True, epsilon_cutoff=[1.0]), ValueError, r"epsilon_cutoff=1.0 must be in \[0, 1\)"),
     (dict(do_sample=True, typical_p=[0.0]), ValueError, r"typical_p=0.0 must be in \(0, 1\]"),
+    (dict(do_sample=True, top_k=[-1]), ValueError, r"top_k=-1 must be >= 0 \(0 or None: no top-k cut\)"),
+    (dict(do_sample=True, top_k=[2.5]), TypeError, "top_k must be an int, got float"),
+    (dict(do_sample=True, top_k=[5, 6]), ValueError, "top_k has 2 values for 1 prompts"),
+    (dict(top_k=[5]), ValueError, r"top_k=\[5\] steers sampling"),
     (dict(do_sample=[True, False]), ValueError, "do_sample has 2 flags for 1 prompts: give one per row of input_ids"),
     (dict(do_sample=[]), ValueError, "do_sample has 0 flags"),
     (dict(do_sample=[1]), TypeError, "do_sample must be a bool, or a list of one bool per prompt; the list holds 1"),
@@ -1339,6 +1343,11 @@ def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch)
                         real(*a, **kw))
     model.generate(random_prompts(1, 5, seed=2), max_new_tokens=4, do_sample=True, top_k=100, cuda_graphs=False)
     assert bounds and all(isinstance(k, torch.Tensor) and k.item() == 100 and m == 128 for k, m in bounds)
+    for ks, bound in (([3, 100], 128), ([3, None], None)):  # one a prompt: the largest's bound, none with no cut
+        bounds.clear()
+        model.generate(random_prompts(2, 5, seed=2), max_new_tokens=4, do_sample=True, top_k=ks, cuda_graphs=False)
+        values = [3, 100] if bound else [3, 2**31 - 1]
+        assert bounds and all(k.view(2, -1)[:, 0].tolist() == values and m == bound for k, m in bounds)
 
 
 def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):
@@ -1358,6 +1367,10 @@ def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):
     assert key(do_sample=[True, False, True]) == key(do_sample=[False, False, True], temperature=[0.5, 1.0, 2.0]) \
         == key(temperature=[0.5, 1.0, 2.0], do_sample=[False, True, True]) != key(temperature=[0.5, 1.0, 2.0])
     assert key(do_sample=[True] * 3) == key()
+    # top-k a prompt: one key a bound (a prompt without a cut: none, the rows sorted whole)
+    assert key(top_k=[3, 20, 64]) == key(top_k=[1, 1, 2]) != key(top_k=[3, 20, 65]) != key(top_k=64)
+    assert key(top_k=[3, None, 5]) == key(top_k=[0, 2, 500]) != key(top_k=[3, 20, 65])
+    assert key(top_k=[0, None, 0]) == key()  # no cut for any
 
 
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
@@ -1667,14 +1680,18 @@ def test_stop_strings_and_max_new_tokens_per_prompt_give_each_prompt_what_it_giv
                                          top_p=[0.5, 0.9, 0.95]),
                                     dict(strategy="static", min_p=[0.05, 0.0, 0.2], typical_p=[0.9, 1.0, 0.5]),
                                     dict(strategy="speculative", mrp_steps=2, draft_candidates=4,
-                                         epsilon_cutoff=[0.01, 0.0, 0.05], eta_cutoff=[0.0, 0.02, 0.01])],
+                                         epsilon_cutoff=[0.01, 0.0, 0.05], eta_cutoff=[0.0, 0.02, 0.01]),
+                                    dict(strategy="static", top_k=[2, None, 100], top_p=0.9),
+                                    dict(strategy="dynamic", top_k=[3, 100, 1], top_p=[0.8, 0.95, 1.0]),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_k=[2, 0, 3])],
                          ids=lambda k: k["strategy"] + "".join(f" {name} list" for name, value in k.items()
                                                                if isinstance(value, list)))
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_temperature_per_prompt_gives_each_prompt_what_it_draws_alone_at_it(model, kwargs, graphs):
     """Sampled with a seed and a temperature per prompt (remask's confidences of its MRP pass, listed draft
     candidates and their top-p cut all read each row's), and a top-p, min-p, typical-p, epsilon or eta per prompt too
-    (0 or 1, neutral, for one prompt): each row is what its prompt draws alone at its temperature (and filters) with
+    (0 or 1, neutral, for one prompt), and a top-k per prompt (0 or None: no cut; a top-k past the bound another
+    prompt's alone would select): each row is what its prompt draws alone at its temperature (and filters) with
     its seed (tokens, confidences, stats), then with the temperatures in another order (graphed: replaying the steps
     the first call recorded), and the confidences differ from one temperature for all."""
     prompts = [random_prompts(1, n, seed=60 + b)[0] for b, n in enumerate([4, 7, 2])]

@@ -5,9 +5,9 @@ Defined behaviour (shared with the Triton kernel):
 * effective logits ``z = penalized(logits + scale * sum_r residual[r]) / temperature`` in fp32 (fp64 for fp64 logits;
   the residual is summed in fp32 in order r = 0..R-1; ``penalized``: transformers' repetition penalty at the tokens
   a row has seen, :func:`penalized`; the division is a multiplication by ``1 / temperature``
-  rounded to fp32, exactly as the kernel does it; ``temperature``, ``top_k`` and ``top_p`` may be 0-d tensors
-  on the device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``; ``temperature``
-  and ``top_p`` also one a row, [N]);
+  rounded to fp32, exactly as the kernel does it; ``temperature`` and the filters may be 0-d tensors on the
+  device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``; all but ``top_h`` also
+  one a row, [N]);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax), and so is token v in row n when
   ``banned_tokens[v] & ban_rows[n]`` is nonzero (bool or uint8, each bit a class of ban; ``ban_rows`` None: every
@@ -190,9 +190,9 @@ def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None 
     r depends on the row's sorted values only: with ``top_k`` it lies among the first top_k of them, with ``top_h``
     among the first :data:`TOP_H_CANDIDATES`, found by ``torch.topk`` (a partial selection); only top-p alone (and
     typical sampling) sorts the whole row. Every setting may be a 0-d tensor
-    (read on the device, so a captured CUDA graph serves every value); ``top_k_max`` (a host int) is the largest value
-    such a ``top_k`` tensor holds, which the selection then needs (without it the whole row is sorted; an int
-    ``top_k`` is its own)."""
+    (read on the device, so a captured CUDA graph serves every value), all but ``top_h`` one a row [N] (a row's
+    ``top_k`` of V or more cuts nothing); ``top_k_max`` (a host int) is the largest value such a ``top_k`` tensor
+    holds, which the selection then needs (without it the whole row is sorted; an int ``top_k`` is its own)."""
     N, V = z.shape
     low = z.new_full((N,), float("-inf")) if top_k is None and top_p is None and top_h is None else \
         _rank_cut(z, top_k, top_p, top_k_max, top_h)
