@@ -2,8 +2,8 @@
 
 A request body (``/v1/completions`` or ``/v1/chat/completions``) becomes the prompts' token ids and the keywords of
 ``generate()`` (:func:`read_request`): the server's defaults (``mrp-serve``'s decoding options), then the request's
-OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``; ``logprobs`` and ``top_logprobs``
-for the response), then its extension fields, named as ``generate()`` names them (``strategy``, ``mrp_steps``,
+OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logit_bias`` at -100: a ban;
+``logprobs`` and ``top_logprobs`` for the response), then its extension fields, named as ``generate()`` names them (``strategy``, ``mrp_steps``,
 ``threshold``, ``top_k``, ``min_p``, ``repetition_penalty``, ...; ``min_tokens`` is ``min_new_tokens``, as in vLLM),
 which the OpenAI clients send with ``extra_body``. A field this server does not read is refused, naming it, unless it
 asks for nothing (``presence_penalty=0``, ``echo=False``, ...): a request is never served as something it did not ask
@@ -42,11 +42,11 @@ class RequestError(ValueError):
 # Fields read by both endpoints, and by each; those accepted at the values that ask for nothing (and ``user``, an
 # end user's id for the provider's records, at any value).
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
-                 "user"}
+                 "user", "logit_bias"}
 ENDPOINT_FIELDS = {"completions": {"prompt", "logprobs"},
                    "chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 ASKING_FOR_NOTHING = {"echo": (False,), "best_of": (1,), "top_logprobs": (0,),  # (completions: chat reads it)
-                      "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+                      "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
                       "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 # Extension fields: generate() keywords under their own names (min_tokens: vLLM's name for min_new_tokens).
 EXTENSIONS = {"min_tokens": "min_new_tokens", **{name: name for name in (
@@ -104,6 +104,9 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
         given["num_return_sequences"] = _count(body["n"], "n", minimum=1)
     if body.get("seed") is not None:
         given["seed"] = _count(body["seed"], "seed", minimum=None)
+    banned = _banned_by_logit_bias(body.get("logit_bias"), tokenizer)
+    if banned:
+        given["suppress_tokens"] = banned
     if body.get("top_p") is not None and body["top_p"] != 1:  # 1 cuts nothing; clients send it by default
         given["top_p"] = _number(body["top_p"], "top_p")
     sample = defaults.get("do_sample", False)
@@ -138,6 +141,28 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     options = body.get("stream_options") or {}
     return Request(prompts, settings, stream, bool(stream and options.get("include_usage")), logprobs=logprobs,
                    top_logprobs=top_logprobs)
+
+
+def _banned_by_logit_bias(value, tokenizer) -> list[int]:
+    """The tokens OpenAI's ``logit_bias`` (a token id as a string -> a bias in [-100, 100]; None or {}: none) bans: a
+    bias of -100 ("should result in a ban or exclusive selection of the relevant token", OpenAI's reference says)
+    never decodes its token (``generate()``'s ``suppress_tokens``: out of every pick and its softmax). Any other bias
+    is refused: the kernels add no bias to a logit. So are ids past the tokenizer's."""
+    if value is None or value == {}:
+        return []
+    if not isinstance(value, dict):
+        raise RequestError(f"logit_bias must be an object of token id -> bias, got {type(value).__name__}",
+                           param="logit_bias")
+    banned, vocab = [], len(tokenizer)
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdecimal() and int(key) < vocab):
+            raise RequestError(f"logit_bias key {key!r} is not a token id of this model's vocabulary [0, {vocab})",
+                               param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != -100:
+            raise RequestError(f"logit_bias {bias!r} for token {key}: this server applies a bias of -100 only (the "
+                               "token is never decoded); other biases are not supported", param="logit_bias")
+        banned.append(int(key))
+    return sorted(set(banned))
 
 
 def _check_fields(body: dict, endpoint: str) -> None:

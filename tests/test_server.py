@@ -264,6 +264,34 @@ def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
     assert cut  # a stop string or an EOS left tokens out
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_logit_bias_of_minus_100_bans_its_tokens(shipped, endpoint):
+    """logit_bias -100 at the first two tokens the prompt's greedy completion starts with: the completion is
+    generate()'s with those tokens suppressed (never decoded), unlike the one without the bias; an empty logit_bias
+    asks for nothing."""
+    tokenizer, model = shipped
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    request = {"max_tokens": 16, **({"prompt": "def add(a, b):\n"} if endpoint == "completions" else
+                                    {"messages": [{"role": "user", "content": "def add(a, b):"}]})}
+    ids = tokenizer("def add(a, b):\n").input_ids if endpoint == "completions" else \
+        list(chat_ids(tokenizer, request["messages"], "sdar"))
+    free = kept(alone(model, ids, max_new_tokens=16), len(ids))
+    banned = sorted(set(free[:2]))
+    with serving(tokenizer, model) as url:
+        plain = post(url + path, {**request, "logit_bias": {}})
+        biased = post(url + path, {**request, "logit_bias": {str(t): -100 for t in banned}})
+    expected = kept(alone(model, ids, max_new_tokens=16, suppress_tokens=banned), len(ids))
+    assert not set(banned) & set(expected) and expected != free
+    assert plain[0] == biased[0] == 200
+
+    def text(body):
+        reply = body["choices"][0]
+        return reply["text"] if endpoint == "completions" else reply["message"]["content"]
+
+    assert text(plain[1]) == tokenizer.decode(free, skip_special_tokens=True)
+    assert text(biased[1]) == tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_a_stream_cut_by_a_stop_string_sends_the_text_before_it(shipped):
     tokenizer, model = shipped
     request = {"prompt": "def mean(values):\n", "max_tokens": 48, "stop": ["Return a"]}
@@ -652,6 +680,12 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
      "true or false"),
     ("/v1/completions", {"prompt": "x", "beams": 2}, 400, "beams", "unknown field 'beams'"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 3}}, 400, "logit_bias", "a bias of -100 only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100.0, "6": True}},
+     400, "logit_bias", "logit_bias True for token 6"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": -100}}, 400, "logit_bias", "'a' is not a token id"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": -100}}, 400, "logit_bias", "not a token id"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [5]}, 400, "logit_bias", "an object of token id -> bias"),
     ("/v1/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "messages", "unknown field"),
     ("/v1/chat/completions", {"prompt": "x"}, 400, "prompt", "unknown field"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "serves 'sdar'"),
