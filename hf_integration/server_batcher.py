@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .cli_prompts import left_padded
-from .generation_settings import NEUTRAL, PER_PROMPT, SAMPLING
+from .generation_settings import NEUTRAL, NO_CUT, PER_PROMPT, SAMPLING
 from .server_requests import Request
 
 
 # The sampling filters a call takes one of per prompt, and the value at which each cuts nothing.
-FILTERS_PER_PROMPT = {name: NEUTRAL.get(name, None if name == "top_k" else 1.0) for name in PER_PROMPT
+FILTERS_PER_PROMPT = {name: NEUTRAL.get(name, None if name in NO_CUT else 1.0) for name in PER_PROMPT
                       if name != "temperature"}
 
 

@@ -3,11 +3,11 @@
 A request body (``/v1/completions`` or ``/v1/chat/completions``) becomes the prompts' token ids and the keywords of
 ``generate()`` (:func:`read_request`): the server's defaults (``mrp-serve``'s decoding options), then the request's
 OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logit_bias`` at -100: a ban;
-``logprobs`` and ``top_logprobs`` for the response), then its extension fields, named as ``generate()`` names them (``strategy``, ``mrp_steps``,
-``threshold``, ``top_k``, ``min_p``, ``repetition_penalty``, ...; ``min_tokens`` is ``min_new_tokens``, as in vLLM),
-which the OpenAI clients send with ``extra_body``. A field this server does not read is refused, naming it, unless it
-asks for nothing (``presence_penalty=0``, ``echo=False``, ...): a request is never served as something it did not ask
-for. Not part of a checkpoint's remote code.
+``logprobs`` and ``top_logprobs`` for the response), then its extension fields, named as ``generate()`` names them
+(``strategy``, ``mrp_steps``, ``threshold``, ``top_k``, ``min_p``, ``repetition_penalty``, ...; ``min_tokens`` is
+``min_new_tokens``, as in vLLM), which the OpenAI clients send with ``extra_body``. A field this server does not
+read is refused, naming it, unless it asks for nothing (``presence_penalty=0``, ``echo=False``, ...): a request is
+never served as something it did not ask for. Not part of a checkpoint's remote code.
 """
 
 from __future__ import annotations

@@ -380,7 +380,7 @@ def check_sampling(rows: int, device: torch.device, data: str, temperature, do_s
     if top_k is not None and not check_device_scalar("top_k", top_k, device, rows=rows) and \
             (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    for name, value, per_row in (("top_p", top_p, rows), ("top_h", top_h, None), ("typical_p", typical_p, rows)):
+    for name, value, per_row in (("top_p", top_p, rows), ("top_h", top_h, rows), ("typical_p", typical_p, rows)):
         if value is not None and not check_device_scalar(name, value, device, rows=per_row) and \
                 (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0):
             raise ValueError(f"{name} must be in (0, 1] or None, got {value!r}")
@@ -522,10 +522,10 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     :func:`.reference.confidence.sampling_cut`) and ``top_h`` (transformers' top-h: among the 100 most likely, those
     whose entropy terms take at most top_h of the entropy) are numbers or 0-d tensors on the logits' device (read there,
     so a captured CUDA graph serves every value; the caller checks such a tensor's value: > 0, >= 1, in (0, 1], in
-    [0, 1]), all but ``top_h`` also one a row ([N] on that device: rows of different temperatures and filters in one
-    launch; a row's top_k of V or more cuts nothing); ``top_k_max`` (an int) is the largest value a ``top_k`` tensor
-    holds: the top-k cut then selects that many of each row's largest logits instead of sorting the row (the caller
-    guarantees the bound; ignored without ``top_k``).
+    [0, 1]), each also one a row ([N] on that device: rows of different temperatures and filters in one launch; a
+    row's top_k of V or more, or top_h above 1, cuts nothing); ``top_k_max`` (an int) is the largest value a
+    ``top_k`` tensor holds: the top-k cut then selects that many of each row's largest logits instead of sorting the
+    row (the caller guarantees the bound; ignored without ``top_k``).
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``; token -1 (prob 0, lse -inf)
     for a row with no finite candidate. With ``entropy`` also the entropy (nats) of each row's full softmax, float32
     [N] (+inf where the token is -1), from the same pass (one more running sum).

@@ -267,8 +267,8 @@ def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
     """Rows at temperatures 0.3, 1, 2.5, ... in one launch (a float64 tensor [N] on the device): each row's token,
     probability and log-sum-exp are bit-identical to a launch with its own temperature as a 0-d tensor, greedy and
     sampled (top-p then cuts each row at its own temperature; then each row at its own top-p, min-p, typical-p,
-    epsilon, eta or top-k too, a neutral value, or a top-k of V or more, cutting nothing in its row; top-k with and
-    without a bound), kernel and reference alike."""
+    epsilon, eta, top-k or top-h too, a neutral value, a top-k of V or more or a top-h above 1 cutting nothing in its
+    row; top-k with and without a bound), kernel and reference alike."""
     if chunk is not None:
         monkeypatch.setattr(importlib.import_module("mrp_triton.confidence"), "CUT_CHUNK", chunk)
     g = torch.Generator().manual_seed(21)
@@ -291,7 +291,10 @@ def test_a_temperature_a_row_picks_as_each_row_with_its_own(chunk, monkeypatch):
                     dict(do_sample=True, seed=3, noise_keys=keys, top_k=per_row(2, 300, 40, 1, 2**31 - 1, 5),
                          top_p=top_ps),
                     dict(do_sample=True, seed=3, noise_keys=keys, top_k=per_row(2, 64, 40, 1, 7, 5), top_k_max=64,
-                         min_p=0.01)):
+                         min_p=0.01),
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_h=per_row(0.5, 2, 1, 0.1, 0.9, 2), top_p=top_ps),
+                    dict(do_sample=True, seed=3, noise_keys=keys, top_h=per_row(2, 0.3, 0.7, 2, 1, 0.05),
+                         top_k=per_row(3, 2**31 - 1, 50, 1, 2**31 - 1, 8))):
         for op, extra in ((confidence_triton, dict(splits=2, block_v=64)), (confidence_ref, {})):
             together = op(L, temperature=temperatures, entropy=True, **sampled, **extra)
             for n in range(N):
@@ -426,6 +429,29 @@ def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_it():
     z = torch.tensor([[math.log(2), 0.0, 0.0]], dtype=torch.float64)  # exactly 0.5, 0.25, 0.25
     assert kept_by_cut(z, sampling_cut(z, top_p=0.5)).tolist() == [[True, False, False]]  # 0.5 reaches 0.5
     assert kept_by_cut(z, sampling_cut(z, top_p=0.5001)).tolist() == [[True, True, True]]  # the tied pair
+
+
+def test_a_rows_top_k_past_the_vocabulary_or_top_h_above_1_keeps_every_token():
+    """top_k and top_h one a row (float64 [N], as decoding reads them): a row at top-k 2**31 - 1 or top-h 2 (decoding's
+    "no cut" for a prompt) keeps its whole vocabulary, past the 100 candidates top-h chooses among too; every other
+    row's cut is the one it gets alone (with top-p and a bound on top-k beside them too)."""
+    randn = torch.randn(4, 300, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    no_cut = 2.0**31 - 1
+    for filters, bound in ((dict(top_h=[2.0, 0.5, 1.0, 2.0]), None),
+                           (dict(top_k=[no_cut, 5, 120, no_cut], top_p=[1.0, 0.9, 0.8, 0.6]), None),
+                           (dict(top_h=[2.0, 0.3, 2.0, 0.9], top_k=[7, no_cut, no_cut, 3]), None),
+                           (dict(top_h=[2.0, 0.8, 0.95, 0.9], top_k=[7, 64, 64, 3]), 64)):
+        z = randn * (0.1 if bound else 3)  # flat rows: top-h's choice among its 100 candidates reaches past 64
+        rows = {name: torch.tensor(values, dtype=torch.float64) for name, values in filters.items()}
+        kept = kept_by_cut(z, sampling_cut(z, **rows, top_k_max=bound))
+        for n in range(4):
+            alone = {name: float(values[n]) for name, values in filters.items()
+                     if not (name == "top_k" and values[n] == no_cut or name == "top_h" and values[n] > 1)}
+            alone = {name: int(v) if name == "top_k" else v for name, v in alone.items()}
+            assert torch.equal(kept[n], kept_by_cut(z[n:n + 1], sampling_cut(z[n:n + 1], **alone))[0]), (filters, n)
+        assert kept[0].all() or "top_k" in filters and filters["top_k"][0] != no_cut
+    z, top_h = randn, torch.tensor([2.0, 1.0, 2.0, 1.0], dtype=torch.float64)  # 1: all of the 100 candidates, no more
+    assert kept_by_cut(z, sampling_cut(z, top_h=top_h)).sum(1).tolist() == [300, 100, 300, 100]
 
 
 ONES, ZEROS = list(range(0, 21, 3)), list(range(1, 21, 3))

@@ -826,6 +826,8 @@ BAD_INPUTS = [
     (dict(do_sample=True, epsilon_cutoff=[1.0]), ValueError, r"epsilon_cutoff=1.0 must be in \[0, 1\)"),
     (dict(do_sample=True, typical_p=[0.0]), ValueError, r"typical_p=0.0 must be in \(0, 1\]"),
     (dict(do_sample=True, top_k=[-1]), ValueError, r"top_k=-1 must be >= 0 \(0 or None: no top-k cut\)"),
+    (dict(do_sample=True, top_h=[1.5]), ValueError, r"top_h=1.5 must be in \(0, 1\]"),
+    (dict(do_sample=True, top_h=["0.5"]), TypeError, "top_h must be a number, got str"),
     (dict(do_sample=True, top_k=[2.5]), TypeError, "top_k must be an int, got float"),
     (dict(do_sample=True, top_k=[5, 6]), ValueError, "top_k has 2 values for 1 prompts"),
     (dict(top_k=[5]), ValueError, r"top_k=\[5\] steers sampling"),
@@ -1371,6 +1373,8 @@ def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):
     assert key(top_k=[3, 20, 64]) == key(top_k=[1, 1, 2]) != key(top_k=[3, 20, 65]) != key(top_k=64)
     assert key(top_k=[3, None, 5]) == key(top_k=[0, 2, 500]) != key(top_k=[3, 20, 65])
     assert key(top_k=[0, None, 0]) == key()  # no cut for any
+    assert key(top_h=[0.5, None, 0.9]) == key(top_h=[0.1, 0.2, 0.3]) != key(top_h=0.5) != key()
+    assert key(top_h=[None] * 3) == key()
 
 
 @pytest.mark.parametrize("strategy,name,values", [("dynamic", "threshold", (0.9, 0.3)),
@@ -1683,15 +1687,19 @@ def test_stop_strings_and_max_new_tokens_per_prompt_give_each_prompt_what_it_giv
                                          epsilon_cutoff=[0.01, 0.0, 0.05], eta_cutoff=[0.0, 0.02, 0.01]),
                                     dict(strategy="static", top_k=[2, None, 100], top_p=0.9),
                                     dict(strategy="dynamic", top_k=[3, 100, 1], top_p=[0.8, 0.95, 1.0]),
-                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_k=[2, 0, 3])],
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4, top_k=[2, 0, 3]),
+                                    dict(strategy="static", top_h=[0.5, None, 0.9]),
+                                    dict(strategy="speculative", mrp_steps=2, draft_candidates=4,
+                                         top_h=[None, 0.3, 1.0], top_k=[5, None, 2])],
                          ids=lambda k: k["strategy"] + "".join(f" {name} list" for name, value in k.items()
                                                                if isinstance(value, list)))
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_temperature_per_prompt_gives_each_prompt_what_it_draws_alone_at_it(model, kwargs, graphs):
     """Sampled with a seed and a temperature per prompt (remask's confidences of its MRP pass, listed draft
     candidates and their top-p cut all read each row's), and a top-p, min-p, typical-p, epsilon or eta per prompt too
-    (0 or 1, neutral, for one prompt), and a top-k per prompt (0 or None: no cut; a top-k past the bound another
-    prompt's alone would select): each row is what its prompt draws alone at its temperature (and filters) with
+    (0 or 1, neutral, for one prompt), and a top-k and top-h per prompt (None, or a top-k of 0: no cut; a top-k past
+    the bound another prompt's alone would select): each row is what its prompt draws alone at its temperature (and
+    filters) with
     its seed (tokens, confidences, stats), then with the temperatures in another order (graphed: replaying the steps
     the first call recorded), and the confidences differ from one temperature for all."""
     prompts = [random_prompts(1, n, seed=60 + b)[0] for b, n in enumerate([4, 7, 2])]

@@ -524,13 +524,13 @@ MIXED_REQUESTS = {  # the requests of a test below, and the rows of each call th
     "greedy and sampled": ([{"prompt": "import os\n"},
                             {"prompt": "def add(a, b):\n", "temperature": 0.8, "seed": 5, "top_k": 5},
                             {"prompt": "class Box:\n", "stream": True, "logprobs": 0},
-                            {"prompt": "x = 1\n", "temperature": 1.2, "seed": 6, "top_h": 0.5}], [3, 1]),
+                            {"prompt": "x = 1\n", "temperature": 1.2, "seed": 6, "repetition_penalty": 1.3}], [3, 1]),
     "filters": ([{"prompt": "import os\n", "temperature": 0.7, "seed": 1, "min_p": 0.1, "top_k": 20},
                  {"prompt": "def add(a, b):\n", "temperature": 1.1, "seed": 2, "typical_p": 0.8,
                   "epsilon_cutoff": 0.01},
                  {"prompt": "class Box:\n", "temperature": 0.9, "seed": 3, "eta_cutoff": 0.02, "stream": True,
                   "logprobs": 0},
-                 {"prompt": "x = 1\n", "temperature": 1.0, "seed": 4, "top_k": 0}], [4])}
+                 {"prompt": "x = 1\n", "temperature": 1.0, "seed": 4, "top_k": 0, "top_h": 0.6}], [4])}
 
 
 @pytest.mark.parametrize("mix", MIXED_REQUESTS)
@@ -538,9 +538,9 @@ MIXED_REQUESTS = {  # the requests of a test below, and the rows of each call th
 def test_requests_share_a_call_whatever_their_temperature_and_filters_greedy_or_not(shipped, monkeypatch, strategy,
                                                                                      mix):
     """Greedy requests (one streamed, one asking for logprobs) and a sampled one (a temperature, top-k and seed of
-    its own) share a call; a second sampled request, at a top-h, cannot share that call (a call has one top-h) and gets
-    its own. Sampled requests at their own top-k (one at 0, two at none), min-p, typical-p, epsilon and eta (one at
-    none) share a call. Each
+    its own) share a call; a second sampled request, at a repetition penalty, cannot share that call (a call has one)
+    and gets its own. Sampled requests at their own top-k (one at 0, two at none), top-h (one; the others none), min-p,
+    typical-p, epsilon and eta (one at none) share a call. Each
     completion is what its prompt gets alone: greedy, or sampled with its request's settings (and its logprobs those
     of the tokens it keeps)."""
     tokenizer, model = shipped

@@ -6,8 +6,8 @@ Defined behaviour (shared with the Triton kernel):
   the residual is summed in fp32 in order r = 0..R-1; ``penalized``: transformers' repetition penalty at the tokens
   a row has seen, :func:`penalized`; the division is a multiplication by ``1 / temperature``
   rounded to fp32, exactly as the kernel does it; ``temperature`` and the filters may be 0-d tensors on the
-  device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``; all but ``top_h`` also
-  one a row, [N]);
+  device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``; each also one a row,
+  [N]);
 * NaN in ``z`` counts as ``-inf``; ``+inf`` is clamped to the largest fp32 (so it stays comparable);
 * the ``mask_token_id`` column is excluded (never chosen, not in the softmax), and so is token v in row n when
   ``banned_tokens[v] & ban_rows[n]`` is nonzero (bool or uint8, each bit a class of ban; ``ban_rows`` None: every
@@ -190,9 +190,10 @@ def sampling_cut(z: torch.Tensor, top_k=None, top_p=None, top_k_max: int | None 
     r depends on the row's sorted values only: with ``top_k`` it lies among the first top_k of them, with ``top_h``
     among the first :data:`TOP_H_CANDIDATES`, found by ``torch.topk`` (a partial selection); only top-p alone (and
     typical sampling) sorts the whole row. Every setting may be a 0-d tensor
-    (read on the device, so a captured CUDA graph serves every value), all but ``top_h`` one a row [N] (a row's
-    ``top_k`` of V or more cuts nothing); ``top_k_max`` (a host int) is the largest value such a ``top_k`` tensor
-    holds, which the selection then needs (without it the whole row is sorted; an int ``top_k`` is its own)."""
+    (read on the device, so a captured CUDA graph serves every value) or one a row [N] (a row's ``top_k`` of V or
+    more, or ``top_h`` above 1, cuts nothing; with top_h one a row every row is sorted whole); ``top_k_max`` (a host
+    int) is the largest value such a ``top_k`` tensor holds, which the selection then needs (without it the whole row
+    is sorted; an int ``top_k`` is its own)."""
     N, V = z.shape
     low = z.new_full((N,), float("-inf")) if top_k is None and top_p is None and top_h is None else \
         _rank_cut(z, top_k, top_p, top_k_max, top_h)
@@ -258,7 +259,10 @@ def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None, top_h=None) 
     """The top-h / top-k / top-p part of :func:`sampling_cut`: [N], the value of the last rank they keep."""
     N, V = z.shape
     width = V  # how many of each row's largest values the cut may need
-    if top_h is not None:  # top-h keeps at most TOP_H_CANDIDATES, and needs them all
+    h_a_row = isinstance(top_h, torch.Tensor) and top_h.dim() > 0
+    if h_a_row:  # a row above 1 keeps all V (no cut): every row sorted whole
+        width = V
+    elif top_h is not None:  # top-h keeps at most TOP_H_CANDIDATES, and needs them all
         width = min(V, TOP_H_CANDIDATES)
     elif isinstance(top_k, torch.Tensor):
         width = min(V, top_k_max or V)
@@ -268,7 +272,9 @@ def _rank_cut(z: torch.Tensor, top_k, top_p, top_k_max: int | None, top_h=None) 
     ranks = torch.arange(width, device=z.device)
     kept = torch.full((N,), width, dtype=torch.int64, device=z.device)
     if top_h is not None:
-        kept = _top_h_ranks(sz, top_h)
+        kept = _top_h_ranks(sz[:, :TOP_H_CANDIDATES], top_h)
+        if h_a_row:
+            kept = torch.where(top_h > 1, width, kept)
     if top_k is not None:
         kept = torch.minimum(kept, top_k.to(torch.int64)) if isinstance(top_k, torch.Tensor) else kept.clamp(max=top_k)
     if top_p is not None:
@@ -285,11 +291,13 @@ def _top_h_ranks(sz: torch.Tensor, top_h) -> torch.Tensor:
     """int64 [N]: how many of the largest values sz [N, W] (each row sorted, descending: its W =
     ``min(V, TOP_H_CANDIDATES)`` most likely tokens) top-h keeps (Potraghloo et al. 2025, as transformers'
     TopHLogitsWarper): under the softmax over the W, the longest run from the most likely whose entropy terms
-    ``-p log p`` sum to at most ``top_h`` times their total (the W's entropy), at least one (``top_h`` 1: all W)."""
+    ``-p log p`` sum to at most ``top_h`` (a number, 0-d or one a row) times their total (the W's entropy), at least
+    one (``top_h`` 1: all W)."""
     p = torch.softmax(sz, dim=-1).nan_to_num(nan=0.0)
     terms = torch.where(p > 0, -p * torch.log(p), torch.zeros_like(p))
     spent = torch.cumsum(terms, dim=-1)
-    budget = spent[:, -1:] * torch.as_tensor(top_h, device=sz.device).to(sz.dtype)
+    h = torch.as_tensor(top_h, device=sz.device).to(sz.dtype)
+    budget = spent[:, -1:] * (h[:, None] if h.dim() else h)
     return (spent <= budget).sum(-1).clamp(min=1)
 
 

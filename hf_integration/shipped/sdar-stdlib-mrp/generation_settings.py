@@ -68,7 +68,7 @@ ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p",
 # Per-prompt lists of a setting (setting -> the field that holds the list), which the steps read from the decode
 # engine's buffers of one value a row (DecodeEngine.per_row): as for ON_THE_DEVICE, only whether a call gives one is
 # part of a step's key.
-PER_PROMPT = {"temperature": "temperatures", "top_k": "top_ks", "top_p": "top_ps", "min_p": "min_ps",
+PER_PROMPT = {"temperature": "temperatures", "top_h": "top_hs", "top_k": "top_ks", "top_p": "top_ps", "min_p": "min_ps",
               "typical_p": "typical_ps", "epsilon_cutoff": "epsilon_cutoffs", "eta_cutoff": "eta_cutoffs"}
 PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), "sampling")  # sampling: do_sample per prompt
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
@@ -76,9 +76,10 @@ PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), "sampling")  # sampling: do_sampl
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
 # The value at which a setting asks nothing, as transformers reads it: a cut that keeps every token, no penalty.
 NEUTRAL = {"min_p": 0, "epsilon_cutoff": 0, "eta_cutoff": 0, "typical_p": 1, "repetition_penalty": 1}
-# A prompt's entry in ``top_ks`` where its top_k cuts nothing (0 or None in the list): more tokens than any vocabulary
-# holds, so the cut keeps every rank (the rows of such a call sort their whole vocabulary: top_k_max None)
-TOP_K_NO_CUT = float(2**31 - 1)
+# A prompt's entry in ``top_ks`` / ``top_hs`` where its top_k / top_h cuts nothing (None in the list; a top_k of 0):
+# more ranks than any vocabulary holds, a top-h above 1 (the ops' "no cut" for a row; the rows of such a call sort
+# their whole vocabulary: top_k_max None)
+NO_CUT = {"top_k": float(2**31 - 1), "top_h": 2.0}
 # Settings only some strategies read. A call that asks for one (a value other than its default) with another strategy
 # is refused: the value would change nothing. A checkpoint's generation config serves every strategy: its values apply
 # to the calls whose strategy reads them (e.g. a draft_vocab to the speculative calls).
@@ -149,10 +150,11 @@ class GenerationSettings:
     gives each prompt (its copies too) its own, and the output is as wide as the largest asks (a row's tokens past its
     own count are padding): each prompt gives what it gives alone with its count, as a server batching requests that
     ask for different lengths needs (``new_token_limits`` then holds the list, ``max_new_tokens`` the largest).
-    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff``
-    (sampling) may also be lists of one per prompt (each of its copies too; a filter's neutral value, 1 or 0, or a
-    top_k of 0 or None, cuts nothing for its prompt): each prompt draws what it draws alone with its values and its seed
-    (``temperatures``, ``top_ks``, ... then hold the lists: :data:`PER_PROMPT`). ``do_sample`` may be a list too:
+    ``temperature`` and the filters (``top_h``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff``,
+    ``eta_cutoff``; sampling) may also be lists of one per prompt (each of its copies too; a filter's neutral value,
+    1 or 0, or a top_h or top_k of None, or a top_k of 0, cuts nothing for its prompt): each prompt draws what it
+    draws alone with its values and its seed (``temperatures``, ``top_ks``, ... then hold the lists:
+    :data:`PER_PROMPT`). ``do_sample`` may be a list too:
     the prompts given False pick greedily in the same call (no noise, no filter, at temperature 1: what they give
     alone with ``do_sample=False``; their entries in the other lists are unread), the others sample (``sampling``
     then holds the list, ``do_sample`` True).
@@ -295,7 +297,8 @@ class GenerationSettings:
     eos_ids: tuple[int, ...] = field(default=(), init=False)
     new_token_limits: tuple[int, ...] | None = field(default=None, init=False)  # one per prompt, or None
     temperatures: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
-    top_ks: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt (no cut: TOP_K_NO_CUT), or None
+    top_hs: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt (no cut: NO_CUT's), or None
+    top_ks: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt (no cut: NO_CUT's), or None
     top_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
     min_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
     typical_ps: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
@@ -328,7 +331,7 @@ class GenerationSettings:
         one per prompt, their largest), at least 64, so calls with top_k up to 64 share their captured steps. None
         without top_k, and where a prompt's top_k cuts nothing (its rows need the whole sorted row)."""
         largest = self.top_k if self.top_ks is None else max(self.top_ks)
-        if largest is None or largest == TOP_K_NO_CUT:
+        if largest is None or largest == NO_CUT["top_k"]:
             return None
         return max(64, 1 << (int(largest) - 1).bit_length())
 
@@ -456,7 +459,7 @@ class GenerationSettings:
     def _split_per_prompt(self, name: str, prompts: int | None) -> None:
         """A list of setting ``name`` (:data:`PER_PROMPT`: one usable value per prompt, of a sampled call) goes to its
         field of lists (a tuple of floats; None when they are all the same: ``name`` then holds it), ``name`` then
-        holding its default (unread); a top_k of 0 or None (no cut) is :data:`TOP_K_NO_CUT` there."""
+        holding its default (unread); a top_h or top_k of None (or a top_k of 0: no cut) is :data:`NO_CUT`'s there."""
         values = getattr(self, name)
         if not isinstance(values, (list, tuple)):
             return
@@ -465,13 +468,14 @@ class GenerationSettings:
             raise ValueError(f"{name}={list(values)!r} steers sampling, which this call does not do: pass "
                              "do_sample=True (or drop it)")
         for value in values:
-            _check_sampling_value(name, value)
+            if not (value is None and name in NO_CUT):
+                _check_sampling_value(name, value)
         if name == "top_k":  # 0 and None both cut nothing
             values = tuple(value or None for value in values)
         if len(set(values)) == 1:
             setattr(self, name, values[0])
         else:
-            setattr(self, PER_PROMPT[name], tuple(TOP_K_NO_CUT if value is None else float(value) for value in values))
+            setattr(self, PER_PROMPT[name], tuple(NO_CUT[name] if value is None else float(value) for value in values))
             setattr(self, name, self._default(name))
 
     def _check_stops_per_prompt(self, prompts: int | None) -> None:
@@ -731,14 +735,13 @@ def _token_id(name: str, value, vocab_size: int) -> int:
 
 
 def _check_sampling_value(name: str, value, why: str = "") -> None:
-    """A usable ``temperature`` (:func:`check_temperature`), a ``top_k`` int >= 0 or None (0 and None: no cut), a
-    ``top_p``, ``top_h`` or ``typical_p`` in (0, 1], a ``min_p`` in [0, 1], an ``epsilon_cutoff`` or ``eta_cutoff`` in
-    [0, 1) (transformers applies neither at 1 or above) (``why``: what the error adds)."""
+    """A usable ``temperature`` (:func:`check_temperature`), a ``top_k`` int >= 0 (0: no cut), a ``top_p``,
+    ``top_h`` or ``typical_p`` in (0, 1], a ``min_p`` in [0, 1], an ``epsilon_cutoff`` or ``eta_cutoff`` in [0, 1)
+    (transformers applies neither at 1 or above) (``why``: what the error adds)."""
     if name == "temperature":
         check_temperature(_number(name, value))
     elif name == "top_k":
-        if value is not None:
-            _int_at_least(name, value, 0, " (0 or None: no top-k cut)")
+        _int_at_least(name, value, 0, " (0 or None: no top-k cut)")
     elif name == "min_p":
         if not 0.0 <= _number(name, value) <= 1.0:
             raise ValueError(f"{name}={value} must be in [0, 1]{why}")
