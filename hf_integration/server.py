@@ -36,8 +36,8 @@ import torch
 
 from .cli import (HelpFormatter, UsageError, add_decoding_options, add_model_options, check_layout,
                   decoding_settings, load_for, set_threads)
-from .prompts import PromptBatch
 from .incremental_text import IncrementalText
+from .prompts import PromptBatch
 from .server_batcher import Batcher, Job
 from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_in_text,
                               logprobs_of, read_request, response_id, shown_tokens, streamable, usage)

@@ -22,7 +22,7 @@ TEXTS = ["def café(x):\n    return 'naïve ≥ ∑ 日本語'\n", "emoji 🙂 a
 def shipped_tokenizer():
     """The shipped checkpoint's tokenizer: byte-level BPE, so a character of several UTF-8 bytes may take several
     tokens."""
-    return AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    return AutoTokenizer.from_pretrained(SHIPPED_MODEL, trust_remote_code=True)
 
 
 @functools.cache
