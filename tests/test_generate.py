@@ -19,7 +19,6 @@ import mrp_triton
 from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
 from hf_integration.generation_settings import READ_BY, GenerationSettings
 from hf_integration.kv_cache import StaticKVCache
-from hf_integration.stop_strings import StopStrings
 from tiny_models import (MASK_ID, STRATEGIES, VOCAB, LetterTokenizer, RecordingStreamer, naive_static_decode,
                          padded_batch, random_prompts, tiny_config, tiny_model)
 
@@ -1849,15 +1848,6 @@ def test_a_stop_string_cut_pads_with_the_mask_token_when_the_model_has_no_pad_or
     keep = tok.decode(free).find(tok.decode(free[5:7])) + 2
     out = model.generate(ids, max_new_tokens=16, stop_strings=tok.decode(free[5:7]), tokenizer=tok)
     assert out[0, 4:4 + keep].tolist() == free[:keep] and (out[0, 4 + keep:] == MASK_ID).all()
-
-
-def test_tokens_to_keep_ends_with_the_token_that_completes_a_stop_string():
-    stops = StopStrings(LetterTokenizer(), ("cd",))  # ids 0, 1, 2, 3 decode as "abcd"
-    assert stops.tokens_to_keep([0, 1, 2], checked=0) is None
-    assert stops.tokens_to_keep([0, 1, 2, 3, 4], checked=2) == 4  # "abcd": completed by the first unchecked token
-    assert stops.tokens_to_keep([2, 3], checked=0) == 2
-    assert stops.tokens_to_keep([0, 1, 2, 3], checked=3) == 4  # "cd" across the checked part's end (a block's)
-    assert StopStrings(LetterTokenizer(), ("b",)).tokens_to_keep([1, 0], checked=0) == 1
 
 
 def test_the_kv_cache_refuses_writes_past_its_length():

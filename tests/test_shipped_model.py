@@ -224,17 +224,6 @@ def _run(args: list[str], timeout: int = 600) -> str:
 
 
 @pytest.mark.slow
-def test_a_stop_string_may_be_a_special_token_of_the_tokenizer():
-    """Stop strings are looked for in the text with special tokens kept, so one can name the EOS text."""
-    from transformers import AutoTokenizer
-
-    from hf_integration.stop_strings import StopStrings
-
-    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
-    ids = tok("x = 1").input_ids + [tok.eos_token_id] + tok("y").input_ids
-    assert StopStrings(tok, (tok.eos_token,)).tokens_to_keep(ids, checked=0) == len(ids) - 1
-
-
 def test_mrp_generate_cli_runs_end_to_end():
     out = _run(["-m", "hf_integration.cli", "def add(a, b):", "--max-new-tokens", "8"])
     assert out.startswith("def add(a, b):") and "[speculative]" in out

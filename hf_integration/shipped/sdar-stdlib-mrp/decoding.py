@@ -883,7 +883,7 @@ class BlockDecoder:
             if r in self.new_tokens_kept or self.stops[r] is None:  # criteria ended it earlier, or it has no stops
                 continue
             end = min(starts[i] + self.block, ends[i])
-            keep = self.stops[r].tokens_to_keep(self.x[r, first_new:end].tolist(), max(starts[i] - first_new, 0))
+            keep = self.stops[r].tokens_to_keep(self.x[r, max(starts[i], first_new):end].tolist())
             if keep is not None:
                 ended[i] = True
                 self.new_tokens_kept[r] = keep
