@@ -19,6 +19,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -109,16 +110,21 @@ def make_bench(cuda: bool, *, warmup: int, rep: int, graph: bool = False):
             else:
                 q = triton.testing.do_bench(fn, quantiles=QUANTILES, warmup=warmup, rep=rep)
             return [x * 1e3 for x in q]
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        ts.sort()
-        return [ts[1], ts[0], ts[2]]
+        return host_timings(fn, 3)
 
     return bench
+
+
+def host_timings(fn, reps: int) -> list[float]:
+    """[median, fastest, slowest] of ``reps`` perf_counter timings of ``fn`` after one warm-up call, in microseconds
+    (host time: what ``fn`` leaves running on a GPU is not waited for)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return [statistics.median(ts), min(ts), max(ts)]
 
 
 def time_against_eager(benches: dict, eager_fn, triton_fn, record, what: str) -> dict:

@@ -2,7 +2,7 @@
 decoding the row's whole new text at each block (what the check did before), and the token offsets of log-probabilities
 (``token_offsets``). CPU only (the tokenizer's work), on the shipped checkpoint's tokenizer, over a standard-library
 source file's tokens; no stop string is ever found, so every block is checked. Prints and saves the median, fastest and
-slowest of ``--reps`` runs in milliseconds.
+slowest of ``--reps`` runs (after one warm-up) in milliseconds.
 
     python benchmarks/bench_host_text.py --out benchmarks/results
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,16 +43,6 @@ def offsets(tokenizer, ids: list[int]) -> None:
     assert len(token_offsets(tokenizer, ids)) == len(ids)
 
 
-def timed(fn, reps: int) -> list[float]:
-    """[median, min, max] of ``reps`` runs of ``fn``, ms."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return [statistics.median(times), min(times), max(times)]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1024,4096", help="new tokens a row, comma-separated")
@@ -75,7 +63,7 @@ def main(argv=None) -> int:
     rows = []
 
     def record(n: int, block, method: str, fn, whole: float | None = None) -> float:
-        median, low, high = timed(fn, args.reps)
+        median, low, high = (us / 1e3 for us in _harness.host_timings(fn, args.reps))
         ratio = "" if whole is None else median / whole
         rows.append({"tokens": n, "block": block, "method": method, "median_ms": median, "min_ms": low,
                      "max_ms": high, "ratio_to_whole_decode": ratio, **meta})
