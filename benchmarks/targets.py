@@ -58,7 +58,8 @@ def _pick(rows: list[dict], **match) -> list[dict]:
 # rows with top-k / top-p / min-p / epsilon and eta / top-h / typical (confidence_topkp, confidence_topp,
 # confidence_minp, confidence_epsilon_eta, confidence_toph, confidence_typical) also time the torch ops that find the
 # cut; confidence_ban holds EOS back in half its rows (min_new_tokens); confidence_penalty reads a repetition
-# penalty's seen tokens; confidence_entropy also gives each row's entropy (entropy-bounded decoding).
+# penalty's seen tokens, confidence_offsets presence / frequency penalties' and a bias's offsets; confidence_entropy
+# also gives each row's entropy (entropy-bounded decoding).
 GREEDY_CONFIDENCE = ("confidence_res", "confidence_nores")
 
 

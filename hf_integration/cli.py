@@ -140,6 +140,10 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residual-delta", type=float, help="remask rule delta (default: 1.0)")
     p.add_argument("--repetition-penalty", type=float, help="scale down the logits of the tokens the text already "
                    "holds by this factor (transformers' repetition penalty; > 1 discourages repeats, 1: none)")
+    p.add_argument("--presence-penalty", type=float, help="subtract this from the logits of the tokens already "
+                   "generated (OpenAI's presence penalty; > 0 discourages repeats, 0: none)")
+    p.add_argument("--frequency-penalty", type=float, help="subtract this from the logits of the tokens already "
+                   "generated, once per time each was (OpenAI's frequency penalty; > 0 discourages repeats, 0: none)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="with --do-sample: divides the logits")
     p.add_argument("--top-h", type=float, help="with --do-sample: among the 100 most likely tokens, sample among the "
@@ -356,6 +360,7 @@ def decoding_settings(args: argparse.Namespace) -> dict:
                 draft_schedule=args.draft_schedule, draft_vocab=args.draft_vocab,
                 draft_candidates=args.draft_candidates, remask_rule=args.remask_rule,
                 residual_delta=args.residual_delta, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                 do_sample=args.do_sample,
                 temperature=args.temperature, top_h=args.top_h, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff,

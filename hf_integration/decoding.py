@@ -31,7 +31,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.utils.logging import tqdm
 
 import mrp_triton
-from mrp_triton.reference.confidence import CUTS, exclude_banned, inverse_temperature, penalized
+from mrp_triton.reference.confidence import CUTS, exclude_banned, inverse_temperature, penalties_applied
 from mrp_triton.reference.lm_head_confidence import top_by_value
 
 from .decode_engine import BAN_EOS, BAN_FIRST, BAN_SUPPRESS, DecodeStats, EngineShape, engine_for
@@ -44,6 +44,9 @@ from .step_graphs import conditional_nodes_supported, run_if
 from .stop_strings import StopStrings
 from .stopping_criteria import CriteriaCheck
 from .streaming import BlockStream
+
+# the penalties' tables by token id, [rows, V] (DecodeEngine.seen and the logit offsets: BlockDecoder.penalties)
+TABLES = ("seen_tokens", "logit_offsets")
 
 
 @dataclass
@@ -79,7 +82,7 @@ class SDARGenerateOutput(ModelOutput):
     counted over the whole call), 0 at prompt and padding positions. confidences (``output_confidences``): float32
     [B, P + max_new_tokens], laid out as ``sequences``: at each new token its probability under the softmax that
     committed it for good (that of the call's temperature, without the mask token and the tokens the call bans there,
-    under its repetition penalty, before any sampling filter's cut: the confidence the commit rules rank by), the
+    under its penalties and bias, before any sampling filter's cut: the confidence the commit rules rank by), the
     backbone's (a speculative round's tokens: the verify forward's on the candidate state each was verified on, so
     greedy speculative decoding gives static one-token-a-step decoding's; remask's: that of the reveal the MRP pass
     let stand), save those of direct decoding's MRP steps (the head's corrected logits'); 0 at prompt and padding
@@ -579,32 +582,54 @@ class BlockDecoder:
             classes |= (positions == starts).to(torch.uint8) * BAN_FIRST
         return dict(banned_tokens=table, ban_rows=classes.reshape(-1))
 
-    def seen_tokens(self, states: torch.Tensor) -> dict:
-        """The picks' repetition-penalty arguments (the ``seen`` of :meth:`pick`, :meth:`pick_hidden` and
-        :meth:`pick_listed`) for picks over the block states [B, T] or [B, C, T] (C candidate states of each row; the
-        picks' rows are the states' positions, flattened): each state's row of tokens seen, its row's (prompt and
-        finished blocks: ``engine.seen``) with the state's own tokens (its mask tokens too: the mask column is never
-        picked), over the whole vocabulary. Empty without a penalty."""
-        if self.settings.repetition_penalty is None:
+    @property
+    def penalizing(self) -> bool:
+        """Whether the picks depend on the tokens before them (a repetition, presence or frequency penalty) or add a
+        bias: they then need :meth:`penalties`."""
+        return self.settings.repetition_penalty is not None or self.settings.offsets_logits
+
+    def penalties(self, states: torch.Tensor) -> dict:
+        """The picks' penalty arguments (the ``seen`` of :meth:`pick`, :meth:`pick_hidden` and :meth:`pick_listed`)
+        for picks over the block states [B, T] or [B, C, T] (C candidate states of each row; the picks' rows are the
+        states' positions, flattened), over the whole vocabulary: with a repetition penalty each state's row of tokens
+        seen, its row's (prompt and finished blocks: ``engine.seen``) with the state's own tokens (its mask tokens
+        too: the mask column is never picked); with presence / frequency penalties or a sequence bias each state's row
+        of logit offsets, ``bias - presence * (count > 0) - frequency * count`` with the count of each token the row
+        generated: its row's (``engine.counts``) with the state's own tokens. Empty without any."""
+        if not self.penalizing:
             return {}
         s = states if states.dim() == 3 else states[:, None]
         B, C, T = s.shape
-        table = self.engine.seen[:B].repeat_interleave(C, 0).scatter_(1, s.reshape(B * C, T), True)
-        return dict(repetition_penalty=self.on_device("repetition_penalty"), seen_tokens=table,
-                    seen_rows=torch.arange(B * C * T, device=s.device) // T)
+        flat = s.reshape(B * C, T)
+        out = dict(seen_rows=torch.arange(B * C * T, device=s.device) // T)
+        if self.settings.repetition_penalty is not None:
+            out.update(repetition_penalty=self.on_device("repetition_penalty"),
+                       seen_tokens=self.engine.seen[:B].repeat_interleave(C, 0).scatter_(1, flat, True))
+        if self.settings.offsets_logits:
+            counts = self.engine.counts[:B].repeat_interleave(C, 0).scatter_add_(
+                1, flat, torch.ones(flat.shape, device=flat.device))
+            offsets = self.engine.bias.expand_as(counts)
+            for name, term in (("presence_penalty", (counts > 0).float()), ("frequency_penalty", counts)):
+                if getattr(self.settings, name) is not None:
+                    offsets = offsets - self.on_device(name).float() * term
+            out["logit_offsets"] = offsets.contiguous()
+        return out
 
     def _penalty(self, seen: dict | None, vocab: int | None = None) -> dict:
-        """``seen`` (:meth:`seen_tokens`) as the keyword arguments of a pick among the first ``vocab`` ids (a draft
-        vocabulary of the ids below it; None: all); a pick under a repetition penalty must be given it."""
-        if seen is None and self.settings.repetition_penalty is not None:
-            raise RuntimeError("a pick under a repetition penalty needs the tokens seen (a bug)")
-        return dict(seen, seen_tokens=seen["seen_tokens"][:, :vocab]) if seen else {}
+        """``seen`` (:meth:`penalties`) as the keyword arguments of a pick among the first ``vocab`` ids (a draft
+        vocabulary of the ids below it; None: all); a pick under a penalty must be given it."""
+        if seen is None and self.penalizing:
+            raise RuntimeError("a pick under a penalty needs the penalties' arguments (a bug)")
+        return {name: value[:, :vocab] if name in TABLES else value for name, value in (seen or {}).items()}
 
     def see(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        """With a repetition penalty, mark ``ids`` [R, L] as seen by the working ``rows`` [R] (``engine.seen``:
-        their prompts, then each block they finish)."""
+        """Note the finished blocks ``ids`` [R, T] of the working ``rows`` [R]: as seen, with a repetition penalty
+        (``engine.seen``), and counted, with logit offsets (``engine.counts``)."""
         if self.settings.repetition_penalty is not None:
             self.engine.seen[rows] = self.engine.seen[rows].scatter_(1, ids, True)
+        if self.settings.offsets_logits:
+            self.engine.counts[rows] = self.engine.counts[rows].scatter_add_(
+                1, ids, torch.ones(ids.shape, device=ids.device))
 
     def pick(self, logits: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
              counter: torch.Tensor | None, entropy: bool = False, seen: dict | None = None):
@@ -613,8 +638,8 @@ class BlockDecoder:
 
         logits: [B, T, V], positions: [B, T], candidates: bool [B, T] (positions to score),
         counter: [B] or [B, T] (the state index in the noise key; :meth:`noise_counter`, None when not sampling);
-        seen: the repetition penalty's arguments for the block states the logits were computed from
-        (:meth:`seen_tokens`; required under a penalty).
+        seen: the penalties' arguments for the block states the logits were computed from
+        (:meth:`penalties`; required under a penalty).
         Returns tokens int64 [B, T] (-1 where not scored), conf float32 [B, T], lse float32 [B, T], and with
         ``entropy`` the entropy of each position's softmax, float32 [B, T]."""
         s = self.settings
@@ -638,8 +663,8 @@ class BlockDecoder:
         vocabulary only) also each scored position's top_m logits / temperature (float32) and their token ids
         (-1 elsewhere), [B, T, top_m] each: the draft candidates of the next round (:mod:`.draft_candidates`). With
         ``entropy`` (whole vocabulary only) each position's entropy comes after the lse (:meth:`pick`). ``seen``: the
-        repetition penalty's arguments for the block states the hidden states were computed from (:meth:`pick`; the
-        fused pick reads the seen table too, by draft column with ``draft``)."""
+        penalties' arguments for the block states the hidden states were computed from (:meth:`pick`; the
+        fused pick reads their tables too, by draft column with ``draft``)."""
         weight = self.model.lm_head.weight if draft is None else draft.weight
         B, T, H = hidden.shape
         seen = self._penalty(seen)
@@ -652,7 +677,7 @@ class BlockDecoder:
                 return picks
             z = logits.float()
             if seen:  # the lists rank the logits the picks saw
-                z = penalized(z.view(B * T, -1), **seen).view(B, T, -1)
+                z = penalties_applied(z.view(B * T, -1), **seen).view(B, T, -1)
             z = z.masked_fill(~candidates[..., None], float("-inf"))
             z[..., self.mask_id] = float("-inf")
             ban = self.token_bans(positions)
@@ -662,8 +687,8 @@ class BlockDecoder:
             top, ids = (x.view(B, T, top_m) for x in top_by_value(z.view(B * T, -1), top_m))
             top = top * inverse_temperature(self.temperature)[..., None]  # (one a row: [B', 1, 1])
             return *picks, top, ids.masked_fill(top == float("-inf"), -1)
-        if seen and draft is not None:  # the table by draft column, as the draft's weight rows
-            seen = dict(seen, seen_tokens=draft.columns(seen["seen_tokens"].T).T)
+        if seen and draft is not None:  # the tables by draft column, as the draft's weight rows
+            seen = {name: draft.columns(value.T).T if name in TABLES else value for name, value in seen.items()}
         out = mrp_triton.lm_head_confidence(
             hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
             **self.token_bans(positions, draft=draft), **seen, skip_rows=~candidates.reshape(-1), top_m=top_m,
@@ -675,7 +700,7 @@ class BlockDecoder:
                     counter: torch.Tensor | None, seen: dict | None = None):
         """A draft pick among each position's listed tokens (``draft_candidates``): hidden [B, T, H]; ``seed`` =
         (h_seed [B, T, H], ids [B, T, M], rest [B, T]) of the round (:mod:`.draft_candidates`), candidates: bool
-        [B, T] (the positions to pick at), seen: the repetition penalty's arguments for the block states the hidden
+        [B, T] (the positions to pick at), seen: the penalties' arguments for the block states the hidden
         states were computed from (:meth:`pick`). Returns tokens int64 [B, T] (-1 where not picked) and conf float32
         [B, T] (``mrp_triton.candidate_confidence``)."""
         s = self.settings
@@ -700,7 +725,7 @@ class BlockDecoder:
         by_entropy = entropy_bound is not None
         picks, top = self.split_top(self.pick_hidden(hidden, positions, masked, self.noise_counter(),
                                                      top_m=self.top_lists(top_m), entropy=by_entropy,
-                                                     seen=self.seen_tokens(block)), top_m)
+                                                     seen=self.penalties(block)), top_m)
         committed = mrp_triton.select_commit(block, picks[0], picks[1], mask_token_id=self.mask_id, n=n,
                                              threshold=threshold, entropy=picks[3] if by_entropy else None,
                                              entropy_bound=entropy_bound)
@@ -758,11 +783,16 @@ class BlockDecoder:
         """Decode every row's blocks with ``strategy`` and return the layout x [B, total]."""
         T = self.block
         self._prefill()
-        if self.settings.repetition_penalty is not None:  # the prompts' tokens (masks past them: never picked)
-            self.engine.seen.zero_()
-            self.see(self.rows, self.x[:, : self.prompts.ids.shape[1]])
         positions = self.first_block[:, None] * T + torch.arange(T, device=self.device)
         block = self.x.gather(1, positions)
+        if self.settings.repetition_penalty is not None:  # the prompts' tokens (masks past them: never picked)
+            prompts = self.x[:, : self.prompts.ids.shape[1]]
+            self.engine.seen.zero_()
+            self.engine.seen[self.rows] = self.engine.seen[self.rows].scatter_(1, prompts, True)
+        if self.settings.offsets_logits:  # no token generated yet, less the prompt's tail in each row's first block
+            self.engine.counts.zero_()
+            self.engine.counts[self.rows] = self.engine.counts[self.rows].scatter_add_(
+                1, block, -(positions < self.engine.starts[:, None]).float())
         # Host state per working row: masks left in its block, blocks left to decode (with this one; 0 for a
         # finished row kept as padding of a graphed batch, see retire).
         masks = [T - n % T if b else 0 for n, b in zip(self.prompts.lens, self.blocks_to_decode)]

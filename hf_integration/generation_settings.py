@@ -64,7 +64,8 @@ OUTSIDE_THE_STEPS = ("max_new_tokens", "max_length", "min_length", "num_return_s
 # at all (None or not) is part of a step's key, so one set of captured steps serves every value (of top_k, every
 # value up to its bound: GenerationSettings.top_k_max).
 ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-                 "threshold", "entropy_bound", "residual_delta", "min_new_tokens", "repetition_penalty")
+                 "threshold", "entropy_bound", "residual_delta", "min_new_tokens", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
 # Per-prompt lists of a setting (setting -> the field that holds the list), which the steps read from the decode
 # engine's buffers of one value a row (DecodeEngine.per_row): as for ON_THE_DEVICE, only whether a call gives one is
 # part of a step's key.
@@ -74,8 +75,12 @@ PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), "sampling")  # sampling: do_sampl
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
+# Settings the steps read from the decode engine's bias table, a logit offset by token id (DecodeEngine.use_settings):
+# as for ON_THE_DEVICE, only whether one is set is part of a step's key.
+IN_THE_BIAS_TABLE = ("sequence_bias",)
 # The value at which a setting asks nothing, as transformers reads it: a cut that keeps every token, no penalty.
-NEUTRAL = {"min_p": 0, "epsilon_cutoff": 0, "eta_cutoff": 0, "typical_p": 1, "repetition_penalty": 1}
+NEUTRAL = {"min_p": 0, "epsilon_cutoff": 0, "eta_cutoff": 0, "typical_p": 1, "repetition_penalty": 1,
+           "presence_penalty": 0, "frequency_penalty": 0}
 # A prompt's entry in ``top_ks`` / ``top_hs`` where its top_k / top_h cuts nothing (None in the list; a top_k of 0):
 # more ranks than any vocabulary holds, a top-h above 1 (the ops' "no cut" for a row; the rows of such a call sort
 # their whole vocabulary: top_k_max None)
@@ -173,6 +178,15 @@ class GenerationSettings:
     divided by it, a negative one multiplied), before the temperature and the filters; what a row has seen is its
     prompt, its finished blocks and the tokens committed in its block so far (a speculative draft's are seen by the
     candidate states after it), not the padding transformers' left-padded batches also count.
+    ``presence_penalty`` and ``frequency_penalty`` (finite numbers; 0 or None: none) are OpenAI's (and vLLM's): every
+    pick subtracts from the logit of each token the row has generated so far ``presence_penalty`` once and
+    ``frequency_penalty`` per time it was generated (its finished blocks and the tokens committed in its block so far,
+    as for the repetition penalty, but never the prompt's tokens), after the repetition penalty, before the
+    temperature and the filters; negative values encourage repeats. ``sequence_bias`` (transformers' name: a dict of
+    ``(token_id,)`` -> bias, or a list of ``[[token_id], bias]``) adds each bias to its token's logit in every pick,
+    as transformers' processor does (a bias of -inf never decodes the token; tokens of several ids are refused, as
+    for ``bad_words_ids``); with a ``repetition_penalty`` it is refused, as transformers applies the bias before the
+    penalty and the picks here after it.
     ``top_h`` (sampling, in (0, 1]) is transformers' top-h, applied before top-k as its warpers are:
     among the 100 most likely tokens, the most likely ones whose entropy terms ``-p log p`` (under the softmax over
     the 100) sum to at most ``top_h`` times their entropy. ``typical_p`` (sampling, in (0, 1], 1 none cut) is
@@ -246,6 +260,8 @@ class GenerationSettings:
     max_length: int | None = None
     min_new_tokens: int | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     min_length: int | None = None
     num_return_sequences: int = 1
     block_length: int | None = None
@@ -265,6 +281,7 @@ class GenerationSettings:
     suppress_tokens: Sequence[int] | None = None  # validated: a sorted tuple of distinct ids, or None
     begin_suppress_tokens: Sequence[int] | None = None  # validated: as suppress_tokens
     bad_words_ids: Sequence[Sequence[int]] | None = None  # validated: folded into suppress_tokens, then None
+    sequence_bias: dict | Sequence | None = None  # validated: a sorted tuple of (token id, bias) pairs, or None
     seed: int | Sequence[int] | None = None  # validated: an int, or a tuple of ints (one per prompt)
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -320,9 +337,16 @@ class GenerationSettings:
                 return None
             if name == "top_k":
                 return self.top_k_max
-            return value is None if name in ON_THE_DEVICE + PER_ROW_ON_THE_DEVICE + IN_THE_BAN_TABLE else repr(value)
+            if name in ON_THE_DEVICE + PER_ROW_ON_THE_DEVICE + IN_THE_BAN_TABLE + IN_THE_BIAS_TABLE:
+                return value is None
+            return repr(value)
 
         return tuple((f.name, part(f.name)) for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
+
+    @property
+    def offsets_logits(self) -> bool:
+        """Whether the picks add an offset to the logits (a presence or frequency penalty, a sequence bias)."""
+        return self.presence_penalty is not None or self.frequency_penalty is not None or self.sequence_bias is not None
 
     @property
     def top_k_max(self) -> int | None:
@@ -629,6 +653,10 @@ class GenerationSettings:
                 < math.inf:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1 or None: "
                              "no penalty; above 1 discourages repeating a token)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) is not None and not math.isfinite(_number(name, getattr(self, name))):
+                raise ValueError(f"{name}={getattr(self, name)} must be a finite number (0 or None: no penalty; above "
+                                 "0 discourages repeating a token)")
         if self.streamer is not None and not all(callable(getattr(self.streamer, m, None)) for m in ("put", "end")):
             raise TypeError(f"streamer must have put(ids) and end() methods (like transformers.TextStreamer), got "
                             f"{type(self.streamer).__name__}")
@@ -655,6 +683,7 @@ class GenerationSettings:
                              "(takes_top_logprobs=True): pass output_top_logprobs=k (and return_dict_in_generate=True)"
                              ", which notes them")
         self._normalize_bans(config.vocab_size)
+        self._normalize_bias(config.vocab_size)
         if self.prefill_chunk_size is not None:
             _int_at_least("prefill_chunk_size", self.prefill_chunk_size, 1, " (None: the whole prompt in one forward)")
         if self.max_time is not None and not _number("max_time", self.max_time) > 0.0:
@@ -714,6 +743,34 @@ class GenerationSettings:
         self.suppress_tokens = tuple(sorted(suppressed)) or None
         self.begin_suppress_tokens = tuple(sorted(banned.get("begin_suppress_tokens", ()))) or None
         self.bad_words_ids = None
+
+    def _normalize_bias(self, vocab_size: int) -> None:
+        """``sequence_bias`` (transformers' dict of ``(id,)`` -> bias, or list of ``[[id], bias]``; a later pair for an
+        id overrides an earlier one) as a sorted tuple of (token id, bias) pairs, or None when empty."""
+        value = self.sequence_bias
+        if value is None:
+            return
+        if isinstance(value, dict):
+            value = list(value.items())
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+                isinstance(pair, Sequence) and len(pair) == 2 for pair in value):
+            raise TypeError(f"sequence_bias must be a dict of (token_id,) -> bias or a list of [[token_id], bias], "
+                            f"got {reprlib.repr(self.sequence_bias)}")
+        bias = {}
+        for ids, b in value:
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or len(ids) != 1:
+                raise ValueError(f"sequence_bias key {reprlib.repr(ids)} is not a single token: block diffusion "
+                                 "decodes a block in no fixed order, so a bias on a token sequence has no last token "
+                                 "to bias; bias single tokens ((id,) keys)")
+            if _number("sequence_bias", b) != float("-inf") and not math.isfinite(b):
+                raise ValueError(f"sequence_bias {b} for token {ids[0]} must be a finite number (or -inf: never "
+                                 "decoded)")
+            bias[_token_id("sequence_bias", ids[0], vocab_size)] = float(b)
+        self.sequence_bias = tuple(sorted(bias.items())) or None
+        if self.sequence_bias is not None and self.repetition_penalty is not None:
+            raise ValueError("sequence_bias with a repetition_penalty: transformers adds the bias before the penalty, "
+                             "and the picks here after it, so the two would not give transformers' logits; drop one "
+                             "(presence_penalty / frequency_penalty combine with sequence_bias)")
 
 
 def _number(name: str, value) -> float:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 import mrp_triton
-from mrp_triton.reference.confidence import inverse_temperature, penalized
+from mrp_triton.reference.confidence import inverse_temperature, penalties_applied
 
-from .decoding import BlockDecoder, Strategy, denoising_step
+from .decoding import TABLES, BlockDecoder, Strategy, denoising_step
 from .draft_candidates import rest_mass
 
 
@@ -145,7 +145,7 @@ def _draft(dec: BlockDecoder, block: torch.Tensor, positions: torch.Tensor, seed
         masked = dec.masked(state) & drafting
         # the authors' first draft is the backbone's own (stale) pick from the seed forward
         hidden = seed_h if k == 0 and authors else chain.step(state, committing_rows_discard=True)
-        seen = dec.seen_tokens(state)
+        seen = dec.penalties(state)
         if len(seed) > 1:
             tok, conf = dec.pick_listed(hidden, seed, positions, masked, dec.noise_counter(k), seen)
         else:
@@ -202,7 +202,7 @@ def speculation_round(dec: BlockDecoder):
         h_all = dec.backbone(states.reshape(B, (K + 1) * T), flat_positions, copy)
         picks, top = dec.split_top(dec.pick_hidden(h_all, flat_positions, candidates.reshape(B, -1),
                                                    dec.noise_counter(copy), top_m=dec.top_lists(top_m),
-                                                   seen=dec.seen_tokens(states)), top_m)
+                                                   seen=dec.penalties(states)), top_m)
         target_tok, target_conf = (x.view(B, K + 1, T) for x in picks[:2])
         accepted, bonus = mrp_triton.verify_drafts(block, draft_pos, draft_tok, target_tok, target_conf,
                                                    mask_token_id=dec.mask_id)
@@ -253,8 +253,9 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
         return (corrected.float().gather(-1, t) - logits.float().gather(-1, t))[..., 0].abs()
     _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter(), seen=seen)
     z = corrected.float().gather(-1, t)[..., 0]
-    if seen:  # the token's logit as the pick's softmax saw it (one state a row: its seen row is the row's)
-        z = penalized(z, seen["repetition_penalty"], seen["seen_tokens"].gather(1, t[..., 0]))
+    if seen:  # the token's logit as the pick's softmax saw it (one state a row: its tables' row is the row's)
+        z = penalties_applied(z, **{name: value.gather(1, t[..., 0]) if name in TABLES else value
+                                    for name, value in seen.items() if name != "seen_rows"})
     return torch.exp(z * inverse_temperature(dec.temperature) - lse)  # as confidence scales
 
 
@@ -272,7 +273,7 @@ def remask_step(dec: BlockDecoder):
         masked = dec.masked(block)
         live = masked.any(-1)
         h_a = dec.backbone(block, positions)
-        seen = dec.seen_tokens(block)  # the reveal's and its tau score's
+        seen = dec.penalties(block)  # the reveal's and its tau score's
         (tok, conf, _), top = dec.split_top(dec.pick_hidden(h_a, positions, masked, dec.noise_counter(), seen=seen,
                                                             top_m=dec.top_lists()), 0)
         before = block.clone()

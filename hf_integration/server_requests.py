@@ -2,11 +2,12 @@
 
 A request body (``/v1/completions`` or ``/v1/chat/completions``) becomes the prompts' token ids and the keywords of
 ``generate()`` (:func:`read_request`): the server's defaults (``mrp-serve``'s decoding options), then the request's
-OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logit_bias`` at -100: a ban;
-``logprobs`` and ``top_logprobs`` for the response), then its extension fields, named as ``generate()`` names them
+OpenAI fields (``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``: -100 a ban, any other value a bias; ``logprobs`` and ``top_logprobs`` for the
+response), then its extension fields, named as ``generate()`` names them
 (``strategy``, ``mrp_steps``, ``threshold``, ``top_k``, ``min_p``, ``repetition_penalty``, ...; ``min_tokens`` is
 ``min_new_tokens``, as in vLLM), which the OpenAI clients send with ``extra_body``. A field this server does not
-read is refused, naming it, unless it asks for nothing (``presence_penalty=0``, ``echo=False``, ...): a request is
+read is refused, naming it, unless it asks for nothing (``best_of=1``, ``echo=False``, ...): a request is
 never served as something it did not ask for. Not part of a checkpoint's remote code.
 """
 
@@ -42,11 +43,11 @@ class RequestError(ValueError):
 # Fields read by both endpoints, and by each; those accepted at the values that ask for nothing (and ``user``, an
 # end user's id for the provider's records, at any value).
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
-                 "user", "logit_bias"}
+                 "user", "logit_bias", "presence_penalty", "frequency_penalty"}
 ENDPOINT_FIELDS = {"completions": {"prompt", "logprobs"},
                    "chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}}
 ASKING_FOR_NOTHING = {"echo": (False,), "best_of": (1,), "top_logprobs": (0,),  # (completions: chat reads it)
-                      "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
+                      "suffix": ("",),
                       "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 # Extension fields: generate() keywords under their own names (min_tokens: vLLM's name for min_new_tokens).
 EXTENSIONS = {"min_tokens": "min_new_tokens", **{name: name for name in (
@@ -104,9 +105,16 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
         given["num_return_sequences"] = _count(body["n"], "n", minimum=1)
     if body.get("seed") is not None:
         given["seed"] = _count(body["seed"], "seed", minimum=None)
-    banned = _banned_by_logit_bias(body.get("logit_bias"), tokenizer)
+    banned, bias = _logit_bias(body.get("logit_bias"), tokenizer)
     if banned:
         given["suppress_tokens"] = banned
+    if bias:
+        given["sequence_bias"] = {(token,): value for token, value in bias.items()}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) is not None and body[name] != 0:
+            given[name] = _number(body[name], name)
+            if not -2.0 <= given[name] <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2] (OpenAI's range; 0: none), got {body[name]}", param=name)
     if body.get("top_p") is not None and body["top_p"] != 1:  # 1 cuts nothing; clients send it by default
         given["top_p"] = _number(body["top_p"], "top_p")
     sample = defaults.get("do_sample", False)
@@ -136,6 +144,10 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
                      if value is not None and not (name in SAMPLING and not sample)}
     strategy = given.pop("strategy", from_defaults.pop("strategy", "static"))
     settings = {**read_by(strategy, from_defaults), **given, "do_sample": sample, "strategy": strategy}
+    if bias and settings.get("repetition_penalty") not in (None, 1):
+        raise RequestError(f"logit_bias values other than -100 do not combine with repetition_penalty="
+                           f"{settings['repetition_penalty']} (transformers biases before that penalty, this server "
+                           "after it): drop one, or ban with -100", param="logit_bias")
     if stop:
         settings.update(stop_strings=stop, tokenizer=tokenizer)
     options = body.get("stream_options") or {}
@@ -143,26 +155,30 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
                    top_logprobs=top_logprobs)
 
 
-def _banned_by_logit_bias(value, tokenizer) -> list[int]:
-    """The tokens OpenAI's ``logit_bias`` (a token id as a string -> a bias in [-100, 100]; None or {}: none) bans: a
-    bias of -100 ("should result in a ban or exclusive selection of the relevant token", OpenAI's reference says)
-    never decodes its token (``generate()``'s ``suppress_tokens``: out of every pick and its softmax). Any other bias
-    is refused: the kernels add no bias to a logit. So are ids past the tokenizer's."""
+def _logit_bias(value, tokenizer) -> tuple[list[int], dict[int, float]]:
+    """OpenAI's ``logit_bias`` (a token id as a string -> a bias in [-100, 100]; None or {}: none) as the tokens it
+    bans and the biases it adds: a bias of -100 ("should result in a ban or exclusive selection of the relevant
+    token", OpenAI's reference says) never decodes its token (``generate()``'s ``suppress_tokens``: out of every pick
+    and its softmax); any other is added to its token's logit in every pick (``sequence_bias``). Ids past the
+    tokenizer's are refused."""
     if value is None or value == {}:
-        return []
+        return [], {}
     if not isinstance(value, dict):
         raise RequestError(f"logit_bias must be an object of token id -> bias, got {type(value).__name__}",
                            param="logit_bias")
-    banned, vocab = [], len(tokenizer)
+    banned, biases, vocab = [], {}, len(tokenizer)
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdecimal() and int(key) < vocab):
             raise RequestError(f"logit_bias key {key!r} is not a token id of this model's vocabulary [0, {vocab})",
                                param="logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias != -100:
-            raise RequestError(f"logit_bias {bias!r} for token {key}: this server applies a bias of -100 only (the "
-                               "token is never decoded); other biases are not supported", param="logit_bias")
-        banned.append(int(key))
-    return sorted(set(banned))
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise RequestError(f"logit_bias {bias!r} for token {key} must be a number in [-100, 100] (-100: never "
+                               "decoded)", param="logit_bias")
+        if bias == -100:
+            banned.append(int(key))
+        elif bias != 0:
+            biases[int(key)] = float(bias)
+    return sorted(set(banned)), biases
 
 
 def _check_fields(body: dict, endpoint: str) -> None:
@@ -174,9 +190,7 @@ def _check_fields(body: dict, endpoint: str) -> None:
             if value is None or value in ASKING_FOR_NOTHING[name]:
                 continue
             raise RequestError(f"{name}={value!r} is not supported by this server (it accepts {name} only at "
-                               f"{ASKING_FOR_NOTHING[name][0]!r}" + (": repetition_penalty is the penalty it applies)"
-                                                                     if name.endswith("_penalty") else ")"),
-                               param=name)
+                               f"{ASKING_FOR_NOTHING[name][0]!r})", param=name)
         known = sorted(COMMON_FIELDS | ENDPOINT_FIELDS[endpoint] | set(EXTENSIONS))
         raise RequestError(f"unknown field {name!r} for this endpoint (it reads {', '.join(known)})", param=name)
 

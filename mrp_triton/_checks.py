@@ -110,31 +110,48 @@ def check_banned(banned_tokens, ban_rows, rows: int, vocab: int, device: torch.d
 
 
 def check_penalty(repetition_penalty, seen_tokens, seen_rows, rows: int, vocab: int, device: torch.device,
-                  data: str) -> None:
+                  data: str, logit_offsets=None) -> None:
     """A repetition penalty (a finite number > 0, or a 0-d real tensor on ``device``, whose value the caller checks)
-    with ``seen_tokens``, a bool / uint8 tensor [C, vocab] on ``device`` (the tokens each row of it has seen), and
-    ``seen_rows`` None (C == rows: row n reads row n) or an int64 tensor [rows] there (row n reads row seen_rows[n],
-    in [0, C): unchecked, a host check would synchronise); or none of the three."""
-    if repetition_penalty is None:
-        if seen_tokens is not None or seen_rows is not None:
-            raise ValueError("seen_tokens / seen_rows are read by the repetition penalty: pass repetition_penalty too")
+    with ``seen_tokens``, a bool / uint8 tensor [C, vocab] on ``device`` (the tokens each row of it has seen), or
+    neither; ``logit_offsets`` None or a float32 tensor [C, vocab] there (an additive term each row of it adds to the
+    logits); and ``seen_rows`` None (C == rows: row n reads row n of each table) or, with either table, an int64
+    tensor [rows] there (row n reads row seen_rows[n], in [0, C): unchecked, a host check would synchronise)."""
+    if repetition_penalty is None and seen_tokens is not None:
+        raise ValueError("seen_tokens is read by the repetition penalty: pass repetition_penalty too")
+    if repetition_penalty is None and logit_offsets is None:
+        if seen_rows is not None:
+            raise ValueError("seen_rows picks the rows of seen_tokens / logit_offsets: pass one of them too")
         return
-    if not check_device_scalar("repetition_penalty", repetition_penalty, device) and (
-            isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, numbers.Real)
-            or not 0 < float(repetition_penalty) < float("inf")):
-        raise ValueError(f"repetition_penalty must be a finite number > 0 (1: no penalty), got {repetition_penalty!r}")
-    if not isinstance(seen_tokens, torch.Tensor) or seen_tokens.dtype not in BAN_DTYPES or seen_tokens.dim() != 2 \
-            or seen_tokens.shape[1] != vocab:
-        raise ValueError(f"repetition_penalty needs seen_tokens: a bool or uint8 tensor [C, {vocab}] (the tokens each "
-                         f"row has seen), got {_shown(seen_tokens)}")
-    if seen_rows is None and seen_tokens.shape[0] != rows:
-        raise ValueError(f"seen_tokens has {seen_tokens.shape[0]} rows but {data} {rows}: pass seen_rows (int64 "
-                         f"[{rows}], the row of seen_tokens each row reads)")
+    tables = []
+    if repetition_penalty is not None:
+        if not check_device_scalar("repetition_penalty", repetition_penalty, device) and (
+                isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, numbers.Real)
+                or not 0 < float(repetition_penalty) < float("inf")):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: no penalty), got "
+                             f"{repetition_penalty!r}")
+        if not isinstance(seen_tokens, torch.Tensor) or seen_tokens.dtype not in BAN_DTYPES or seen_tokens.dim() != 2 \
+                or seen_tokens.shape[1] != vocab:
+            raise ValueError(f"repetition_penalty needs seen_tokens: a bool or uint8 tensor [C, {vocab}] (the tokens "
+                             f"each row has seen), got {_shown(seen_tokens)}")
+        tables.append(("seen_tokens", seen_tokens))
+    if logit_offsets is not None:
+        if not isinstance(logit_offsets, torch.Tensor) or logit_offsets.dtype != torch.float32 \
+                or logit_offsets.dim() != 2 or logit_offsets.shape[1] != vocab:
+            raise ValueError(f"logit_offsets must be a float32 tensor [C, {vocab}] (each row's additive term), got "
+                             f"{_shown(logit_offsets)}")
+        tables.append(("logit_offsets", logit_offsets))
+    if len(tables) == 2 and seen_tokens.shape[0] != logit_offsets.shape[0]:
+        raise ValueError(f"seen_tokens has {seen_tokens.shape[0]} rows but logit_offsets {logit_offsets.shape[0]}: "
+                         "seen_rows reads the same row of both")
+    name, table = tables[0]
+    if seen_rows is None and table.shape[0] != rows:
+        raise ValueError(f"{name} has {table.shape[0]} rows but {data} {rows}: pass seen_rows (int64 [{rows}], the row "
+                         f"of {name} each row reads)")
     if seen_rows is not None and (not isinstance(seen_rows, torch.Tensor) or seen_rows.dtype != torch.int64
                                   or tuple(seen_rows.shape) != (rows,)):
         raise ValueError(f"seen_rows must be an int64 tensor of shape [{rows}] (one per row of {data}), got "
                          f"{_shown(seen_rows)}")
-    for name, t in (("seen_tokens", seen_tokens), ("seen_rows", seen_rows)):
+    for name, t in (*tables, ("seen_rows", seen_rows)):
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but {data} is on {device}")
 
@@ -144,17 +161,21 @@ def _shown(t) -> str:
     return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def penalty_operands(repetition_penalty, seen_tokens, seen_rows, rows: int, dummy: torch.Tensor) -> tuple:
-    """What a kernel with ``HAS_PENALTY`` reads (checked by :func:`check_penalty`): the seen table as uint8 [C, V]
-    (contiguous), each row's row of it (int64 [rows]) and the penalty as a 0-d float64 tensor on the device;
-    ``dummy`` for all three without a penalty (the kernel then reads none)."""
-    if repetition_penalty is None:
-        return dummy, dummy, dummy
-    device = seen_tokens.device
-    table = seen_tokens.contiguous().view(torch.uint8)
-    which = torch.arange(rows, device=device) if seen_rows is None else seen_rows.contiguous()
-    pen = torch.as_tensor(repetition_penalty, dtype=torch.float64, device=device)
-    return table, which, pen
+def penalty_operands(repetition_penalty, seen_tokens, seen_rows, rows: int, dummy: torch.Tensor,
+                     logit_offsets=None) -> tuple:
+    """What a kernel with ``HAS_PENALTY`` / ``HAS_OFFSETS`` reads (checked by :func:`check_penalty`): the seen table
+    as uint8 [C, V] (contiguous), the offsets float32 [C, V] (contiguous), each row's row of them (int64 [rows]) and
+    the penalty as a 0-d float64 tensor on the device; ``dummy`` for what the call does not use (the kernel then
+    reads none of it)."""
+    table = offsets = which = pen = dummy
+    if repetition_penalty is not None:
+        table = seen_tokens.contiguous().view(torch.uint8)
+        pen = torch.as_tensor(repetition_penalty, dtype=torch.float64, device=dummy.device)
+    if logit_offsets is not None:
+        offsets = logit_offsets.contiguous()
+    if repetition_penalty is not None or logit_offsets is not None:
+        which = torch.arange(rows, device=dummy.device) if seen_rows is None else seen_rows.contiguous()
+    return table, offsets, which, pen
 
 
 def temperature_operands(temperature, dummy: torch.Tensor) -> tuple[float, torch.Tensor, int, bool]:

@@ -21,7 +21,8 @@ def test_smoke_run_writes_results(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "decode_kernels_smoke.csv")))
     kernels = {row["kernel"] for row in rows}
     assert {"confidence_res", "confidence_nores", "confidence_topkp", "confidence_minp", "confidence_epsilon_eta",
-            "confidence_toph", "confidence_typical", "confidence_ban", "confidence_penalty", "confidence_entropy",
+            "confidence_toph", "confidence_typical", "confidence_ban", "confidence_penalty", "confidence_offsets",
+            "confidence_entropy",
             "select_static", "select_entropy", "verify", "remask_tau", "remask_delta"} <= kernels
     assert all(row["gpu"] and row["torch"] and row["triton"] for row in rows)
 

@@ -34,25 +34,31 @@ def _inputs(N, H, V, M, dtype, g, listed=0.8):
     return hidden, weight, ids, rest, seed_hidden, weight.float().mean(0)
 
 
-def _drawn_penalty(penalty, N: int, V: int, g: torch.Generator) -> dict:
+def _drawn_penalty(penalty, offsets: bool, N: int, V: int, g: torch.Generator) -> dict:
     """No repetition penalty (``penalty`` None), or one (a number, or 1.5 as a 0-d float64 tensor) with 3 rows of
-    seen tokens (a third of the vocabulary each) that the N rows read."""
-    if penalty is None:
-        return {}
-    return dict(repetition_penalty=torch.tensor(1.5, dtype=torch.float64, device=DEV) if penalty == "tensor" else
-                penalty, seen_tokens=(torch.rand(3, V, generator=g) < 0.3).to(DEV),
-                seen_rows=torch.randint(0, 3, (N,), generator=g).to(DEV))
+    seen tokens (a third of the vocabulary each) that the N rows read; with ``offsets``, 3 rows of logit offsets
+    read at the same rows."""
+    kw = {}
+    if penalty is not None:
+        kw.update(repetition_penalty=torch.tensor(1.5, dtype=torch.float64, device=DEV) if penalty == "tensor" else
+                  penalty, seen_tokens=(torch.rand(3, V, generator=g) < 0.3).to(DEV))
+    if offsets:
+        kw["logit_offsets"] = (torch.randn(3, V, generator=g) * 2).to(DEV)
+    if kw:
+        kw["seen_rows"] = torch.randint(0, 3, (N,), generator=g).to(DEV)
+    return kw
 
 
 @settings(max_examples=25)
 @given(N=st.integers(1, 12), H=st.integers(1, 70), V=st.integers(1, 90), M=st.integers(1, 64),
        dtype=st.sampled_from(DTYPES), temperature=st.sampled_from((1.0, 0.5, 2.0, "tensor", "rows")),
        skip=st.booleans(), block_h=st.sampled_from((None, 16)), penalty=st.sampled_from((None, 0.5, 2.0, "tensor")),
-       seed=st.integers(0, 2**16))
-def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, block_h, penalty, seed):
+       offsets=st.booleans(), seed=st.integers(0, 2**16))
+def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, block_h, penalty, offsets, seed):
     """The greedy pick against the reference (a temperature and a repetition penalty given as numbers or as the 0-d
     float64 tensors the decode engine passes, the temperature also one a row; the penalty at the listed tokens each
-    row has seen, rows reading shared rows of the seen table)."""
+    row has seen, rows reading shared rows of the seen table; logit offsets at the listed tokens, alone or beside the
+    penalty)."""
     g = torch.Generator().manual_seed(seed)
     hidden, weight, ids, rest, seed_hidden, mean = _inputs(N, H, V, M, dtype, g)
     if temperature == "tensor":  # read on the device, as captured decoding steps pass it
@@ -61,7 +67,7 @@ def test_greedy_kernel_matches_reference(N, H, V, M, dtype, temperature, skip, b
         temperature = (torch.rand(N, generator=g, dtype=torch.float64) * 2 + 0.2).to(DEV)
     skip_rows = (torch.rand(N, generator=g) < 0.3).to(DEV) if skip else None
     kw = dict(seed_hidden=seed_hidden, vocab_mean=mean, temperature=temperature, skip_rows=skip_rows,
-              **_drawn_penalty(penalty, N, V, g))
+              **_drawn_penalty(penalty, offsets, N, V, g))
     with poisoned_allocations():
         tok, prob = candidate_confidence_triton(hidden, weight, ids, rest, block_h=block_h, **kw)
     want_tok, want_prob = candidate_confidence_reference(hidden, weight, ids, rest, **kw)

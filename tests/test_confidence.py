@@ -53,15 +53,22 @@ def _drawn_ban(draw, g: torch.Generator, N: int, V: int):
 
 def _drawn_penalty(draw, g: torch.Generator, N: int, V: int) -> dict:
     """No repetition penalty, or one (below or above 1) with the tokens seen: a fraction of the vocabulary (or all of
-    it) in each of C rows that the N rows read by seen_rows, or in N rows (seen_rows None)."""
+    it) in each of C rows that the N rows read by seen_rows, or in N rows (seen_rows None); and no logit offsets, or
+    C (or N) rows of them (normal, a few at -100 or +100, as a bias sets them), alone or beside the penalty."""
     penalty = draw(st.sampled_from([None, 0.5, 1.3, 3.0]))
-    if penalty is None:
+    offsets = draw(st.booleans())
+    if penalty is None and not offsets:
         return {}
     C = draw(st.sampled_from([None, 1, 3]))
-    seen = torch.rand(N if C is None else C, V, generator=g) < draw(st.sampled_from([0.1, 0.5, 1.0]))
-    rows = None if C is None else torch.randint(0, C, (N,), generator=g)
-    return dict(repetition_penalty=penalty, seen_tokens=seen if draw(st.booleans()) else seen.to(torch.uint8),
-                seen_rows=rows)
+    kw = dict(seen_rows=None if C is None else torch.randint(0, C, (N,), generator=g))
+    if penalty is not None:
+        seen = torch.rand(N if C is None else C, V, generator=g) < draw(st.sampled_from([0.1, 0.5, 1.0]))
+        kw.update(repetition_penalty=penalty, seen_tokens=seen if draw(st.booleans()) else seen.to(torch.uint8))
+    if offsets:
+        table = torch.randn(N if C is None else C, V, generator=g) * 2
+        special = torch.rand(table.shape, generator=g)
+        kw["logit_offsets"] = table.masked_fill(special < 0.05, -100.0).masked_fill(special > 0.98, 100.0)
+    return kw
 
 
 @st.composite

@@ -1,5 +1,5 @@
 """generate() under drawn combinations of settings (float64): every strategy with sampling, its filters, the
-repetition penalty, token bans and min_new_tokens together, on padded batches; the engine options that must not
+repetition, presence and frequency penalties, a logit bias, token bans and min_new_tokens together, on padded batches; the engine options that must not
 change the output (graph-shaped steps, the fused commit, rows moving on per row, a chunked prefill) are checked against
 each other, and speculative decoding against static decoding, where each feature's own tests check it alone."""
 
@@ -33,7 +33,8 @@ def model():
 @st.composite
 def calls(draw) -> dict:
     """A strategy, greedy or sampled (each filter drawn one time in five), with or without a repetition penalty,
-    min_new_tokens, suppress_tokens and begin_suppress_tokens."""
+    presence and frequency penalties, a sequence bias (not beside a repetition penalty), min_new_tokens,
+    suppress_tokens and begin_suppress_tokens."""
     kw = dict(draw(st.sampled_from(CALLS)))
     if draw(st.booleans()):
         kw.update(do_sample=True, seed=draw(st.integers(0, 999)), temperature=draw(st.sampled_from([0.7, 1.0, 1.3])))
@@ -41,6 +42,12 @@ def calls(draw) -> dict:
                    if draw(st.integers(0, 4)) == 0})
     if draw(st.booleans()):
         kw["repetition_penalty"] = draw(st.sampled_from([0.8, 1.3, 2.0]))
+    for name, values in (("presence_penalty", [-0.5, 1.0]), ("frequency_penalty", [0.4, 1.5])):
+        if draw(st.integers(0, 2)) == 0:
+            kw[name] = draw(st.sampled_from(values))
+    if "repetition_penalty" not in kw and draw(st.integers(0, 2)) == 0:
+        kw["sequence_bias"] = {(token,): bias for token, bias in draw(st.dictionaries(
+            st.integers(0, MASK_ID - 1), st.sampled_from([-3.0, 2.0, float("-inf")]), min_size=1, max_size=4)).items()}
     if draw(st.booleans()):
         kw["min_new_tokens"] = draw(st.integers(1, 8))
     for name, most in (("suppress_tokens", 4), ("begin_suppress_tokens", 3)):

@@ -107,12 +107,13 @@ def test_exact_integer_logits_match_reference(N, H, V, dtype, base, use_mask, te
        skip=st.sampled_from(("none", "all", "first", "last", "random")), with_base=st.booleans(),
        block_n=st.sampled_from((16, 32)), rows_major=st.booleans(), top_m=st.sampled_from((0, 1, 5)),
        ban=st.sampled_from((None, "every row", "some rows", "classes")), entropy=st.booleans(),
-       penalty=st.sampled_from((None, 2.0, 0.5, "tensor")), seed=st.integers(0, 2**16))
+       penalty=st.sampled_from((None, 2.0, 0.5, "tensor")), offsets=st.booleans(), seed=st.integers(0, 2**16))
 def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, rows_major, top_m, ban, entropy,
-                                      penalty, seed):
+                                      penalty, offsets, seed):
     """Skipped rows give (-1, 0, -inf; entropy +inf); the kept rows, gathered to the front on the device, give what they
     give unskipped, whichever row blocks they end up in; with a repetition penalty (a number, or 2 as a 0-d float64
-    tensor) at the columns each row has seen (rows reading shared rows of the seen table), scaled in the tile."""
+    tensor) at the columns each row has seen (rows reading shared rows of the seen table), scaled in the tile; with
+    logit offsets (rows of them read as the seen table's rows, alone or beside the penalty) added in the tile."""
     g = torch.Generator().manual_seed(seed)
     hidden = _ints((N, H), -2, 2, dtype, g)
     weight = _ints((V, H), -2, 2, dtype, g)
@@ -125,6 +126,9 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
         bans.update(repetition_penalty=torch.tensor(2.0, dtype=torch.float64, device=DEV) if penalty == "tensor" else
                     penalty, seen_tokens=(torch.rand(3, V, generator=g) < 0.4).to(DEV),
                     seen_rows=torch.randint(0, 3, (N,), generator=g).to(DEV))
+    if offsets:  # small integers: still exact
+        bans.update(logit_offsets=_ints((3, V), -3, 3, torch.float32, g),
+                    seen_rows=bans.get("seen_rows", torch.randint(0, 3, (N,), generator=g).to(DEV)))
     kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows, top_m=min(top_m, V), entropy=entropy,
               **bans)
     with poisoned_allocations():
@@ -405,11 +409,12 @@ def test_banned_tokens_count_as_minus_infinity_base_logits(op, ban_rows):
 
 @pytest.mark.parametrize("op", [lm_head_confidence, lm_head_confidence_triton])
 def test_penalty_picks_as_the_confidence_op(op):
-    """Under a repetition penalty the fused pick (and its top 5) is the confidence op's on the penalized logits:
-    the penalty at the seen columns before the temperature, each row reading its row of the seen table; the most
-    likely token of every row is seen, so every row's pick changes."""
+    """Under a repetition penalty and logit offsets the fused pick (and its top 5) is the confidence op's on the
+    penalized logits: the penalty at the seen columns, then the offsets, before the temperature, each row reading its
+    row of the seen table and of the offsets; the most likely token of every row is seen, so every row's pick
+    changes."""
     from mrp_triton.reference.confidence import confidence as confidence_reference
-    from mrp_triton.reference.confidence import penalized
+    from mrp_triton.reference.confidence import offset, penalized
 
     torch.manual_seed(1)
     hidden, weight = torch.randn(6, 16, device=DEV), torch.randn(50, 16, device=DEV)
@@ -417,13 +422,14 @@ def test_penalty_picks_as_the_confidence_op(op):
     seen = torch.zeros(3, 50, dtype=torch.bool, device=DEV)
     rows = torch.tensor([0, 1, 2, 0, 1, 2], device=DEV)
     seen[rows, logits.argmax(-1)] = True
-    kw = dict(repetition_penalty=3.0, seen_tokens=seen, seen_rows=rows)
+    offsets = torch.randn(3, 50, device=DEV)
+    kw = dict(repetition_penalty=3.0, seen_tokens=seen, seen_rows=rows, logit_offsets=offsets)
     out = op(hidden, weight, temperature=0.7, top_m=5, **kw)
     want = confidence_reference(logits.cpu(), temperature=0.7, **{k: v.cpu() if torch.is_tensor(v) else v
                                                                   for k, v in kw.items()})
     assert torch.equal(out[0].cpu(), want[0]) and (out[0] != logits.argmax(-1)).all()
     torch.testing.assert_close(out[1].cpu(), want[1], rtol=1e-5, atol=1e-6)
-    top = (penalized(logits, 3.0, seen, rows) / 0.7).topk(5, dim=-1).values
+    top = (offset(penalized(logits, 3.0, seen, rows), offsets, rows) / 0.7).topk(5, dim=-1).values
     torch.testing.assert_close(out[3], top, rtol=1e-5, atol=1e-5)
 
 

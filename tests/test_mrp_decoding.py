@@ -271,7 +271,7 @@ def test_remask_scores_follow_their_rule(rule, penalty):
     revealed = torch.rand(B, T, generator=g) < 0.6
     before = torch.where(torch.rand(B, T, generator=g) < 0.5, tokens, MASK_ID)  # some revealed tokens seen before
     score = _token_scores(dec, h_a, corrected, tokens, revealed, torch.arange(8, 16).expand(B, -1),
-                          dec.seen_tokens(before))
+                          dec.penalties(before))
     if rule == "tau":
         if penalty is not None:
             corrected = torch.stack([RepetitionPenaltyLogitsProcessor(penalty)(before[b].expand(T, -1), corrected[b])

@@ -171,13 +171,13 @@ def test_each_draft_sees_the_drafts_before_it(model, monkeypatch, drafts):
     from hf_integration.decoding import BlockDecoder
 
     calls = []
-    seen_tokens = BlockDecoder.seen_tokens
+    penalties = BlockDecoder.penalties
 
     def spy(self, states):
         calls.append(states.clone())
-        return seen_tokens(self, states)
+        return penalties(self, states)
 
-    monkeypatch.setattr(BlockDecoder, "seen_tokens", spy)
+    monkeypatch.setattr(BlockDecoder, "penalties", spy)
     model.generate(random_prompts(2, 5, seed=3), max_new_tokens=12, strategy="speculative", mrp_steps=3,
                    repetition_penalty=1.9, eos_token_id=[], **drafts)
     rounds = [i for i, states in enumerate(calls) if states.dim() == 3]
@@ -230,7 +230,7 @@ def test_draft_candidate_lists_rank_the_penalized_logits():
     logits = model.lm_head(hidden).detach()
     block = logits.topk(2, dim=-1).indices[:, :, 1]  # the block holds each position's second most likely token
     picks = dec.pick_hidden(hidden, torch.arange(8, 16).expand(2, -1), torch.ones(2, 8, dtype=torch.bool), None,
-                            top_m=4, seen=dec.seen_tokens(block))
+                            top_m=4, seen=dec.penalties(block))
     want = torch.stack([RepetitionPenaltyLogitsProcessor(3.0)(block[b].expand(8, -1), logits[b]) for b in range(2)])
     want[..., model.config.mask_token_id] = float("-inf")
     torch.testing.assert_close(picks[3].double(), want.topk(4, dim=-1).values, rtol=1e-6, atol=1e-6)
@@ -255,7 +255,7 @@ def test_draft_vocabulary_picks_read_the_seen_table_by_column(draft_vocab):
     logits = model.lm_head(hidden).detach()[..., ids]  # the draft's columns
     block = ids[logits.argmax(-1)]  # the block holds each position's most likely draft token
     tok = dec.pick_hidden(hidden, torch.arange(8, 16).expand(2, -1), torch.ones(2, 8, dtype=torch.bool), None,
-                          dec.draft, seen=dec.seen_tokens(block))[0]
+                          dec.draft, seen=dec.penalties(block))[0]
     penalized = torch.stack([RepetitionPenaltyLogitsProcessor(4.0)(block[b].expand(8, -1), model.lm_head(hidden[b])
                                                                    .detach())[:, ids] for b in range(2)])
     assert torch.equal(tok, ids[penalized.argmax(-1)])

@@ -292,6 +292,22 @@ def test_a_logit_bias_of_minus_100_bans_its_tokens(shipped, endpoint):
     assert text(biased[1]) == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_penalties_and_a_logit_bias_decode_as_generate(shipped):
+    """presence_penalty, frequency_penalty and logit_bias (-100 a ban, another value a bias) give generate()'s
+    completion with those penalties, the ban as suppress_tokens and the bias as sequence_bias; not the free one."""
+    tokenizer, model = shipped
+    ids = tokenizer("def add(a, b):\n").input_ids
+    free = kept(alone(model, ids, max_new_tokens=16), len(ids))
+    request = {"prompt": "def add(a, b):\n", "max_tokens": 16, "presence_penalty": 0.8, "frequency_penalty": 1.5,
+               "logit_bias": {str(free[0]): -100, str(free[1]): -7.5}}
+    with serving(tokenizer, model) as url:
+        status, body = post(url + "/v1/completions", request)
+    expected = kept(alone(model, ids, max_new_tokens=16, presence_penalty=0.8, frequency_penalty=1.5,
+                          suppress_tokens=[free[0]], sequence_bias={(free[1],): -7.5}), len(ids))
+    assert status == 200 and expected != free
+    assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_a_stream_cut_by_a_stop_string_sends_the_text_before_it(shipped):
     tokenizer, model = shipped
     request = {"prompt": "def mean(values):\n", "max_tokens": 48, "stop": ["Return a"]}
@@ -667,8 +683,9 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
 
 
 @pytest.mark.parametrize("path, body, status, param, message", [
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "repetition_penalty"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", "in [-2, 2]"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": "high"}, 400, "presence_penalty", "a number"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "in [-100, 100]"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "at most 20"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "integer >= 0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
@@ -680,7 +697,8 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
      "true or false"),
     ("/v1/completions", {"prompt": "x", "beams": 2}, 400, "beams", "unknown field 'beams'"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 3}}, 400, "logit_bias", "a bias of -100 only"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 3}, "repetition_penalty": 1.3}, 400, "logit_bias",
+     "do not combine with repetition_penalty=1.3"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100.0, "6": True}},
      400, "logit_bias", "logit_bias True for token 6"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": -100}}, 400, "logit_bias", "'a' is not a token id"),
@@ -831,7 +849,12 @@ def test_the_openai_client_talks_to_mrp_serve(shipped):
         assert [t for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for t in chunk.choices[0].logprobs.content] == tokens
         with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-            client.completions.create(model="sdar", prompt="x", presence_penalty=1.0)
+            client.completions.create(model="sdar", prompt="x", presence_penalty=2.5)
+        penalized = client.completions.create(model="sdar", prompt="def mean(values):\n", max_tokens=20,
+                                              frequency_penalty=1.5, presence_penalty=0.5)
+        assert penalized.choices[0].text == tokenizer.decode(kept(alone(
+            model, ids, max_new_tokens=20, frequency_penalty=1.5, presence_penalty=0.5), len(ids)),
+            skip_special_tokens=True)
 
 
 def test_a_server_with_an_api_key_answers_only_requests_that_send_it(shipped):

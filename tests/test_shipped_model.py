@@ -574,7 +574,7 @@ def test_mrp_generate_passes_each_option_to_generate_as_its_keyword():
     given = dict(max_new_tokens=300, min_new_tokens=3, block_length=8, denoising_steps=2, threshold=0.6,
                  entropy_bound=0.25, mrp_steps=4,
                  draft_schedule="authors", draft_vocab=20, draft_candidates=5, remask_rule="delta", residual_delta=0.25,
-                 repetition_penalty=1.3,
+                 repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.25,
                  do_sample=True, temperature=0.7, top_h=0.9, top_k=9, top_p=0.8, min_p=0.05, typical_p=0.95,
                  epsilon_cutoff=3e-4,
                  eta_cutoff=2e-3, seed=11, max_time=2.5, prefill_chunk_size=64)

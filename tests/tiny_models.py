@@ -65,6 +65,7 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
                         eos_ids: tuple[int, ...] = (), min_new: int = 0, suppress: tuple[int, ...] = (),
                         begin_suppress: tuple[int, ...] = (), leftmost: bool = False,
                         entropy_bound: float | None = None, repetition_penalty: float | None = None,
+                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, bias: dict | None = None,
                         top_logprobs: torch.Tensor | None = None):
     """One token per step, recomputing the whole block-causal sequence with no cache (the oracle): each block
     until its positions up to the last new token are committed (the last block's positions past it are masks
@@ -76,7 +77,9 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
     ``leftmost``: each step commits the first masked position (SDAR's sequential rule) instead of the most
     confident; ``entropy_bound``: the masked positions in order of their softmax's entropy (torch's Categorical),
     lowest first, while the entropies before sum to at most the bound. ``repetition_penalty``: transformers'
-    RepetitionPenaltyLogitsProcessor at each step, over the tokens the sequence holds (prompt and committed ones).
+    RepetitionPenaltyLogitsProcessor at each step, over the tokens the sequence holds (prompt and committed ones);
+    then ``bias`` (token id -> bias) added, and ``presence_penalty`` / ``frequency_penalty`` subtracted as OpenAI
+    defines them, over the new tokens committed so far (counted with ``torch.bincount``).
     ``top_logprobs`` [P + max_new, k]: each revealed position's k largest log-probabilities of that softmax."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
@@ -92,6 +95,11 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
             if repetition_penalty is not None:
                 seen = x[0, : start + block][x[0, : start + block] != MASK_ID]
                 logits = RepetitionPenaltyLogitsProcessor(repetition_penalty)(seen.expand(block, -1), logits)
+            for token, b in (bias or {}).items():
+                logits[:, token] += b
+            generated = x[0, P : start + block][x[0, P : start + block] != MASK_ID]
+            counts = torch.bincount(generated, minlength=logits.shape[1]).to(logits.dtype)
+            logits = logits - presence_penalty * (counts > 0).to(logits.dtype) - frequency_penalty * counts
             logits[:, MASK_ID] = float("-inf")
             new_index = torch.arange(start, start + block)[:, None] - P
             bans = ((eos_ids, new_index < min_new), (suppress, new_index >= 0), (begin_suppress, new_index == 0))

@@ -118,6 +118,12 @@ class DecodeEngine:
         # with a repetition penalty, bool [batch, V]: the tokens each working row has seen before its block (its
         # prompt and finished blocks); made by the first call that asks for it (use_settings)
         self.seen: torch.Tensor | None = None
+        # with presence / frequency penalties or a sequence bias (settings.offsets_logits), float32 [batch, V]: how
+        # often each working row generated each token before its block, less the prompt's tokens inside its block
+        # (which the block's tokens then add back), and float32 [V]: the bias by token id; made by the first call that
+        # asks for them (use_settings)
+        self.counts: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         # output_top_logprobs=k: by original row and position, the k most likely tokens of the softmax that committed
         # it and their log-probabilities, ([batch, max_len, k] float32, int64) by k; made by the first call asking
         # for k (use_settings) and kept, as the steps captured for k write them
@@ -165,6 +171,14 @@ class DecodeEngine:
             self.ban_table[list(ids or ())] |= bit
         if settings.repetition_penalty is not None and self.seen is None:
             self.seen = torch.zeros((self.shape.batch, self.vocab_size), dtype=torch.bool, device=self.shape.device)
+        if settings.offsets_logits and self.counts is None:
+            self.counts = torch.zeros((self.shape.batch, self.vocab_size), device=self.shape.device)
+            self.bias = torch.zeros(self.vocab_size, device=self.shape.device)
+        if self.bias is not None:
+            self.bias.zero_()
+            if settings.sequence_bias is not None:
+                tokens, biases = zip(*settings.sequence_bias)
+                self.bias[torch.tensor(tokens, device=self.bias.device)] = torch.tensor(biases, device=self.bias.device)
         k = settings.output_top_logprobs
         if k and k not in self.top_notes:
             s = self.shape
@@ -211,8 +225,9 @@ class DecodeEngine:
         self._counter[:n] = self.counter[kept]
         self._starts[:n] = self.starts[kept]
         self._ends[:n] = self.ends[kept]
-        if self.seen is not None:
-            self.seen[:n] = self.seen[kept]
+        for table in (self.seen, self.counts):
+            if table is not None:
+                table[:n] = table[kept]
         self._use_rows(n)
         self.cache.keep_rows(kept)
 
