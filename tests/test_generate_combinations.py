@@ -1,7 +1,8 @@
 """generate() under drawn combinations of settings (float64): every strategy with sampling, its filters, the
-repetition, presence and frequency penalties, a logit bias, token bans and min_new_tokens together, on padded batches; the engine options that must not
-change the output (graph-shaped steps, the fused commit, rows moving on per row, a chunked prefill) are checked against
-each other, and speculative decoding against static decoding, where each feature's own tests check it alone."""
+repetition, presence and frequency penalties, a logit bias, token bans and min_new_tokens together, on padded batches;
+the engine options that must not change the output (graph-shaped steps, the fused commit, rows moving on per row, a
+chunked prefill) are checked against each other, and speculative decoding against static decoding, where each
+feature's own tests check it alone."""
 
 from __future__ import annotations
 

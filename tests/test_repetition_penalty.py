@@ -10,7 +10,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 import mrp_triton as mt
 from hf_integration.generation_settings import GenerationSettings
-from tiny_models import STRATEGIES, naive_static_decode, padded_batch, random_prompts, tiny_model
+from tiny_models import STRATEGIES, assert_rows_decode_as_alone, naive_static_decode, random_prompts, tiny_model
 
 from kernel_utils import DEV
 
@@ -113,18 +113,7 @@ def test_each_row_sees_its_own_tokens_not_the_padding(model):
     """In a left-padded batch each row is penalized for its own prompt and tokens only (not the padding, which
     transformers' processor would count): every row decodes as it does alone, also with rows finishing early and
     leaving the batch (an EOS) and with CUDA graphs' recorded steps (replayed on a CPU)."""
-    rows = [random_prompts(1, n, seed=20 + n)[0] for n in (3, 7, 5)]
-    ids, mask = padded_batch(rows, "left")
-    kw = dict(max_new_tokens=12, repetition_penalty=2.2, strategy="dynamic", threshold=0.3)
-    alone = [model.generate(r[None], eos_token_id=[], **kw)[0, len(r):] for r in rows]
-    batch = model.generate(ids, attention_mask=mask, eos_token_id=[], **kw)[:, ids.shape[1]:]
-    assert all(torch.equal(b, a) for b, a in zip(batch, alone))
-    eos = int(alone[1][2])  # row 1 ends at its third new token
-    ended = [model.generate(r[None], eos_token_id=eos, pad_token_id=0, **kw)[0, len(r):] for r in rows]
-    for graphs in (False, True):
-        out = model.generate(ids, attention_mask=mask, eos_token_id=eos, pad_token_id=0, cuda_graphs=graphs,
-                             **kw)[:, ids.shape[1]:]
-        assert all(torch.equal(b, a) for b, a in zip(out, ended)), graphs
+    assert_rows_decode_as_alone(model, max_new_tokens=12, repetition_penalty=2.2, strategy="dynamic", threshold=0.3)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))

@@ -126,6 +126,23 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
     return x[0, : P + max_new]
 
 
+def assert_rows_decode_as_alone(model, **settings) -> None:
+    """In a left-padded batch of three random prompts (3, 7 and 5 tokens), every row decodes with ``settings`` what it
+    decodes alone; so it does with the second row ending at its third new token (an EOS) and leaving the batch, with
+    CUDA graphs' recorded steps (replayed on a CPU) or without."""
+    rows = [random_prompts(1, n, seed=20 + n)[0] for n in (3, 7, 5)]
+    ids, mask = padded_batch(rows, "left")
+    alone = [model.generate(r[None], eos_token_id=[], **settings)[0, len(r):] for r in rows]
+    batch = model.generate(ids, attention_mask=mask, eos_token_id=[], **settings)[:, ids.shape[1]:]
+    assert all(torch.equal(b, a) for b, a in zip(batch, alone))
+    eos = int(alone[1][2])
+    ended = [model.generate(r[None], eos_token_id=eos, pad_token_id=0, **settings)[0, len(r):] for r in rows]
+    for graphs in (False, True):
+        out = model.generate(ids, attention_mask=mask, eos_token_id=eos, pad_token_id=0, cuda_graphs=graphs,
+                             **settings)[:, ids.shape[1]:]
+        assert all(torch.equal(b, a) for b, a in zip(out, ended)), graphs
+
+
 def spy_on_drafts(monkeypatch) -> list[torch.Tensor]:
     """From now on, the draft tokens [B, K] of every verify round (``mrp_triton.verify_drafts``'s input), in order."""
     import mrp_triton
