@@ -118,10 +118,10 @@ class DecodeEngine:
         # with a repetition penalty, bool [batch, V]: the tokens each working row has seen before its block (its
         # prompt and finished blocks); made by the first call that asks for it (use_settings)
         self.seen: torch.Tensor | None = None
-        # with presence / frequency penalties or a sequence bias (settings.offsets_logits), float32 [batch, V]: how
-        # often each working row generated each token before its block, less the prompt's tokens inside its block
-        # (which the block's tokens then add back), and float32 [V]: the bias by token id; made by the first call that
-        # asks for them (use_settings)
+        # with presence / frequency penalties (settings.counts_tokens), float32 [batch, V]: how often each working row
+        # generated each token before its block, less the prompt's tokens inside its block (which the block's tokens
+        # then add back); with those or a sequence bias (settings.offsets_logits), float32 [V]: the bias by token id
+        # (zeros without one); each made by the first call that asks for it (use_settings)
         self.counts: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         # output_top_logprobs=k: by original row and position, the k most likely tokens of the softmax that committed
@@ -171,8 +171,9 @@ class DecodeEngine:
             self.ban_table[list(ids or ())] |= bit
         if settings.repetition_penalty is not None and self.seen is None:
             self.seen = torch.zeros((self.shape.batch, self.vocab_size), dtype=torch.bool, device=self.shape.device)
-        if settings.offsets_logits and self.counts is None:
+        if settings.counts_tokens and self.counts is None:
             self.counts = torch.zeros((self.shape.batch, self.vocab_size), device=self.shape.device)
+        if settings.offsets_logits and self.bias is None:
             self.bias = torch.zeros(self.vocab_size, device=self.shape.device)
         if self.bias is not None:
             self.bias.zero_()

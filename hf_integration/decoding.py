@@ -593,9 +593,10 @@ class BlockDecoder:
         for picks over the block states [B, T] or [B, C, T] (C candidate states of each row; the picks' rows are the
         states' positions, flattened), over the whole vocabulary: with a repetition penalty each state's row of tokens
         seen, its row's (prompt and finished blocks: ``engine.seen``) with the state's own tokens (its mask tokens
-        too: the mask column is never picked); with presence / frequency penalties or a sequence bias each state's row
-        of logit offsets, ``bias - presence * (count > 0) - frequency * count`` with the count of each token the row
-        generated: its row's (``engine.counts``) with the state's own tokens. Empty without any."""
+        too: the mask column is never picked); with presence / frequency penalties each state's row of logit offsets,
+        ``bias - presence * (count > 0) - frequency * count`` with the count of each token the row generated: its
+        row's (``engine.counts``) with the state's own tokens; with a sequence bias alone, the bias as the one row of
+        offsets every pick reads. Empty without any."""
         if not self.penalizing:
             return {}
         s = states if states.dim() == 3 else states[:, None]
@@ -605,14 +606,16 @@ class BlockDecoder:
         if self.settings.repetition_penalty is not None:
             out.update(repetition_penalty=self.on_device("repetition_penalty"),
                        seen_tokens=self.engine.seen[:B].repeat_interleave(C, 0).scatter_(1, flat, True))
-        if self.settings.offsets_logits:
+        if self.settings.counts_tokens:
             counts = self.engine.counts[:B].repeat_interleave(C, 0).scatter_add_(
                 1, flat, torch.ones(flat.shape, device=flat.device))
-            offsets = self.engine.bias.expand_as(counts)
-            for name, term in (("presence_penalty", (counts > 0).float()), ("frequency_penalty", counts)):
-                if getattr(self.settings, name) is not None:
-                    offsets = offsets - self.on_device(name).float() * term
+            offsets = self.engine.bias - self.on_device("frequency_penalty").float() * counts \
+                if self.settings.frequency_penalty is not None else self.engine.bias.expand_as(counts)
+            if self.settings.presence_penalty is not None:
+                offsets = offsets - self.on_device("presence_penalty").float() * (counts > 0)
             out["logit_offsets"] = offsets.contiguous()
+        elif self.settings.sequence_bias is not None:  # never beside a repetition penalty: seen_rows is the bias's
+            out.update(logit_offsets=self.engine.bias[None], seen_rows=torch.zeros_like(out["seen_rows"]))
         return out
 
     def _penalty(self, seen: dict | None, vocab: int | None = None) -> dict:
@@ -624,10 +627,10 @@ class BlockDecoder:
 
     def see(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Note the finished blocks ``ids`` [R, T] of the working ``rows`` [R]: as seen, with a repetition penalty
-        (``engine.seen``), and counted, with logit offsets (``engine.counts``)."""
+        (``engine.seen``), and counted, with presence / frequency penalties (``engine.counts``)."""
         if self.settings.repetition_penalty is not None:
             self.engine.seen[rows] = self.engine.seen[rows].scatter_(1, ids, True)
-        if self.settings.offsets_logits:
+        if self.settings.counts_tokens:
             self.engine.counts[rows] = self.engine.counts[rows].scatter_add_(
                 1, ids, torch.ones(ids.shape, device=ids.device))
 
@@ -789,7 +792,7 @@ class BlockDecoder:
             prompts = self.x[:, : self.prompts.ids.shape[1]]
             self.engine.seen.zero_()
             self.engine.seen[self.rows] = self.engine.seen[self.rows].scatter_(1, prompts, True)
-        if self.settings.offsets_logits:  # no token generated yet, less the prompt's tail in each row's first block
+        if self.settings.counts_tokens:  # no token generated yet, less the prompt's tail in each row's first block
             self.engine.counts.zero_()
             self.engine.counts[self.rows] = self.engine.counts[self.rows].scatter_add_(
                 1, block, -(positions < self.engine.starts[:, None]).float())

@@ -346,7 +346,12 @@ class GenerationSettings:
     @property
     def offsets_logits(self) -> bool:
         """Whether the picks add an offset to the logits (a presence or frequency penalty, a sequence bias)."""
-        return self.presence_penalty is not None or self.frequency_penalty is not None or self.sequence_bias is not None
+        return self.counts_tokens or self.sequence_bias is not None
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the picks read how often each row generated each token (a presence or frequency penalty)."""
+        return self.presence_penalty is not None or self.frequency_penalty is not None
 
     @property
     def top_k_max(self) -> int | None:

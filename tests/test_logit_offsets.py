@@ -172,16 +172,18 @@ def test_bad_values_are_refused_naming_them(model, kwargs, error, match):
         model.generate(random_prompts(1, 4, seed=1), max_new_tokens=4, **kwargs)
 
 
+@pytest.mark.parametrize("penalty", [{}, dict(frequency_penalty=0.5)], ids=["bias alone", "with a penalty"])
 @pytest.mark.parametrize("draft_vocab", [30, [0, 1, *range(3, 40)]], ids=["ids below 30", "listed ids"])
-def test_draft_vocabulary_picks_read_the_offsets_by_column(draft_vocab):
+def test_draft_vocabulary_picks_read_the_offsets_by_column(draft_vocab, penalty):
     """A draft over a draft vocabulary picks under the bias of its own tokens: the fused pick reads the offsets by
-    draft column (column c is token ids[c] for listed ids), so a large bias on one token makes every draft pick it."""
+    draft column (column c is token ids[c] for listed ids), so a large bias on one token makes every draft pick it
+    (the bias alone: one row of offsets every pick reads; with a penalty: a row a state)."""
     from hf_integration.decoding import BlockDecoder
     from hf_integration.prompts import PromptBatch
 
     model = tiny_model(seed=5, block_size=8)
     kwargs = dict(max_new_tokens=8, strategy="speculative", draft_vocab=draft_vocab, sequence_bias={(3,): 60.0},
-                  frequency_penalty=0.5)
+                  **penalty)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, random_prompts(2, 5, seed=1), None),
                        GenerationSettings.resolve(model, None, kwargs, prompt_width=5))
     hidden = torch.randn(2, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
@@ -192,7 +194,9 @@ def test_draft_vocabulary_picks_read_the_offsets_by_column(draft_vocab):
     assert (tok == 3).all()
 
 
-def test_remasks_tau_score_is_the_offset_softmax_probability():
+@pytest.mark.parametrize("penalty", [{}, dict(frequency_penalty=0.7, presence_penalty=0.4)],
+                         ids=["bias alone", "with penalties"])
+def test_remasks_tau_score_is_the_offset_softmax_probability(penalty):
     """Remask's tau score of a revealed token is its probability under the softmax the reveal's pick saw: the
     corrected logits with the state's offsets (bias and penalties at the token too, not in the normaliser only)."""
     from hf_integration.decoding import BlockDecoder
@@ -200,8 +204,7 @@ def test_remasks_tau_score_is_the_offset_softmax_probability():
     from hf_integration.prompts import PromptBatch
 
     model = tiny_model(seed=5, block_size=8)
-    kwargs = dict(max_new_tokens=8, strategy="remask", sequence_bias={(3,): 2.0, (5,): -1.0}, frequency_penalty=0.7,
-                  presence_penalty=0.4)
+    kwargs = dict(max_new_tokens=8, strategy="remask", sequence_bias={(3,): 2.0, (5,): -1.0}, **penalty)
     dec = BlockDecoder(model, PromptBatch.from_inputs(model.config, random_prompts(2, 5, seed=1), None),
                        GenerationSettings.resolve(model, None, kwargs, prompt_width=5))
     g = torch.Generator().manual_seed(0)
