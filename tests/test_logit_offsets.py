@@ -221,3 +221,17 @@ def test_remasks_tau_score_is_the_offset_softmax_probability(penalty):
     want = z.softmax(-1).gather(1, tokens.reshape(16, 1)).view(2, 8)
     got = _token_scores(dec, None, corrected, tokens, revealed, positions, seen)
     torch.testing.assert_close(got[revealed].float(), want[revealed], rtol=1e-5, atol=1e-7)
+
+
+def test_a_generation_config_sets_them_as_the_keywords_do(model):
+    """presence_penalty and frequency_penalty in a GenerationConfig (transformers keeps fields it does not know) and
+    its sequence_bias, in either of transformers' forms, apply as the keywords do."""
+    from transformers import GenerationConfig
+
+    ids = random_prompts(1, 5, seed=1)
+    kw = dict(max_new_tokens=12, eos_token_id=[])
+    want = model.generate(ids, presence_penalty=1.5, frequency_penalty=0.5, sequence_bias={(0,): -3.0}, **kw)
+    assert not torch.equal(want, model.generate(ids, **kw))
+    for bias in ({(0,): -3.0}, [[[0], -3.0]]):
+        config = GenerationConfig(presence_penalty=1.5, frequency_penalty=0.5, sequence_bias=bias)
+        assert torch.equal(model.generate(ids, generation_config=config, **kw), want)
