@@ -67,7 +67,7 @@ def _confidence() -> list[Variant]:
                 (False, True, False, False, False, False, False, False, True, False, True, 2048, 8),
                 (False, True, True, False, False, False, False, False, True, False, True, 2048, 8),  # banned tokens
                 (False, True, False, True, False, False, False, False, True, True, True, 2048, 8),  # repetition penalty
-                # presence / frequency penalties, a logit bias
+                # presence / frequency penalties and a logit bias
                 (False, True, False, False, True, False, False, False, True, True, True, 2048, 8),
                 # sampled entropy-bounded
                 (False, True, False, False, False, True, False, True, True, True, True, 2048, 8),
@@ -75,24 +75,25 @@ def _confidence() -> list[Variant]:
             sig = {"logits_ptr": dt, "stride_ln": "i64", "res_ptr": dt, "stride_rr": "i64", "stride_rn": "i64",
                    "R": "i32", "skip_ptr": "*u8", "keys_ptr": "*i64", "cut_ptr": "*fp32", "ban_tok_ptr": "*u8",
                    "ban_rows_ptr": "*u8", "sample_ptr": "*u8", "seen_ptr": "*u8", "off_ptr": "*fp32",
-                   "seen_rows_ptr": "*i64", "pen_ptr": "*fp64",
+                   "bias_ptr": "*fp32", "seen_rows_ptr": "*i64", "pen_ptr": "*fp64",
                    "part_ptr": "*fp32", "part_idx_ptr": "*i64", "tok_ptr": "*i64", "prob_ptr": "*fp32",
                    "lse_ptr": "*fp32", "ent_ptr": "*fp32", "V": "i32", "tiles": "i32", "S": "i32", "scale": "fp32",
                    "inv_t": "fp32",
                    "t_ptr": "*fp64", "t_stride": "i64", "mask_id": "i32", "seed_h": "i64", "HAS_RES": "constexpr",
                    "HAS_SKIP": "constexpr", "HAS_BAN": "constexpr", "HAS_PENALTY": "constexpr",
-                   "HAS_OFFSETS": "constexpr", "DO_SAMPLE": "constexpr", "SAMPLE_ROWS": "constexpr",
+                   "HAS_OFFSETS": "constexpr", "HAS_BIAS": "constexpr", "DO_SAMPLE": "constexpr",
+                   "SAMPLE_ROWS": "constexpr",
                    "HAS_CUT": "constexpr",
                    "ENTROPY": "constexpr", "FINAL": "constexpr", "T_TENSOR": "constexpr", "PREFETCH": "constexpr",
                    "BLOCK_V": "constexpr"}
             rows = sample and t_tensor  # a sampled launch with a temperature a row: greedy rows among them too
             consts = {"HAS_RES": has_res, "HAS_SKIP": has_skip, "HAS_BAN": ban, "HAS_PENALTY": pen,
-                      "HAS_OFFSETS": offs, "DO_SAMPLE": sample, "SAMPLE_ROWS": rows, "HAS_CUT": cut,
+                      "HAS_OFFSETS": offs, "HAS_BIAS": offs, "DO_SAMPLE": sample, "SAMPLE_ROWS": rows, "HAS_CUT": cut,
                       "ENTROPY": ent, "FINAL": final, "T_TENSOR": t_tensor, "PREFETCH": prefetch, "BLOCK_V": bv}
             out.append(Variant(f"confidence {dt[1:]} res={has_res} sample={'rows' if rows else sample}"
                                f"{' cut' if cut else ''}"
-                               f"{' ban' if ban else ''}{' penalty' if pen else ''}{' offsets' if offs else ''}"
-                               f"{' entropy' if ent else ''} "
+                               f"{' ban' if ban else ''}{' penalty' if pen else ''}"
+                               f"{' offsets bias' if offs else ''}{' entropy' if ent else ''} "
                                f"prefetch={prefetch} {bv}",
                                "confidence",
                                "_conf_partial_kernel", sig, consts, nw,
@@ -172,13 +173,14 @@ def _cached_attention() -> list[Variant]:
 
 LM_HEAD_SIGNATURE = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "*bf16", "base_ptr": "*fp32", "order_ptr": "*i64",
                      "kept_ptr": "*i64", "ban_tok_ptr": "*u8", "ban_rows_ptr": "*u8", "seen_ptr": "*u8",
-                     "off_ptr": "*fp32", "seen_rows_ptr": "*i64", "pen_ptr": "*fp64", "m_ptr": "*fp32",
-                     "d_ptr": "*fp32", "t_ptr": "*fp32", "idx_ptr": "*i32", "topv_ptr": "*fp32", "topi_ptr": "*i32",
-                     "N": "i32",
+                     "off_ptr": "*fp32", "bias_ptr": "*fp32", "seen_rows_ptr": "*i64", "pen_ptr": "*fp64",
+                     "m_ptr": "*fp32", "d_ptr": "*fp32", "t_ptr": "*fp32", "idx_ptr": "*i32", "topv_ptr": "*fp32",
+                     "topi_ptr": "*i32", "N": "i32",
                      "V": "i32", "H": "i32", "stride_h": "i64", "stride_w": "i64", "stride_base": "i64",
                      "inv_temp": "fp32", "mask_token": "i32", "v_per_split": "i32", "n_splits": "i32"}
-LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "HAS_PENALTY", "HAS_OFFSETS", "DOT_FP32", "IEEE",
-                      "ROWS_MAJOR", "W_TMA", "FLATTEN", "TOP_M", "ENTROPY", "BLOCK_N", "BLOCK_V", "BLOCK_K")
+LM_HEAD_CONSTEXPRS = ("HAS_BASE", "HAS_MASK", "HAS_SKIP", "HAS_BAN", "HAS_PENALTY", "HAS_OFFSETS", "HAS_BIAS",
+                      "DOT_FP32", "IEEE", "ROWS_MAJOR", "W_TMA", "FLATTEN", "TOP_M", "ENTROPY", "BLOCK_N", "BLOCK_V",
+                      "BLOCK_K")
 
 
 def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | None = None,
@@ -186,13 +188,14 @@ def lm_head_variant(name: str, config: dict, dtype: str = "bf16", base: str | No
                     offsets: bool = False) -> Variant:
     """The partials kernel of lm_head_confidence with tile ``config`` (the keys of its ``_config``; ``ban``: with
     banned tokens; ``entropy``: with the entropy's running sum; ``penalty``: with a repetition penalty; ``offsets``:
-    with logit offsets)."""
+    with logit offsets and a logit bias)."""
     tma = bool(config.get("tma"))
     w_desc = f"tensordesc<{dtype}[{config['BLOCK_V']}, {config['BLOCK_K']}]>" if tma else f"*{dtype}"
     sig = dict(LM_HEAD_SIGNATURE, h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", w_desc=w_desc, base_ptr=f"*{base or 'fp32'}",
                **{c: "constexpr" for c in LM_HEAD_CONSTEXPRS})
     consts = {"HAS_BASE": base is not None, "HAS_MASK": True, "HAS_SKIP": skip, "HAS_BAN": ban,
-              "HAS_PENALTY": penalty, "HAS_OFFSETS": offsets, "DOT_FP32": False,
+              "HAS_PENALTY": penalty, "HAS_OFFSETS": offsets, "HAS_BIAS": offsets,
+              "DOT_FP32": False,
               "IEEE": dtype == "fp32", "ROWS_MAJOR": config.get("rows_major", False), "W_TMA": tma,
               "FLATTEN": bool(config.get("flatten")), "TOP_M": config.get("top_m", 0), "ENTROPY": entropy,
               "BLOCK_N": config["BLOCK_N"],
@@ -227,8 +230,9 @@ def _lm_head() -> list[Variant]:
     # a greedy step under a repetition penalty: the seen bytes of each tile's columns beside the logits
     out.append(lm_head_variant("lm_head_confidence bf16 skip=True penalty 64x128x128", dict(
         BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), penalty=True))
-    # a greedy step under presence / frequency penalties or a logit bias: each tile's fp32 offsets beside the logits
-    out.append(lm_head_variant("lm_head_confidence bf16 skip=True offsets 64x128x128", dict(
+    # a greedy step under presence / frequency penalties and a logit bias: each tile's fp32 offsets and bias beside
+    # the logits
+    out.append(lm_head_variant("lm_head_confidence bf16 skip=True offsets bias 64x128x128", dict(
         BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), offsets=True))
     sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
     out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
@@ -276,16 +280,17 @@ def _model_ops() -> list[Variant]:
     # a draft step among 16 listed tokens a position (draft_candidates=16), greedy and sampled
     sig = {"h_ptr": "*bf16", "hs_ptr": "*bf16", "w_ptr": "*bf16", "mean_ptr": "*fp32", "ids_ptr": "*i64",
            "rest_ptr": "*fp32", "skip_ptr": "*u8", "inv_t": "fp32", "t_ptr": "*fp64", "t_stride": "i64",
-           "seen_ptr": "*u8", "off_ptr": "*fp32", "seen_rows_ptr": "*i64", "pen_ptr": "*fp64", "z_ptr": "*fp32",
-           "lse_ptr": "*fp32",
+           "seen_ptr": "*u8", "off_ptr": "*fp32", "bias_ptr": "*fp32", "seen_rows_ptr": "*i64",
+           "pen_ptr": "*fp64", "z_ptr": "*fp32", "lse_ptr": "*fp32",
            "tok_ptr": "*i64", "prob_ptr": "*fp32", "M": "i32", "H": "i32", "V": "i32", "stride_h": "i64",
            "stride_hs": "i64", "stride_w": "i64", "stride_ids": "i64", "HAS_SKIP": "constexpr", "GREEDY": "constexpr",
            "T_TENSOR": "constexpr", "HAS_PENALTY": "constexpr", "HAS_OFFSETS": "constexpr",
-           "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
-    out += [Variant(f"candidate_confidence bf16 greedy={greedy}{' penalty' if pen else ''}{' offsets' if offs else ''}",
+           "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}
+    out += [Variant(f"candidate_confidence bf16 greedy={greedy}{' penalty' if pen else ''}"
+                    f"{' offsets bias' if offs else ''}",
                     "candidate_confidence", "_listed_kernel", sig,
                     {"HAS_SKIP": True, "GREEDY": greedy, "T_TENSOR": not greedy, "HAS_PENALTY": pen,
-                     "HAS_OFFSETS": offs, "BLOCK_M": 16, "BLOCK_H": 256}, 4,
+                     "HAS_OFFSETS": offs, "HAS_BIAS": offs, "BLOCK_M": 16, "BLOCK_H": 256}, 4,
                     divisible=_ptrs_divisible(sig, "H", "stride_h", "stride_hs", "stride_w", "stride_ids"))
             for greedy, pen, offs in ((True, False, False), (False, False, False), (True, True, False),
                                       (True, False, True))]

@@ -120,8 +120,8 @@ class DecodeEngine:
         self.seen: torch.Tensor | None = None
         # with presence / frequency penalties (settings.counts_tokens), float32 [batch, V]: how often each working row
         # generated each token before its block, less the prompt's tokens inside its block (which the block's tokens
-        # then add back); with those or a sequence bias (settings.offsets_logits), float32 [V]: the bias by token id
-        # (zeros without one); each made by the first call that asks for it (use_settings)
+        # then add back); with a sequence bias, float32 [V]: the bias by token id; each made by the first call that
+        # asks for it (use_settings)
         self.counts: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         # output_top_logprobs=k: by original row and position, the k most likely tokens of the softmax that committed
@@ -173,13 +173,12 @@ class DecodeEngine:
             self.seen = torch.zeros((self.shape.batch, self.vocab_size), dtype=torch.bool, device=self.shape.device)
         if settings.counts_tokens and self.counts is None:
             self.counts = torch.zeros((self.shape.batch, self.vocab_size), device=self.shape.device)
-        if settings.offsets_logits and self.bias is None:
-            self.bias = torch.zeros(self.vocab_size, device=self.shape.device)
-        if self.bias is not None:
+        if settings.sequence_bias is not None:
+            if self.bias is None:
+                self.bias = torch.zeros(self.vocab_size, device=self.shape.device)
+            tokens, biases = zip(*settings.sequence_bias)
             self.bias.zero_()
-            if settings.sequence_bias is not None:
-                tokens, biases = zip(*settings.sequence_bias)
-                self.bias[torch.tensor(tokens, device=self.bias.device)] = torch.tensor(biases, device=self.bias.device)
+            self.bias[torch.tensor(tokens, device=self.bias.device)] = torch.tensor(biases, device=self.bias.device)
         k = settings.output_top_logprobs
         if k and k not in self.top_notes:
             s = self.shape

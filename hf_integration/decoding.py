@@ -47,6 +47,8 @@ from .streaming import BlockStream
 
 # the penalties' tables by token id, [rows, V] (DecodeEngine.seen and the logit offsets: BlockDecoder.penalties)
 TABLES = ("seen_tokens", "logit_offsets")
+# and the bias by token id, [V] (DecodeEngine.bias)
+BIAS = "logit_bias"
 
 
 @dataclass
@@ -586,7 +588,8 @@ class BlockDecoder:
     def penalizing(self) -> bool:
         """Whether the picks depend on the tokens before them (a repetition, presence or frequency penalty) or add a
         bias: they then need :meth:`penalties`."""
-        return self.settings.repetition_penalty is not None or self.settings.offsets_logits
+        s = self.settings
+        return s.repetition_penalty is not None or s.counts_tokens or s.sequence_bias is not None
 
     def penalties(self, states: torch.Tensor) -> dict:
         """The picks' penalty arguments (the ``seen`` of :meth:`pick`, :meth:`pick_hidden` and :meth:`pick_listed`)
@@ -594,28 +597,30 @@ class BlockDecoder:
         states' positions, flattened), over the whole vocabulary: with a repetition penalty each state's row of tokens
         seen, its row's (prompt and finished blocks: ``engine.seen``) with the state's own tokens (its mask tokens
         too: the mask column is never picked); with presence / frequency penalties each state's row of logit offsets,
-        ``bias - presence * (count > 0) - frequency * count`` with the count of each token the row generated: its
-        row's (``engine.counts``) with the state's own tokens; with a sequence bias alone, the bias as the one row of
-        offsets every pick reads. Empty without any."""
+        ``-presence * (count > 0) - frequency * count`` with the count of each token the row generated: its row's
+        (``engine.counts``) with the state's own tokens; with a sequence bias, the bias by token id (``engine.bias``).
+        Empty without any."""
+        settings = self.settings
         if not self.penalizing:
             return {}
         s = states if states.dim() == 3 else states[:, None]
         B, C, T = s.shape
         flat = s.reshape(B * C, T)
-        out = dict(seen_rows=torch.arange(B * C * T, device=s.device) // T)
-        if self.settings.repetition_penalty is not None:
+        out = {} if settings.sequence_bias is None else {BIAS: self.engine.bias}
+        if settings.repetition_penalty is not None or settings.counts_tokens:
+            out["seen_rows"] = torch.arange(B * C * T, device=s.device) // T
+        if settings.repetition_penalty is not None:
             out.update(repetition_penalty=self.on_device("repetition_penalty"),
                        seen_tokens=self.engine.seen[:B].repeat_interleave(C, 0).scatter_(1, flat, True))
-        if self.settings.counts_tokens:
+        if settings.counts_tokens:
             counts = self.engine.counts[:B].repeat_interleave(C, 0).scatter_add_(
                 1, flat, torch.ones(flat.shape, device=flat.device))
-            offsets = self.engine.bias - self.on_device("frequency_penalty").float() * counts \
-                if self.settings.frequency_penalty is not None else self.engine.bias.expand_as(counts)
-            if self.settings.presence_penalty is not None:
-                offsets = offsets - self.on_device("presence_penalty").float() * (counts > 0)
-            out["logit_offsets"] = offsets.contiguous()
-        elif self.settings.sequence_bias is not None:  # never beside a repetition penalty: seen_rows is the bias's
-            out.update(logit_offsets=self.engine.bias[None], seen_rows=torch.zeros_like(out["seen_rows"]))
+            offsets = torch.zeros_like(counts)
+            if settings.frequency_penalty is not None:
+                offsets.sub_(self.on_device("frequency_penalty").float() * counts)
+            if settings.presence_penalty is not None:
+                offsets.sub_(self.on_device("presence_penalty").float() * (counts > 0))
+            out["logit_offsets"] = offsets
         return out
 
     def _penalty(self, seen: dict | None, vocab: int | None = None) -> dict:
@@ -623,7 +628,8 @@ class BlockDecoder:
         vocabulary of the ids below it; None: all); a pick under a penalty must be given it."""
         if seen is None and self.penalizing:
             raise RuntimeError("a pick under a penalty needs the penalties' arguments (a bug)")
-        return {name: value[:, :vocab] if name in TABLES else value for name, value in (seen or {}).items()}
+        return {name: value[:, :vocab] if name in TABLES else value[:vocab] if name == BIAS else value
+                for name, value in (seen or {}).items()}
 
     def see(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Note the finished blocks ``ids`` [R, T] of the working ``rows`` [R]: as seen, with a repetition penalty
@@ -691,7 +697,8 @@ class BlockDecoder:
             top = top * inverse_temperature(self.temperature)[..., None]  # (one a row: [B', 1, 1])
             return *picks, top, ids.masked_fill(top == float("-inf"), -1)
         if seen and draft is not None:  # the tables by draft column, as the draft's weight rows
-            seen = {name: draft.columns(value.T).T if name in TABLES else value for name, value in seen.items()}
+            seen = {name: draft.columns(value.T).T if name in TABLES else draft.columns(value) if name == BIAS
+                    else value for name, value in seen.items()}
         out = mrp_triton.lm_head_confidence(
             hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
             **self.token_bans(positions, draft=draft), **seen, skip_rows=~candidates.reshape(-1), top_m=top_m,

@@ -144,10 +144,6 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
                      if value is not None and not (name in SAMPLING and not sample)}
     strategy = given.pop("strategy", from_defaults.pop("strategy", "static"))
     settings = {**read_by(strategy, from_defaults), **given, "do_sample": sample, "strategy": strategy}
-    if bias and settings.get("repetition_penalty") not in (None, 1):
-        raise RequestError(f"logit_bias values other than -100 do not combine with repetition_penalty="
-                           f"{settings['repetition_penalty']} (transformers biases before that penalty, this server "
-                           "after it): drop one, or ban with -100", param="logit_bias")
     if stop:
         settings.update(stop_strings=stop, tokenizer=tokenizer)
     options = body.get("stream_options") or {}

@@ -110,12 +110,17 @@ def check_banned(banned_tokens, ban_rows, rows: int, vocab: int, device: torch.d
 
 
 def check_penalty(repetition_penalty, seen_tokens, seen_rows, rows: int, vocab: int, device: torch.device,
-                  data: str, logit_offsets=None) -> None:
+                  data: str, logit_offsets=None, logit_bias=None) -> None:
     """A repetition penalty (a finite number > 0, or a 0-d real tensor on ``device``, whose value the caller checks)
     with ``seen_tokens``, a bool / uint8 tensor [C, vocab] on ``device`` (the tokens each row of it has seen), or
     neither; ``logit_offsets`` None or a float32 tensor [C, vocab] there (an additive term each row of it adds to the
     logits); and ``seen_rows`` None (C == rows: row n reads row n of each table) or, with either table, an int64
-    tensor [rows] there (row n reads row seen_rows[n], in [0, C): unchecked, a host check would synchronise)."""
+    tensor [rows] there (row n reads row seen_rows[n], in [0, C): unchecked, a host check would synchronise).
+    ``logit_bias``: None or a float32 tensor [vocab] there (a term every row adds before the penalty)."""
+    if logit_bias is not None and (not isinstance(logit_bias, torch.Tensor) or logit_bias.dtype != torch.float32
+                                   or tuple(logit_bias.shape) != (vocab,) or logit_bias.device != device):
+        raise ValueError(f"logit_bias must be a float32 tensor [{vocab}] on {device} (a bias by token id), got "
+                         f"{_shown(logit_bias)}" + (f" on {logit_bias.device}" if torch.is_tensor(logit_bias) else ""))
     if repetition_penalty is None and seen_tokens is not None:
         raise ValueError("seen_tokens is read by the repetition penalty: pass repetition_penalty too")
     if repetition_penalty is None and logit_offsets is None:
@@ -162,12 +167,13 @@ def _shown(t) -> str:
 
 
 def penalty_operands(repetition_penalty, seen_tokens, seen_rows, rows: int, dummy: torch.Tensor,
-                     logit_offsets=None) -> tuple:
-    """What a kernel with ``HAS_PENALTY`` / ``HAS_OFFSETS`` reads (checked by :func:`check_penalty`): the seen table
-    as uint8 [C, V] (contiguous), the offsets float32 [C, V] (contiguous), each row's row of them (int64 [rows]) and
-    the penalty as a 0-d float64 tensor on the device; ``dummy`` for what the call does not use (the kernel then
-    reads none of it)."""
+                     logit_offsets=None, logit_bias=None) -> tuple:
+    """What a kernel with ``HAS_PENALTY`` / ``HAS_OFFSETS`` / ``HAS_BIAS`` reads (checked by :func:`check_penalty`):
+    the seen table as uint8 [C, V] (contiguous), the offsets float32 [C, V] (contiguous), the bias float32 [V]
+    (contiguous), each row's row of the tables (int64 [rows]) and the penalty as a 0-d float64 tensor on the device;
+    ``dummy`` for what the call does not use (the kernel then reads none of it)."""
     table = offsets = which = pen = dummy
+    bias = dummy if logit_bias is None else logit_bias.contiguous()
     if repetition_penalty is not None:
         table = seen_tokens.contiguous().view(torch.uint8)
         pen = torch.as_tensor(repetition_penalty, dtype=torch.float64, device=dummy.device)
@@ -175,7 +181,7 @@ def penalty_operands(repetition_penalty, seen_tokens, seen_rows, rows: int, dumm
         offsets = logit_offsets.contiguous()
     if repetition_penalty is not None or logit_offsets is not None:
         which = torch.arange(rows, device=dummy.device) if seen_rows is None else seen_rows.contiguous()
-    return table, offsets, which, pen
+    return table, offsets, bias, which, pen
 
 
 def temperature_operands(temperature, dummy: torch.Tensor) -> tuple[float, torch.Tensor, int, bool]:

@@ -34,10 +34,10 @@ from .reference.confidence import may_sample
 
 @triton.jit(do_not_specialize=["M"])  # H: one value a model (a loop bound)
 def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, inv_t, t_ptr, t_stride,
-                   seen_ptr, off_ptr, seen_rows_ptr, pen_ptr, z_ptr, lse_ptr, tok_ptr, prob_ptr,
+                   seen_ptr, off_ptr, bias_ptr, seen_rows_ptr, pen_ptr, z_ptr, lse_ptr, tok_ptr, prob_ptr,
                    M, H, V, stride_h, stride_hs, stride_w, stride_ids,
                    HAS_SKIP: tl.constexpr, GREEDY: tl.constexpr, T_TENSOR: tl.constexpr, HAS_PENALTY: tl.constexpr,
-                   HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+                   HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_M)
     ids = tl.load(ids_ptr + row * stride_ids + cols, mask=cols < M, other=-1)
@@ -57,6 +57,8 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
         moved += (h - hs) * mu
     if T_TENSOR:  # the temperature read on the device (one graph serves every value): 1 / t as the reference
         inv_t = (1.0 / tl.load(t_ptr + row * t_stride).to(tl.float64)).to(tl.float32)
+    if HAS_BIAS:  # a bias by token id (the same in every row) at the listed tokens, before the penalty
+        dots += tl.load(bias_ptr + w_rows, mask=listed, other=0.0)
     if HAS_PENALTY:  # the repetition penalty at the listed tokens this row has seen (its row of the seen table)
         pen, inv_pen = penalty_factors(pen_ptr)
         seen = tl.load(seen_ptr + tl.load(seen_rows_ptr + row) * V + w_rows, mask=listed, other=0)
@@ -116,14 +118,14 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
                                 skip_rows=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
                                 min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
                                 repetition_penalty=None, seen_tokens=None, seen_rows=None, logit_offsets=None,
-                                block_h: int | None = None):
+                                logit_bias=None, block_h: int | None = None):
     """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
     chunk, for tests). Ids must lie in [-1, V): the kernel gathers their rows unchecked (a host check would
     synchronise)."""
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
     penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets)
+                   logit_offsets=logit_offsets, logit_bias=logit_bias)
     _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts,
                 penalty)
     N, H = hidden.shape
@@ -140,14 +142,16 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     inv_t, t, t_stride, t_tensor = temperature_operands(temperature, tok)
     mean = vocab_mean.float().contiguous()
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else tok  # read at skip + row
-    seen, offsets, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tok, logit_offsets)
+    seen, offsets, bias, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tok,
+                                                         logit_offsets, logit_bias)
     _listed_kernel[(N,)](
         h, hs, w, mean, i, rest.float().contiguous(), skip,
-        inv_t, t, t_stride, seen, offsets, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
+        inv_t, t, t_stride, seen, offsets, bias, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
         h.stride(0), hs.stride(0), w.stride(0), i.stride(0), HAS_SKIP=skip_rows is not None,
         GREEDY=not may_sample(do_sample),
         T_TENSOR=t_tensor, HAS_PENALTY=repetition_penalty is not None, HAS_OFFSETS=logit_offsets is not None,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
+        HAS_BIAS=logit_bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
+        BLOCK_H=block_h or min(triton.next_power_of_2(H), 256), num_warps=4)
     if may_sample(do_sample):
         tok, prob = pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=do_sample, seed=seed,
                                 noise_keys=noise_keys, **cuts)
@@ -157,7 +161,7 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
 def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
                          do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, min_p=None,
                          epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None, repetition_penalty=None,
-                         seen_tokens=None, seen_rows=None, logit_offsets=None):
+                         seen_tokens=None, seen_rows=None, logit_offsets=None, logit_bias=None):
     """A pick per row among its listed token ids, with its full-softmax probability estimated.
 
     hidden, seed_hidden: [N, H] (the draft's hidden state and its round's seed's); weight: [V, H] (the lm_head);
@@ -168,14 +172,15 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     top_p / min_p / typical_p / epsilon_cutoff / eta_cutoff (each also one a row) / top_h (applied among the listed
     tokens: typical, epsilon, eta and top-h to their softmax over the listed tokens); ``repetition_penalty`` with
     ``seen_tokens`` [C, V] and ``seen_rows`` [N]: the penalty at the listed tokens each row has seen, and
-    ``logit_offsets`` float32 [C, V] (read at the same rows) added after it (as :func:`.confidence.confidence`).
+    ``logit_offsets`` float32 [C, V] (read at the same rows) added after it, ``logit_bias`` float32 [V] added before
+    it (as :func:`.confidence.confidence`).
     Returns (tokens int64 [N], probs float32 [N]); -1 / 0 for skipped rows and rows
     with nothing listed. Semantics: :mod:`mrp_triton.reference.candidate_confidence`.
     """
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
     penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets)
+                   logit_offsets=logit_offsets, logit_bias=logit_bias)
     kw = dict(seed_hidden=seed_hidden, vocab_mean=vocab_mean, temperature=temperature, skip_rows=skip_rows,
               do_sample=do_sample, seed=seed, noise_keys=noise_keys, **cuts, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device.

@@ -7,7 +7,7 @@ or Gumbel-max sample of ``z``, the probability of that token under the *full* so
 
 Cost model (N rows, V vocab, R residual slices, b bytes per element):
   read N*V*b (logits) + R*N*V*b (residual) (+ N*V with a repetition penalty's seen table, + 4*N*V with
-  logit_offsets); write 16*N bytes (+ 20*N*S bytes of partials when
+  logit_offsets, + 4*V with a logit_bias); write 16*N bytes (+ 20*N*S bytes of partials when
   the vocabulary is split in S pieces; with the entropy 4 more of each). ~6 FLOPs and one exp per element (plus a
   2x32-bit integer hash and two logs per element when sampling; 3 more FLOPs with the entropy). Memory-bound: the
   floor is (1 + R) * N * V * b / copy_bandwidth, e.g. N = 256, V = 151936, bf16, R = 1: 156 MB -> 36 us on an
@@ -126,10 +126,11 @@ def _tile_loads(logits_row, res_row, offs, hi, HAS_RES: tl.constexpr):
 @triton.jit(do_not_specialize=["R", "tiles", "S", "mask_id", "seed_h"])
 def _conf_partial_kernel(
     logits_ptr, stride_ln, res_ptr, stride_rr, stride_rn, R, skip_ptr, keys_ptr, cut_ptr, ban_tok_ptr, ban_rows_ptr,
-    sample_ptr, seen_ptr, off_ptr, seen_rows_ptr, pen_ptr, part_ptr, part_idx_ptr, tok_ptr, prob_ptr, lse_ptr, ent_ptr,
+    sample_ptr, seen_ptr, off_ptr, bias_ptr, seen_rows_ptr, pen_ptr, part_ptr, part_idx_ptr, tok_ptr, prob_ptr,
+    lse_ptr, ent_ptr,
     V, tiles, S, scale, inv_t, t_ptr, t_stride, mask_id, seed_h,
     HAS_RES: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr, HAS_PENALTY: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr, DO_SAMPLE: tl.constexpr, SAMPLE_ROWS: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr, DO_SAMPLE: tl.constexpr, SAMPLE_ROWS: tl.constexpr,
     HAS_CUT: tl.constexpr, ENTROPY: tl.constexpr,
     FINAL: tl.constexpr, T_TENSOR: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -197,6 +198,8 @@ def _conf_partial_kernel(
                 res_r += stride_rr
                 acc += tl.load(res_r + offs, mask=msk, other=0.0).to(tl.float32)
             x = x + scale * acc
+        if HAS_BIAS:  # a bias by token id (the same in every row), before the penalty
+            x = x + tl.load(bias_ptr + offs, mask=msk, other=0.0)
         if HAS_PENALTY:
             x = penalized(x, tl.load(seen_row + offs, mask=msk, other=0), pen, inv_pen)
         if HAS_OFFSETS:
@@ -431,8 +434,9 @@ def _penalty_rows(penalty: dict, rows: slice) -> dict:
 
 def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                       banned_tokens=None, ban_rows=None, repetition_penalty=None, seen_tokens=None, seen_rows=None,
-                      logit_offsets=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
-                      top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
+                      logit_offsets=None, logit_bias=None, do_sample=False, seed=0, noise_keys=None, top_k=None,
+                      top_p=None, top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
+                      typical_p=None,
                       entropy=False, splits=None,
                       block_v=None, num_warps=None, prefetch=True, out=None):
     """Triton launcher (always the kernel, also on CPU under TRITON_INTERPRET=1).
@@ -445,7 +449,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
     penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets)
+                   logit_offsets=logit_offsets, logit_bias=logit_bias)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
                 noise_keys, cuts, penalty)
     check_kernel_device(logits.device, "confidence")
@@ -478,7 +482,8 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else dummy  # read at skip + row
     keys = noise_keys.contiguous() if sample else dummy
     ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, dummy)
-    seen, offsets, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, dummy, logit_offsets)
+    seen, offsets, bias, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, dummy,
+                                                         logit_offsets, logit_bias)
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     inv_t, t, t_stride, t_tensor = temperature_operands(temperature, dummy)
@@ -491,11 +496,13 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
         logits, logits.stride(0),
         res if res is not None else logits, res.stride(0) if res is not None else 0,
         res.stride(1) if res is not None else 0, res.shape[0] if res is not None else 0,
-        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, sample_rows, seen, offsets, seen_at, pen,
+        skip, keys, cut if cut is not None else prob, ban_tok, ban_flags, sample_rows, seen, offsets, bias, seen_at,
+        pen,
         part, part_idx, tok, prob, lse, ent,
         V, chunk // BLOCK_V, S, float(scale), inv_t, t, t_stride, mask_id, seed_h,
         HAS_RES=res is not None, HAS_SKIP=skip_rows is not None, HAS_BAN=banned_tokens is not None,
-        HAS_PENALTY=repetition_penalty is not None, HAS_OFFSETS=logit_offsets is not None, DO_SAMPLE=sample,
+        HAS_PENALTY=repetition_penalty is not None, HAS_OFFSETS=logit_offsets is not None,
+        HAS_BIAS=logit_bias is not None, DO_SAMPLE=sample,
         SAMPLE_ROWS=per_row,
         HAS_CUT=cut is not None, ENTROPY=bool(entropy),
         FINAL=S == 1,
@@ -510,8 +517,9 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, repetition_penalty=None, seen_tokens=None, seen_rows=None,
-               logit_offsets=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None,
-               min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None, entropy=False):
+               logit_offsets=None, logit_bias=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
+               entropy=False):
     """Per-row token, full-softmax probability and logsumexp of the effective logits (and its entropy).
 
     logits: [N, V] bf16/fp16/fp32 (fp64: always the reference); residual: None, [N, V] or [R, N, V] (summed over R);
@@ -521,8 +529,9 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     with seen_tokens: bool or uint8 [C, V] and seen_rows: int64 [N] in [0, C) (None: C = N, row n reads row n):
     transformers' repetition penalty on the logits (plus residual) of the tokens row n has seen, those nonzero in
     ``seen_tokens[seen_rows[n]]``, before the temperature (:func:`.reference.confidence.penalized`); logit_offsets:
-    float32 [C, V] read at the same rows (None: C = N), an additive term (presence / frequency penalties, a logit
-    bias) after the penalty, before the temperature (:func:`.reference.confidence.offset`); noise_keys: int64
+    float32 [C, V] read at the same rows (None: C = N), an additive term (presence / frequency penalties) after the
+    penalty, before the temperature; logit_bias: float32 [V], a bias by token id every row adds before the penalty
+    (:func:`.reference.confidence.penalties_applied`); noise_keys: int64
     [N, 3] = (sequence id, absolute position, step), required when ``do_sample``: True, or a bool tensor [N] on the
     logits' device, the rows that sample (the others pick greedily in the same launch: no noise, no filter).
     ``temperature``, ``top_k``, ``top_p``, ``min_p`` (sampling among the tokens at least ``min_p`` times as likely as
@@ -543,7 +552,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
     penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets)
+                   logit_offsets=logit_offsets, logit_bias=logit_bias)
     kw = dict(scale=scale, temperature=temperature, skip_rows=skip_rows, mask_token_id=mask_token_id,
               banned_tokens=banned_tokens, ban_rows=ban_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
               entropy=entropy, **cuts, **penalty)

@@ -99,11 +99,13 @@ def _kept_first_kernel(skip_ptr, order_ptr, kept_ptr, N, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N", "mask_token"])  # runtime values: no recompile when N == 1 etc.
 def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_tok_ptr, ban_rows_ptr,
-                     seen_ptr, off_ptr, seen_rows_ptr, pen_ptr, m_ptr, d_ptr, t_ptr, idx_ptr, topv_ptr, topi_ptr,
+                     seen_ptr, off_ptr, bias_ptr, seen_rows_ptr, pen_ptr, m_ptr, d_ptr, t_ptr, idx_ptr, topv_ptr,
+                     topi_ptr,
                      N, V, H, stride_h, stride_w, stride_base, inv_temp, mask_token,
                      v_per_split, n_splits,
                      HAS_BASE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BAN: tl.constexpr,
-                     HAS_PENALTY: tl.constexpr, HAS_OFFSETS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                     HAS_PENALTY: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
                      ROWS_MAJOR: tl.constexpr, W_TMA: tl.constexpr, FLATTEN: tl.constexpr, TOP_M: tl.constexpr,
                      ENTROPY: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -164,6 +166,8 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
             b = tl.load(base_ptr + tl.expand_dims(rows64, V_AXIS) * stride_base + tl.expand_dims(cols64, 1 - V_AXIS),
                         mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0.0)
             z = z + b.to(tl.float32)
+        if HAS_BIAS:  # a bias by column (the same in every row), before the penalty
+            z = z + tl.expand_dims(tl.load(bias_ptr + cols64, mask=col_mask, other=0.0), 1 - V_AXIS)
         if HAS_PENALTY:
             seen = tl.load(seen_ptr + seen_at + tl.expand_dims(cols64, 1 - V_AXIS),
                            mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0)
@@ -344,14 +348,14 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
                               skip_rows: torch.Tensor | None = None, top_m: int = 0, entropy: bool = False,
                               repetition_penalty=None, seen_tokens: torch.Tensor | None = None,
                               seen_rows: torch.Tensor | None = None, logit_offsets: torch.Tensor | None = None,
-                              config: dict | None = None):
+                              logit_bias: torch.Tensor | None = None, config: dict | None = None):
     """Triton launcher of :func:`lm_head_confidence` (same arguments and results).
 
     ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
     """
     _check_args(hidden, weight, base_logits, mask_token_id, banned_tokens, ban_rows, temperature, skip_rows, top_m,
                 dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                     logit_offsets=logit_offsets))
+                     logit_offsets=logit_offsets, logit_bias=logit_bias))
     if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
     (N, H), V = hidden.shape, weight.shape[0]
@@ -395,17 +399,18 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
         _kept_first_kernel[(1,)](skip_rows.contiguous().view(torch.uint8), order, kept, N,
                                  BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
     ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, tokens)
-    seen, offsets, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tokens,
-                                                   logit_offsets)
+    seen, offsets, bias, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tokens,
+                                                         logit_offsets, logit_bias)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
-        h, w, w_desc, base, order, kept, ban_tok, ban_flags, seen, offsets, seen_at, pen, m_part, d_part, t_part,
+        h, w, w_desc, base, order, kept, ban_tok, ban_flags, seen, offsets, bias, seen_at, pen, m_part, d_part, t_part,
         i_part, topv_part, topi_part,
         N, V, H, h.stride(0), w.stride(0), base.stride(0), 1.0 / temperature,
         mask_token_id if mask_token_id is not None else -1, v_per_split, n_splits,
         HAS_BASE=base_logits is not None, HAS_MASK=mask_token_id is not None, HAS_SKIP=skip_rows is not None,
         HAS_BAN=banned_tokens is not None, HAS_PENALTY=repetition_penalty is not None,
-        HAS_OFFSETS=logit_offsets is not None, DOT_FP32=interpreter_on() and w.dtype != torch.float32,
+        HAS_OFFSETS=logit_offsets is not None, HAS_BIAS=logit_bias is not None,
+        DOT_FP32=interpreter_on() and w.dtype != torch.float32,
         IEEE=w.dtype == torch.float32,
         ROWS_MAJOR=cfg.get("rows_major", False), W_TMA=bool(cfg.get("tma")), FLATTEN=bool(cfg.get("flatten")),
         TOP_M=top_m, ENTROPY=bool(entropy), BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
@@ -434,7 +439,8 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
                        ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
                        skip_rows: torch.Tensor | None = None, top_m: int = 0, entropy: bool = False,
                        repetition_penalty=None, seen_tokens: torch.Tensor | None = None,
-                       seen_rows: torch.Tensor | None = None, logit_offsets: torch.Tensor | None = None):
+                       seen_rows: torch.Tensor | None = None, logit_offsets: torch.Tensor | None = None,
+                       logit_bias: torch.Tensor | None = None):
     """Greedy pick and its full-softmax confidence (and entropy), never materialising the logits.
 
     hidden: [N, H], weight: [V, H] (the lm_head), base_logits: [N, V] or None,
@@ -444,17 +450,17 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     skip_rows: bool [N] or None (rows not to score: token -1, prob 0, lse -inf; on the GPU they cost nothing),
     repetition_penalty (a number > 0 or a 0-d tensor) with seen_tokens: bool or uint8 [C, V] and seen_rows: int64 [N]
     (as :func:`.confidence.confidence`: the penalty at the columns row n has seen, before the temperature),
-    logit_offsets: float32 [C, V] read at the same rows (an additive term after the penalty).
+    logit_offsets: float32 [C, V] read at the same rows (an additive term after the penalty), logit_bias: float32 [V]
+    (a bias by column every row adds before the penalty).
     Returns (tokens int64 [N], probs float32 [N], lse float32 [N]) for
-    ``z = (penalized(hidden @ weight.T [+ base_logits]) + offsets) / temperature``; ties go to the lowest index. With
-    ``entropy``
-    the entropy (nats) of each row's softmax of z, float32 [N], comes fourth (+inf where the token is -1; one more
-    running sum in the same pass). With ``top_m`` (0 to
+    ``z = (penalized(hidden @ weight.T [+ base_logits] + bias) + offsets) / temperature``; ties go to the lowest index.
+    With ``entropy`` the entropy (nats) of each row's softmax of z, float32 [N], comes fourth (+inf where the token is
+    -1; one more running sum in the same pass). With ``top_m`` (0 to
     64) also (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): each row's top_m largest z, largest first,
     ties to the lowest id (-inf / -1 past the row's scored tokens and in skipped rows).
     """
     penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets)
+                   logit_offsets=logit_offsets, logit_bias=logit_bias)
     kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
               temperature=temperature, skip_rows=skip_rows, top_m=top_m, entropy=entropy, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device.

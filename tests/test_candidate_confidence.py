@@ -37,8 +37,10 @@ def _inputs(N, H, V, M, dtype, g, listed=0.8):
 def _drawn_penalty(penalty, offsets: bool, N: int, V: int, g: torch.Generator) -> dict:
     """No repetition penalty (``penalty`` None), or one (a number, or 1.5 as a 0-d float64 tensor) with 3 rows of
     seen tokens (a third of the vocabulary each) that the N rows read; with ``offsets``, 3 rows of logit offsets
-    read at the same rows."""
+    read at the same rows and a logit bias."""
     kw = {}
+    if offsets:
+        kw["logit_bias"] = torch.randn(V, generator=g).to(DEV)
     if penalty is not None:
         kw.update(repetition_penalty=torch.tensor(1.5, dtype=torch.float64, device=DEV) if penalty == "tensor" else
                   penalty, seen_tokens=(torch.rand(3, V, generator=g) < 0.3).to(DEV))

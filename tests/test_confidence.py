@@ -54,13 +54,18 @@ def _drawn_ban(draw, g: torch.Generator, N: int, V: int):
 def _drawn_penalty(draw, g: torch.Generator, N: int, V: int) -> dict:
     """No repetition penalty, or one (below or above 1) with the tokens seen: a fraction of the vocabulary (or all of
     it) in each of C rows that the N rows read by seen_rows, or in N rows (seen_rows None); and no logit offsets, or
-    C (or N) rows of them (normal, a few at -100 or +100, as a bias sets them), alone or beside the penalty."""
+    C (or N) rows of them (normal, a few at -100 or +100), alone or beside the penalty; and no logit bias, or one
+    (normal, a few at -inf, as a ban by bias sets them)."""
     penalty = draw(st.sampled_from([None, 0.5, 1.3, 3.0]))
     offsets = draw(st.booleans())
+    kw = {}
+    if draw(st.booleans()):
+        bias = torch.randn(V, generator=g)
+        kw["logit_bias"] = bias.masked_fill(torch.rand(V, generator=g) < 0.05, float("-inf"))
     if penalty is None and not offsets:
-        return {}
+        return kw
     C = draw(st.sampled_from([None, 1, 3]))
-    kw = dict(seen_rows=None if C is None else torch.randint(0, C, (N,), generator=g))
+    kw["seen_rows"] = None if C is None else torch.randint(0, C, (N,), generator=g)
     if penalty is not None:
         seen = torch.rand(N if C is None else C, V, generator=g) < draw(st.sampled_from([0.1, 0.5, 1.0]))
         kw.update(repetition_penalty=penalty, seen_tokens=seen if draw(st.booleans()) else seen.to(torch.uint8))

@@ -63,7 +63,7 @@ def test_confidence_loads_the_next_tile_ahead_without_losing_occupancy(reports):
 def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
     tiles = {name: r for name, r in reports.items() if name.startswith("lm_head_confidence bf16")}
     assert len(tiles) == 11  # with the verify forward's call listing each row's top 16, a step banning EOS, one
-    # computing the entropy, one under a repetition penalty and one adding logit offsets
+    # computing the entropy, one under a repetition penalty and one adding logit offsets and a bias
     assert all(r["pipelined"] and r["wgmma"] for r in tiles.values()), tiles
     # the weight tiles come through the TMA copy engine exactly where the config asks for it
     partials = {name: r for name, r in reports.items() if name.startswith("lm_head_confidence") and "tma=" in name}

@@ -113,7 +113,8 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
     """Skipped rows give (-1, 0, -inf; entropy +inf); the kept rows, gathered to the front on the device, give what they
     give unskipped, whichever row blocks they end up in; with a repetition penalty (a number, or 2 as a 0-d float64
     tensor) at the columns each row has seen (rows reading shared rows of the seen table), scaled in the tile; with
-    logit offsets (rows of them read as the seen table's rows, alone or beside the penalty) added in the tile."""
+    logit offsets (rows of them read as the seen table's rows, alone or beside the penalty) and a logit bias added in
+    the tile."""
     g = torch.Generator().manual_seed(seed)
     hidden = _ints((N, H), -2, 2, dtype, g)
     weight = _ints((V, H), -2, 2, dtype, g)
@@ -128,6 +129,7 @@ def test_skipped_rows_match_reference(N, H, V, dtype, skip, with_base, block_n, 
                     seen_rows=torch.randint(0, 3, (N,), generator=g).to(DEV))
     if offsets:  # small integers: still exact
         bans.update(logit_offsets=_ints((3, V), -3, 3, torch.float32, g),
+                    logit_bias=_ints((V,), -2, 2, torch.float32, g),
                     seen_rows=bans.get("seen_rows", torch.randint(0, 3, (N,), generator=g).to(DEV)))
     kw = dict(base_logits=base_logits, mask_token_id=V - 1, skip_rows=skip_rows, top_m=min(top_m, V), entropy=entropy,
               **bans)

@@ -1,5 +1,6 @@
 """Presence and frequency penalties (OpenAI's) and a logit bias (transformers' ``sequence_bias``): the ops' additive
-``logit_offsets`` (kernel and reference) and generate() for every strategy, against the uncached oracle; float64."""
+``logit_offsets`` and ``logit_bias`` (kernel and reference) and generate() for every strategy, against the uncached
+oracle running transformers' processors; float64."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ import torch
 
 import mrp_triton as mt
 from hf_integration.generation_settings import GenerationSettings
+from mrp_triton.reference.confidence import penalties_applied
 from tiny_models import STRATEGIES, assert_rows_decode_as_alone, naive_static_decode, random_prompts, tiny_model
 
 from kernel_utils import DEV
 
 DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
           dict(mrp_steps=3, draft_candidates=4)]
-# presence and frequency penalties, a bias, and all three (the oracle's names: bias is token id -> bias)
+# presence and frequency penalties, a bias, all three, and a bias beside a repetition penalty (the oracle's names:
+# bias is token id -> bias)
 OFFSETS = [dict(presence_penalty=1.5), dict(frequency_penalty=0.8), dict(bias={0: -3.0, 48: -2.0, 11: 2.5}),
-           dict(presence_penalty=-0.5, frequency_penalty=0.9, bias={5: 1.0})]
+           dict(presence_penalty=-0.5, frequency_penalty=0.9, bias={5: 1.0}),
+           dict(repetition_penalty=1.8, bias={0: 2.0, 48: -1.0}, frequency_penalty=0.3)]
 
 
 def as_generate(kw: dict) -> dict:
@@ -33,34 +37,37 @@ def model():
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_ops_add_each_rows_offsets_before_the_temperature(backend):
-    """The confidence op, the fused LM-head pick and the listed-token pick with logit offsets (rows reading shared rows
-    of the table through seen_rows, beside a repetition penalty or alone) pick as the op does on logits the offsets
-    were added to, greedy and sampled, with the same probabilities; the offsets change picks."""
+@pytest.mark.parametrize("penalty", [None, 1.7], ids=["offsets and bias", "with a repetition penalty"])
+def test_ops_add_the_bias_and_each_rows_offsets_before_the_temperature(backend, penalty):
+    """The confidence op, the fused LM-head pick and the listed-token pick with a logit bias and logit offsets (rows
+    reading shared rows of the table through seen_rows; alone, or with a repetition penalty between the two) pick as
+    the op does on logits they were applied to, greedy and sampled, with the same probabilities; they change picks."""
     g = torch.Generator().manual_seed(3)
     N, V, H = 6, 97, 16
     hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     logits = hidden @ weight.T
     rows = torch.tensor([0, 1, 2, 0, 2, 1])
-    offsets = torch.randn(3, V, generator=g) * 2
+    offsets, bias = torch.randn(3, V, generator=g) * 2, torch.randn(V, generator=g)
     offsets[rows, logits.argmax(-1)] -= 100.0  # every row's best token pushed down
-    on = dict(logit_offsets=offsets.to(DEV), seen_rows=rows.to(DEV))
+    on = dict(logit_offsets=offsets, seen_rows=rows, logit_bias=bias)
+    if penalty is not None:
+        on.update(repetition_penalty=penalty, seen_tokens=torch.rand(3, V, generator=g) < 0.3)
+    shifted = penalties_applied(logits, **on)
+    on = {name: value.to(DEV) if torch.is_tensor(value) else value for name, value in on.items()}
     sampled = dict(do_sample=True, seed=4, noise_keys=torch.randint(0, 99, (N, 3), generator=g).to(DEV))
     with mt.use_backend(backend):
         for kw in ({}, sampled):
             got = mt.confidence(logits.to(DEV), temperature=0.7, **on, **kw)
-            want = mt.confidence((logits + offsets[rows]).to(DEV), temperature=0.7, **kw)
+            want = mt.confidence(shifted.to(DEV), temperature=0.7, **kw)
             assert torch.equal(got[0], want[0]) and (got[0].cpu() != logits.argmax(-1)).all()
             torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
         fused = mt.lm_head_confidence(hidden.to(DEV), weight.to(DEV), temperature=0.7, **on)
-        assert torch.equal(fused[0], want[0] if not sampled else mt.confidence(
-            (logits + offsets[rows]).to(DEV), temperature=0.7)[0])
+        assert torch.equal(fused[0].cpu(), shifted.argmax(-1))
         ids = torch.stack([torch.randperm(V, generator=g)[:8] for _ in range(N)])
         ids[:, 0] = logits.argmax(-1)  # each row lists its best token, which the offsets push down
         listed = mt.candidate_confidence(hidden.to(DEV), weight.to(DEV), ids.to(DEV), torch.zeros(N, device=DEV),
                                          seed_hidden=hidden.to(DEV), vocab_mean=weight.mean(0).to(DEV), **on)[0]
-        shifted = (logits + offsets[rows]).gather(1, ids)
-        assert torch.equal(listed.cpu(), ids.gather(1, shifted.argmax(-1, keepdim=True))[:, 0])
+        assert torch.equal(listed.cpu(), ids.gather(1, shifted.gather(1, ids).argmax(-1, keepdim=True))[:, 0])
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -69,6 +76,8 @@ def test_ops_add_each_rows_offsets_before_the_temperature(backend):
     (dict(logit_offsets=torch.zeros(3, 10)), "logit_offsets has 3 rows but logits 2: pass seen_rows"),
     (dict(logit_offsets=torch.zeros(3, 10), seen_rows=torch.zeros(2)), "seen_rows must be an int64 tensor"),
     (dict(seen_rows=torch.zeros(2, dtype=torch.int64)), "pass one of them too"),
+    (dict(logit_bias=torch.zeros(9)), "logit_bias must be a float32 tensor \\[10\\]"),
+    (dict(logit_bias=torch.zeros(1, 10)), "logit_bias must be a float32 tensor \\[10\\]"),
     (dict(logit_offsets=torch.zeros(3, 10), repetition_penalty=1.2, seen_tokens=torch.zeros(2, 10, dtype=torch.bool),
           seen_rows=torch.zeros(2, dtype=torch.int64)), "seen_tokens has 2 rows but logit_offsets 3"),
 ])
@@ -165,7 +174,6 @@ def test_a_bias_of_minus_inf_never_decodes_its_token(model):
     (dict(sequence_bias={(3,): float("nan")}), ValueError, "sequence_bias nan for token 3 must be a finite number"),
     (dict(sequence_bias={(10**6,): 1.0}), ValueError, "sequence_bias"),
     (dict(sequence_bias="3"), TypeError, "sequence_bias must be a dict"),
-    (dict(sequence_bias={(3,): 1.0}, repetition_penalty=1.3), ValueError, "sequence_bias with a repetition_penalty"),
 ])
 def test_bad_values_are_refused_naming_them(model, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -215,7 +223,7 @@ def test_remasks_tau_score_is_the_offset_softmax_probability(penalty):
     corrected = torch.randn(2, 8, V, generator=g, dtype=torch.float64)
     revealed = block == mask
     positions = torch.arange(8, 16).expand(2, -1)
-    z = corrected.float().reshape(16, V) + seen["logit_offsets"][seen["seen_rows"]]
+    z = penalties_applied(corrected.float().reshape(16, V), **seen)
     z[:, mask] = float("-inf")
     tokens = z.argmax(-1).view(2, 8)
     want = z.softmax(-1).gather(1, tokens.reshape(16, 1)).view(2, 8)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from hf_integration import SDARMRPConfig, SDARMRPForCausalLM
 
@@ -77,9 +77,10 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
     ``leftmost``: each step commits the first masked position (SDAR's sequential rule) instead of the most
     confident; ``entropy_bound``: the masked positions in order of their softmax's entropy (torch's Categorical),
     lowest first, while the entropies before sum to at most the bound. ``repetition_penalty``: transformers'
-    RepetitionPenaltyLogitsProcessor at each step, over the tokens the sequence holds (prompt and committed ones);
-    then ``bias`` (token id -> bias) added, and ``presence_penalty`` / ``frequency_penalty`` subtracted as OpenAI
-    defines them, over the new tokens committed so far (counted with ``torch.bincount``).
+    RepetitionPenaltyLogitsProcessor at each step, over the tokens the sequence holds (prompt and committed ones),
+    after transformers' SequenceBiasLogitsProcessor with ``bias`` (token id -> bias); then ``presence_penalty`` /
+    ``frequency_penalty`` subtracted as OpenAI defines them, over the new tokens committed so far (counted with
+    ``torch.bincount``).
     ``top_logprobs`` [P + max_new, k]: each revealed position's k largest log-probabilities of that softmax."""
     P = prompt.shape[0]
     end = -(-(P + max_new) // block) * block
@@ -92,11 +93,12 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
             if forwards is not None:
                 forwards.append(start)
             logits = model(x[:, : start + block]).logits[0, start : start + block].clone()
+            if bias:
+                logits = SequenceBiasLogitsProcessor([[[token], float(b)] for token, b in bias.items()])(
+                    x[:, : start + block].expand(block, -1), logits)
             if repetition_penalty is not None:
                 seen = x[0, : start + block][x[0, : start + block] != MASK_ID]
                 logits = RepetitionPenaltyLogitsProcessor(repetition_penalty)(seen.expand(block, -1), logits)
-            for token, b in (bias or {}).items():
-                logits[:, token] += b
             generated = x[0, P : start + block][x[0, P : start + block] != MASK_ID]
             counts = torch.bincount(generated, minlength=logits.shape[1]).to(logits.dtype)
             logits = logits - presence_penalty * (counts > 0).to(logits.dtype) - frequency_penalty * counts

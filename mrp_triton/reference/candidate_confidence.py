@@ -2,10 +2,10 @@
 
 Defined behaviour (shared with the Triton kernel), per row n of N:
 
-* listed logits ``z_j = (penalized(hidden_n . weight[ids_nj]) + offset_nj) * (1 / temperature)`` for the listed ids
-  (``ids_nj >= 0``; ``penalized``: the repetition penalty at the listed tokens the row has seen, as
-  :func:`.confidence.penalized`; ``offset_nj``: the row's ``logit_offsets`` at the listed token, as
-  :func:`.confidence.offset`),
+* listed logits ``z_j = (penalized(hidden_n . weight[ids_nj] + bias_j) + offset_nj) * (1 / temperature)`` for the
+  listed ids (``ids_nj >= 0``; ``bias_j``: ``logit_bias`` at the listed token; ``penalized``: the repetition penalty
+  at the listed tokens the row has seen, as :func:`.confidence.penalized`; ``offset_nj``: the row's ``logit_offsets``
+  at the listed token, as :func:`.confidence.offset`),
   -inf past the list (id -1), computed in fp32 (fp64 for fp64 operands); ``1 / temperature`` rounded to fp32 as
   in :func:`.confidence.inverse_temperature`; NaN counts as -inf and +inf as the largest fp32
   (:func:`.confidence.comparable`);
@@ -28,17 +28,20 @@ from .confidence import (comparable, gumbel_noise_at, inverse_temperature, may_s
 
 
 def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0, repetition_penalty=None,
-                  seen_tokens=None, seen_rows=None, logit_offsets=None):
+                  seen_tokens=None, seen_rows=None, logit_offsets=None, logit_bias=None):
     """hidden, seed_hidden [N, H]; weight [V, H]; ids int64 [N, M]; rest [N]; vocab_mean [H] ->
     (z [N, M], lse [N]), float32 (float64 for float64 operands); with ``repetition_penalty``, the listed tokens row n
     has seen (``seen_tokens`` [C, V] read at row ``seen_rows[n]``, as :func:`.confidence.penalized`) penalized, then
     with ``logit_offsets`` (float32 [C, V], read at the same row) each listed token's offset added, before the
-    temperature (the mass outside the list is as estimated)."""
+    temperature; with ``logit_bias`` (float32 [V]) each listed token's bias added before the penalty (the mass
+    outside the list is as estimated)."""
     acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     inv_t = inverse_temperature(temperature).to(hidden.device, acc)
     listed = ids >= 0
     rows = weight[ids.clamp(min=0)].to(acc)  # [N, M, H]
     dots = torch.einsum("nh,nmh->nm", hidden.to(acc), rows)
+    if logit_bias is not None:
+        dots = dots + logit_bias[ids.clamp(min=0)].to(acc)
     if repetition_penalty is not None:
         seen = (seen_tokens if seen_rows is None else seen_tokens[seen_rows]).gather(1, ids.clamp(min=0))
         dots = penalized(dots, repetition_penalty, seen)
@@ -72,11 +75,11 @@ def pick_listed(z, lse, ids, *, skip_rows=None, do_sample=False, seed=0, noise_k
 def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, temperature=1.0, skip_rows=None,
                          do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, min_p=None,
                          epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None, repetition_penalty=None,
-                         seen_tokens=None, seen_rows=None, logit_offsets=None):
+                         seen_tokens=None, seen_rows=None, logit_offsets=None, logit_bias=None):
     """Per row the pick among its listed token ids and its estimated full-softmax probability (module docstring).
     Argument checking lives in :func:`mrp_triton.candidate_confidence.candidate_confidence`."""
     z, lse = listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature, repetition_penalty,
-                           seen_tokens, seen_rows, logit_offsets)
+                           seen_tokens, seen_rows, logit_offsets, logit_bias)
     return pick_listed(z, lse, ids, skip_rows=skip_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
                        top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                        top_h=top_h, typical_p=typical_p)

@@ -2,11 +2,11 @@
 
 Defined behaviour (shared with the Triton kernel):
 
-* effective logits ``z = (penalized(logits + scale * sum_r residual[r]) + offsets) / temperature`` in fp32 (fp64 for
-  fp64 logits; the residual is summed in fp32 in order r = 0..R-1; ``penalized``: transformers' repetition penalty at
-  the tokens a row has seen, :func:`penalized`; ``offsets``: the row's row of ``logit_offsets``, an additive term such
-  as presence / frequency penalties and a logit bias, :func:`offset`; the division is a multiplication by
-  ``1 / temperature``
+* effective logits ``z = (penalized(logits + scale * sum_r residual[r] + bias) + offsets) / temperature`` in fp32
+  (fp64 for fp64 logits; the residual is summed in fp32 in order r = 0..R-1; ``bias``: ``logit_bias``, a term by token
+  id every row adds; ``penalized``: transformers' repetition penalty at the tokens a row has seen, :func:`penalized`;
+  ``offsets``: the row's row of ``logit_offsets``, an additive term such as presence / frequency penalties,
+  :func:`offset`: :func:`penalties_applied`; the division is a multiplication by ``1 / temperature``
   rounded to fp32, exactly as the kernel does it; ``temperature`` and the filters may be 0-d tensors on the
   device, so a captured CUDA graph serves every value, ``top_k_max`` then bounding ``top_k``; each also one a row,
   [N]);
@@ -140,9 +140,13 @@ def offset(z: torch.Tensor, logit_offsets: torch.Tensor | None, seen_rows: torch
 
 
 def penalties_applied(z: torch.Tensor, repetition_penalty=None, seen_tokens: torch.Tensor | None = None,
-                      seen_rows: torch.Tensor | None = None, logit_offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """z [N, V] as the ops see it before the temperature: the repetition penalty at the seen tokens
-    (:func:`penalized`, with a ``repetition_penalty``), then the offsets (:func:`offset`)."""
+                      seen_rows: torch.Tensor | None = None, logit_offsets: torch.Tensor | None = None,
+                      logit_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """z [N, V] as the ops see it before the temperature: plus ``logit_bias`` [V] (as transformers' sequence bias
+    and vLLM's logit bias come first), the repetition penalty at the seen tokens (:func:`penalized`, with a
+    ``repetition_penalty``), then the offsets (:func:`offset`)."""
+    if logit_bias is not None:
+        z = z + logit_bias.to(z.dtype)
     if repetition_penalty is not None:
         z = penalized(z, repetition_penalty, seen_tokens, seen_rows)
     return offset(z, logit_offsets, seen_rows)
@@ -154,9 +158,10 @@ def comparable(z: torch.Tensor) -> torch.Tensor:
 
 
 def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_token_id=None, banned_tokens=None,
-                     ban_rows=None, repetition_penalty=None, seen_tokens=None, seen_rows=None, logit_offsets=None):
+                     ban_rows=None, repetition_penalty=None, seen_tokens=None, seen_rows=None, logit_offsets=None,
+                     logit_bias=None):
     """z: [N, V] float32 with NaN -> -inf, +inf -> FLT_MAX, mask column and banned tokens -> -inf (the repetition
-    penalty at the seen tokens, :func:`penalized`, then the offsets, :func:`offset`, before the temperature)."""
+    bias, the penalty at the seen tokens and the offsets, :func:`penalties_applied`, before the temperature)."""
     z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if residual is not None:
         res = residual if residual.dim() == 3 else residual.unsqueeze(0)
@@ -164,7 +169,7 @@ def effective_logits(logits, residual=None, *, scale=1.0, temperature=1.0, mask_
         for r in range(1, res.shape[0]):
             acc = acc + res[r].to(z.dtype)
         z = z + torch.tensor(scale, dtype=torch.float32) * acc
-    z = penalties_applied(z, repetition_penalty, seen_tokens, seen_rows, logit_offsets)
+    z = penalties_applied(z, repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     z = z * inverse_temperature(temperature)
     z = comparable(z)
     if mask_token_id is not None and 0 <= mask_token_id < z.shape[-1]:
@@ -402,18 +407,20 @@ def softmax_entropy(z: torch.Tensor) -> torch.Tensor:
 
 def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=None, mask_token_id=None,
                banned_tokens=None, ban_rows=None, repetition_penalty=None, seen_tokens=None, seen_rows=None,
-               logit_offsets=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None, top_k_max=None,
-               min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None, entropy=False):
+               logit_offsets=None, logit_bias=None, do_sample=False, seed=0, noise_keys=None, top_k=None, top_p=None,
+               top_k_max=None, min_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None, typical_p=None,
+               entropy=False):
     """logits: [N, V]; residual: None, [N, V] or [R, N, V]; skip_rows: bool [N]; banned_tokens: bool [V];
-    ban_rows: bool [N]; seen_tokens: bool [C, V], logit_offsets: float32 [C, V] and seen_rows: int64 [N]
-    (:func:`penalized`, :func:`offset`); noise_keys: int64 [N, 3].
+    ban_rows: bool [N]; seen_tokens: bool [C, V], logit_offsets: float32 [C, V] and seen_rows: int64 [N], logit_bias:
+    float32 [V] (:func:`penalties_applied`); noise_keys: int64 [N, 3].
 
     Returns ``(tokens int64 [N], probs float32 [N], lse float32 [N])``, with ``entropy`` also the entropy float32 [N]
     (see the module docstring). Argument checking lives in :func:`mrp_triton.confidence.confidence`.
     """
     z = effective_logits(logits, residual, scale=scale, temperature=temperature, mask_token_id=mask_token_id,
                          banned_tokens=banned_tokens, ban_rows=ban_rows, repetition_penalty=repetition_penalty,
-                         seen_tokens=seen_tokens, seen_rows=seen_rows, logit_offsets=logit_offsets)
+                         seen_tokens=seen_tokens, seen_rows=seen_rows, logit_offsets=logit_offsets,
+                         logit_bias=logit_bias)
     lse = torch.logsumexp(z, dim=-1)
     tok = pick_tokens(z, do_sample=do_sample, seed=seed, noise_keys=noise_keys, top_k=top_k, top_p=top_p,
                       top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,

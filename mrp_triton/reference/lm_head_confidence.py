@@ -12,11 +12,12 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
                        ban_rows: torch.Tensor | None = None, temperature: float = 1.0,
                        skip_rows: torch.Tensor | None = None, top_m: int = 0, entropy: bool = False,
                        repetition_penalty=None, seen_tokens: torch.Tensor | None = None,
-                       seen_rows: torch.Tensor | None = None, logit_offsets: torch.Tensor | None = None):
-    """Per row: the argmax of ``z = (penalized(hidden @ weight.T [+ base_logits]) + offsets) / temperature``
-    (``penalized``: with a ``repetition_penalty``, at the columns row n has seen, :func:`.confidence.penalized`;
-    ``offsets``: row n's row of ``logit_offsets``, float32 [C, V] read at ``seen_rows[n]``, :func:`.confidence.offset`)
-    and its
+                       seen_rows: torch.Tensor | None = None, logit_offsets: torch.Tensor | None = None,
+                       logit_bias: torch.Tensor | None = None):
+    """Per row: the argmax of ``z = (penalized(hidden @ weight.T [+ base_logits] + bias) + offsets) / temperature``
+    (``bias``: ``logit_bias``, float32 [V]; ``penalized``: with a ``repetition_penalty``, at the columns row n has seen,
+    :func:`.confidence.penalized`; ``offsets``: row n's row of ``logit_offsets``, float32 [C, V] read at
+    ``seen_rows[n]``: :func:`.confidence.penalties_applied`) and its
     probability under the full softmax of z, the ``mask_token_id`` column excluded from both, and so is column v in
     row n when ``banned_tokens[v] & ban_rows[n]`` is nonzero (:func:`.confidence.exclude_banned`).
     NaN in z counts as -inf and +inf as the largest fp32; rows in ``skip_rows`` (bool [N]) and rows with no finite z
@@ -36,7 +37,8 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     z = hidden.to(weight.dtype).to(acc) @ weight.to(acc).T
     if base_logits is not None:
         z = z + base_logits.to(acc)
-    z = comparable(penalties_applied(z, repetition_penalty, seen_tokens, seen_rows, logit_offsets) / temperature)
+    z = comparable(penalties_applied(z, repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
+                   / temperature)
     if mask_token_id is not None:
         z[:, mask_token_id] = float("-inf")
     z = exclude_banned(z, banned_tokens, ban_rows)

@@ -184,9 +184,8 @@ class GenerationSettings:
     as for the repetition penalty, but never the prompt's tokens), after the repetition penalty, before the
     temperature and the filters; negative values encourage repeats. ``sequence_bias`` (transformers' name: a dict of
     ``(token_id,)`` -> bias, or a list of ``[[token_id], bias]``) adds each bias to its token's logit in every pick,
-    as transformers' processor does (a bias of -inf never decodes the token; tokens of several ids are refused, as
-    for ``bad_words_ids``); with a ``repetition_penalty`` it is refused, as transformers applies the bias before the
-    penalty and the picks here after it.
+    before the penalties, as transformers' processor (and vLLM's logit bias) does (a bias of -inf never decodes the
+    token; tokens of several ids are refused, as for ``bad_words_ids``).
     ``top_h`` (sampling, in (0, 1]) is transformers' top-h, applied before top-k as its warpers are:
     among the 100 most likely tokens, the most likely ones whose entropy terms ``-p log p`` (under the softmax over
     the 100) sum to at most ``top_h`` times their entropy. ``typical_p`` (sampling, in (0, 1], 1 none cut) is
@@ -342,11 +341,6 @@ class GenerationSettings:
             return repr(value)
 
         return tuple((f.name, part(f.name)) for f in dataclasses.fields(self) if f.name not in OUTSIDE_THE_STEPS)
-
-    @property
-    def offsets_logits(self) -> bool:
-        """Whether the picks add an offset to the logits (a presence or frequency penalty, a sequence bias)."""
-        return self.counts_tokens or self.sequence_bias is not None
 
     @property
     def counts_tokens(self) -> bool:
@@ -772,10 +766,6 @@ class GenerationSettings:
                                  "decoded)")
             bias[_token_id("sequence_bias", ids[0], vocab_size)] = float(b)
         self.sequence_bias = tuple(sorted(bias.items())) or None
-        if self.sequence_bias is not None and self.repetition_penalty is not None:
-            raise ValueError("sequence_bias with a repetition_penalty: transformers adds the bias before the penalty, "
-                             "and the picks here after it, so the two would not give transformers' logits; drop one "
-                             "(presence_penalty / frequency_penalty combine with sequence_bias)")
 
 
 def _number(name: str, value) -> float:
