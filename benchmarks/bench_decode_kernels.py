@@ -176,10 +176,10 @@ def main(argv=None) -> int:
         # logsumexp and an entropy over the row; top-h: torch.topk of 100), the kernel draws in its
         # pass; eager: the reference (noise over all of V). Then a greedy pick holding two EOS ids back in half the
         # rows (min_new_tokens), a greedy pick under a repetition penalty (8 rows of seen tokens, a tenth of V each,
-        # as 8 sequences' blocks read them: one more byte a logit), one under presence / frequency penalties or a
-        # bias (8 rows of float32 logit offsets read the same way: four more bytes a logit), and one with each row's
-        # entropy too
-        # (entropy-bounded decoding), against the plain confidence_nores rows.
+        # as 8 sequences' blocks read them: one more byte a logit), one under presence / frequency penalties and a
+        # logit bias (8 rows of float32 logit offsets read the same way: four more bytes a logit; the bias, one [V]
+        # vector every row reads), and one with each row's entropy too (entropy-bounded decoding), against the plain
+        # confidence_nores rows.
         if N <= 512:
             keys = torch.randint(0, 2**31, (N, 3), device=dev, generator=gen)
             sampled = dict(do_sample=True, seed=1, noise_keys=keys, mask_token_id=151669 % V)
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
             seen = torch.rand(8, V, device=dev, generator=gen) < 0.1
             penalty = dict(mask_token_id=151669 % V, repetition_penalty=1.2, seen_tokens=seen,
                            seen_rows=torch.arange(N, device=dev) % 8)
-            offsets = dict(mask_token_id=151669 % V, logit_offsets=-0.5 * seen.float(),
+            offsets = dict(mask_token_id=151669 % V, logit_offsets=-0.5 * seen.float(), logit_bias=seen[0].float(),
                            seen_rows=torch.arange(N, device=dev) % 8)
             for kname, kw in (("confidence_topkp", dict(top_k=50, top_p=0.9, **sampled)),
                               ("confidence_topp", dict(top_p=0.9, **sampled)),

@@ -163,7 +163,7 @@ def _conf_partial_kernel(
     if HAS_PENALTY:  # the repetition penalty at the tokens this row has seen (its row of the seen table)
         seen_row = seen_ptr + tl.load(seen_rows_ptr + row) * V
         pen, inv_pen = penalty_factors(pen_ptr)
-    if HAS_OFFSETS:  # an additive term a token (this row's row of the offsets: presence / frequency penalties, a bias)
+    if HAS_OFFSETS:  # an additive term a token (this row's row of the offsets: presence / frequency penalties)
         off_row = off_ptr + tl.load(seen_rows_ptr + row) * V
     if HAS_BAN:  # token v is excluded where banned_tokens[v] & this row's ban classes (uint8 bits) is nonzero: the
         ban_bits = tl.load(ban_rows_ptr + row)  # table is read below ban_hi (nowhere in a row with no class)

@@ -172,7 +172,7 @@ def _partials_kernel(h_ptr, w_ptr, w_desc, base_ptr, order_ptr, kept_ptr, ban_to
             seen = tl.load(seen_ptr + seen_at + tl.expand_dims(cols64, 1 - V_AXIS),
                            mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0)
             z = penalized(z, seen, pen, inv_pen)
-        if HAS_OFFSETS:  # an additive term a column (presence / frequency penalties, a bias)
+        if HAS_OFFSETS:  # an additive term a column (presence / frequency penalties)
             z = z + tl.load(off_ptr + seen_at + tl.expand_dims(cols64, 1 - V_AXIS),
                             mask=tl.expand_dims(row_mask, V_AXIS) & tl.expand_dims(col_mask, 1 - V_AXIS), other=0.0)
         z = z * inv_temp
