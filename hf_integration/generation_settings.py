@@ -75,7 +75,7 @@ PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), "sampling")  # sampling: do_sampl
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
-# Settings the steps read from the decode engine's bias table, a logit offset by token id (DecodeEngine.use_settings):
+# Settings the steps read from the decode engine's bias table, a logit bias by token id (DecodeEngine.use_settings):
 # as for ON_THE_DEVICE, only whether one is set is part of a step's key.
 IN_THE_BIAS_TABLE = ("sequence_bias",)
 # The value at which a setting asks nothing, as transformers reads it: a cut that keeps every token, no penalty.
