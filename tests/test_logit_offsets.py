@@ -10,12 +10,11 @@ import torch
 import mrp_triton as mt
 from hf_integration.generation_settings import GenerationSettings
 from mrp_triton.reference.confidence import penalties_applied
-from tiny_models import STRATEGIES, assert_rows_decode_as_alone, naive_static_decode, random_prompts, tiny_model
+from tiny_models import (DRAFTS, STRATEGIES, assert_rows_decode_as_alone, assert_speculative_is_static,
+                         naive_static_decode, random_prompts, tiny_model)
 
 from kernel_utils import DEV
 
-DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
-          dict(mrp_steps=3, draft_candidates=4)]
 # presence and frequency penalties, a bias, all three, and a bias beside a repetition penalty (the oracle's names:
 # bias is token id -> bias)
 OFFSETS = [dict(presence_penalty=1.5), dict(frequency_penalty=0.8), dict(bias={0: -3.0, 48: -2.0, 11: 2.5}),
@@ -113,15 +112,8 @@ def test_speculative_decoding_stays_lossless(model, drafts, sampled):
     """Speculative decoding under presence / frequency penalties and a bias commits the tokens static decoding
     commits: each candidate state of a verify forward counts the drafts before it, as static decoding counts them
     once committed."""
-    ids = random_prompts(3, 5, seed=11)
-    kw = dict(max_new_tokens=14, presence_penalty=0.6, frequency_penalty=0.9, sequence_bias={(4,): 1.5},
-              eos_token_id=[], return_dict_in_generate=True, output_confidences=True)
-    if sampled:
-        kw.update(do_sample=True, temperature=1.2, top_k=30, seed=3)
-    static = model.generate(ids, **kw)
-    spec = model.generate(ids, strategy="speculative", **drafts, **kw)
-    assert torch.equal(spec.sequences, static.sequences)
-    torch.testing.assert_close(spec.confidences, static.confidences, rtol=1e-5, atol=0)
+    assert_speculative_is_static(model, drafts, sampled, presence_penalty=0.6, frequency_penalty=0.9,
+                                 sequence_bias={(4,): 1.5})
 
 
 def test_each_row_counts_its_own_new_tokens(model):

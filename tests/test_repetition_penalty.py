@@ -10,12 +10,10 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 import mrp_triton as mt
 from hf_integration.generation_settings import GenerationSettings
-from tiny_models import STRATEGIES, assert_rows_decode_as_alone, naive_static_decode, random_prompts, tiny_model
+from tiny_models import (DRAFTS, STRATEGIES, assert_rows_decode_as_alone, assert_speculative_is_static,
+                         naive_static_decode, random_prompts, tiny_model)
 
 from kernel_utils import DEV
-
-DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
-          dict(mrp_steps=3, draft_candidates=4)]
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +96,7 @@ def test_generate_is_the_oracle_that_penalizes_every_step(model, prompt_len, pen
 def test_speculative_decoding_stays_lossless(model, drafts, sampled):
     """Speculative decoding under a repetition penalty commits the tokens static decoding commits: each candidate
     state of a verify forward sees the drafts before it, as static decoding sees them once committed."""
-    ids = random_prompts(3, 5, seed=11)
-    kw = dict(max_new_tokens=14, repetition_penalty=1.9, eos_token_id=[], return_dict_in_generate=True,
-              output_confidences=True)
-    if sampled:
-        kw.update(do_sample=True, temperature=1.2, top_k=30, seed=3)
-    static = model.generate(ids, **kw)
-    spec = model.generate(ids, strategy="speculative", **drafts, **kw)
-    assert torch.equal(spec.sequences, static.sequences)
-    torch.testing.assert_close(spec.confidences, static.confidences, rtol=1e-5, atol=0)
+    assert_speculative_is_static(model, drafts, sampled, repetition_penalty=1.9)
 
 
 def test_each_row_sees_its_own_tokens_not_the_padding(model):

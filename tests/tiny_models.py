@@ -128,6 +128,24 @@ def naive_static_decode(model, prompt: torch.Tensor, max_new: int, block: int, f
     return x[0, : P + max_new]
 
 
+# speculative decoding's drafts: MRP drafts, the authors' schedule, a draft vocabulary, listed candidates
+DRAFTS = [dict(mrp_steps=3), dict(mrp_steps=2, draft_schedule="authors"), dict(mrp_steps=3, draft_vocab=20),
+          dict(mrp_steps=3, draft_candidates=4)]
+
+
+def assert_speculative_is_static(model, drafts: dict, sampled: bool, **settings) -> None:
+    """Speculative decoding with ``drafts`` (greedy, or sampled at temperature 1.2 among the top 30) gives static
+    decoding's tokens and confidences, with ``settings``, on three random 5-token prompts and 14 new tokens."""
+    ids = random_prompts(3, 5, seed=11)
+    kw = dict(max_new_tokens=14, eos_token_id=[], return_dict_in_generate=True, output_confidences=True, **settings)
+    if sampled:
+        kw.update(do_sample=True, temperature=1.2, top_k=30, seed=3)
+    static = model.generate(ids, **kw)
+    spec = model.generate(ids, strategy="speculative", **drafts, **kw)
+    assert torch.equal(spec.sequences, static.sequences)
+    torch.testing.assert_close(spec.confidences, static.confidences, rtol=1e-5, atol=0)
+
+
 def assert_rows_decode_as_alone(model, **settings) -> None:
     """In a left-padded batch of three random prompts (3, 7 and 5 tokens), every row decodes with ``settings`` what it
     decodes alone; so it does with the second row ending at its third new token (an EOS) and leaving the batch, with
