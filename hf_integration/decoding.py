@@ -37,7 +37,7 @@ from mrp_triton.reference.lm_head_confidence import top_by_value
 from .decode_engine import BAN_EOS, BAN_FIRST, BAN_SUPPRESS, DecodeStats, EngineShape, engine_for
 from .draft_candidates import refresh_vocab_mean
 from .draft_vocab import DraftHead, draft_head
-from .generation_settings import MRP_STRATEGIES, PER_PROMPT, GenerationSettings
+from .generation_settings import MRP_STRATEGIES, PER_PROMPT, PER_PROMPT_PENALTIES, GenerationSettings
 from .kv_cache import AttentionInputs
 from .prompts import PromptBatch
 from .step_graphs import conditional_nodes_supported, run_if
@@ -616,12 +616,20 @@ class BlockDecoder:
             counts = self.engine.counts[:B].repeat_interleave(C, 0).scatter_add_(
                 1, flat, torch.ones(flat.shape, device=flat.device))
             offsets = torch.zeros_like(counts)
-            if settings.frequency_penalty is not None:
-                offsets.sub_(self.on_device("frequency_penalty").float() * counts)
-            if settings.presence_penalty is not None:
-                offsets.sub_(self.on_device("presence_penalty").float() * (counts > 0))
+            for name, term in (("frequency_penalty", counts), ("presence_penalty", counts > 0)):
+                weight = self.penalty_weight(name, C)
+                if weight is not None:
+                    offsets.sub_(weight * term)
             out["logit_offsets"] = offsets
         return out
+
+    def penalty_weight(self, name: str, C: int) -> torch.Tensor | None:
+        """The presence or frequency penalty (``name``) as read on the device: 0-d float32, or given per prompt, each
+        working row's [B' * C, 1] (C states a row); None when not set."""
+        lists = PER_PROMPT_PENALTIES[name]
+        if getattr(self.settings, lists) is not None:
+            return self.per_row(lists).float().repeat_interleave(C)[:, None]
+        return None if getattr(self.settings, name) is None else self.on_device(name).float()
 
     def _penalty(self, seen: dict | None, vocab: int | None = None) -> dict:
         """``seen`` (:meth:`penalties`) as the keyword arguments of a pick among the first ``vocab`` ids (a draft

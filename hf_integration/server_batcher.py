@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cli_prompts import left_padded
-from .generation_settings import NEUTRAL, NO_CUT, PER_PROMPT, SAMPLING
+from .generation_settings import NEUTRAL, NO_CUT, PER_PROMPT, PER_PROMPT_PENALTIES, SAMPLING
 from .server_requests import Request
 
 
@@ -230,6 +230,10 @@ class Batcher:
                     extra[name] = values
             if len(sampled) < len(batch):  # greedy requests among them: whether each prompt samples
                 extra["do_sample"] = per_prompt(lambda request: request.settings["do_sample"])
+        for name in PER_PROMPT_PENALTIES:  # each request's own (greedy or sampled; without one: 0, none)
+            values = per_prompt(lambda request: request.settings.get(name) or 0.0)
+            if len(set(values)) > 1:
+                extra[name] = values
         limits = per_prompt(lambda request: request.max_new_tokens)
         if len(set(limits)) > 1:  # a count per prompt: each request's own
             extra["max_new_tokens"] = limits
@@ -287,15 +291,16 @@ def top_pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int,
 
 def _decoded_alike(one: Request, other: Request) -> bool:
     """Whether two requests' prompts may share a ``generate()`` call: the same keywords, whether they sample, a sampled
-    request's seed, temperature and filters (:data:`FILTERS_PER_PROMPT`), the new tokens and the stop strings asked for
-    aside (the call takes them per prompt; a request that leaves ``max_new_tokens`` to generate()'s default shares only
-    with those that do too), and a greedy request's with a sampled one's sampling settings aside too (greedy rows read
-    none)."""
+    request's seed, temperature and filters (:data:`FILTERS_PER_PROMPT`), the presence and frequency penalties, the
+    new tokens and the stop strings asked for aside (the call takes them per prompt; a request that leaves
+    ``max_new_tokens`` to generate()'s default shares only with those that do too), and a greedy request's with a
+    sampled one's sampling settings aside too (greedy rows read none)."""
     greedy = not (one.settings["do_sample"] and other.settings["do_sample"])
 
     def key(settings: dict) -> dict:
         return {**{name: value for name, value in settings.items() if not (greedy and name in SAMPLING)},
                 "do_sample": None, "seed": None, "temperature": None, **dict.fromkeys(FILTERS_PER_PROMPT),
+                **dict.fromkeys(PER_PROMPT_PENALTIES),
                 "max_new_tokens": "max_new_tokens" in settings, "stop_strings": None, "tokenizer": None}
 
     return key(one.settings) == key(other.settings)

@@ -11,7 +11,7 @@ import mrp_triton as mt
 from hf_integration.generation_settings import GenerationSettings
 from mrp_triton.reference.confidence import penalties_applied
 from tiny_models import (DRAFTS, STRATEGIES, assert_rows_decode_as_alone, assert_speculative_is_static,
-                         naive_static_decode, random_prompts, tiny_model)
+                         naive_static_decode, padded_batch, random_prompts, tiny_model)
 
 from kernel_utils import DEV
 
@@ -235,3 +235,33 @@ def test_a_generation_config_sets_them_as_the_keywords_do(model):
     for bias in ({(0,): -3.0}, [[[0], -3.0]]):
         config = GenerationConfig(presence_penalty=1.5, frequency_penalty=0.5, sequence_bias=bias)
         assert torch.equal(model.generate(ids, generation_config=config, **kw), want)
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="static"), dict(strategy="speculative", mrp_steps=3),
+                                dict(strategy="dynamic", threshold=0.3, do_sample=True, seed=[1, 2, 3])],
+                         ids=["static", "speculative", "dynamic sampled"])
+def test_penalties_per_prompt_decode_each_prompt_as_alone(model, kw):
+    """presence_penalty and frequency_penalty given one a prompt (None or 0: none) decode each prompt of a left-padded
+    batch as it decodes alone with its own values (read per row on the device: captured steps give the same), and one
+    step key serves every list."""
+    rows = [random_prompts(1, n, seed=20 + n)[0] for n in (3, 7, 5)]
+    ids, mask = padded_batch(rows, "left")
+    presence, frequency = [0.0, 1.5, None], [0.8, None, -0.5]
+    for graphs in (False, True):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], presence_penalty=presence,
+                             frequency_penalty=frequency, cuda_graphs=graphs, **kw)[:, ids.shape[1]:]
+        for i, row in enumerate(rows):
+            own = dict(kw, seed=[kw["seed"][i]]) if "seed" in kw else kw
+            alone = model.generate(row[None], max_new_tokens=12, eos_token_id=[], presence_penalty=presence[i],
+                                   frequency_penalty=frequency[i], **own)[0, len(row):]
+            assert torch.equal(out[i], alone), (graphs, i)
+    keys = {GenerationSettings.resolve(model, None, dict(kw, presence_penalty=p, max_new_tokens=12), 7, 3).step_key()
+            for p in ([0.0, 1.5, None], [2.0, -1.0, 0.5])}
+    assert len(keys) == 1
+
+
+@pytest.mark.parametrize("value,match", [([1.0, 2.0], "2 values for 3 prompts"),
+                                         ([1.0, float("nan"), 0.0], "must hold finite numbers")])
+def test_bad_penalty_lists_are_refused(model, value, match):
+    with pytest.raises(ValueError, match=match):
+        model.generate(random_prompts(3, 4, seed=1), max_new_tokens=4, frequency_penalty=value)

@@ -546,7 +546,12 @@ MIXED_REQUESTS = {  # the requests of a test below, and the rows of each call th
                   "epsilon_cutoff": 0.01},
                  {"prompt": "class Box:\n", "temperature": 0.9, "seed": 3, "eta_cutoff": 0.02, "stream": True,
                   "logprobs": 0},
-                 {"prompt": "x = 1\n", "temperature": 1.0, "seed": 4, "top_k": 0, "top_h": 0.6}], [4])}
+                 {"prompt": "x = 1\n", "temperature": 1.0, "seed": 4, "top_k": 0, "top_h": 0.6}], [4]),
+    "penalties": ([{"prompt": "import os\n", "frequency_penalty": 0.5},
+                   {"prompt": "def add(a, b):\n", "temperature": 0.8, "seed": 5, "presence_penalty": 1.0},
+                   {"prompt": "class Box:\n", "stream": True, "logprobs": 0, "frequency_penalty": 1.5,
+                    "presence_penalty": -0.5},
+                   {"prompt": "x = 1\n"}], [4])}
 
 
 @pytest.mark.parametrize("mix", MIXED_REQUESTS)
@@ -556,7 +561,8 @@ def test_requests_share_a_call_whatever_their_temperature_and_filters_greedy_or_
     """Greedy requests (one streamed, one asking for logprobs) and a sampled one (a temperature, top-k and seed of
     its own) share a call; a second sampled request, at a repetition penalty, cannot share that call (a call has one)
     and gets its own. Sampled requests at their own top-k (one at 0, two at none), top-h (one; the others none), min-p,
-    typical-p, epsilon and eta (one at none) share a call. Each
+    typical-p, epsilon and eta (one at none) share a call; so do requests at presence and frequency penalties of
+    their own (greedy and sampled; one without). Each
     completion is what its prompt gets alone: greedy, or sampled with its request's settings (and its logprobs those
     of the tokens it keeps)."""
     tokenizer, model = shipped

@@ -71,7 +71,10 @@ ON_THE_DEVICE = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p",
 # part of a step's key.
 PER_PROMPT = {"temperature": "temperatures", "top_h": "top_hs", "top_k": "top_ks", "top_p": "top_ps", "min_p": "min_ps",
               "typical_p": "typical_ps", "epsilon_cutoff": "epsilon_cutoffs", "eta_cutoff": "eta_cutoffs"}
-PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), "sampling")  # sampling: do_sample per prompt
+# Per-prompt lists of a penalty, greedy or sampled (setting -> the field that holds the list), read as PER_PROMPT's
+PER_PROMPT_PENALTIES = {"presence_penalty": "presence_penalties", "frequency_penalty": "frequency_penalties"}
+PER_ROW_ON_THE_DEVICE = (*PER_PROMPT.values(), *PER_PROMPT_PENALTIES.values(), "sampling")  # sampling: do_sample
+# per prompt
 # Token bans the steps read from the decode engine's ban table (DecodeEngine.use_settings): as for ON_THE_DEVICE, only
 # whether one is set is part of a step's key (bad_words_ids of one token each are folded into suppress_tokens).
 IN_THE_BAN_TABLE = ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
@@ -178,7 +181,8 @@ class GenerationSettings:
     divided by it, a negative one multiplied), before the temperature and the filters; what a row has seen is its
     prompt, its finished blocks and the tokens committed in its block so far (a speculative draft's are seen by the
     candidate states after it), not the padding transformers' left-padded batches also count.
-    ``presence_penalty`` and ``frequency_penalty`` (finite numbers; 0 or None: none) are OpenAI's (and vLLM's): every
+    ``presence_penalty`` and ``frequency_penalty`` (finite numbers, or lists of one a prompt, greedy or sampled; 0 or
+    None: none) are OpenAI's (and vLLM's): every
     pick subtracts from the logit of each token the row has generated so far ``presence_penalty`` once and
     ``frequency_penalty`` per time it was generated (its finished blocks and the tokens committed in its block so far,
     as for the repetition penalty, but never the prompt's tokens), after the repetition penalty, before the
@@ -259,8 +263,8 @@ class GenerationSettings:
     max_length: int | None = None
     min_new_tokens: int | None = None
     repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | Sequence[float] | None = None  # validated: a float (a list moves to presence_penalties)
+    frequency_penalty: float | Sequence[float] | None = None  # validated: as presence_penalty
     min_length: int | None = None
     num_return_sequences: int = 1
     block_length: int | None = None
@@ -321,6 +325,8 @@ class GenerationSettings:
     epsilon_cutoffs: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
     eta_cutoffs: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
     sampling: tuple[bool, ...] | None = field(default=None, init=False)  # whether each prompt samples, or None
+    presence_penalties: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
+    frequency_penalties: tuple[float, ...] | None = field(default=None, init=False)  # one per prompt, or None
 
     @classmethod
     def names(cls) -> set[str]:
@@ -344,8 +350,10 @@ class GenerationSettings:
 
     @property
     def counts_tokens(self) -> bool:
-        """Whether the picks read how often each row generated each token (a presence or frequency penalty)."""
-        return self.presence_penalty is not None or self.frequency_penalty is not None
+        """Whether the picks read how often each row generated each token (a presence or frequency penalty, or one
+        per prompt)."""
+        return any(getattr(self, name) is not None or getattr(self, lists) is not None
+                   for name, lists in PER_PROMPT_PENALTIES.items())
 
     @property
     def top_k_max(self) -> int | None:
@@ -413,7 +421,7 @@ class GenerationSettings:
                                 "were given: max_new_tokens wins (as in transformers)")
         settings._split_new_token_limits(prompts)
         settings._split_sampling(prompts)
-        for name in PER_PROMPT:
+        for name in (*PER_PROMPT, *PER_PROMPT_PENALTIES):
             settings._split_per_prompt(name, prompts)
         settings._greedy_prompts_at_temperature_1()
         settings._fill_defaults(model.config, prompt_width)
@@ -480,13 +488,24 @@ class GenerationSettings:
         self.temperature = self._default("temperature")
 
     def _split_per_prompt(self, name: str, prompts: int | None) -> None:
-        """A list of setting ``name`` (:data:`PER_PROMPT`: one usable value per prompt, of a sampled call) goes to its
-        field of lists (a tuple of floats; None when they are all the same: ``name`` then holds it), ``name`` then
-        holding its default (unread); a top_h or top_k of None (or a top_k of 0: no cut) is :data:`NO_CUT`'s there."""
+        """A list of setting ``name`` (:data:`PER_PROMPT`: one usable value per prompt, of a sampled call;
+        :data:`PER_PROMPT_PENALTIES`: one finite number or None, none, per prompt) goes to its field of lists (a tuple
+        of floats; None when they are all the same: ``name`` then holds it), ``name`` then holding its default
+        (unread); a top_h or top_k of None (or a top_k of 0: no cut) is :data:`NO_CUT`'s there, a penalty's None 0."""
         values = getattr(self, name)
         if not isinstance(values, (list, tuple)):
             return
         values = _one_per_prompt(name, values, prompts, "values", "one number")
+        if name in PER_PROMPT_PENALTIES:
+            values = tuple(0.0 if value is None else _number(name, value) for value in values)
+            if not all(map(math.isfinite, values)):
+                raise ValueError(f"{name}={list(values)!r} must hold finite numbers (0 or None: no penalty)")
+            if len(set(values)) == 1:
+                setattr(self, name, values[0])
+            else:
+                setattr(self, PER_PROMPT_PENALTIES[name], values)
+                setattr(self, name, None)
+            return
         if not self.do_sample:
             raise ValueError(f"{name}={list(values)!r} steers sampling, which this call does not do: pass "
                              "do_sample=True (or drop it)")
