@@ -10,7 +10,8 @@ clients ask for different lengths, stop strings and temperatures, as real client
 ``max_tokens`` (i % 4 + 1) quarters of ``--max-new-tokens`` (EOS held back for the first quarter), an odd one with a
 stop string, and in a sampled round each one at (i % 3 + 3) / 4 of the round's temperature but every fifth (i % 5 ==
 4), which decodes greedily (results to ``serve_<device>_mixed``); new tokens a second then count the tokens the
-completions hold.
+completions hold. With ``--penalties`` client i also asks for a frequency penalty of (i % 4) / 4 and, when i is odd, a
+presence penalty of 0.5 (OpenAI's fields; results to ``serve_<device>[_mixed]_penalties``).
 
     python benchmarks/bench_serve.py              # the shipped model, 16 clients, results to benchmarks/results/
     python benchmarks/bench_serve.py --clients 4 --max-new-tokens 8 --repeats 1 --out /tmp/serve
@@ -37,12 +38,13 @@ from bench_e2e import heldout_prompts  # noqa: E402
 from hf_integration.cli import SHIPPED_MODEL, load  # noqa: E402
 from hf_integration.server import Server  # noqa: E402
 
-FIELDS = ["strategy", "temperature", "stream", "mixed", "max_batch_size", "clients", "max_new_tokens",
+FIELDS = ["strategy", "temperature", "stream", "mixed", "penalties", "max_batch_size", "clients", "max_new_tokens",
           "seconds_median", "new_tokens_per_s", "same_as_alone", "gpu", "torch", "triton", "commit"]
 MIXED_STOP = ["\n\n\n"]  # what an odd client of --mixed stops at
 
 
-def request_body(i: int, prompt: str, max_new_tokens: int, temperature: float, stream: bool, mixed: bool) -> dict:
+def request_body(i: int, prompt: str, max_new_tokens: int, temperature: float, stream: bool, mixed: bool,
+                 penalties: bool = False) -> dict:
     """Client i's request (see the module docstring)."""
     if mixed:
         temperature = temperature * (i % 3 + 3) / 4 if i % 5 != 4 else 0.0
@@ -51,20 +53,22 @@ def request_body(i: int, prompt: str, max_new_tokens: int, temperature: float, s
     if mixed:
         body.update(max_tokens=max_new_tokens * (i % 4 + 1) // 4, min_tokens=max_new_tokens // 4,
                     **({"stop": MIXED_STOP} if i % 2 else {}))
+    if penalties:
+        body.update(frequency_penalty=(i % 4) / 4, **({"presence_penalty": 0.5} if i % 2 else {}))
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
 
 
 def serve_round(server: Server, prompts: list[str], max_new_tokens: int, temperature: float,
-                stream: bool = False, mixed: bool = False) -> tuple[float, list[str], int]:
+                stream: bool = False, mixed: bool = False, penalties: bool = False) -> tuple[float, list[str], int]:
     """One request a prompt (:func:`request_body`), each from a thread of its own, all at once (``stream``: streamed,
     the text joined from the deltas): (seconds until the last answer, texts, new tokens the completions hold)."""
     url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
     texts, tokens = [None] * len(prompts), [0] * len(prompts)
 
     def client(i: int) -> None:
-        body = request_body(i, prompts[i], max_new_tokens, temperature, stream, mixed)
+        body = request_body(i, prompts[i], max_new_tokens, temperature, stream, mixed, penalties)
         with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode())) as response:
             if not stream:
                 answer = json.loads(response.read())
@@ -97,13 +101,14 @@ def serve_sizes(args, model, tokenizer, prompts: list[str], strategy: str, tempe
         seconds, texts = [], None
         for _ in range(args.repeats):
             took, texts, tokens = serve_round(server, prompts, args.max_new_tokens, temperature, args.stream,
-                                              args.mixed)
+                                              args.mixed, args.penalties)
             seconds.append(took)
         server.shutdown()
         server.server_close()
         alone = alone if size != 1 else texts
         median = statistics.median(seconds)
         rows.append({"strategy": strategy, "temperature": temperature, "stream": args.stream, "mixed": args.mixed,
+                     "penalties": args.penalties,
                      "max_batch_size": size, "clients": args.clients, "max_new_tokens": args.max_new_tokens,
                      "seconds_median": median, "new_tokens_per_s": tokens / median,
                      "same_as_alone": None if alone is None else texts == alone, **meta})
@@ -125,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--stream", action="store_true", help="the clients stream (server-sent events)")
     p.add_argument("--mixed", action="store_true",
                    help="the clients ask for different lengths, stop strings and temperatures (some greedy)")
+    p.add_argument("--penalties", action="store_true",
+                   help="the clients ask for presence and frequency penalties of their own")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch runs on")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -139,7 +146,7 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             rows += serve_sizes(args, model, tokenizer, prompts, strategy, temperature, meta)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    name = f"serve_{device}" + "_stream" * args.stream + "_mixed" * args.mixed
+    name = f"serve_{device}" + "_stream" * args.stream + "_mixed" * args.mixed + "_penalties" * args.penalties
     write_results(args.out, name, FIELDS, rows, {"meta": meta, "rows": rows, "command": " ".join(sys.argv)},
                   float_format=".4g")
     return 0

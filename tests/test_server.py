@@ -921,15 +921,17 @@ def test_mrp_serve_cli_listens_with_its_options_as_the_defaults(monkeypatch, cap
 def test_serve_benchmark_smoke(tmp_path, stream, mixed):
     """benchmarks/bench_serve.py on the shipped model: a row per strategy, temperature and max batch size, greedy and
     sampled completions (streamed: the text joined from the deltas; mixed: clients asking different lengths, stop
-    strings and temperatures, the fifth greedy among sampled ones) the same batched as alone."""
+    strings, temperatures and penalties, the fifth greedy among sampled ones) the same batched as alone."""
     subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--clients", "5" if mixed else "3",
                     "--max-new-tokens", "8",
                     "--max-batch-sizes", "1", "4", "--strategies", "static", "speculative", "--temperatures", "0", "1",
-                    "--repeats", "1", "--out", str(tmp_path)] + ["--stream"] * stream + ["--mixed"] * mixed,
+                    "--repeats", "1", "--out", str(tmp_path)]
+                   + ["--stream"] * stream + ["--mixed", "--penalties"] * mixed,
                    check=True, cwd=REPO_ROOT, timeout=600,
                    env=subprocess_env(str(REPO_ROOT)))  # on the reference ops, not the interpreter
-    rows = json.loads((tmp_path / f"serve_cpu{'_stream' * stream}{'_mixed' * mixed}.json").read_text())["rows"]
-    assert [(row["strategy"], row["temperature"], row["stream"], row["mixed"], row["max_batch_size"])
-            for row in rows] == [(strategy, temperature, stream, mixed, size) for strategy in ("static", "speculative")
-                                 for temperature in (0, 1) for size in (1, 4)]
+    name = f"serve_cpu{'_stream' * stream}{'_mixed_penalties' * mixed}.json"
+    rows = json.loads((tmp_path / name).read_text())["rows"]
+    assert [(row["strategy"], row["temperature"], row["stream"], row["mixed"], row["penalties"], row["max_batch_size"])
+            for row in rows] == [(strategy, temperature, stream, mixed, mixed, size)
+                                 for strategy in ("static", "speculative") for temperature in (0, 1) for size in (1, 4)]
     assert all(row["same_as_alone"] and row["new_tokens_per_s"] > 0 for row in rows)
