@@ -135,9 +135,10 @@ def _decisions() -> list[Variant]:
 
 
 def attention_variant(dt: str, seg: bool, d: int, group: int, splits: int, ragged: bool, block_n: int | None = None,
-                      num_stages: int | None = None) -> Variant:
+                      num_stages: int | None = None, block_m: int | None = None) -> Variant:
     """The cached-attention kernel for ``dt`` ("*bf16", ...) keys, head dim ``d`` and ``group`` query heads a
-    key/value head, with key/value tiles of ``block_n`` slots (default: the launcher's) in ``num_stages``."""
+    key/value head, with query tiles of ``block_m`` positions a head and key/value tiles of ``block_n`` slots
+    (defaults: the launcher's on an H200) in ``num_stages``."""
     attention = importlib.import_module("mrp_triton.cached_attention")
     strides = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "sc_b", "sc_h", "sc_t",
                "sp_b", "sp_t", "spl_b", "spl_t", "so_b", "so_h", "so_t")
@@ -151,7 +152,7 @@ def attention_variant(dt: str, seg: bool, d: int, group: int, splits: int, ragge
                    "cached_attention", "_cached_attention_kernel", sig,
                    {"GROUP": group, "GROUP_P2": 1 << (group - 1).bit_length(), "ONE_SPLIT": splits == 1,
                     "HAS_SEG": seg, "RAGGED": ragged, "DOT_FP32": False, "IEEE": dt == "*fp32",
-                    "BLOCK_M": attention._BLOCK_M, "BLOCK_N": block_n or attention._BLOCK_N, "BLOCK_D": d},
+                    "BLOCK_M": block_m or attention._BLOCK_M, "BLOCK_N": block_n or attention._BLOCK_N, "BLOCK_D": d},
                    attention._NUM_WARPS, num_stages,
                    divisible=_ptrs_divisible(sig, *(s for s in strides if s not in ("sp_t", "spl_t")), "HEAD_DIM"))
 

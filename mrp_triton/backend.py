@@ -113,6 +113,16 @@ def shared_memory_limit(device: torch.device) -> int | None:
     return _SHARED[i]
 
 
+def async_copies(device: torch.device) -> bool:
+    """Whether a GPU copies global memory into shared memory asynchronously (``cp.async``: NVIDIA's sm_80 and later;
+    AMD's GPUs as Triton stages their loads), so that a pipelined loop keeps its stages there; True off a GPU (the
+    interpreter). Before sm_80 (Turing: T4, RTX 20xx) Triton stages nothing ahead, but converts a dot's fp32
+    operands and accumulator through shared memory, so what a program keeps there grows with its tile's rows."""
+    if device.type != "cuda" or torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def fit_stages(wanted: int, stage_bytes: int, fixed_bytes: int, limit: int | None) -> int | None:
     """The most pipeline stages, at most ``wanted``, whose tiles fit ``limit`` bytes (None: no limit, ``wanted``):
     ``stage_bytes`` a stage's buffers, counted for every stage (Triton keeps one fewer before sm_90 and for loops it

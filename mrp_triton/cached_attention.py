@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_kernel_device
-from .backend import fit_stages, interpreter_on, num_sms, select_backend, shared_memory_limit
+from .backend import async_copies, fit_stages, interpreter_on, num_sms, select_backend, shared_memory_limit
 from .reference.cached_attention import cached_attention as cached_attention_reference
 
 _BLOCK_M = 16
@@ -234,11 +234,13 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             cache_v: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor, block_size: int,
                             segments: torch.Tensor | None = None, places: torch.Tensor | None = None,
                             rows: torch.Tensor | None = None, splits: int | None = None,
-                            shared_limit: int | None = None) -> torch.Tensor:
+                            shared_limit: int | None = None, async_copy: bool | None = None) -> torch.Tensor:
     """Triton launcher of :func:`cached_attention` (same arguments and result; ``rows`` is checked, and left unused:
     a program whose query tile holds no computed place returns at once). ``splits``: pieces each row's committed
     slots are cut into (default: :func:`_splits`; tests and benchmarks set it); ``shared_limit``: the shared memory
-    a program may use, which the key/value tiles are fitted to (default: the GPU's; tests set it)."""
+    a program may use, which the tiles are fitted to, and ``async_copy``: whether the GPU pipelines loads through it
+    (defaults: the GPU's, :func:`~mrp_triton.backend.shared_memory_limit` and :func:`~mrp_triton.backend
+    .async_copies`; tests set them)."""
     _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places, rows)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
@@ -254,23 +256,24 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out
     # ragged: q, k, v and out hold one row of L places, which every (b, t) of the grid finds in places
     row_strides = [0 if places is not None else t.stride(0) for t in (q, k, v, out)]
+    group, block_d = Hq // Hkv, max(16, triton.next_power_of_2(D))
+    block_m, block_n, stages = _tiles(q.dtype, block_d, triton.next_power_of_2(group),
+                                      shared_limit if shared_limit is not None else shared_memory_limit(q.device),
+                                      async_copy if async_copy is not None else async_copies(q.device))
     if splits is None:
-        splits = _splits(B * Hkv * triton.cdiv(T, _BLOCK_M), cache_k.shape[2], q.device)
+        splits = _splits(B * Hkv * triton.cdiv(T, block_m), cache_k.shape[2], q.device)
     if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"splits must be a positive int or None, got {splits!r}")
     seg = segments.to(torch.int64).contiguous() if segments is not None else lengths
     place = places if places is not None else lengths  # a dummy pointer when not ragged
     place_strides = places.stride() if places is not None else (0, 0)
-    group, block_d = Hq // Hkv, max(16, triton.next_power_of_2(D))
-    block_n, stages = _tiles(q.dtype, block_d, triton.next_power_of_2(group),
-                             shared_limit if shared_limit is not None else shared_memory_limit(q.device))
     part = ml = out  # dummy pointers with one split
     if splits > 1:
         part = torch.empty((B * Hq * T * splits, block_d), dtype=torch.float32, device=q.device)
         ml = torch.empty((B * Hq * T * splits, 2), dtype=torch.float32, device=q.device)
     interp = interpreter_on()
     sq_b, sk_b, sv_b, so_b = row_strides
-    _cached_attention_kernel[(triton.cdiv(T, _BLOCK_M), B * Hkv, splits)](
+    _cached_attention_kernel[(triton.cdiv(T, block_m), B * Hkv, splits)](
         q, k, v, cache_k, cache_v, lengths.contiguous(), positions, seg, place, out, part, ml,
         sq_b, q.stride(1), q.stride(2), sk_b, k.stride(1), k.stride(2),
         sv_b, v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
@@ -278,7 +281,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         T, Hq, Hkv, D, block_size, D ** -0.5, splits,
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), ONE_SPLIT=splits == 1, HAS_SEG=segments is not None,
         RAGGED=places is not None, DOT_FP32=interp and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_NUM_WARPS, num_stages=stages)
     if splits > 1:
         _merge_splits_kernel[(B * Hq * T,)](part, ml, place, out, *place_strides, so_b, out.stride(1), out.stride(2),
                                             T, Hq, D, splits, RAGGED=places is not None,
@@ -287,21 +290,43 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 @functools.cache  # called at every launch (each layer of each step), with a few distinct arguments
-def _tiles(dtype: torch.dtype, block_d: int, group_p2: int, shared_limit: int | None) -> tuple[int, int]:
-    """(BLOCK_N, num_stages) of the key/value loop: _BLOCK_N slots a tile in Triton's default 3 stages, or, on a GPU
-    whose shared memory a program (``shared_limit``) holds less, fewer stages, then narrower tiles (at least two
-    stages while a tile of 16 slots allows it). Besides a stage's key and value tiles, a program keeps its queries
-    and their fp32 scores (group_p2 x _BLOCK_M rows) there."""
+def _tiles(dtype: torch.dtype, block_d: int, group_p2: int, shared_limit: int | None,
+           async_copy: bool = True) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages): _BLOCK_M positions of each query head of a group, and the key/value loop's
+    _BLOCK_N slots a tile in Triton's default 3 stages, or, on a GPU whose shared memory a program
+    (``shared_limit``) holds less, fewer stages, then narrower tiles (at least two stages while a tile of 16 slots
+    allows it). With ``async_copy`` a program keeps in shared memory a stage's key and value tiles, its queries and
+    their fp32 scores (group_p2 x BLOCK_M rows); without (before sm_80, :func:`~mrp_triton.backend.async_copies`)
+    what Triton converts there for the dots: the fp32 accumulator (rows x block_d) and, a key/value slot, the wider
+    of a scores column (rows) and a key row (in fp32 for fp32 keys), which fewer query positions a program (a
+    narrower BLOCK_M, at least 16 rows for the dots) bring under the limit (compiled for sm_75:
+    ``tests/test_decode_kernels_compile.py``)."""
     elem = dtype.itemsize
+    if not async_copy:
+        return _unstaged_tiles(elem, block_d, group_p2, shared_limit)
     fallback = None  # the widest tile that fits one stage
     for block_n in (_BLOCK_N, _BLOCK_N // 2, _BLOCK_N // 4):
         stages = fit_stages(3, 2 * block_n * block_d * elem, group_p2 * _BLOCK_M * (block_d * elem + block_n * 4),
                             shared_limit)
         if stages is not None and stages >= 2:
-            return block_n, stages
+            return _BLOCK_M, block_n, stages
         if stages is not None and fallback is None:
-            fallback = (block_n, stages)
-    return fallback or (_BLOCK_N // 4, 1)
+            fallback = (_BLOCK_M, block_n, stages)
+    return fallback or (_BLOCK_M, _BLOCK_N // 4, 1)
+
+
+def _unstaged_tiles(elem: int, block_d: int, group_p2: int, shared_limit: int | None) -> tuple[int, int, int]:
+    """:func:`_tiles` on a GPU without asynchronous copies: the widest query tile, then key/value tile, whose dot
+    conversions fit ``shared_limit`` with an 8 KiB margin for Triton's padding (stages keep nothing there)."""
+    block_m = _BLOCK_M
+    while True:
+        rows = group_p2 * block_m
+        narrowest = rows <= 16 or block_m == 1  # the dots need 16 rows: else the smallest tiles, over the limit
+        for block_n in (_BLOCK_N, _BLOCK_N // 2, _BLOCK_N // 4):
+            need = rows * block_d * 4 + block_n * max(4 * rows, (8 if elem == 4 else 4) * block_d) + 8192
+            if shared_limit is None or need <= shared_limit or narrowest and block_n == _BLOCK_N // 4:
+                return block_m, block_n, 2
+        block_m //= 2
 
 
 def _splits(programs: int, width: int, device: torch.device) -> int:

@@ -73,21 +73,29 @@ def test_kernel_matches_reference(p, splits):
     torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
 
 
-@settings(max_examples=15, deadline=None)
-@given(p=problems(), limit=st.sampled_from([20000, 8000]), splits=st.sampled_from([1, 3]))
-def test_tiles_fitted_to_a_small_shared_memory_match_reference(p, limit, splits):
+@settings(max_examples=20, deadline=None)
+@given(p=problems(), limit=st.sampled_from([20000, 8000]), async_copy=st.booleans(), splits=st.sampled_from([1, 3]))
+def test_tiles_fitted_to_a_small_shared_memory_match_reference(p, limit, async_copy, splits):
     """On a GPU whose shared memory holds less than two stages of 64-slot key/value tiles, the launcher takes
-    narrower tiles (``_tiles``: 32 or 16 slots): they give the reference's attention too."""
+    narrower tiles (``_tiles``: 32 or 16 slots); on one without asynchronous copies (sm_75), whose dots convert
+    through shared memory, also fewer query positions a program (BLOCK_M 8 or 4 for a group of 2 or 4 query heads
+    in 8000 bytes): they give the reference's attention too."""
     from mrp_triton.cached_attention import _tiles
 
-    tiles = _tiles(p["dtype"], max(16, 1 << (p["D"] - 1).bit_length()), 1 << (p["Hq"] // p["Hkv"] - 1).bit_length(),
-                   limit)
-    assert tiles != (64, 3) and (tiles[0] == 16 or limit > 8000), tiles  # the table's 64 slots in 3 stages: no fit
+    group_p2 = 1 << (p["Hq"] // p["Hkv"] - 1).bit_length()
+    block_m, block_n, stages = _tiles(p["dtype"], max(16, 1 << (p["D"] - 1).bit_length()), group_p2, limit,
+                                      async_copy)
+    assert (block_n, stages) != (64, 3) and (block_n == 16 or limit > 8000), (block_m, block_n, stages)
+    if async_copy:
+        assert block_m == 16
+    else:  # fewer query positions, down to the dots' 16 rows
+        assert 16 // group_p2 <= block_m <= 16 and (limit > 8000 or block_m == 16 // group_p2), (block_m, group_p2)
     q, k, v, ck, cv = _tensors(p)
     args = (p["lengths"].to(DEV), p["positions"].to(DEV), p["block"],
             None if p["segments"] is None else p["segments"].to(DEV))
     with poisoned_allocations():
-        out = cached_attention_triton(q, k, v, ck, cv, *args, splits=splits, shared_limit=limit)
+        out = cached_attention_triton(q, k, v, ck, cv, *args, splits=splits, shared_limit=limit,
+                                      async_copy=async_copy)
     expect = ref.cached_attention(q.float(), k.float(), v.float(), ck.float(), cv.float(), *args)
     torch.testing.assert_close(out.float(), expect, atol=ATOL[p["dtype"]], rtol=0)
 
@@ -158,7 +166,7 @@ def test_empty_row_whose_first_key_tile_it_cannot_see():
     from mrp_triton.cached_attention import _tiles
 
     block, copies, D = 16, 2, 16
-    assert _tiles(torch.float32, D, 1, 8000)[0] == block  # a tile holds one copy's keys only
+    assert _tiles(torch.float32, D, 1, 8000)[1] == block  # a tile holds one copy's keys only
     p = dict(B=1, Hkv=1, Hq=2, T=copies * block, D=D, W=4, block=block, seed=4, dtype=torch.float32)
     q, k, v, ck, cv = _tensors(p)
     positions = torch.arange(block, device=DEV).repeat(1, copies)

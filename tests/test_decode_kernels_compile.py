@@ -6,8 +6,8 @@ of ``benchmarks/sm90_kernels.py`` (as a launch at real shapes specialises it) to
 ptxas, in a subprocess with the interpreter off, and reads what ``sm90_kernels.report`` finds: the streaming
 kernels load their rows as 16-byte vectors (a 2-byte load per element would cap them far below the memory
 bandwidth), the fused LM-head tiles are pipelined into wgmma (through TMA where their config asks), and nothing
-spills. Then the tiles the launchers fit to other GPUs' shared memory (sm_80, sm_86 / sm_89, AMD's MI300) compile
-within it, and AMD's backend compiles every variant too.
+spills. Then the tiles the launchers fit to other GPUs' shared memory (sm_75, sm_80, sm_86 / sm_89, AMD's MI300)
+compile within it, and every variant compiles for a Turing GPU (sm_75: T4) and for an MI300 too.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
     assert all(r["tma"] == ("tma=True" in name) for name, r in partials.items()), partials
 
 
-# Shared memory a program may use (bytes; what Triton checks a launch against): sm_80 (A100), sm_86 / sm_89 (RTX
-# 30xx / 40xx, A10, L4, L40S: the same 99 KiB), sm_90 (H100 / H200), and AMD's gfx942 (MI300: 64 KiB of LDS).
-SHARED_LIMITS = {80: 166912, 86: 101376, 90: 232448, "gfx942": 65536}
+# Shared memory a program may use (bytes; what Triton checks a launch against): sm_75 (Turing: T4, RTX 20xx; 64 KiB),
+# sm_80 (A100), sm_86 / sm_89 (RTX 30xx / 40xx, A10, L4, L40S: the same 99 KiB), sm_90 (H100 / H200), and AMD's
+# gfx942 (MI300: 64 KiB of LDS).
+SHARED_LIMITS = {75: 65536, 80: 166912, 86: 101376, 90: 232448, "gfx942": 65536}
 
 
 def _run_compiles(*args: str, backend: str = "nvidia") -> dict:
@@ -101,20 +102,23 @@ def test_the_tiles_a_launch_picks_fit_each_gpus_shared_memory():
     assert all(f["stages"] >= 2 for f in fitted.values() if "bf16" in f["name"]), fitted
 
 
-def test_every_variant_but_the_tma_tiles_compiles_for_an_mi300():
-    """AMD's backend (gfx942) compiles every kernel variant but the LM-head tiles that fetch the weight through
-    NVIDIA's TMA copy engine (a config only a sweep sets)."""
+@pytest.mark.parametrize("arch, backend", [("75", "nvidia"), ("gfx942", "amd")], ids=["sm_75", "mi300"])
+def test_every_variant_but_the_tma_tiles_compiles_for_older_and_amd_gpus(arch, backend):
+    """Every kernel variant but the LM-head tiles that fetch the weight through NVIDIA's TMA copy engine (a config
+    only a sweep sets; sm_90 only) compiles for a Turing GPU (sm_75, a T4: no bf16 tensor cores, so Triton converts
+    bf16 operands for its fp16 / fp32 units) and for AMD's backend (gfx942)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sm90_kernels
 
-    compiled = _run_compiles("gfx942", backend="amd")
+    compiled = _run_compiles("compile", arch, backend=backend)
     assert sorted(compiled) == sorted(v.name for v in sm90_kernels.variants() if "tma=True" not in v.name)
 
 
 def _fitted_variants() -> list[tuple[int, object]]:
     """(arch, variant) of what the launchers pick at each of SHARED_LIMITS: the LM-head tiles of decoding's row counts
     at two hidden sizes (with a verify forward's top-16 lists: the most shared memory), the attention tiles of
-    several head groups, bf16 and fp32 (one variant per distinct config and arch)."""
+    several head groups, bf16 and fp32 (one variant per distinct config and arch; sm_75's without asynchronous
+    copies, :func:`mrp_triton.backend.async_copies`)."""
     import torch
 
     import sm90_kernels
@@ -136,16 +140,17 @@ def _fitted_variants() -> list[tuple[int, object]]:
                     out.append((arch, sm90_kernels.lm_head_variant(
                         f"lm_head_confidence bf16 top_m=16 N={n} H={h} {arch}", {**config, "top_m": 16})))
         for dt, d, group in (("bf16", 128, 1), ("bf16", 128, 2), ("bf16", 128, 4), ("bf16", 128, 8), ("bf16", 64, 8),
-                             ("fp32", 128, 2)):
-            block_n, stages = _tiles(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dt]), d,
-                                     1 << (group - 1).bit_length(), limit)
+                             ("fp32", 128, 2), ("fp32", 128, 8), ("fp32", 64, 8)):
+            tiles = _tiles(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dt]), d,
+                           1 << (group - 1).bit_length(), limit, async_copy=not isinstance(arch, int) or arch >= 80)
             if arch == 90 and dt == "bf16":
-                assert (block_n, stages) == (64, 3), (d, group)
-            key = ("attention", arch, dt, d, group, block_n, stages)
+                assert tiles == (16, 64, 3), (d, group)
+            key = ("attention", arch, dt, d, group, *tiles)
             if key not in seen:
                 seen.add(key)
-                v = sm90_kernels.attention_variant(f"*{dt}", False, d, group, 1, False, block_n, stages)
-                out.append((arch, dataclasses.replace(v, name=f"{v.name} {block_n}x{stages} {arch}")))
+                block_m, block_n, stages = tiles
+                v = sm90_kernels.attention_variant(f"*{dt}", False, d, group, 1, False, block_n, stages, block_m)
+                out.append((arch, dataclasses.replace(v, name=f"{v.name} {block_m}x{block_n}x{stages} {arch}")))
     return out
 
 
@@ -153,8 +158,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sm90_kernels
 
-    if sys.argv[1:] == ["gfx942"]:
-        found = {v.name: sm90_kernels.compile_variant(v, "gfx942").metadata.shared
+    if sys.argv[1:2] == ["compile"]:
+        arch = int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2]
+        found = {v.name: sm90_kernels.compile_variant(v, arch).metadata.shared
                  for v in sm90_kernels.variants() if "tma=True" not in v.name}
         print(json.dumps(found))
     elif sys.argv[1:] == ["fit"]:
