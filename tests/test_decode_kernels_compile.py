@@ -106,12 +106,17 @@ def test_the_tiles_a_launch_picks_fit_each_gpus_shared_memory():
 def test_every_variant_but_the_tma_tiles_compiles_for_older_and_amd_gpus(arch, backend):
     """Every kernel variant but the LM-head tiles that fetch the weight through NVIDIA's TMA copy engine (a config
     only a sweep sets; sm_90 only) compiles for a Turing GPU (sm_75, a T4: no bf16 tensor cores, so Triton converts
-    bf16 operands for its fp16 / fp32 units) and for AMD's backend (gfx942)."""
+    bf16 operands for its fp16 / fp32 units) and for AMD's backend (gfx942), and those whose tiles no launcher fits
+    to the GPU (all but the LM-head and attention tiles, which the test above checks) fit its 64 KiB."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sm90_kernels
 
     compiled = _run_compiles("compile", arch, backend=backend)
     assert sorted(compiled) == sorted(v.name for v in sm90_kernels.variants() if "tma=True" not in v.name)
+    limit = SHARED_LIMITS[int(arch) if arch.isdigit() else arch]
+    over = {name: shared for name, shared in compiled.items()
+            if shared > limit and not name.startswith(("lm_head_confidence", "cached_attention"))}
+    assert not over, over
 
 
 def _fitted_variants() -> list[tuple[int, object]]:
