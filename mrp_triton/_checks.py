@@ -166,8 +166,15 @@ def _shown(t) -> str:
     return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def penalty_operands(repetition_penalty, seen_tokens, seen_rows, rows: int, dummy: torch.Tensor,
-                     logit_offsets=None, logit_bias=None) -> tuple:
+def penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias) -> dict:
+    """A pick op's penalty arguments by name: what :func:`check_penalty`, :func:`penalty_operands` and the references
+    take (``**penalty``)."""
+    return dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
+                logit_offsets=logit_offsets, logit_bias=logit_bias)
+
+
+def penalty_operands(rows: int, dummy: torch.Tensor, repetition_penalty, seen_tokens, seen_rows, logit_offsets,
+                     logit_bias) -> tuple:
     """What a kernel with ``HAS_PENALTY`` / ``HAS_OFFSETS`` / ``HAS_BIAS`` reads (checked by :func:`check_penalty`):
     the seen table as uint8 [C, V] (contiguous), the offsets float32 [C, V] (contiguous), the bias float32 [V]
     (contiguous), each row's row of the tables (int64 [rows]) and the penalty as a 0-d float64 tensor on the device;

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import MAX_TOP_M, check_penalty, check_skip_rows, penalty_operands, temperature_operands
+from ._checks import (MAX_TOP_M, check_penalty, check_skip_rows, penalty_args, penalty_operands,
+                      temperature_operands)
 from .backend import select_backend
 from .confidence import check_sampling, comparable, penalized, penalty_factors
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
@@ -124,8 +125,7 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     synchronise)."""
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
-    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets, logit_bias=logit_bias)
+    penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts,
                 penalty)
     N, H = hidden.shape
@@ -142,8 +142,7 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
     inv_t, t, t_stride, t_tensor = temperature_operands(temperature, tok)
     mean = vocab_mean.float().contiguous()
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else tok  # read at skip + row
-    seen, offsets, bias, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tok,
-                                                         logit_offsets, logit_bias)
+    seen, offsets, bias, seen_at, pen = penalty_operands(N, tok, **penalty)
     _listed_kernel[(N,)](
         h, hs, w, mean, i, rest.float().contiguous(), skip,
         inv_t, t, t_stride, seen, offsets, bias, seen_at, pen, z, lse, tok, prob, M, H, weight.shape[0],
@@ -179,8 +178,7 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     """
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
-    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets, logit_bias=logit_bias)
+    penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     kw = dict(seed_hidden=seed_hidden, vocab_mean=vocab_mean, temperature=temperature, skip_rows=skip_rows,
               do_sample=do_sample, seed=seed, noise_keys=noise_keys, **cuts, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device.

@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 
 from ._checks import (ban_operands, check_banned, check_device_scalar, check_kernel_device, check_penalty,
-                      check_row_flags, check_skip_rows, penalty_operands, sample_operands, temperature_operands)
+                      check_row_flags, check_skip_rows, penalty_args, penalty_operands, sample_operands,
+                      temperature_operands)
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import cuts_anything, effective_logits, may_sample, row_slice, sampling_cut, seed_hash
@@ -448,8 +449,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     """
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
-    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets, logit_bias=logit_bias)
+    penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
                 noise_keys, cuts, penalty)
     check_kernel_device(logits.device, "confidence")
@@ -482,8 +482,7 @@ def confidence_triton(logits, residual=None, *, scale=1.0, temperature=1.0, skip
     skip = skip_rows.contiguous().view(torch.uint8) if skip_rows is not None else dummy  # read at skip + row
     keys = noise_keys.contiguous() if sample else dummy
     ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, dummy)
-    seen, offsets, bias, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, dummy,
-                                                         logit_offsets, logit_bias)
+    seen, offsets, bias, seen_at, pen = penalty_operands(N, dummy, **penalty)
     seed_h = seed_hash(seed) if sample else 0
     mask_id = -1 if mask_token_id is None else int(mask_token_id)
     inv_t, t, t_stride, t_tensor = temperature_operands(temperature, dummy)
@@ -551,8 +550,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
     """
     cuts = dict(top_k=top_k, top_p=top_p, top_k_max=top_k_max, min_p=min_p, epsilon_cutoff=epsilon_cutoff,
                 eta_cutoff=eta_cutoff, top_h=top_h, typical_p=typical_p)
-    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets, logit_bias=logit_bias)
+    penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     kw = dict(scale=scale, temperature=temperature, skip_rows=skip_rows, mask_token_id=mask_token_id,
               banned_tokens=banned_tokens, ban_rows=ban_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
               entropy=entropy, **cuts, **penalty)

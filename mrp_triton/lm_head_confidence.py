@@ -66,7 +66,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._checks import ban_operands, check_banned, check_penalty, check_skip_rows, check_top_m, penalty_operands
+from ._checks import (ban_operands, check_banned, check_penalty, check_skip_rows, check_top_m, penalty_args,
+                      penalty_operands)
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
 from .confidence import comparable, penalized, penalty_factors, rescaled_terms, softmax_entropy
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
@@ -353,9 +354,9 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
 
     ``config`` overrides the tile table (keys of :func:`_config`; used by the benchmark's sweep).
     """
+    penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     _check_args(hidden, weight, base_logits, mask_token_id, banned_tokens, ban_rows, temperature, skip_rows, top_m,
-                dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                     logit_offsets=logit_offsets, logit_bias=logit_bias))
+                penalty)
     if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
     (N, H), V = hidden.shape, weight.shape[0]
@@ -399,8 +400,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
         _kept_first_kernel[(1,)](skip_rows.contiguous().view(torch.uint8), order, kept, N,
                                  BLOCK=min(triton.next_power_of_2(N), 1024), num_warps=4)
     ban_tok, ban_flags = ban_operands(banned_tokens, ban_rows, N, tokens)
-    seen, offsets, bias, seen_at, pen = penalty_operands(repetition_penalty, seen_tokens, seen_rows, N, tokens,
-                                                         logit_offsets, logit_bias)
+    seen, offsets, bias, seen_at, pen = penalty_operands(N, tokens, **penalty)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), n_splits)
     _partials_kernel[grid](
         h, w, w_desc, base, order, kept, ban_tok, ban_flags, seen, offsets, bias, seen_at, pen, m_part, d_part, t_part,
@@ -459,8 +459,7 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     64) also (top_logits float32 [N, top_m], top_ids int64 [N, top_m]): each row's top_m largest z, largest first,
     ties to the lowest id (-inf / -1 past the row's scored tokens and in skipped rows).
     """
-    penalty = dict(repetition_penalty=repetition_penalty, seen_tokens=seen_tokens, seen_rows=seen_rows,
-                   logit_offsets=logit_offsets, logit_bias=logit_bias)
+    penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
               temperature=temperature, skip_rows=skip_rows, top_m=top_m, entropy=entropy, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device.
