@@ -235,6 +235,9 @@ def _lm_head() -> list[Variant]:
     # the logits
     out.append(lm_head_variant("lm_head_confidence bf16 skip=True offsets bias 64x128x128", dict(
         BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), offsets=True))
+    # a greedy step of a model loaded in float16
+    out.append(lm_head_variant("lm_head_confidence fp16 skip=True 64x128x128", dict(
+        BLOCK_N=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=4), "fp16"))
     sig = {"skip_ptr": "*u8", "order_ptr": "*i64", "kept_ptr": "*i64", "N": "i32", "BLOCK": "constexpr"}
     out.append(Variant("lm_head_confidence kept rows first", "lm_head_confidence", "_kept_first_kernel", sig,
                        {"BLOCK": 1024}, 4, divisible=_ptrs_divisible(sig)))
@@ -249,7 +252,7 @@ def _lm_head() -> list[Variant]:
 
 def _model_ops() -> list[Variant]:
     out = []
-    for dt in ("bf16", "fp32"):
+    for dt in ("bf16", "fp16", "fp32"):  # fp16: a model loaded in float16 (as on a GPU without bf16 units: sm_75)
         sig = {"x_ptr": f"*{dt}", "r_ptr": f"*{dt}", "w_ptr": f"*{dt}", "y_ptr": f"*{dt}", "s_ptr": f"*{dt}",
                "n_cols": "i32", "eps": "fp32", "stride_x": "i64", "stride_r": "i64", "stride_y": "i64",
                "stride_s": "i64", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
@@ -277,8 +280,8 @@ def _model_ops() -> list[Variant]:
         out.append(Variant(f"mrp_input {dt}", "mrp_input", "_mrp_input_kernel", sig,
                            {"ROUND_E": True, "ROUND_H": True, "BLOCK": 2048}, 8,
                            divisible=_ptrs_divisible(sig, "V", "H", "stride_e", "stride_h", "stride_o")))
-        out += _backward_kernels(dt)
-    # a draft step among 16 listed tokens a position (draft_candidates=16), greedy and sampled
+        out += _backward_kernels(dt) if dt != "fp16" else []  # training runs in bf16 autocast or fp32
+    # a draft step among 16 listed tokens a position (draft_candidates=16), greedy and sampled (and a float16 model's)
     sig = {"h_ptr": "*bf16", "hs_ptr": "*bf16", "w_ptr": "*bf16", "mean_ptr": "*fp32", "ids_ptr": "*i64",
            "rest_ptr": "*fp32", "skip_ptr": "*u8", "inv_t": "fp32", "t_ptr": "*fp64", "t_stride": "i64",
            "seen_ptr": "*u8", "off_ptr": "*fp32", "bias_ptr": "*fp32", "seen_rows_ptr": "*i64",
@@ -295,6 +298,11 @@ def _model_ops() -> list[Variant]:
                     divisible=_ptrs_divisible(sig, "H", "stride_h", "stride_hs", "stride_w", "stride_ids"))
             for greedy, pen, offs in ((True, False, False), (False, False, False), (True, True, False),
                                       (True, False, True))]
+    fp16 = dict(sig, h_ptr="*fp16", hs_ptr="*fp16", w_ptr="*fp16")
+    out.append(Variant("candidate_confidence fp16 greedy=True", "candidate_confidence", "_listed_kernel", fp16,
+                       {"HAS_SKIP": True, "GREEDY": True, "T_TENSOR": False, "HAS_PENALTY": False,
+                        "HAS_OFFSETS": False, "HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_H": 256}, 4,
+                       divisible=_ptrs_divisible(fp16, "H", "stride_h", "stride_hs", "stride_w", "stride_ids")))
     return out
 
 

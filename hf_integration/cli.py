@@ -107,7 +107,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(SHIPPED_MODEL), help="checkpoint folder or Hub repo id")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to decode")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, "
-                   "bfloat16 on CUDA")
+                   "bfloat16 on a GPU with bf16 units (NVIDIA sm_80 and newer, AMD's), float16 on an older one (T4)")
     p.add_argument("--threads", type=int, help="CPU threads torch runs on (default: torch's, one a core); a small "
                    "model on a busy machine can decode many times faster on 1")
 
@@ -164,6 +164,15 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
                    "output is the same (default: one forward)")
 
 
+def default_dtype(device: torch.device) -> str:
+    """The dtype a model is loaded in on ``device`` without ``--dtype``: float32 on a CPU; on a GPU bfloat16 where it
+    has bf16 units (NVIDIA's sm_80 and newer, AMD's), else float16 (Turing, sm_75: a T4 computes bf16 only by
+    conversion)."""
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8 else "float16"
+
+
 def load(model_path: str, device: str, dtype: str | None):
     """(tokenizer, model) of a checkpoint folder or Hub repo id. The model is always this package's class, also
     for the SDAR / MRP releases, whose own remote code ``AutoModelForCausalLM`` would run instead. Raises
@@ -176,7 +185,7 @@ def load(model_path: str, device: str, dtype: str | None):
         raise UsageError(f"--device {device}: this torch sees no CUDA GPU (torch {torch.__version__}); "
                          "use --device cpu")
     if dtype is None:
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        dtype = default_dtype(torch.device(device))
     if _looks_local(model_path) and not Path(model_path).expanduser().exists():
         raise UsageError(f"--model: no folder {model_path!r} (a Hub repo id reads 'owner/name')")
     try:

@@ -298,8 +298,8 @@ def _table(N: int, V: int, H: int, dtype: torch.dtype) -> dict:
 
 def _weight_descriptor(w: torch.Tensor, block_v: int, block_k: int) -> TensorDescriptor:
     """The TMA descriptor of the lm_head weight w [V, H] in [block_v, block_k] tiles (config key ``tma``)."""
-    if w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] < 9:
-        raise ValueError("config tma=True needs a GPU with TMA (sm_90 or newer), got "
+    if w.device.type == "cuda" and (torch.version.hip or torch.cuda.get_device_capability(w.device)[0] < 9):
+        raise ValueError("config tma=True needs an NVIDIA GPU with TMA (sm_90 or newer), got "
                          f"{torch.cuda.get_device_name(w.device)}; drop the tma key")
     row_bytes = w.stride(0) * w.element_size()
     if row_bytes % 16 or w.data_ptr() % 16:

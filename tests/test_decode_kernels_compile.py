@@ -47,7 +47,7 @@ def test_every_variant_compiles_for_sm90(reports):
 
 def test_streaming_kernels_load_16_byte_vectors(reports):
     streaming = {name: r["loads"] for name, r in reports.items() if name.startswith(STREAMING)}
-    assert len(streaming) == 58
+    assert len(streaming) == 64
     for name, loads in streaming.items():
         assert "16" in loads and "2" not in loads, (name, loads)  # 16-byte vectors (bf16: 8 elements), never 1
 
@@ -61,9 +61,11 @@ def test_confidence_loads_the_next_tile_ahead_without_losing_occupancy(reports):
 
 
 def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
-    tiles = {name: r for name, r in reports.items() if name.startswith("lm_head_confidence bf16")}
-    assert len(tiles) == 11  # with the verify forward's call listing each row's top 16, a step banning EOS, one
-    # computing the entropy, one under a repetition penalty and one adding logit offsets and a bias
+    tiles = {name: r for name, r in reports.items()
+             if name.startswith(("lm_head_confidence bf16", "lm_head_confidence fp16"))}
+    assert len(tiles) == 12  # with the verify forward's call listing each row's top 16, a step banning EOS, one
+    # computing the entropy, one under a repetition penalty, one adding logit offsets and a bias, and a float16
+    # model's step
     assert all(r["pipelined"] and r["wgmma"] for r in tiles.values()), tiles
     # the weight tiles come through the TMA copy engine exactly where the config asks for it
     partials = {name: r for name, r in reports.items() if name.startswith("lm_head_confidence") and "tma=" in name}

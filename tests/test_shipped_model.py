@@ -422,6 +422,19 @@ def test_mrp_generate_refuses_an_empty_prompt(monkeypatch, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("capability, hip, dtype", [((9, 0), None, "bfloat16"), ((8, 0), None, "bfloat16"),
+                                                    ((7, 5), None, "float16"), ((9, 4), "6.4", "bfloat16")])
+def test_mrp_generate_loads_a_gpu_model_in_bf16_where_it_has_bf16_units_else_in_fp16(capability, hip, dtype,
+                                                                                      monkeypatch):
+    """Without --dtype: bf16 on an H100 / A100 and an MI300, fp16 on a T4 (sm_75: bf16 only by conversion)."""
+    from hf_integration import cli
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert cli.default_dtype(torch.device("cuda:0")) == dtype
+    assert cli.default_dtype(torch.device("cpu")) == "float32"
+
+
 PROMPT_RECORDS = [{"id": 0, "prompt": "def parse_header(line):"}, {"id": 1, "text": "import os\n"},
                   {"id": 2, "prompt": "class Stack:\n    def push(self, item):", "answer": "kept"},
                   {"id": 3, "prompt": "x"}, {"id": 4, "text": "for i in range(10):\n"}]
