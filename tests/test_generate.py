@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
+import types
 import weakref
 
 import pytest
@@ -942,6 +943,15 @@ def test_a_model_split_over_devices_or_offloaded_is_refused(part):
     model = tiny_model(seed=0)
     model.get_submodule(part).to("meta")
     with pytest.raises(ValueError, match=r"one device, but its parameters are on \['cpu', 'meta'\]"):
+        model.generate(torch.tensor([[1, 2]]), max_new_tokens=2)
+
+
+def test_a_model_on_apples_mps_is_refused_with_the_way_out(monkeypatch):
+    """MPS has no float64, which the decode engine keeps its settings in: refused before anything is allocated,
+    naming the CPU as the device to decode on (parameters stand in for an MPS model on a machine without one)."""
+    model = tiny_model(seed=0)
+    monkeypatch.setattr(model, "parameters", lambda: iter([types.SimpleNamespace(device=torch.device("mps"))]))
+    with pytest.raises(ValueError, match=r"does not run on Apple's MPS.*model\.to\('cpu'\)"):
         model.generate(torch.tensor([[1, 2]]), max_new_tokens=2)
 
 

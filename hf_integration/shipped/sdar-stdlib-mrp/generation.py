@@ -50,13 +50,18 @@ def one_call_at_a_time(model):
 
 
 def _one_device(model) -> torch.device:
-    """The device all of ``model``'s parameters sit on: decoding's steps, kernels and KV cache run on one device."""
+    """The device all of ``model``'s parameters sit on: decoding's steps, kernels and KV cache run on one device
+    (not Apple's MPS, which has no float64: the decode engine keeps the settings its steps read in float64)."""
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1 or next(iter(devices)).type == "meta":
         raise ValueError(f"generate() runs the whole model on one device, but its parameters are on "
                          f"{sorted(map(str, devices))} (split by a device_map, or offloaded): load it onto one device "
                          f"(device_map={{'': 0}}, or model.to('cuda'))")
-    return next(iter(devices))
+    device = next(iter(devices))
+    if device.type == "mps":
+        raise ValueError("generate() does not run on Apple's MPS: the decode engine keeps the settings its steps "
+                         "read in float64, which MPS lacks; decode on the CPU (model.to('cpu'))")
+    return device
 
 
 def generate_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
