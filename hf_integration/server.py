@@ -1,8 +1,8 @@
 """``mrp-serve``: an OpenAI-compatible HTTP server for an SDAR+MRP checkpoint (by default the small model shipped here).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as server-sent
-events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus' text format). Any OpenAI client talks
-to it::
+events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus' text format), and vLLM's ``POST
+/tokenize`` and ``POST /detokenize``. Any OpenAI client talks to it::
 
     mrp-serve --port 8000 --strategy speculative -K 3
     curl localhost:8000/v1/completions -d '{"prompt": "def mean(values):", "max_tokens": 32}'
@@ -40,11 +40,27 @@ from .incremental_text import IncrementalText
 from .prompts import PromptBatch
 from .server_batcher import Batcher, Job
 from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_in_text,
-                              logprobs_of, read_request, response_id, shown_tokens, streamable, usage)
+                              logprobs_of, read_detokenize, read_request, read_tokenize, response_id, shown_tokens,
+                              streamable, usage)
 
 MAX_BATCH_SIZE = 8
 MAX_BODY_BYTES = 16 * 2**20
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def tokenize_answer(body, server: Server) -> dict:
+    """``POST /tokenize`` (vLLM's): the token ids of a ``prompt`` or of chat ``messages`` as a request's prompt takes
+    them (:func:`.server_requests.read_tokenize`), their count and the positions the model holds."""
+    tokens = read_tokenize(body, server.tokenizer, server.model_name)
+    return {"count": len(tokens), "max_model_len": server.model.config.max_position_embeddings, "tokens": tokens}
+
+
+def detokenize_answer(body, server: Server) -> dict:
+    """``POST /detokenize`` (vLLM's): the text of ``tokens``, special tokens included."""
+    return {"prompt": server.tokenizer.decode(read_detokenize(body, server.tokenizer, server.model_name))}
+
+
+TOKEN_UTILITIES = {"/tokenize": tokenize_answer, "/detokenize": detokenize_answer}
 CLIENT_CHECK_S = 0.25  # how often a request that does not stream checks, while it waits, that its client is there
 
 
@@ -110,10 +126,13 @@ class Handler(BaseHTTPRequestHandler):
         if not self.authorized():
             return
         try:
-            if endpoint is None:
-                raise RequestError(f"no route POST {self.path} (POST /v1/completions or /v1/chat/completions)",
-                                   status=404)
-            self.serve(endpoint)
+            if self.path in TOKEN_UTILITIES:
+                self.send_json(TOKEN_UTILITIES[self.path](self.read_body(), self.server))
+            elif endpoint is None:
+                raise RequestError(f"no route POST {self.path} (POST /v1/completions, /v1/chat/completions, "
+                                   "/tokenize or /detokenize)", status=404)
+            else:
+                self.serve(endpoint)
         except RequestError as err:
             self.send_json(err.body(), err.status)
         except Exception as err:  # noqa: BLE001 - a failure of the server's, answered as one (and logged)

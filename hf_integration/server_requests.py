@@ -91,9 +91,7 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
     _check_fields(body, endpoint)
-    if body.get("model") not in (None, model_name):
-        raise RequestError(f"model {body['model']!r} is not served here; this server serves {model_name!r} "
-                           "(GET /v1/models)", param="model", status=404)
+    _check_model(body, model_name)
     prompts = (_completion_prompts(body.get("prompt"), tokenizer) if endpoint == "completions"
                else [_chat_prompt(body.get("messages"), tokenizer, model_name)])
     given = {EXTENSIONS[name]: value for name, value in body.items() if name in EXTENSIONS}
@@ -175,6 +173,57 @@ def _logit_bias(value, tokenizer) -> tuple[list[int], dict[int, float]]:
         elif bias != 0:
             biases[int(key)] = float(bias)
     return sorted(set(banned)), biases
+
+
+def _check_model(body: dict, model_name: str) -> None:
+    """Refuse a request naming a model other than the one served (a 404, as OpenAI's)."""
+    if body.get("model") not in (None, model_name):
+        raise RequestError(f"model {body['model']!r} is not served here; this server serves {model_name!r} "
+                           "(GET /v1/models)", param="model", status=404)
+
+
+# The fields of vLLM's token utilities, POST /tokenize and /detokenize.
+UTILITY_FIELDS = {"tokenize": ("model", "prompt", "messages"), "detokenize": ("model", "tokens")}
+
+
+def _check_utility(body, route: str, model_name: str) -> None:
+    """Refuse a body of ``route`` (``tokenize`` or ``detokenize``) that is not an object, holds a field the route does
+    not read, or names another model."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {type(body).__name__}")
+    for name in body:
+        if name not in UTILITY_FIELDS[route]:
+            raise RequestError(f"unknown field {name!r} for /{route} (it reads {', '.join(UTILITY_FIELDS[route])})",
+                               param=name)
+    _check_model(body, model_name)
+
+
+def read_tokenize(body, tokenizer, model_name: str) -> list[int]:
+    """The token ids ``POST /tokenize`` answers with: its ``prompt`` (a string) tokenized as ``/v1/completions``
+    tokenizes one, or its ``messages`` rendered as ``/v1/chat/completions`` renders them (the assistant's turn
+    opened), so a client counts what a request's prompt will take. Raises :class:`RequestError` naming the field."""
+    _check_utility(body, "tokenize", model_name)
+    if ("prompt" in body) == ("messages" in body):
+        raise RequestError("give a prompt (tokenized as /v1/completions does) or messages (rendered as "
+                           "/v1/chat/completions does), one of them", param="prompt")
+    if "messages" in body:
+        return _chat_prompt(body["messages"], tokenizer, model_name)
+    if not isinstance(body["prompt"], str):
+        raise RequestError(f"prompt must be a string, got {type(body['prompt']).__name__}", param="prompt")
+    return tokenizer(body["prompt"]).input_ids
+
+
+def read_detokenize(body, tokenizer, model_name: str) -> list[int]:
+    """The token ids ``POST /detokenize`` decodes: its ``tokens``, each a token id of the tokenizer's vocabulary.
+    Raises :class:`RequestError` naming the field."""
+    _check_utility(body, "detokenize", model_name)
+    tokens, vocab = body.get("tokens"), len(tokenizer)
+    if not isinstance(tokens, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in tokens):
+        raise RequestError("tokens must be a list of token ids", param="tokens")
+    outside = [i for i in tokens if not 0 <= i < vocab]
+    if outside:
+        raise RequestError(f"tokens holds {outside[0]}, outside the vocabulary [0, {vocab})", param="tokens")
+    return tokens
 
 
 def _check_fields(body: dict, endpoint: str) -> None:

@@ -729,6 +729,16 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "non-empty list"),
     ("/v1/embeddings", {"input": "x"}, 404, None, "no route POST /v1/embeddings"),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt", "one of them"),
+    ("/tokenize", {}, 400, "prompt", "one of them"),
+    ("/tokenize", {"prompt": [5]}, 400, "prompt", "must be a string"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens", "unknown field"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "serves 'sdar'"),
+    ("/tokenize", {"messages": []}, 400, "messages", "non-empty list"),
+    ("/detokenize", {"tokens": [5, 99999]}, 400, "tokens", "99999, outside the vocabulary"),
+    ("/detokenize", {"tokens": "5"}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens", "a list of token ids"),
+    ("/detokenize", ["x"], 400, None, "a JSON object"),
     ("/v1/completions", ["x"], 400, None, "a JSON object"),
 ])
 def test_a_bad_request_is_refused_naming_the_field(shipped, path, body, status, param, message):
@@ -814,6 +824,29 @@ def test_metrics_count_what_the_server_decoded(shipped):
         "rows_total": 4}
     assert after["new_tokens_total"] == two["usage"]["completion_tokens"] + sampled["usage"]["completion_tokens"]
     assert after["decoding_seconds_total"] > 0
+
+
+def test_tokenize_gives_the_ids_a_requests_prompt_takes_and_detokenize_their_text(shipped):
+    """vLLM's token utilities: /tokenize gives a prompt's ids as /v1/completions tokenizes it (its usage's
+    prompt_tokens is their count) and chat messages' as /v1/chat/completions renders them; /detokenize decodes ids
+    back to text, special tokens included."""
+    tokenizer, model = shipped
+    messages = [{"role": "user", "content": "def parse(line):"}]
+    with serving(tokenizer, model) as url:
+        prompt = post(url + "/tokenize", {"prompt": "import os\nimport sys", "model": "sdar"})
+        chat = post(url + "/tokenize", {"messages": messages})
+        empty = post(url + "/tokenize", {"prompt": ""})
+        completion = post(url + "/v1/completions", {"prompt": "import os\nimport sys", "max_tokens": 4})
+        text = post(url + "/detokenize", {"tokens": prompt[1]["tokens"]})
+        special = post(url + "/detokenize", {"tokens": [tokenizer.eos_token_id]})
+    ids = tokenizer("import os\nimport sys").input_ids
+    assert prompt == (200, {"count": len(ids), "max_model_len": model.config.max_position_embeddings, "tokens": ids})
+    assert completion[1]["usage"]["prompt_tokens"] == len(ids)
+    assert chat[1]["tokens"] == list(chat_ids(tokenizer, messages, "sdar"))
+    assert chat[1]["count"] == len(chat[1]["tokens"])
+    assert empty[1]["count"] == 0
+    assert text == (200, {"prompt": "import os\nimport sys"})
+    assert special == (200, {"prompt": tokenizer.eos_token})
 
 
 def test_a_chat_request_to_a_model_without_a_chat_template_is_refused(shipped):
