@@ -22,6 +22,7 @@ BACKENDS = ("reference", "triton")
 _override: list[str] = []
 _SM_COUNT: dict[int, int] = {}
 _SHARED: dict[int, int] = {}
+_ASYNC_COPY: dict[int, bool] = {}
 
 
 def _check(name: str, source: str) -> str:
@@ -120,7 +121,10 @@ def async_copies(device: torch.device) -> bool:
     operands and accumulator through shared memory, so what a program keeps there grows with its tile's rows."""
     if device.type != "cuda" or torch.version.hip:
         return True
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _ASYNC_COPY:  # (asked at every attention launch)
+        _ASYNC_COPY[i] = torch.cuda.get_device_capability(i)[0] >= 8
+    return _ASYNC_COPY[i]
 
 
 def fit_stages(wanted: int, stage_bytes: int, fixed_bytes: int, limit: int | None) -> int | None:

@@ -169,3 +169,17 @@ def test_fit_stages_keeps_what_fits_a_gpus_shared_memory():
     assert fit_stages(3, 96 * 1024, 0, 101376) is None
     assert fit_stages(2, 1024, 512, 2 * 1024 + 512 + 4096) == 2  # exactly full fits
     assert shared_memory_limit(torch.device("cpu")) is None and num_sms(torch.device("cpu")) == 4
+
+
+@pytest.mark.parametrize("capability, hip, expected", [((9, 0), None, True), ((8, 6), None, True),
+                                                       ((7, 5), None, False), ((9, 4), "6.4", True)])
+def test_async_copies_only_from_sm_80_on_nvidia_gpus(monkeypatch, capability, hip, expected):
+    """Turing (sm_75) stages no loads through shared memory (cached_attention then fits its tiles otherwise); NVIDIA's
+    sm_80 and newer and AMD's GPUs do; off a GPU (the interpreter) the staged tiles are the ones run."""
+    from mrp_triton import backend
+
+    monkeypatch.setattr(backend, "_ASYNC_COPY", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert backend.async_copies(torch.device("cuda:0")) is expected
+    assert backend.async_copies(torch.device("cpu")) is True
