@@ -6,8 +6,9 @@ of ``benchmarks/sm90_kernels.py`` (as a launch at real shapes specialises it) to
 ptxas, in a subprocess with the interpreter off, and reads what ``sm90_kernels.report`` finds: the streaming
 kernels load their rows as 16-byte vectors (a 2-byte load per element would cap them far below the memory
 bandwidth), the fused LM-head tiles are pipelined into wgmma (through TMA where their config asks), and nothing
-spills. Then the tiles the launchers fit to other GPUs' shared memory (sm_75, sm_80, sm_86 / sm_89, AMD's MI300)
-compile within it, and every variant compiles for a Turing GPU (sm_75: T4) and for an MI300 too.
+spills. Then the tiles the launchers fit to other GPUs' shared memory (sm_75, sm_80, sm_86 / sm_89, sm_100,
+sm_120, AMD's MI300) compile within it, and every variant compiles for Turing (sm_75: T4), Blackwell (sm_100:
+B200; sm_120: RTX 50xx) and an MI300 too.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def test_lm_head_tiles_are_pipelined_into_wgmma(reports):
 
 
 # Shared memory a program may use (bytes; what Triton checks a launch against): sm_75 (Turing: T4, RTX 20xx; 64 KiB),
-# sm_80 (A100), sm_86 / sm_89 (RTX 30xx / 40xx, A10, L4, L40S: the same 99 KiB), sm_90 (H100 / H200), and AMD's
-# gfx942 (MI300: 64 KiB of LDS).
-SHARED_LIMITS = {75: 65536, 80: 166912, 86: 101376, 90: 232448, "gfx942": 65536}
+# sm_80 (A100), sm_86 / sm_89 (RTX 30xx / 40xx, A10, L4, L40S: the same 99 KiB), sm_90 (H100 / H200), sm_100
+# (Blackwell: B200, as an H200), sm_120 (RTX 50xx, RTX PRO 6000: 99 KiB), and AMD's gfx942 (MI300: 64 KiB of LDS).
+SHARED_LIMITS = {75: 65536, 80: 166912, 86: 101376, 90: 232448, 100: 232448, 120: 101376, "gfx942": 65536}
 
 
 def _run_compiles(*args: str, backend: str = "nvidia") -> dict:
@@ -104,17 +105,20 @@ def test_the_tiles_a_launch_picks_fit_each_gpus_shared_memory():
     assert all(f["stages"] >= 2 for f in fitted.values() if "bf16" in f["name"]), fitted
 
 
-@pytest.mark.parametrize("arch, backend", [("75", "nvidia"), ("gfx942", "amd")], ids=["sm_75", "mi300"])
-def test_every_variant_but_the_tma_tiles_compiles_for_older_and_amd_gpus(arch, backend):
-    """Every kernel variant but the LM-head tiles that fetch the weight through NVIDIA's TMA copy engine (a config
-    only a sweep sets; sm_90 only) compiles for a Turing GPU (sm_75, a T4: no bf16 tensor cores, so Triton converts
-    bf16 operands for its fp16 / fp32 units) and for AMD's backend (gfx942), and those whose tiles no launcher fits
-    to the GPU (all but the LM-head and attention tiles, which the test above checks) fit its 64 KiB."""
+@pytest.mark.parametrize("arch, backend", [("75", "nvidia"), ("100", "nvidia"), ("120", "nvidia"), ("gfx942", "amd")],
+                         ids=["sm_75", "sm_100", "sm_120", "mi300"])
+def test_every_variant_compiles_for_other_gpus(arch, backend):
+    """Every kernel variant compiles for a Turing GPU (sm_75, a T4: no bf16 tensor cores, so Triton converts bf16
+    operands for its fp16 / fp32 units), for Blackwell (sm_100: B200; sm_120: RTX 50xx) and for AMD's backend
+    (gfx942), but for the LM-head tiles that fetch the weight through NVIDIA's TMA copy engine (a config only a
+    sweep sets) where the GPU has none (before sm_90, AMD's); and those whose tiles no launcher fits to the GPU (all
+    but the LM-head and attention tiles, which the test above checks) fit its shared memory."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sm90_kernels
 
     compiled = _run_compiles("compile", arch, backend=backend)
-    assert sorted(compiled) == sorted(v.name for v in sm90_kernels.variants() if "tma=True" not in v.name)
+    tma = arch.isdigit() and int(arch) >= 90
+    assert sorted(compiled) == sorted(v.name for v in sm90_kernels.variants() if tma or "tma=True" not in v.name)
     limit = SHARED_LIMITS[int(arch) if arch.isdigit() else arch]
     over = {name: shared for name, shared in compiled.items()
             if shared > limit and not name.startswith(("lm_head_confidence", "cached_attention"))}
@@ -167,8 +171,9 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] == ["compile"]:
         arch = int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2]
+        tma = isinstance(arch, int) and arch >= 90
         found = {v.name: sm90_kernels.compile_variant(v, arch).metadata.shared
-                 for v in sm90_kernels.variants() if "tma=True" not in v.name}
+                 for v in sm90_kernels.variants() if tma or "tma=True" not in v.name}
         print(json.dumps(found))
     elif sys.argv[1:] == ["fit"]:
         found = {}
