@@ -728,7 +728,7 @@ def test_lr_warms_up_linearly_from_its_first_step_then_follows_a_cosine_to_the_f
     assert lr_lambda_factory(10, 0, 0.0)(0) == 1.0
 
 
-def test_bad_configs_rejected(env, tmp_path):
+def test_bad_configs_rejected(env, tmp_path, monkeypatch):
     from training.cli import main, run
 
     with pytest.raises(ConfigError, match=r"--seq-len \(18\) must be a multiple of --block-size \(4\)"):
@@ -754,6 +754,17 @@ def test_bad_configs_rejected(env, tmp_path):
         run(_cli_args(env, tmp_path / "g", "--micro-batch-size", "100000"))
     with pytest.raises(ConfigError, match="--attention flex needs a CUDA device .* use --attention sdpa or auto"):
         run(_cli_args(env, tmp_path / "i", "--attention", "flex", "--device", "cpu"))
+    with monkeypatch.context() as patched:  # a T4 (sm_75): bf16 autocast refused, fp32 (--no-bf16) or an A100 not
+        from training.trainer import check_bf16_units
+
+        patched.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+        patched.setattr(torch.version, "hip", None)
+        with pytest.raises(ConfigError, match="needs a GPU with bf16 units .* is sm_75: pass --no-bf16"):
+            check_bf16_units(TrainConfig(), torch.device("cuda:0"))
+        check_bf16_units(TrainConfig(bf16=False), torch.device("cuda:0"))
+        check_bf16_units(TrainConfig(), torch.device("cpu"))
+        patched.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        check_bf16_units(TrainConfig(), torch.device("cuda:0"))
     with pytest.raises(ConfigError, match="--attention must be 'auto', 'flex' or 'sdpa', got 'math'"):
         TrainConfig(attention="math").validate()
     manifest = tmp_path / "manifest.json"

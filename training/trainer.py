@@ -325,6 +325,16 @@ def _autocasts(cfg: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" and cfg.bf16
 
 
+def check_bf16_units(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse bf16 autocast (the default on CUDA) on an NVIDIA GPU without bf16 units (before sm_80: Turing's T4,
+    which computes bf16 only by conversion, if at all), naming ``--no-bf16`` (fp32 training) as the way out."""
+    if _autocasts(cfg, device) and not torch.version.hip:
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise ConfigError(f"bf16 autocast (the default on CUDA) needs a GPU with bf16 units (NVIDIA sm_80 or "
+                              f"newer), but {device} is sm_{major}{minor}: pass --no-bf16 to train in fp32")
+
+
 def _autocast(cfg: TrainConfig, device: torch.device):
     if _autocasts(cfg, device):
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -395,6 +405,7 @@ def train(
     if cfg.attention == "flex" and device.type != "cuda":
         raise ConfigError(f"--attention flex needs a CUDA device (FlexAttention has no backward on {device.type}); "
                           "use --attention sdpa or auto")
+    check_bf16_units(cfg, device)
     if train_ds.seq_len != cfg.seq_len:
         raise ConfigError(f"--seq-len is {cfg.seq_len} but the packed data has length {train_ds.seq_len}")
     if len(train_ds) == 0 or train_ds.num_answer_tokens() == 0:
