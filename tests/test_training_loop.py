@@ -754,17 +754,22 @@ def test_bad_configs_rejected(env, tmp_path, monkeypatch):
         run(_cli_args(env, tmp_path / "g", "--micro-batch-size", "100000"))
     with pytest.raises(ConfigError, match="--attention flex needs a CUDA device .* use --attention sdpa or auto"):
         run(_cli_args(env, tmp_path / "i", "--attention", "flex", "--device", "cpu"))
-    with monkeypatch.context() as patched:  # a T4 (sm_75): bf16 autocast refused, fp32 (--no-bf16) or an A100 not
-        from training.trainer import check_bf16_units
+    with monkeypatch.context() as patched:  # a T4 (sm_75): bf16 autocast and FlexAttention refused, auto -> SDPA
+        from training.trainer import LossModule, check_gpu_support
 
         patched.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
         patched.setattr(torch.version, "hip", None)
+        t4 = torch.device("cuda:0")
         with pytest.raises(ConfigError, match="needs a GPU with bf16 units .* is sm_75: pass --no-bf16"):
-            check_bf16_units(TrainConfig(), torch.device("cuda:0"))
-        check_bf16_units(TrainConfig(bf16=False), torch.device("cuda:0"))
-        check_bf16_units(TrainConfig(), torch.device("cpu"))
+            check_gpu_support(TrainConfig(), t4)
+        with pytest.raises(ConfigError, match="--attention flex needs NVIDIA sm_80 .* use --attention sdpa or auto"):
+            check_gpu_support(TrainConfig(bf16=False, attention="flex"), t4)
+        check_gpu_support(TrainConfig(bf16=False), t4)
+        check_gpu_support(TrainConfig(attention="flex"), torch.device("cpu"))
+        assert LossModule(torch.nn.Linear(1, 1), TrainConfig(), 0).attention(t4) == "sdpa"
         patched.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-        check_bf16_units(TrainConfig(), torch.device("cuda:0"))
+        check_gpu_support(TrainConfig(attention="flex"), t4)
+        assert LossModule(torch.nn.Linear(1, 1), TrainConfig(), 0).attention(t4) == "flex"
     with pytest.raises(ConfigError, match="--attention must be 'auto', 'flex' or 'sdpa', got 'math'"):
         TrainConfig(attention="math").validate()
     manifest = tmp_path / "manifest.json"

@@ -59,7 +59,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     g.add_argument("--attention", choices=("auto", "flex", "sdpa"), default=d.attention,
                    help="[noisy | clean] attention: compiled FlexAttention with block masks (CUDA only) or SDPA with "
-                   "a dense mask; auto: flex on CUDA")
+                   "a dense mask; auto: flex on a CUDA GPU from sm_80 on, sdpa elsewhere")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     g = p.add_argument_group("bookkeeping")

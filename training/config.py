@@ -35,7 +35,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # <= 0 disables clipping
     bf16: bool = True  # bf16 autocast (CUDA only; CPU runs fp32)
-    attention: str = "auto"  # "auto" (flex on CUDA, sdpa elsewhere) | "flex" (CUDA only) | "sdpa"
+    attention: str = "auto"  # "auto" (flex on CUDA from sm_80, sdpa elsewhere) | "flex" | "sdpa"
     seed: int = 0
     noise_eps: float = 1e-3  # p = (1 - eps) t + eps
     # bookkeeping

@@ -133,9 +133,10 @@ class LossModule(nn.Module):
         self._mask_cache: dict = {}
 
     def attention(self, device: torch.device) -> str:
-        """``cfg.attention`` resolved on ``device``: "flex" or "sdpa" (``auto``: flex on CUDA)."""
+        """``cfg.attention`` resolved on ``device``: "flex" or "sdpa" (``auto``: flex on a GPU FlexAttention compiles
+        for, :func:`before_ampere`)."""
         if self.cfg.attention == "auto":
-            return "flex" if device.type == "cuda" else "sdpa"
+            return "flex" if device.type == "cuda" and before_ampere(device) is None else "sdpa"
         return self.cfg.attention
 
     def attn_masks(self, T: int, device: torch.device) -> BlockDiffusionMasks:
@@ -325,14 +326,25 @@ def _autocasts(cfg: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" and cfg.bf16
 
 
-def check_bf16_units(cfg: TrainConfig, device: torch.device) -> None:
-    """Refuse bf16 autocast (the default on CUDA) on an NVIDIA GPU without bf16 units (before sm_80: Turing's T4,
-    which computes bf16 only by conversion, if at all), naming ``--no-bf16`` (fp32 training) as the way out."""
-    if _autocasts(cfg, device) and not torch.version.hip:
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            raise ConfigError(f"bf16 autocast (the default on CUDA) needs a GPU with bf16 units (NVIDIA sm_80 or "
-                              f"newer), but {device} is sm_{major}{minor}: pass --no-bf16 to train in fp32")
+def before_ampere(device: torch.device) -> str | None:
+    """``"sm_XY"`` for an NVIDIA GPU older than Ampere (sm_80), which has no bf16 units and for which FlexAttention
+    has no Triton kernel (it would run densely, eagerly); None otherwise (newer GPUs, AMD's, a CPU)."""
+    if device.type != "cuda" or torch.version.hip:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" if major < 8 else None
+
+
+def check_gpu_support(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse what an NVIDIA GPU before sm_80 (Turing's T4) cannot run well, naming the way out: bf16 autocast (the
+    default on CUDA; ``--no-bf16`` trains in fp32) and ``--attention flex`` (``sdpa``, which ``auto`` picks there)."""
+    old = before_ampere(device)
+    if old is not None and cfg.bf16:
+        raise ConfigError(f"bf16 autocast (the default on CUDA) needs a GPU with bf16 units (NVIDIA sm_80 or newer), "
+                          f"but {device} is {old}: pass --no-bf16 to train in fp32")
+    if old is not None and cfg.attention == "flex":
+        raise ConfigError(f"--attention flex needs NVIDIA sm_80 or newer (FlexAttention has no kernel for {old}, "
+                          "where it would run densely and eagerly): use --attention sdpa or auto")
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -405,7 +417,7 @@ def train(
     if cfg.attention == "flex" and device.type != "cuda":
         raise ConfigError(f"--attention flex needs a CUDA device (FlexAttention has no backward on {device.type}); "
                           "use --attention sdpa or auto")
-    check_bf16_units(cfg, device)
+    check_gpu_support(cfg, device)
     if train_ds.seq_len != cfg.seq_len:
         raise ConfigError(f"--seq-len is {cfg.seq_len} but the packed data has length {train_ds.seq_len}")
     if len(train_ds) == 0 or train_ds.num_answer_tokens() == 0:
