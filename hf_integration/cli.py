@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
+from mrp_triton.backend import before_ampere
+
 from .cli_prompts import UsageError, chat_ids, left_padded, read_prompt_records, user_turn
 from .generation_settings import DRAFT_SCHEDULES, MRP_STRATEGIES, READ_BY, REMASK_RULES, STRATEGIES, GenerationSettings
 from .prompts import PromptBatch
@@ -170,7 +172,7 @@ def default_dtype(device: torch.device) -> str:
     conversion)."""
     if device.type != "cuda":
         return "float32"
-    return "bfloat16" if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8 else "float16"
+    return "float16" if before_ampere(device) else "bfloat16"
 
 
 def load(model_path: str, device: str, dtype: str | None):

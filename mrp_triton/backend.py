@@ -22,7 +22,7 @@ BACKENDS = ("reference", "triton")
 _override: list[str] = []
 _SM_COUNT: dict[int, int] = {}
 _SHARED: dict[int, int] = {}
-_ASYNC_COPY: dict[int, bool] = {}
+_BEFORE_AMPERE: dict[int, str | None] = {}
 
 
 def _check(name: str, source: str) -> str:
@@ -114,17 +114,19 @@ def shared_memory_limit(device: torch.device) -> int | None:
     return _SHARED[i]
 
 
-def async_copies(device: torch.device) -> bool:
-    """Whether a GPU copies global memory into shared memory asynchronously (``cp.async``: NVIDIA's sm_80 and later;
-    AMD's GPUs as Triton stages their loads), so that a pipelined loop keeps its stages there; True off a GPU (the
-    interpreter). Before sm_80 (Turing: T4, RTX 20xx) Triton stages nothing ahead, but converts a dot's fp32
-    operands and accumulator through shared memory, so what a program keeps there grows with its tile's rows."""
+def before_ampere(device: torch.device) -> str | None:
+    """``"sm_XY"`` for an NVIDIA GPU older than Ampere (sm_80: Turing's T4, RTX 20xx), None otherwise (Ampere and newer,
+    AMD's GPUs, a CPU; cached per GPU). Such a GPU has no bf16 units, no FlexAttention kernel, and copies nothing
+    asynchronously into shared memory (``cp.async``): Triton stages no loads there, but converts a dot's fp32
+    operands and accumulator through it, so what a program keeps there grows with its tile's rows
+    (:func:`mrp_triton.cached_attention._tiles`)."""
     if device.type != "cuda" or torch.version.hip:
-        return True
+        return None
     i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _ASYNC_COPY:  # (asked at every attention launch)
-        _ASYNC_COPY[i] = torch.cuda.get_device_capability(i)[0] >= 8
-    return _ASYNC_COPY[i]
+    if i not in _BEFORE_AMPERE:  # (asked at every attention launch)
+        major, minor = torch.cuda.get_device_capability(i)
+        _BEFORE_AMPERE[i] = f"sm_{major}{minor}" if major < 8 else None
+    return _BEFORE_AMPERE[i]
 
 
 def fit_stages(wanted: int, stage_bytes: int, fixed_bytes: int, limit: int | None) -> int | None:

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_kernel_device
-from .backend import async_copies, fit_stages, interpreter_on, num_sms, select_backend, shared_memory_limit
+from .backend import before_ampere, fit_stages, interpreter_on, num_sms, select_backend, shared_memory_limit
 from .reference.cached_attention import cached_attention as cached_attention_reference
 
 _BLOCK_M = 16
@@ -240,7 +240,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     slots are cut into (default: :func:`_splits`; tests and benchmarks set it); ``shared_limit``: the shared memory
     a program may use, which the tiles are fitted to, and ``async_copy``: whether the GPU pipelines loads through it
     (defaults: the GPU's, :func:`~mrp_triton.backend.shared_memory_limit` and :func:`~mrp_triton.backend
-    .async_copies`; tests set them)."""
+    .before_ampere`; tests set them)."""
     _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places, rows)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
@@ -259,7 +259,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     group, block_d = Hq // Hkv, max(16, triton.next_power_of_2(D))
     block_m, block_n, stages = _tiles(q.dtype, block_d, triton.next_power_of_2(group),
                                       shared_limit if shared_limit is not None else shared_memory_limit(q.device),
-                                      async_copy if async_copy is not None else async_copies(q.device))
+                                      async_copy if async_copy is not None else before_ampere(q.device) is None)
     if splits is None:
         splits = _splits(B * Hkv * triton.cdiv(T, block_m), cache_k.shape[2], q.device)
     if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
@@ -296,7 +296,7 @@ def _tiles(dtype: torch.dtype, block_d: int, group_p2: int, shared_limit: int | 
     _BLOCK_N slots a tile in Triton's default 3 stages, or, on a GPU whose shared memory a program
     (``shared_limit``) holds less, fewer stages, then narrower tiles (at least two stages while a tile of 16 slots
     allows it). With ``async_copy`` a program keeps in shared memory a stage's key and value tiles, its queries and
-    their fp32 scores (group_p2 x BLOCK_M rows); without (before sm_80, :func:`~mrp_triton.backend.async_copies`)
+    their fp32 scores (group_p2 x BLOCK_M rows); without (before sm_80, :func:`~mrp_triton.backend.before_ampere`)
     what Triton converts there for the dots: the fp32 accumulator (rows x block_d) and, a key/value slot, the wider
     of a scores column (rows) and a key row (in fp32 for fp32 keys), which fewer query positions a program (a
     narrower BLOCK_M, at least 16 rows for the dots) bring under the limit (compiled for sm_75:

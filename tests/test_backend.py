@@ -171,15 +171,15 @@ def test_fit_stages_keeps_what_fits_a_gpus_shared_memory():
     assert shared_memory_limit(torch.device("cpu")) is None and num_sms(torch.device("cpu")) == 4
 
 
-@pytest.mark.parametrize("capability, hip, expected", [((9, 0), None, True), ((8, 6), None, True),
-                                                       ((7, 5), None, False), ((9, 4), "6.4", True)])
-def test_async_copies_only_from_sm_80_on_nvidia_gpus(monkeypatch, capability, hip, expected):
-    """Turing (sm_75) stages no loads through shared memory (cached_attention then fits its tiles otherwise); NVIDIA's
-    sm_80 and newer and AMD's GPUs do; off a GPU (the interpreter) the staged tiles are the ones run."""
+@pytest.mark.parametrize("capability, hip, expected", [((9, 0), None, None), ((8, 6), None, None),
+                                                       ((7, 5), None, "sm_75"), ((9, 4), "6.4", None)])
+def test_before_ampere_names_only_nvidia_gpus_older_than_sm_80(monkeypatch, capability, hip, expected):
+    """Turing (sm_75) has no bf16 units and stages no loads through shared memory (cached_attention then fits its
+    tiles otherwise); NVIDIA's sm_80 and newer and AMD's GPUs are not before Ampere, nor is a CPU."""
     from mrp_triton import backend
 
-    monkeypatch.setattr(backend, "_ASYNC_COPY", {})
+    monkeypatch.setattr(backend, "_BEFORE_AMPERE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
-    assert backend.async_copies(torch.device("cuda:0")) is expected
-    assert backend.async_copies(torch.device("cpu")) is True
+    assert backend.before_ampere(torch.device("cuda:0")) == expected
+    assert backend.before_ampere(torch.device("cpu")) is None

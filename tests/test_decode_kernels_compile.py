@@ -129,7 +129,7 @@ def _fitted_variants() -> list[tuple[int, object]]:
     """(arch, variant) of what the launchers pick at each of SHARED_LIMITS: the LM-head tiles of decoding's row counts
     at two hidden sizes (with a verify forward's top-16 lists: the most shared memory), the attention tiles of
     several head groups, bf16 and fp32 (one variant per distinct config and arch; sm_75's without asynchronous
-    copies, :func:`mrp_triton.backend.async_copies`)."""
+    copies, :func:`mrp_triton.backend.before_ampere`)."""
     import torch
 
     import sm90_kernels

@@ -428,7 +428,9 @@ def test_mrp_generate_loads_a_gpu_model_in_bf16_where_it_has_bf16_units_else_in_
                                                                                       monkeypatch):
     """Without --dtype: bf16 on an H100 / A100 and an MI300, fp16 on a T4 (sm_75: bf16 only by conversion)."""
     from hf_integration import cli
+    from mrp_triton import backend
 
+    monkeypatch.setattr(backend, "_BEFORE_AMPERE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
     assert cli.default_dtype(torch.device("cuda:0")) == dtype

@@ -755,8 +755,10 @@ def test_bad_configs_rejected(env, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="--attention flex needs a CUDA device .* use --attention sdpa or auto"):
         run(_cli_args(env, tmp_path / "i", "--attention", "flex", "--device", "cpu"))
     with monkeypatch.context() as patched:  # a T4 (sm_75): bf16 autocast and FlexAttention refused, auto -> SDPA
+        from mrp_triton import backend
         from training.trainer import LossModule, check_gpu_support
 
+        patched.setattr(backend, "_BEFORE_AMPERE", {})
         patched.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
         patched.setattr(torch.version, "hip", None)
         t4 = torch.device("cuda:0")
@@ -767,6 +769,7 @@ def test_bad_configs_rejected(env, tmp_path, monkeypatch):
         check_gpu_support(TrainConfig(bf16=False), t4)
         check_gpu_support(TrainConfig(attention="flex"), torch.device("cpu"))
         assert LossModule(torch.nn.Linear(1, 1), TrainConfig(), 0).attention(t4) == "sdpa"
+        patched.setattr(backend, "_BEFORE_AMPERE", {})
         patched.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
         check_gpu_support(TrainConfig(attention="flex"), t4)
         assert LossModule(torch.nn.Linear(1, 1), TrainConfig(), 0).attention(t4) == "flex"

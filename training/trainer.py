@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mrp_triton.backend import select_backend
+from mrp_triton.backend import before_ampere, select_backend
 
 from .config import ConfigError, TrainConfig
 from .data import PackedDataset
@@ -134,7 +134,7 @@ class LossModule(nn.Module):
 
     def attention(self, device: torch.device) -> str:
         """``cfg.attention`` resolved on ``device``: "flex" or "sdpa" (``auto``: flex on a GPU FlexAttention compiles
-        for, :func:`before_ampere`)."""
+        for, :func:`mrp_triton.backend.before_ampere`)."""
         if self.cfg.attention == "auto":
             return "flex" if device.type == "cuda" and before_ampere(device) is None else "sdpa"
         return self.cfg.attention
@@ -324,15 +324,6 @@ def check_only_trainable_grads(model: nn.Module, allowed: set[str]) -> None:
 def _autocasts(cfg: TrainConfig, device: torch.device) -> bool:
     """Whether forwards run under bf16 autocast (CUDA with ``cfg.bf16``)."""
     return device.type == "cuda" and cfg.bf16
-
-
-def before_ampere(device: torch.device) -> str | None:
-    """``"sm_XY"`` for an NVIDIA GPU older than Ampere (sm_80), which has no bf16 units and for which FlexAttention
-    has no Triton kernel (it would run densely, eagerly); None otherwise (newer GPUs, AMD's, a CPU)."""
-    if device.type != "cuda" or torch.version.hip:
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}" if major < 8 else None
 
 
 def check_gpu_support(cfg: TrainConfig, device: torch.device) -> None:
