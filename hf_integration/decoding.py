@@ -51,6 +51,13 @@ TABLES = ("seen_tokens", "logit_offsets")
 BIAS = "logit_bias"
 
 
+def by_token(seen: dict, table, bias) -> dict:
+    """``seen`` (:meth:`BlockDecoder.penalties`) with its operands indexed by token id mapped: ``table`` applied to
+    each table [rows, V], ``bias`` to the bias [V]; the other arguments as they are."""
+    return {name: table(value) if name in TABLES else bias(value) if name == BIAS else value
+            for name, value in seen.items()}
+
+
 @dataclass
 class PendingCommit:
     """Finished blocks waiting for their keys and values to be written (by the rows' next forward with
@@ -636,8 +643,7 @@ class BlockDecoder:
         vocabulary of the ids below it; None: all); a pick under a penalty must be given it."""
         if seen is None and self.penalizing:
             raise RuntimeError("a pick under a penalty needs the penalties' arguments (a bug)")
-        return {name: value[:, :vocab] if name in TABLES else value[:vocab] if name == BIAS else value
-                for name, value in (seen or {}).items()}
+        return by_token(seen or {}, lambda table: table[:, :vocab], lambda bias: bias[:vocab])
 
     def see(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Note the finished blocks ``ids`` [R, T] of the working ``rows`` [R]: as seen, with a repetition penalty
@@ -705,8 +711,7 @@ class BlockDecoder:
             top = top * inverse_temperature(self.temperature)[..., None]  # (one a row: [B', 1, 1])
             return *picks, top, ids.masked_fill(top == float("-inf"), -1)
         if seen and draft is not None:  # the tables by draft column, as the draft's weight rows
-            seen = {name: draft.columns(value.T).T if name in TABLES else draft.columns(value) if name == BIAS
-                    else value for name, value in seen.items()}
+            seen = by_token(seen, lambda table: draft.columns(table.T).T, draft.columns)
         out = mrp_triton.lm_head_confidence(
             hidden.reshape(B * T, H), weight, mask_token_id=self.mask_id if draft is None else draft.mask_column,
             **self.token_bans(positions, draft=draft), **seen, skip_rows=~candidates.reshape(-1), top_m=top_m,

@@ -671,7 +671,7 @@ class GenerationSettings:
                 < math.inf:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1 or None: "
                              "no penalty; above 1 discourages repeating a token)")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in PER_PROMPT_PENALTIES:
             if getattr(self, name) is not None and not math.isfinite(_number(name, getattr(self, name))):
                 raise ValueError(f"{name}={getattr(self, name)} must be a finite number (0 or None: no penalty; above "
                                  "0 discourages repeating a token)")

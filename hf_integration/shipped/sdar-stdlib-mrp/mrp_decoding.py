@@ -14,7 +14,7 @@ import torch
 import mrp_triton
 from mrp_triton.reference.confidence import inverse_temperature, penalties_applied
 
-from .decoding import BIAS, TABLES, BlockDecoder, Strategy, denoising_step
+from .decoding import BlockDecoder, Strategy, by_token, denoising_step
 from .draft_candidates import rest_mass
 
 
@@ -254,8 +254,9 @@ def _token_scores(dec: BlockDecoder, h_a: torch.Tensor, corrected: torch.Tensor,
     _, _, lse = dec.pick(corrected, positions, revealed, dec.noise_counter(), seen=seen)
     z = corrected.float().gather(-1, t)[..., 0]
     if seen:  # the token's logit as the pick's softmax saw it (one state a row: its tables' row is the row's)
-        z = penalties_applied(z, **{name: value.gather(1, t[..., 0]) if name in TABLES else value[t[..., 0]]
-                                    if name == BIAS else value for name, value in seen.items() if name != "seen_rows"})
+        at = t[..., 0]
+        z = penalties_applied(z, **by_token({name: value for name, value in seen.items() if name != "seen_rows"},
+                                            lambda table: table.gather(1, at), lambda bias: bias[at]))
     return torch.exp(z * inverse_temperature(dec.temperature) - lse)  # as confidence scales
 
 
