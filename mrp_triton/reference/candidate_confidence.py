@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .confidence import (comparable, gumbel_noise_at, inverse_temperature, may_sample, penalized, sampled_score,
-                         taken)
+from .confidence import (comparable, gumbel_noise_at, inverse_temperature, may_sample, penalties_applied,
+                         sampled_score, taken)
 
 
 def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperature=1.0, repetition_penalty=None,
@@ -33,21 +33,19 @@ def listed_logits(hidden, weight, ids, rest, seed_hidden, vocab_mean, temperatur
     (z [N, M], lse [N]), float32 (float64 for float64 operands); with ``repetition_penalty``, the listed tokens row n
     has seen (``seen_tokens`` [C, V] read at row ``seen_rows[n]``, as :func:`.confidence.penalized`) penalized, then
     with ``logit_offsets`` (float32 [C, V], read at the same row) each listed token's offset added, before the
-    temperature; with ``logit_bias`` (float32 [V]) each listed token's bias added before the penalty (the mass
-    outside the list is as estimated)."""
+    temperature; with ``logit_bias`` (float32 [V]) each listed token's bias added before the penalty
+    (:func:`.confidence.penalties_applied` at the listed tokens; the mass outside the list is as estimated)."""
     acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     inv_t = inverse_temperature(temperature).to(hidden.device, acc)
-    listed = ids >= 0
-    rows = weight[ids.clamp(min=0)].to(acc)  # [N, M, H]
+    listed, at = ids >= 0, ids.clamp(min=0)
+    rows = weight[at].to(acc)  # [N, M, H]
     dots = torch.einsum("nh,nmh->nm", hidden.to(acc), rows)
-    if logit_bias is not None:
-        dots = dots + logit_bias[ids.clamp(min=0)].to(acc)
-    if repetition_penalty is not None:
-        seen = (seen_tokens if seen_rows is None else seen_tokens[seen_rows]).gather(1, ids.clamp(min=0))
-        dots = penalized(dots, repetition_penalty, seen)
-    if logit_offsets is not None:
-        dots = dots + (logit_offsets if seen_rows is None else logit_offsets[seen_rows]).gather(1, ids.clamp(min=0)).to(
-            acc)
+
+    def at_listed(table):  # row n's row of a table [C, V] (or None) at its listed tokens: [N, M]
+        return None if table is None else (table if seen_rows is None else table[seen_rows]).gather(1, at)
+
+    dots = penalties_applied(dots, repetition_penalty, at_listed(seen_tokens), None, at_listed(logit_offsets),
+                             None if logit_bias is None else logit_bias[at])
     z = comparable(dots * inv_t)
     z = z.masked_fill(~listed, float("-inf"))
     shift = (hidden.to(acc) - seed_hidden.to(acc)) @ vocab_mean.to(acc) * inv_t.reshape(-1)
