@@ -1,11 +1,12 @@
 """Training end to end: a few optimizer steps of ``mrp-train mrp`` (and ``mrp-train backbone``) at the shipped model's
 shapes on the standard library, with what each run ran on and how fast it went.
 
-For each mode it saves the run's setup line (device, op backend, attention, bf16 autocast, KD precision), the mean
-loss of its first and of its last steps, the held-out loss at the end (and, for the MRP head, the draft agreement
-per unroll step), tokens/s (the median over the steps after ``--warmup``: the first ones compile FlexAttention and
-the Triton kernels), the first step's seconds, the whole run's, and on CUDA the peak memory. A loss that is not
-finite fails the script (exit 1). On a GPU this runs training's CUDA path as a whole: compiled FlexAttention forward
+For each mode it saves the run's setup line (device, op backend, attention, bf16 autocast, activation checkpointing,
+KD precision), the mean loss of its first and of its last steps, the held-out loss at the end (and, for the MRP head,
+the draft agreement per unroll step), tokens/s (the median over the steps after ``--warmup``: the first ones compile
+FlexAttention and the Triton kernels), the first step's seconds, the whole run's, and on CUDA the peak memory (run
+it with and without ``--activation-checkpointing`` to see what that saves and costs). A loss that is not finite fails
+the script (exit 1). On a GPU this runs training's CUDA path as a whole: compiled FlexAttention forward
 and backward, bf16 autocast, the Triton kernels with their backward, the TF32 KD GEMMs; on a CPU, the reference ops
 and SDPA.
 
@@ -32,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 import _harness  # noqa: E402
 
 FIELDS = ["mode", "steps", "seq_len", "micro_batch_size", "device", "ops", "attention", "bf16_autocast",
-          "kd_precision", "loss_first", "loss_last", "eval_loss", "eval_pick_agreement", "tokens_per_s",
-          "first_step_s", "wall_s", "peak_memory_gb"]
+          "activation_checkpointing", "kd_precision", "loss_first", "loss_last", "eval_loss", "eval_pick_agreement",
+          "tokens_per_s", "first_step_s", "wall_s", "peak_memory_gb"]
 # The backbone's architecture flags, read from the model's config.json (the shipped model's: reproduce.sh's).
 ARCHITECTURE = {"block_size": "--block-size", "hidden_size": "--hidden-size",
                 "intermediate_size": "--intermediate-size",
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the tokens/s median (default: 5)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="train with mrp-train's --activation-checkpointing (compare the peak memory and tokens/s)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
@@ -65,7 +68,7 @@ def train_argv(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
     evaluated (2 micro-batches) at the end, no checkpoints."""
     common = ["--stdlib", "--out", str(out), "--max-steps", str(args.steps), "--seq-len", str(args.seq_len),
               "--micro-batch-size", str(args.micro_batch_size), "--log-every", "1", "--eval-batches", "2",
-              "--save-every", "0", "--no-progress"]
+              "--save-every", "0", "--no-progress"] + ["--activation-checkpointing"] * args.activation_checkpointing
     if mode == "mrp":
         return ["mrp", "--model", str(args.model), *common]
     config = json.loads((args.model / "config.json").read_text())
@@ -86,7 +89,7 @@ def summarise(mode: str, args: argparse.Namespace, metrics: Path, wall_s: float,
     head = max(1, len(losses) // 4)
     return {"mode": mode, "steps": len(steps), "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
             "device": setup["device"], "ops": setup["ops"], "attention": setup["attention"],
-            "bf16_autocast": setup["bf16_autocast"],
+            "bf16_autocast": setup["bf16_autocast"], "activation_checkpointing": setup["activation_checkpointing"],
             "kd_precision": setup.get("kd_precision") if mode == "mrp" else None,
             "loss_first": statistics.mean(losses[:head]), "loss_last": statistics.mean(losses[-head:]),
             "eval_loss": evaluation["eval_loss"], "eval_pick_agreement": evaluation.get("eval_pick_agreement"),

@@ -18,14 +18,15 @@ SCRIPT = ROOT / "benchmarks" / "bench_training.py"
 @pytest.mark.slow
 def test_both_modes_train_and_report_their_setup_losses_and_speed(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--steps", "3", "--warmup", "1", "--seq-len", "32",
-                        "--micro-batch-size", "2", "--out", str(tmp_path)], capture_output=True, text=True,
-                       timeout=600, env=subprocess_env(str(ROOT)), cwd=ROOT)
+                        "--micro-batch-size", "2", "--activation-checkpointing", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env=subprocess_env(str(ROOT)), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "training_cpu.json").read_text())
     rows = {row["mode"]: row for row in result["rows"]}
     assert list(rows) == ["mrp", "backbone"] and result["meta"]["torch"]
     for mode, row in rows.items():
         assert row["steps"] == 3 and row["device"] == "cpu" and row["attention"] == "sdpa", mode
+        assert row["activation_checkpointing"] is True, mode
         assert row["tokens_per_s"] > 0 and 0 < row["first_step_s"] < row["wall_s"], mode
         assert all(math.isfinite(row[k]) for k in ("loss_first", "loss_last", "eval_loss")), mode
         lines = (tmp_path / f"training_cpu_{mode}_metrics.jsonl").read_text().splitlines()
@@ -44,7 +45,8 @@ def test_a_loss_that_is_not_finite_fails_the_run(tmp_path):
     spec.loader.exec_module(bench)
     args = bench.parse_args(["--steps", "3", "--warmup", "1"])
     metrics = tmp_path / "metrics.jsonl"
-    lines = [{"step": 0, "setup": {"device": "cpu", "ops": "reference", "attention": "sdpa", "bf16_autocast": False}},
+    lines = [{"step": 0, "setup": {"device": "cpu", "ops": "reference", "attention": "sdpa", "bf16_autocast": False,
+                                   "activation_checkpointing": False}},
              *({"step": i, "loss": loss, "lr": 1e-3, "tokens_per_s": 10.0, "elapsed_s": i} for i, loss in
                enumerate([2.0, float("nan"), 1.0], 1)),
              {"step": 3, "eval_loss": 1.5}]
@@ -64,7 +66,8 @@ def test_each_finished_mode_is_saved_before_the_next_one_runs(tmp_path, monkeypa
     spec = importlib.util.spec_from_file_location("bench_training", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    setup = {"device": "cpu", "ops": "reference", "attention": "sdpa", "bf16_autocast": False}
+    setup = {"device": "cpu", "ops": "reference", "attention": "sdpa", "bf16_autocast": False,
+             "activation_checkpointing": False}
     lines = [{"step": 0, "setup": setup}, *({"step": i, "loss": 2.0 / i, "lr": 1e-3, "tokens_per_s": 10.0,
                                              "elapsed_s": i} for i in (1, 2, 3)), {"step": 3, "eval_loss": 1.5}]
 

@@ -113,6 +113,32 @@ def test_a_bf16_model_computes_its_labels_loss_in_fp32():
     assert torch.equal(out.loss, torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten()))
 
 
+def test_transformers_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    """transformers' activation checkpointing API (what its Trainer calls with ``gradient_checkpointing=True``)
+    checkpoints each decoder layer: the layer runs again in the backward pass, and a padded batch's labels loss and
+    every gradient are those without it."""
+    import warnings
+
+    ids, mask = random_prompts(2, 9, seed=3), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    results = []
+    for checkpointing in (False, True):
+        model = tiny_model(seed=4).train()
+        runs = []
+        model.model.layers[1].self_attn.q_proj.register_forward_pre_hook(lambda *_: runs.append(1))
+        if checkpointing:
+            with warnings.catch_warnings():  # newer transformers name it activation_checkpointing_enable
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_enable()
+        loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, len(runs)))
+    (want, want_grads, plain), (got, got_grads, checkpointed) = results
+    assert (plain, checkpointed) == (1, 2) and torch.equal(got, want)
+    assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items() if g is not None)
+    assert {n for n, g in got_grads.items() if g is not None} == {n for n, g in want_grads.items() if g is not None}
+
+
 IDS = random_prompts(2, 6)
 BAD_FORWARD_INPUTS = [
     (dict(), ValueError, "exactly one"),

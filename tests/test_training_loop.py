@@ -80,7 +80,8 @@ def test_loss_falls(env, tmp_path, mode, kw):
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert lines[0] == {"step": 0, "setup": {
         "device": "cpu", "world_size": 1, "ops": "reference", "attention": "sdpa", "bf16_autocast": False,
-        "projections_in_bf16": 0, "kd_precision": "tf32" if mode == "mrp" else None, "global_batch": 8,
+        "projections_in_bf16": 0, "activation_checkpointing": False,
+        "kd_precision": "tf32" if mode == "mrp" else None, "global_batch": 8,
         "total_steps": 40, "torch": torch.__version__}}
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, 41))
     assert all({"lr", "tokens_per_s", "grad_norm"} <= set(x) for x in lines if "loss" in x)
@@ -106,6 +107,31 @@ def test_gradient_accumulation_equals_one_large_micro_batch(env, tmp_path, mode,
                 assert b[key] == pytest.approx(a[key], rel=1e-5), (accum, a["step"], key)
         for k in one_w:
             assert torch.allclose(one_w[k], w[k], rtol=1e-4, atol=1e-6), (accum, k)
+
+
+@pytest.mark.parametrize("mode,kw", [("backbone", {}), ("mrp", {"unroll_k": 2})])
+def test_activation_checkpointing_takes_the_same_steps(env, tmp_path, mode, kw):
+    """--activation-checkpointing: the model's layers are checkpointed while the run trains, and the run takes the
+    same steps (loss and gradient norm at each, the weights after them: bit for bit on CPU); the setup line says
+    which, and the model is not checkpointed after the run."""
+    runs = {}
+    for on in (False, True):
+        model = _model(env, mode)
+        during = []
+
+        def checkpointed(step, info, model=model, during=during):
+            during.append(any(getattr(m, "gradient_checkpointing", False) for m in model.modules()))
+
+        res = train(_cfg(tmp_path / str(on), mode, max_steps=3, activation_checkpointing=on, **kw), model,
+                    env["train"], None, callbacks=[checkpointed])
+        assert during == [on] * 3 and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        assert json.loads(open(tmp_path / str(on) / "metrics.jsonl").readline())["setup"]["activation_checkpointing"] \
+            is on
+        runs[on] = [(r["loss"], r["grad_norm"]) for r in res["history"]], _weights(model)
+    (want, want_w), (got, got_w) = runs[False], runs[True]
+    assert got == want
+    for k in want_w:
+        assert torch.equal(got_w[k], want_w[k]), k
 
 
 @pytest.fixture(scope="module")
@@ -362,8 +388,10 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     mrp = tmp_path / "mrp"
     res = run(["mrp", "--model", str(bb), "--data", env["paths"]["pairs"], "--out", str(mrp), "--seq-len", str(T),
                "--mrp-layers", "1", "--unroll-k", "2", "--micro-batch-size", "2", "--max-steps", "3",
-               "--mrp-init", "normal", "--no-progress"])
+               "--mrp-init", "normal", "--no-progress", "--gradient-checkpointing"])
     assert res["step"] == 3
+    setup = json.loads(open(mrp / "metrics.jsonl").readline())["setup"]
+    assert setup["activation_checkpointing"] is True  # transformers' older name for the flag
     assert "no MRP head" not in caplog.text  # loading the backbone to give it a head does not warn that it has none
     m = SDARMRPForCausalLM.from_pretrained(str(mrp))
     assert m.config.num_nextn_predict_layers == 1 and m.has_mrp

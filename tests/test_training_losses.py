@@ -1,5 +1,8 @@
 """Backbone / MRP losses on tiny real models, with test doubles for the MRP head."""
 
+import warnings
+from collections import Counter
+
 import pytest
 import torch
 
@@ -255,6 +258,84 @@ def test_loss_and_head_gradients_equal_whole_forwards(setup, loss_type, K):
     assert got_grads.keys() == want_grads.keys() and any(g.abs().sum() > 0 for g in want_grads.values())
     # the norms compute in fp32 (Qwen3's), so the sums of shared paths round there
     _assert_grads_close(got_grads, want_grads, rtol=1e-6, atol_scale=1e-6)
+
+
+def _counted_forwards(model) -> Counter:
+    """Counts, by stack ("backbone", "mrp"), the forwards of the first decoder layer of ``model`` and of its MRP
+    head, its recomputations under activation checkpointing included (a pre-hook on the layer's q_proj, which the
+    recomputation runs before it stops)."""
+    runs = Counter()
+    stacks = {"backbone": model.model.layers}
+    if model.has_mrp:
+        stacks["mrp"] = model.mrp_modules[0].model.layers
+    for name, layers in stacks.items():
+        layers[0].self_attn.q_proj.register_forward_pre_hook(lambda *_, name=name: runs.update([name]))
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["backbone", "mrp"])
+def test_activation_checkpointing_recomputes_the_trained_layers_and_changes_no_gradient(setup, mode):
+    """With activation checkpointing each decoder layer that trains (the backbone's; the MRP head's, whose first
+    forward's keys and values leave the layer for the later forwards) runs again in the backward pass, the frozen
+    backbone's (no gradients) never, and the loss and every gradient are bit for bit those without it. Turned off,
+    nothing is recomputed and the input embeddings' outputs need no gradient again."""
+    from training.models import freeze_all_but_mrp, set_activation_checkpointing
+
+    tok, train = setup
+    model = tiny_backbone(tok)
+    if mode == "mrp":
+        model.add_mrp_head(2)
+        freeze_all_but_mrp(model)
+    model.train()
+    runs = _counted_forwards(model)
+    ids, isp, seeds = _batch(train)
+    masks = BlockDiffusionMasks.build(T, BS)
+    results = []
+    for checkpointing in (False, True, False):
+        set_activation_checkpointing(model, checkpointing)
+        runs.clear()
+        model.zero_grad()
+        gens = make_generators(seeds)
+        masked, p = sample_mask(isp, gens)
+        if mode == "mrp":
+            loss = mrp_loss_sum(model, ids, masked, p, masks, tok.mask_token_id, BS, gens, 3)[0]
+        else:
+            loss = backbone_loss_sum(model, ids, masked, p, masks, tok.mask_token_id)[0]
+        loss.backward()
+        results.append((loss.detach(), _grads(model), dict(runs)))
+    (want, want_grads, plain), (got, got_grads, checkpointed), (again, again_grads, after) = results
+    trained = "mrp" if mode == "mrp" else "backbone"
+    assert checkpointed[trained] == 2 * plain[trained] > 0 and plain == after
+    assert checkpointed["backbone"] == plain["backbone"] or mode == "backbone"
+    assert torch.equal(got, want) and torch.equal(again, want) and any(g.abs().sum() > 0 for g in want_grads.values())
+    for name, grad in want_grads.items():
+        assert torch.equal(got_grads[name], grad) and torch.equal(again_grads[name], grad), name
+    if mode == "mrp":  # frozen embeddings: only the checkpointing made their outputs need a gradient
+        assert not model.get_input_embeddings()(ids).requires_grad
+
+
+def test_reentrant_checkpointing_is_refused_by_the_mrp_loss(setup):
+    """torch's reentrant checkpoint runs a layer without gradients, so the keys and values the head's first forward
+    keeps would carry none (the head's gradients through them lost without a sound): mrp_loss_sum refuses it
+    naming the fix, while a forward without gradients (an evaluation) still runs."""
+    from training.models import freeze_all_but_mrp
+
+    tok, train = setup
+    model = tiny_backbone(tok)
+    model.add_mrp_head(1)
+    freeze_all_but_mrp(model)
+    with warnings.catch_warnings():  # newer transformers name it activation_checkpointing_enable
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids, isp, seeds = _batch(train, n=2)
+    gens = make_generators(seeds)
+    masked, p = sample_mask(isp, gens)
+    args = (model, ids, masked, p, BlockDiffusionMasks.build(T, BS), tok.mask_token_id, BS, gens, 2)
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        mrp_loss_sum(*args)
+    with torch.no_grad():
+        assert mrp_loss_sum(*args)[0] > 0
 
 
 @pytest.mark.triton

@@ -60,6 +60,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=("auto", "flex", "sdpa"), default=d.attention,
                    help="[noisy | clean] attention: compiled FlexAttention with block masks (CUDA only) or SDPA with "
                    "a dense mask; auto: flex on a CUDA GPU from sm_80 on, sdpa elsewhere")
+    g.add_argument("--activation-checkpointing", "--gradient-checkpointing", action="store_true",
+                   help="keep only each trained decoder layer's input and recompute its activations in the backward "
+                   "pass: less memory for a longer sequence or a larger micro-batch, a forward's compute more a step; "
+                   "the same steps (a run may resume with or without it)")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     g = p.add_argument_group("bookkeeping")
@@ -187,7 +191,8 @@ def _config(args, block_size: int, argv: list[str]) -> TrainConfig:
         micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum, max_steps=args.max_steps,
         epochs=args.epochs, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_ratio=args.warmup_ratio,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, adam_beta2=args.adam_beta2,
-        grad_clip=args.grad_clip, bf16=not args.no_bf16, attention=args.attention, seed=args.seed,
+        grad_clip=args.grad_clip, bf16=not args.no_bf16, attention=args.attention,
+        activation_checkpointing=args.activation_checkpointing, seed=args.seed,
         log_every=args.log_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every,
         keep_checkpoints=args.keep_checkpoints, resume=args.resume, progress=not args.no_progress,

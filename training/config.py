@@ -36,6 +36,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # <= 0 disables clipping
     bf16: bool = True  # bf16 autocast (CUDA only; CPU runs fp32)
     attention: str = "auto"  # "auto" (flex on CUDA from sm_80, sdpa elsewhere) | "flex" | "sdpa"
+    activation_checkpointing: bool = False  # recompute each trained decoder layer's activations in the backward
     seed: int = 0
     noise_eps: float = 1e-3  # p = (1 - eps) t + eps
     # bookkeeping

@@ -81,6 +81,21 @@ def _clean_half(kv: dict, T: int) -> dict:
     return {layer: (k[:, :, T:].contiguous(), v[:, :, T:].contiguous()) for layer, (k, v) in kv.items()}
 
 
+def check_checkpointing(model) -> None:
+    """Refuse reentrant activation checkpointing of ``model``'s layers (a ``ValueError``): the reentrant checkpoint
+    runs a layer without gradients, so the keys and values the MRP head's first forward keeps for the later ones
+    (``AttentionInputs.kv_out``) would carry none, and the head's gradients through them would be lost without a
+    sound. Layers checkpointed with ``use_reentrant=False`` (transformers' default) pass."""
+    for module in model.modules():
+        if module.training and getattr(module, "gradient_checkpointing", False):
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            if getattr(func, "keywords", {}).get("use_reentrant") is not False:
+                raise ValueError("mrp_loss_sum: the model's layers are checkpointed with torch's reentrant checkpoint, "
+                                 "which drops the MRP head's gradients through its kept keys and values; enable "
+                                 "activation checkpointing with use_reentrant=False (transformers' default), e.g. "
+                                 "training.models.set_activation_checkpointing(model, True)")
+
+
 def mrp_loss_sum(
     model,
     ids: torch.Tensor,
@@ -119,6 +134,8 @@ def mrp_loss_sum(
         raise ValueError(f"--unroll-k (K) must be >= 1, got {unroll_k}")
     if loss_type not in ("kd_diff_sum", "direct"):
         raise ValueError(f"--mrp-loss must be 'kd_diff_sum' or 'direct', got {loss_type!r}")
+    if torch.is_grad_enabled():
+        check_checkpointing(model)
     B, T = ids.shape
     w = _weights(p, T)
     noisy = ids.masked_fill(masked, mask_token_id)

@@ -165,3 +165,26 @@ def restore_dtypes(converted: list[tuple[nn.Linear, torch.dtype]]) -> None:
     """Undo :func:`frozen_projections_in_bf16` (exactly: the values were bf16 numbers)."""
     for module, dtype in converted:
         module.to(dtype)
+
+
+def set_activation_checkpointing(model: nn.Module, enable: bool) -> None:
+    """Activation (gradient) checkpointing of every decoder layer, the backbone's and the MRP head's, on or off
+    (``--activation-checkpointing``): a layer that trains keeps only its inputs and recomputes its activations in the
+    backward pass (frozen layers run without gradients and are never recomputed). Through transformers' API, with
+    torch's non-reentrant checkpoint, which the MRP loss needs (:func:`training.losses.mrp_loss_sum` refuses the
+    reentrant one). Turning it off also removes the hook that makes the input embeddings require gradients."""
+    # newer transformers 5.x name it activation_checkpointing_* (and warn on gradient_checkpointing_*); 5.17 has only
+    # gradient_checkpointing_*
+    renamed = hasattr(model, "activation_checkpointing_enable")
+    if enable:
+        kwargs = {"use_reentrant": False}
+        if renamed:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        if renamed:
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+        model.disable_input_require_grads()

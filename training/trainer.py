@@ -45,7 +45,7 @@ from mrp_triton.backend import before_ampere, select_backend
 from .config import ConfigError, TrainConfig
 from .data import PackedDataset
 from .losses import AGREEMENT_COUNTS, backbone_loss_sum, mrp_loss_sum
-from .models import frozen_projections_in_bf16, restore_dtypes
+from .models import frozen_projections_in_bf16, restore_dtypes, set_activation_checkpointing
 from .noising import BlockDiffusionMasks, make_generators, sample_mask, sample_seed
 
 CKPT_DIR = "checkpoints"
@@ -401,6 +401,7 @@ def train(
     ``callbacks(step, info)`` run after each optimizer step (and its checkpoint) on every rank.
     An MRP run under bf16 autocast (CUDA) stores the frozen backbone's projections in bf16 while it trains
     (:func:`training.models.frozen_projections_in_bf16`); they are restored before ``export``, and when a run fails.
+    ``cfg.activation_checkpointing`` checkpoints the model's layers while it trains, likewise turned off after.
     """
     cfg.validate()
     if device is None:
@@ -414,10 +415,14 @@ def train(
     if len(train_ds) == 0 or train_ds.num_answer_tokens() == 0:
         raise ConfigError("--data: the training data is empty (no answer tokens)")
     in_bf16 = frozen_projections_in_bf16(model) if cfg.mode == "mrp" and _autocasts(cfg, device) else []
+    if cfg.activation_checkpointing:
+        set_activation_checkpointing(model, True)
     try:
         result = _train_steps(cfg, model, train_ds, eval_ds, mask_token_id, callbacks, device, len(in_bf16))
     finally:
         restore_dtypes(in_bf16)
+        if cfg.activation_checkpointing:
+            set_activation_checkpointing(model, False)
     if _world()[0] == 0 and export is not None:
         export(model)
     barrier()
@@ -485,6 +490,7 @@ def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, ev
     setup = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
              "world_size": world, "ops": select_backend(device, backward=True), "attention": loss_mod.attention(device),
              "bf16_autocast": _autocasts(cfg, device), "projections_in_bf16": projections_in_bf16,
+             "activation_checkpointing": cfg.activation_checkpointing,
              "kd_precision": cfg.kd_precision if cfg.mode == "mrp" else None, "global_batch": G, "total_steps": total,
              "torch": torch.__version__}
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import mrp_triton
 
@@ -195,9 +196,14 @@ class SDARMLP(nn.Module):
         return self.down_proj(mrp_triton.swiglu(*project(x, self.projections, packed)))
 
 
-class SDARDecoderLayer(nn.Module):
+class SDARDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm transformer layer. Its residual adds are fused into the norms after them: the attention's into the
-    post-attention norm, the MLP's into the next layer's input norm (or the stack's final norm)."""
+    post-attention norm, the MLP's into the next layer's input norm (or the stack's final norm).
+
+    Under transformers' activation (gradient) checkpointing, a layer that runs in training mode with gradients on
+    keeps only its inputs and recomputes its activations in the backward pass; decoding runs without gradients, so it
+    is never checkpointed. Its keys and values (``attn.kv_out``) escape the checkpointed region, which only torch's
+    non-reentrant checkpoint backpropagates through (transformers' default, ``use_reentrant=False``)."""
 
     def __init__(self, config: SDARMRPConfig, layer_idx: int):
         super().__init__()

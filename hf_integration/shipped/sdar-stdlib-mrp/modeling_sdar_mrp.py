@@ -145,7 +145,7 @@ def _mrp_head_keys(state_dict: dict[str, torch.Tensor], strict: bool) -> dict[st
 class SDARMRPPreTrainedModel(PreTrainedModel):
     config_class = SDARMRPConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # each SDARDecoderLayer, backbone and MRP head alike
     _no_split_modules = ["SDARDecoderLayer"]
     _supports_sdpa = True
 
