@@ -149,16 +149,24 @@ class PromptBatch:
                              device=device))
 
     def lay_out(self, x: torch.Tensor, kept: list[int], max_new_tokens: int, pad: int,
-                prompt: bool = True) -> torch.Tensor:
+                prompt: bool = True, appended: bool = False) -> torch.Tensor:
         """Per-position values of the decoded layout x [B', total, ...] (row b's prompt positions first, then its new
         ones) -> [B, W + max_new_tokens, ...] (W: the input's width), as the output lays out tokens: row b's prompt
         (``prompt``; else ``pad`` there too), then its first ``kept[b]`` new positions, ``pad`` elsewhere, on the row's
-        padding side (as transformers does: ``out[:, W:]`` are the new tokens of a left-padded batch)."""
+        padding side (as transformers does: ``out[:, W:]`` are the new tokens of a left-padded batch). ``appended``:
+        every row's new positions from column W on, after its input as given (a right-padded row's padding before
+        them), as transformers' generate lays out what it passes its stopping criteria, whatever the padding side."""
         device = x.device
         lens, start = (t.to(device) for t in self._row_layout)
-        source = torch.arange(self.width + max_new_tokens, device=device) - start[:, None]  # [B, W + new]: x's column
-        shown = (source >= (0 if prompt else lens[:, None])) & \
-            (source < lens[:, None] + torch.tensor(kept, device=device)[:, None])
+        lens, kept = lens[:, None], torch.tensor(kept, device=device)[:, None]
+        column = torch.arange(self.width + max_new_tokens, device=device)
+        source = column - start[:, None]  # [B, W + new]: x's column
+        if appended:
+            new = column >= self.width
+            source = torch.where(new, lens + column - self.width, source)
+            shown = torch.where(new, column - self.width < kept, (source >= 0) & (source < lens) & prompt)
+        else:
+            shown = (source >= (0 if prompt else lens)) & (source < lens + kept)
         rows = torch.arange(len(self.lens), device=device)[:, None]
         values = x[rows, source.clamp(0, x.shape[1] - 1)]
         shown = shown[(...,) + (None,) * (x.dim() - 2)]

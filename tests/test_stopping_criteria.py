@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
+from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,15 +43,18 @@ def _batch(side: str):
     return padded_batch([random_prompts(1, n, seed=40 + b)[0] for b, n in enumerate(LENS)], side)
 
 
-def _laid_out(ids, mask, out, kept, t):
+def _laid_out(ids, mask, out, kept, t, appended=False):
     """The batch (ids, mask [B, W]) as the output ``out`` lays it out had decoding stopped at t new tokens: each row's
-    prompt on its padding side, then its first min(kept, t) new tokens, padding elsewhere."""
+    prompt on its padding side, then its first min(kept, t) new tokens, padding elsewhere; ``appended``: as transformers
+    passes it to its stopping criteria, every row's new tokens from column W on (after a right-padded row's padding)."""
     width = ids.shape[1]
     rows = torch.full((len(kept), width + t), PAD)
     for b, n in enumerate(mask.sum(1).tolist()):
         start = width - n if mask[b, 0] == 0 else 0
         new = out[b, start + n: start + n + min(kept[b], t)]
-        rows[b, start: start + n + len(new)] = torch.cat([ids[b][mask[b] == 1], new])
+        rows[b, start: start + n] = ids[b][mask[b] == 1]
+        first_new = width if appended else start + n
+        rows[b, first_new: first_new + len(new)] = new
     return rows
 
 
@@ -73,7 +76,7 @@ def test_criteria_are_called_token_by_token_and_stop_each_row_at_its_step(model,
     for criterion in criteria:
         assert [c.shape[1] - WIDTH for c in criterion.calls] == list(range(1, 21))
         for t, call in enumerate(criterion.calls, 1):
-            assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t)), t
+            assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t, appended=True)), t
     assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, 20))
     assert all(out.stats.tokens_committed <= free.stats.tokens_committed)
     assert out.stats.tokens_committed[0] < free.stats.tokens_committed[0]
@@ -106,7 +109,29 @@ def test_any_batch_keeps_the_free_run_up_to_each_rows_first_stop(model, lens, si
     assert torch.equal(out.sequences, _laid_out(ids, mask, free.sequences, kept, max_new))
     assert len(criterion.calls) == max(kept)
     for t, call in enumerate(criterion.calls, 1):
-        assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t)), t
+        assert torch.equal(call, _laid_out(ids, mask, free.sequences, kept, t, appended=True)), t
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_criteria_reading_the_last_column_stop_each_right_padded_row_where_it_stops_alone(model, graphs):
+    """transformers' criteria read each row's newest token in the last column of input_ids (its EosTokenCriteria;
+    here also one reading the newest token's confidence): on a right-padded batch, whose output puts a row's new
+    tokens right after its prompt, they are passed transformers' layout, so each row stops where it stops alone, also
+    when the padding is the very token a criterion stops at."""
+    ids, mask = _batch("right")
+    common = dict(max_new_tokens=12, eos_token_id=[], return_dict_in_generate=True, output_confidences=True,
+                  cuda_graphs=graphs)
+    rows = [ids[b][mask[b] == 1][None] for b in range(len(LENS))]
+    free = [model.generate(row, pad_token_id=PAD, **common) for row in rows]
+    news = [out.sequences[0, n:].tolist() for out, n in zip(free, LENS)]
+    stop = next(t for i, t in enumerate(news[2]) if i >= 2 and t not in news[2][:i])  # row 2 writes it later
+    floor = torch.cat([out.confidences[0, n:] for out, n in zip(free, LENS)]).median().item()
+    for make, pad in ((lambda: EosTokenCriteria(stop), stop), (lambda: StopBelowConfidence(floor), PAD)):
+        alone = [model.generate(row, pad_token_id=pad, stopping_criteria=[make()], **common).new_tokens.item()
+                 for row in rows]
+        out = model.generate(ids, attention_mask=mask, pad_token_id=pad, stopping_criteria=[make()], **common)
+        assert out.new_tokens.tolist() == alone and min(alone) < 12, (make(), alone)
+        assert pad != stop or alone[2] > 2  # (the padding, read as its newest token, stopped it at its first before)
 
 
 class StopBelowConfidence(StoppingCriteria):
@@ -213,7 +238,7 @@ def test_rows_an_eos_ended_are_padded_in_later_calls_which_stop_after_the_last_r
     assert len(criterion.calls) == max(ends)
     full = torch.cat([ids, free], 1)
     for t, call in enumerate(criterion.calls, 1):
-        assert torch.equal(call, _laid_out(ids, mask, full, ends, t)), t
+        assert torch.equal(call, _laid_out(ids, mask, full, ends, t, appended=True)), t
 
 
 def test_transformers_max_length_criterion_stops_every_row_at_its_length(model):

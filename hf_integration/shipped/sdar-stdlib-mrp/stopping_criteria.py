@@ -10,9 +10,12 @@ from .prompts import PromptBatch
 
 class CriteriaCheck:
     """Calls each of ``criteria`` as ``criterion(input_ids, scores)`` for new-token steps t = 1, 2, ...: input_ids
-    [B, W + t] is the batch as the output would lay it out had decoding stopped at t new tokens (rows that ended
-    earlier, by an EOS, a stop string or a criterion, hold padding past their end, as in transformers), ``scores`` is
-    None (a block-diffusion step has no next-token scores). A criterion whose ``takes_confidences`` attribute is true
+    [B, W + t] is the batch as transformers' generate would pass it had decoding stopped at t new tokens: the input as
+    given (W wide, each row's padding where it was), then each row's t new tokens (rows that ended earlier, by an EOS,
+    a stop string or a criterion, hold padding past their end, as in transformers), so a criterion that reads the
+    last column (transformers' ``EosTokenCriteria``, ``StopStringCriteria``) reads each row's newest token on a
+    right-padded batch too (where the output puts a row's new tokens right after its prompt); ``scores`` is None (a
+    block-diffusion step has no next-token scores). A criterion whose ``takes_confidences`` attribute is true
     is also passed ``confidences=``: float32 [B, W + t] laid out as input_ids, each new token's probability (as
     ``output_confidences`` gives it, which the call then needs), 0 at prompt and padding positions; one whose
     ``takes_top_logprobs`` attribute is true ``top_logprobs=`` and ``top_token_ids=``: float32 and int64 [B, W + t, k]
@@ -49,9 +52,9 @@ class CriteriaCheck:
                     self.called = self.max_new
                     return stopped
                 shown = [min(k, t) for k in kept]
-                input_ids = self.prompts.lay_out(x, shown, t, self.pad_id)
+                input_ids = self.prompts.lay_out(x, shown, t, self.pad_id, appended=True)
                 asked = {name for criterion in self.criteria for name in notes_taken(criterion)}
-                extra = {name: self.prompts.lay_out(values, shown, t, pad, prompt=False)
+                extra = {name: self.prompts.lay_out(values, shown, t, pad, prompt=False, appended=True)
                          for name, (values, pad) in (notes or {}).items() if name in asked}
                 verdicts = [self._verdict(criterion(input_ids, None, **{name: extra[name]
                                                                         for name in notes_taken(criterion)}),
