@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
 import mrp_triton
 from hf_integration import SDARMRPForCausalLM, decode_engine, modeling_sdar
@@ -572,6 +572,10 @@ def test_transformers_keywords_that_ask_for_nothing_pass_and_others_are_refused(
     nothing = dict(num_beams=1, repetition_penalty=1.0, output_scores=False, logits_processor=None,
                    stopping_criteria=None, synced_gpus=False, min_new_tokens=None)
     assert torch.equal(model.generate(ids, max_new_tokens=6, **nothing), plain)
+    # empty lists, and a guidance scale of 1 (transformers adds classifier-free guidance for another scale only)
+    for empty in (dict(logits_processor=LogitsProcessorList()), dict(logits_processor=[], guidance_scale=1.0),
+                  dict(guidance_scale=1)):
+        assert torch.equal(model.generate(ids, max_new_tokens=6, **empty), plain), empty
     # what decoding does anyway (a static KV cache, no torch.compile), as code written for transformers may ask
     done = dict(cache_implementation="static", disable_compile=True)
     assert torch.equal(model.generate(ids, max_new_tokens=6, **done), plain)
@@ -588,6 +592,8 @@ def test_transformers_keywords_that_ask_for_nothing_pass_and_others_are_refused(
         model.generate(ids, generation_config=GenerationConfig(output_scores=True, max_new_tokens=6))
     with pytest.raises(TypeError, match=r"got logits_processor=\[<function .*; drop it \("):
         model.generate(ids, max_new_tokens=6, logits_processor=[lambda i, s: s])
+    with pytest.raises(TypeError, match=r"got guidance_scale=1.5"):
+        model.generate(ids, max_new_tokens=6, guidance_scale=1.5)
     with pytest.raises(TypeError, match=r"got num_beams=tensor\(1\)"):  # not compared: a tensor asks for something
         model.generate(ids, max_new_tokens=6, num_beams=torch.tensor(1))
 
@@ -775,9 +781,12 @@ BAD_INPUTS = [
     (dict(strategy="remask", remask_rule="maybe"), ValueError, "remask_rule"),
     (dict(strategy="remask", remask_rule="delta", residual_delta=0.0), ValueError, "residual_delta"),
     (dict(strategy="direct", mrp_mix="product"), ValueError, "mrp_mix"),
-    (dict(strategy="direct", mrp_scale=float("nan")), ValueError, "mrp_scale=nan must be a finite number"),
-    (dict(strategy="speculative", mrp_scale="1"), ValueError, "mrp_scale='1' must be a finite number"),
-    (dict(strategy="direct", mrp_scale=True), ValueError, "mrp_scale=True must be a finite number"),
+    (dict(strategy="speculative", mrp_steps=5), ValueError, r"mrp_steps=5 must be at most block_length \(4\)"),
+    (dict(strategy="direct", mrp_steps=3, block_length=2), ValueError, r"mrp_steps=3 must be at most block_length"),
+    (dict(strategy="direct", mrp_scale=float("nan")), ValueError, "mrp_scale=nan must be a finite float32 number"),
+    (dict(strategy="direct", mrp_scale=1e39), ValueError, "mrp_scale=1e[+]39 must be a finite float32 number"),
+    (dict(strategy="speculative", mrp_scale="1"), ValueError, "mrp_scale='1' must be a finite float32 number"),
+    (dict(strategy="direct", mrp_scale=True), ValueError, "mrp_scale=True must be a finite float32 number"),
     (dict(strategy="speculative", denoising_steps=2), ValueError,
      "denoising_steps=2 steers strategy 'static' or 'dynamic' or 'sequential' or 'entropy_bounded' or 'remask', "
      "not 'speculative'"),

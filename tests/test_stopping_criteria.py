@@ -380,6 +380,7 @@ def test_an_empty_list_asks_for_nothing(model):
      r"stopping_criteria must return a bool or a bool tensor \[batch=2\].* of shape \(3,\)"),
     ([lambda input_ids, scores: torch.zeros(2, dtype=torch.long)], ValueError,
      r"stopping_criteria must return .*got torch.int64"),
+    ([lambda input_ids, scores: None], ValueError, r"stopping_criteria must return a bool .*got NoneType"),
     ([StopBelowConfidence(0.5)], ValueError, r"takes each new token's confidence .* pass output_confidences=True"),
     ([StopOnCloseCalls(0.5)], ValueError, r"takes each new token's most likely tokens .* pass output_top_logprobs=k"),
 ])

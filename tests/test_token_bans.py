@@ -307,6 +307,12 @@ def test_one_set_of_graphed_steps_serves_every_suppressed_list(model):
     assert len(engines) == 1
 
 
+def test_a_ban_of_all_tokens_but_one_decodes_that_one(model):
+    """The bans may leave a single token (the mask token is never decoded): every new token is that one."""
+    out = model.generate(random_prompts(1, 4), max_new_tokens=6, eos_token_id=[], suppress_tokens=list(range(65)))
+    assert out[0, 4:].tolist() == [65] * 6
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(bad_words_ids=[[3, 4]]), ValueError, "bad_words_ids \\[\\[3, 4\\]\\] are not single tokens"),
     (dict(bad_words_ids=[[]]), ValueError, "are not single tokens"),
@@ -314,6 +320,14 @@ def test_one_set_of_graphed_steps_serves_every_suppressed_list(model):
     (dict(begin_suppress_tokens=[-1]), ValueError, "begin_suppress_tokens -1 is not a token id"),
     (dict(suppress_tokens=5), TypeError, "suppress_tokens must be a list of token ids, got int"),
     (dict(bad_words_ids="ab"), TypeError, "bad_words_ids must be a list of token ids lists, got str"),
+    (dict(bad_words_ids=[5, 6]), TypeError, r"bad_words_ids must be a list of token id lists \(\[\[id\], ...\]"),
+    (dict(suppress_tokens=list(range(66))), ValueError, r"^suppress_tokens leave no token of the vocabulary \(67 ids"),
+    (dict(suppress_tokens=list(range(60)), begin_suppress_tokens=list(range(60, 66))), ValueError,
+     "^suppress_tokens and begin_suppress_tokens leave no token"),
+    (dict(bad_words_ids=[[i] for i in range(1, 66)], sequence_bias={(0,): float("-inf")}), ValueError,
+     "^suppress_tokens and sequence_bias leave no token"),
+    (dict(suppress_tokens=list(range(1, 66)), eos_token_id=0, min_new_tokens=1), ValueError,
+     "^suppress_tokens and min_new_tokens leave no token"),
 ])
 def test_bad_bans_are_refused_by_name(model, kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -111,7 +111,8 @@ READ_BY = {
 
 # transformers' settings at values that ask for what block-diffusion decoding does anyway: its KV cache is static
 # (allocated once for the call), and it never compiles the model with torch.compile (graphed steps replay instead)
-DONE_ANYWAY = {"cache_implementation": "static", "disable_compile": True}
+DONE_ANYWAY = {"cache_implementation": "static", "disable_compile": True,
+               "guidance_scale": 1.0}  # (transformers adds classifier-free guidance only for a scale other than 1)
 
 
 # transformers' settings refused here that have a counterpart, which the error that refuses them names
@@ -127,12 +128,13 @@ def _counterparts(names: list[str]) -> str:
 
 def _asks_nothing(name: str, value) -> bool:
     """Whether transformers' generation setting ``name`` (a GenerationConfig field or a parameter of its
-    ``generate``) at ``value`` asks for nothing: False, None, its default, the value transformers fills in, or what
-    decoding does anyway (:data:`DONE_ANYWAY`)."""
+    ``generate``) at ``value`` asks for nothing: False, None, an empty list (``logits_processor=LogitsProcessorList()``),
+    its default, the value transformers fills in, or what decoding does anyway (:data:`DONE_ANYWAY`)."""
     plain = isinstance(value, (bool, numbers.Number, str))
-    return value is None or plain and (value in (False, getattr(HF_DEFAULTS, name, None), FILLED_DEFAULTS.get(name))
-                                       or name in DONE_ANYWAY and type(value) is type(DONE_ANYWAY[name])
-                                       and value == DONE_ANYWAY[name])
+    return value is None or isinstance(value, (list, tuple)) and not value or plain and (
+        value in (False, getattr(HF_DEFAULTS, name, None), FILLED_DEFAULTS.get(name))
+        or name in DONE_ANYWAY and isinstance(value, bool) == isinstance(DONE_ANYWAY[name], bool)
+        and value == DONE_ANYWAY[name])
 
 
 def _model_fields(diff: dict, config) -> dict:
@@ -710,10 +712,14 @@ class GenerationSettings:
         if config.mask_token_id in self.eos_ids:
             raise ValueError(f"eos_token_id {config.mask_token_id} is the mask token, which decoding never commits "
                              "(it marks the positions still to decode): pass the model's end-of-text id(s)")
+        self._check_a_first_token_is_left(config)
         self.pad_token_id = _token_id("pad_token_id", self.pad_token_id, config.vocab_size)
         if self.strategy in MRP_STRATEGIES:
             model.require_mrp(f"strategy={self.strategy!r}")
             _int_at_least("mrp_steps", self.mrp_steps, 1)
+            if self.mrp_steps > self.block_length:  # each MRP step picks one token; K + 1 copies a verify forward
+                raise ValueError(f"mrp_steps={self.mrp_steps} must be at most block_length ({self.block_length}): a "
+                                 "block has no more positions for MRP steps to pick")
             if self.draft_schedule not in DRAFT_SCHEDULES:
                 raise ValueError(f"draft_schedule={self.draft_schedule!r} is unknown; use one of {DRAFT_SCHEDULES}")
             if self.remask_rule not in REMASK_RULES:
@@ -723,9 +729,9 @@ class GenerationSettings:
             if not _number("residual_delta", self.residual_delta) > 0.0:
                 raise ValueError(f"residual_delta={self.residual_delta} must be > 0")
             if isinstance(self.mrp_scale, bool) or not isinstance(self.mrp_scale, numbers.Real) or \
-                    not math.isfinite(self.mrp_scale):
-                raise ValueError(f"mrp_scale={self.mrp_scale!r} must be a finite number (the weight of the MRP "
-                                 "residual; 1.0 as trained)")
+                    not abs(self.mrp_scale) <= torch.finfo(torch.float32).max:
+                raise ValueError(f"mrp_scale={self.mrp_scale!r} must be a finite float32 number (the weight of the "
+                                 "MRP residual; 1.0 as trained)")
         if self.draft_vocab is not None:
             self.draft_vocab = normalize_draft_vocab(self.draft_vocab, config.vocab_size)
         if self.draft_candidates is not None:
@@ -750,7 +756,10 @@ class GenerationSettings:
                 raise TypeError(f"{name} must be a list of token ids{' lists' if name == 'bad_words_ids' else ''}, "
                                 f"got {type(value).__name__}")
             if name == "bad_words_ids":
-                several = [list(w) for w in value if not isinstance(w, Sequence) or len(w) != 1]
+                if not all(isinstance(w, Sequence) and not isinstance(w, (str, bytes)) for w in value):
+                    raise TypeError(f"bad_words_ids must be a list of token id lists ([[id], ...], as in "
+                                    f"transformers), got {reprlib.repr(value)}")
+                several = [list(w) for w in value if len(w) != 1]
                 if several:
                     raise ValueError(f"bad_words_ids {reprlib.repr(several)} are not single tokens: block diffusion "
                                      "decodes a block in no fixed order, so a ban on a token sequence has no last "
@@ -761,6 +770,19 @@ class GenerationSettings:
         self.suppress_tokens = tuple(sorted(suppressed)) or None
         self.begin_suppress_tokens = tuple(sorted(banned.get("begin_suppress_tokens", ()))) or None
         self.bad_words_ids = None
+
+    def _check_a_first_token_is_left(self, config) -> None:
+        """Refuse bans that leave a row no token to decode as its first new token (every later one may be any token
+        its first may be): ``suppress_tokens`` (``bad_words_ids`` folded in), ``begin_suppress_tokens``, a
+        ``sequence_bias`` of -inf, the EOS ids ``min_new_tokens`` holds back and the mask token, together."""
+        sources = {"suppress_tokens": set(self.suppress_tokens or ()),
+                   "begin_suppress_tokens": set(self.begin_suppress_tokens or ()),
+                   "sequence_bias": {i for i, b in self.sequence_bias or () if b == float("-inf")},
+                   "min_new_tokens": set(self.eos_ids) if self.min_new_tokens else set()}
+        if len(set.union({config.mask_token_id}, *sources.values())) >= config.vocab_size:
+            named = " and ".join(name for name, ids in sources.items() if ids)
+            raise ValueError(f"{named} leave no token of the vocabulary ({config.vocab_size} ids, the mask token "
+                             "never decoded) for a row's first new token: ban fewer tokens")
 
     def _normalize_bias(self, vocab_size: int) -> None:
         """``sequence_bias`` (transformers' dict of ``(id,)`` -> bias, or list of ``[[id], bias]``; a later pair for an

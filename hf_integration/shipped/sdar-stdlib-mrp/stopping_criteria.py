@@ -69,10 +69,14 @@ class CriteriaCheck:
     @staticmethod
     def _verdict(verdict, rows: int) -> list[bool]:
         """A criterion's verdict (a bool, or a bool tensor [rows] or [1]) as one bool per row."""
-        done = torch.as_tensor(verdict)
-        if done.dtype != torch.bool or done.dim() > 1 or done.numel() not in (1, rows):
+        try:
+            done = torch.as_tensor(verdict)
+        except (TypeError, ValueError, RuntimeError):  # None, or what is no tensor's data
+            done = None
+        if done is None or done.dtype != torch.bool or done.dim() > 1 or done.numel() not in (1, rows):
+            got = type(verdict).__name__ if done is None else f"{done.dtype} of shape {tuple(done.shape)}"
             raise ValueError(f"stopping_criteria must return a bool or a bool tensor [batch={rows}] (as transformers' "
-                             f"criteria do), got {done.dtype} of shape {tuple(done.shape)}")
+                             f"criteria do), got {got}")
         return done.expand(rows).tolist()
 
 
