@@ -128,8 +128,8 @@ def _counterparts(names: list[str]) -> str:
 
 def _asks_nothing(name: str, value) -> bool:
     """Whether transformers' generation setting ``name`` (a GenerationConfig field or a parameter of its
-    ``generate``) at ``value`` asks for nothing: False, None, an empty list (``logits_processor=LogitsProcessorList()``),
-    its default, the value transformers fills in, or what decoding does anyway (:data:`DONE_ANYWAY`)."""
+    ``generate``) at ``value`` asks for nothing: False, None, an empty list (an empty ``LogitsProcessorList``), its
+    default, the value transformers fills in, or what decoding does anyway (:data:`DONE_ANYWAY`)."""
     plain = isinstance(value, (bool, numbers.Number, str))
     return value is None or isinstance(value, (list, tuple)) and not value or plain and (
         value in (False, getattr(HF_DEFAULTS, name, None), FILLED_DEFAULTS.get(name))
