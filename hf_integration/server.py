@@ -40,8 +40,8 @@ from .incremental_text import IncrementalText
 from .prompts import PromptBatch
 from .server_batcher import Batcher, Job
 from .server_requests import (Request, RequestError, choice, cut_at_stop, envelope, finish_reason, logprobs_in_text,
-                              logprobs_of, read_detokenize, read_request, read_tokenize, response_id, shown_tokens,
-                              streamable, usage)
+                              logprobs_of, read_detokenize, read_request, read_tokenize, refusal, response_id,
+                              shown_tokens, streamable, usage)
 
 MAX_BATCH_SIZE = 8
 MAX_BODY_BYTES = 16 * 2**20
@@ -135,6 +135,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.serve(endpoint)
         except RequestError as err:
             self.send_json(err.body(), err.status)
+        except (BrokenPipeError, ConnectionResetError):  # the client left before its answer was sent
+            self.close_connection = True
         except Exception as err:  # noqa: BLE001 - a failure of the server's, answered as one (and logged)
             traceback.print_exc()
             self.send_json(RequestError(f"{type(err).__name__}: {err}", status=500).body(), 500)
@@ -142,6 +144,7 @@ class Handler(BaseHTTPRequestHandler):
     def serve(self, endpoint: str) -> None:
         server = self.server
         request = read_request(self.read_body(), endpoint, server.tokenizer, server.defaults, server.model_name)
+        check_rows(request, server.batcher.max_batch_size)
         # resolved (what it shares a call with may ask another count; a finish reason reads it)
         request.settings["max_new_tokens"] = check_decodable(server.model, request)
         job, rid = server.batcher.submit(request), response_id(endpoint)
@@ -163,7 +166,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             completions = self.wait_for(job)
         except (ValueError, TypeError) as err:  # generate() refused the settings of the batch
-            raise RequestError(str(err)) from None
+            raise refusal(err, request.settings) from None
         if completions is None:  # the client left: no one to answer
             self.close_connection = True
             return
@@ -184,7 +187,8 @@ class Handler(BaseHTTPRequestHandler):
         """Whether the request carries the server's API key (any request does when it has none); if not, answer it
         with a 401."""
         key = self.server.api_key
-        if key is None or hmac.compare_digest(self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+        scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+        if key is None or (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())):
             return True
         self.send_json(RequestError("this server needs an API key: send the header 'Authorization: Bearer KEY' "
                                     "(an OpenAI client's api_key) with the key mrp-serve was given",
@@ -193,10 +197,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_body(self):
         """The request's JSON body (:class:`RequestError` when it is missing, too large or not JSON)."""
+        if "Content-Length" not in self.headers and "Transfer-Encoding" in self.headers:
+            raise RequestError("this server reads a body of a given Content-Length, not one sent in chunks "
+                               f"(Transfer-Encoding: {self.headers['Transfer-Encoding']})", status=411)
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             raise RequestError(f"Content-Length is not a number: {self.headers['Content-Length']!r}") from None
+        if length < 0:
+            raise RequestError(f"Content-Length must be >= 0, got {length}")
         if length > MAX_BODY_BYTES:
             raise RequestError(f"the body is {length} bytes, more than the {MAX_BODY_BYTES} this server reads",
                                status=413)
@@ -204,6 +213,8 @@ class Handler(BaseHTTPRequestHandler):
             return json.loads(self.rfile.read(length))
         except ValueError as err:
             raise RequestError(f"the body is not valid JSON ({err})") from None
+        except RecursionError:
+            raise RequestError("the body nests its JSON arrays or objects too deeply to read") from None
 
     def send_json(self, payload: dict, status: int = 200) -> None:
         self.send_text(json.dumps(payload, ensure_ascii=False), status, "application/json")
@@ -242,6 +253,17 @@ def prometheus_text(waiting: int, totals) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_rows(request: Request, max_batch_size: int) -> None:
+    """Refuse a request of more rows (its prompts x ``n``) than a ``generate()`` call of this server decodes."""
+    n = request.settings.get("num_return_sequences", 1)
+    rows = len(request.prompts) * n
+    if rows > max_batch_size:
+        asked = f"{len(request.prompts)} prompts x n={n}" if n > 1 else f"{rows} prompts"
+        raise RequestError(f"{asked} ask for {rows} completions, more than the {max_batch_size} rows this server "
+                           "decodes at once (mrp-serve --max-batch-size): send fewer in a request",
+                           param="n" if n > 1 else "prompt")
+
+
 def check_decodable(model, request: Request) -> int:
     """Refuse a request as ``generate()`` would refuse its prompts (token ids outside the vocabulary) or settings
     (their values, or a layout past the model's positions), before it waits for a batch that it would fail.
@@ -254,7 +276,7 @@ def check_decodable(model, request: Request) -> int:
         try:
             budget = check_layout(model, prompts, request.settings).max_new_tokens
         except (ValueError, TypeError) as err:
-            raise RequestError(str(err)) from None
+            raise refusal(err, request.settings) from None
     return budget
 
 
@@ -311,6 +333,7 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
     rows."""
     head = envelope(endpoint, rid, model_name, chunk=True)
     request = job.request
+    usage_field = {"usage": None} if request.include_usage else {}  # OpenAI's: null until the usage chunk
 
     def event(payload) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
@@ -321,13 +344,13 @@ def stream_events(job: Job, endpoint: str, rid: str, tokenizer, model_name: str)
         body = choice(endpoint, index, text, reason, chunk=True)
         if logprobs is not None:
             body["logprobs"] = logprobs
-        return {**head, "choices": [body]}
+        return {**head, "choices": [body], **usage_field}
 
     streamed = [StreamedChoice(tokenizer) for _ in range(job.rows)]
     try:
         for index in range(job.rows) if endpoint == "chat" else ():  # a chunk a choice, as every chunk
             yield event({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]})
+                                              "logprobs": None, "finish_reason": None}], **usage_field})
         while (piece := job.next_piece()) is not None:
             index, new, new_logprobs, new_tops = piece
             one = streamed[index]

@@ -13,6 +13,8 @@ never served as something it did not ask for. Not part of a checkpoint's remote 
 
 from __future__ import annotations
 
+import math
+import re
 import secrets
 import time
 import uuid
@@ -94,7 +96,7 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     _check_model(body, model_name)
     prompts = (_completion_prompts(body.get("prompt"), tokenizer) if endpoint == "completions"
                else [_chat_prompt(body.get("messages"), tokenizer, model_name)])
-    given = {EXTENSIONS[name]: value for name, value in body.items() if name in EXTENSIONS}
+    given = {EXTENSIONS[name]: value for name, value in body.items() if name in EXTENSIONS and value is not None}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         given["max_new_tokens"] = _count(max_tokens, "max_completion_tokens" if "max_completion_tokens" in body
@@ -136,7 +138,12 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     else:  # a seed of its own, so it draws the same whatever else shares its generate() call
         given.setdefault("seed", secrets.randbits(63))
     stop = _stop_strings(body.get("stop"))
-    stream = body.get("stream") is True
+    stream = _flag(body.get("stream"), "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError(f"stream_options must be an object with include_usage (true or false), got {options!r}",
+                           param="stream_options")
+    include_usage = _flag(options.get("include_usage"), "stream_options")
     logprobs, top_logprobs = _asks_for_logprobs(body, endpoint)
     from_defaults = {name: value for name, value in defaults.items()
                      if value is not None and not (name in SAMPLING and not sample)}
@@ -144,9 +151,20 @@ def read_request(body, endpoint: str, tokenizer, defaults: dict, model_name: str
     settings = {**read_by(strategy, from_defaults), **given, "do_sample": sample, "strategy": strategy}
     if stop:
         settings.update(stop_strings=stop, tokenizer=tokenizer)
-    options = body.get("stream_options") or {}
-    return Request(prompts, settings, stream, bool(stream and options.get("include_usage")), logprobs=logprobs,
-                   top_logprobs=top_logprobs)
+    return Request(prompts, settings, stream, stream and include_usage, logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+# The request field that sets each generate() keyword whose name differs from it.
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "num_return_sequences": "n",
+                  "suppress_tokens": "logit_bias", "sequence_bias": "logit_bias", "stop_strings": "stop"}
+
+
+def refusal(err: Exception, settings: dict) -> RequestError:
+    """``generate()``'s refusal (``err``) of a request's ``settings`` as a 400 whose ``param`` is the request field of
+    the setting its message names first (None where it names none)."""
+    message = str(err)
+    named = sorted((found.start(), name) for name in settings if (found := re.search(rf"\b{name}\b", message)))
+    return RequestError(message, param=REQUEST_FIELDS.get(named[0][1], named[0][1]) if named else None)
 
 
 def _logit_bias(value, tokenizer) -> tuple[list[int], dict[int, float]]:
@@ -162,7 +180,7 @@ def _logit_bias(value, tokenizer) -> tuple[list[int], dict[int, float]]:
                            param="logit_bias")
     banned, biases, vocab = [], {}, len(tokenizer)
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdecimal() and int(key) < vocab):
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal() and int(key) < vocab):
             raise RequestError(f"logit_bias key {key!r} is not a token id of this model's vocabulary [0, {vocab})",
                                param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
@@ -296,6 +314,10 @@ def logprobs_of(endpoint: str, tokenizer, ids: list[int], logprobs: list[float],
         return max(logprob, -9999.0)  # a probability that underflowed: JSON has no -inf
 
     tokens, values = [text(token) for token in ids], [value(logprob) for logprob in logprobs]
+    # a chosen token among its most likely ones shows its own log-probability there (the top lists' come from
+    # another pass over the vocabulary, which may round it differently in the last digits)
+    tops = [[(other, logprob if other == token else top_logprob) for other, top_logprob in top]
+            for token, logprob, top in zip(ids, logprobs, tops)]
     if endpoint == "completions":
         ranked = [sorted([*top, (token, logprob)], key=lambda pair: -pair[1])
                   for token, logprob, top in zip(ids, logprobs, tops)]
@@ -329,15 +351,30 @@ def _is_ids(value) -> bool:
 
 
 def _chat_prompt(messages, tokenizer, model_name: str) -> list[int]:
-    """``messages`` ({role, content} dicts) rendered by the chat template, the assistant's turn opened."""
+    """``messages`` ({role, content} dicts) rendered by the chat template, the assistant's turn opened; a content
+    given as OpenAI's list of text parts is their texts, one a line (as vLLM renders them)."""
+    if isinstance(messages, list):
+        messages = [{**m, "content": _text_of_parts(m["content"])}
+                    if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
     if not (is_conversation(messages) and messages):
-        raise RequestError("messages must be a non-empty list of {role, content} objects with string values",
-                           param="messages")
+        raise RequestError("messages must be a non-empty list of {role, content} objects with string values (or "
+                           "lists of text parts)", param="messages")
     try:
         return list(chat_ids(tokenizer, messages, model_name))
     except UsageError:
         raise RequestError(f"{model_name}'s tokenizer has no chat template: use /v1/completions with a plain prompt",
                            param="messages") from None
+
+
+def _text_of_parts(parts: list) -> str:
+    """The text of a message's content given as parts (``[{"type": "text", "text": ...}, ...]``), one a line; a
+    part of another type (an image, audio) is refused: the model reads text only."""
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"a message's content part of type {kind!r} is not supported: this model reads text "
+                               'parts only ({"type": "text", "text": ...})', param="messages")
+    return "\n".join(part["text"] for part in parts)
 
 
 def _count(value, name: str, minimum: int | None) -> int:
@@ -348,9 +385,17 @@ def _count(value, name: str, minimum: int | None) -> int:
 
 
 def _number(value, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise RequestError(f"{name} must be a number, got {value!r}", param=name)
+    """A finite JSON number (Python's JSON reader also takes NaN and Infinity)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}", param=name)
     return float(value)
+
+
+def _flag(value, name: str) -> bool:
+    """A JSON boolean, or null (false)."""
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
+    return bool(value)
 
 
 def _stop_strings(stop) -> list[str]:

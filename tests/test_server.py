@@ -149,7 +149,8 @@ def test_a_sampled_completion_ending_with_eos_finishes_with_stop(shipped):
 def test_the_servers_defaults_apply_where_a_request_reads_them(shipped):
     """Defaults of a sampling server with a dynamic threshold: a request without its own settings samples with them;
     one with temperature 0 decodes greedily, the sampling filters left out; one asking for static decoding leaves
-    the threshold out; one setting top_k replaces the default's."""
+    the threshold out; one whose extension fields are null takes the defaults (null is unset, as in OpenAI's
+    fields); one setting top_k replaces the default's."""
     tokenizer, model = shipped
     defaults = {"strategy": "dynamic", "threshold": 0.6, "do_sample": True, "temperature": 0.8, "top_k": 5,
                 "max_new_tokens": 12}
@@ -157,6 +158,7 @@ def test_the_servers_defaults_apply_where_a_request_reads_them(shipped):
     cases = [({"seed": 4}, dict(strategy="dynamic", threshold=0.6, do_sample=True, temperature=0.8, top_k=5, seed=4)),
              ({"temperature": 0}, dict(strategy="dynamic", threshold=0.6)),
              ({"temperature": 0, "strategy": "static"}, dict(strategy="static")),
+             ({"temperature": 0, "strategy": None, "top_k": None}, dict(strategy="dynamic", threshold=0.6)),  # unset
              ({"seed": 4, "top_k": 50, "temperature": 1.5},
               dict(strategy="dynamic", threshold=0.6, do_sample=True, temperature=1.5, top_k=50, seed=4))]
     with serving(tokenizer, model, defaults) as url:
@@ -192,6 +194,7 @@ def test_a_chat_completion_renders_the_conversation_and_streams_the_same_text(sh
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 2) + [
         body["choices"][0]["finish_reason"]]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])  # OpenAI's: null until the usage chunk
 
 
 def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
@@ -244,8 +247,9 @@ def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
         assert all(value < 0 for value in expected)
         top_ids = out.top_token_ids[0, len(ids) : len(ids) + n, :k].tolist()
         top_values = out.top_logprobs[0, len(ids) : len(ids) + n, :k].tolist()
-        tops = [[(tokenizer.decode([i], skip_special_tokens=True), v) for i, v in zip(*pair)]
-                for pair in zip(top_ids, top_values)]
+        tops = [[(tokenizer.decode([i], skip_special_tokens=True), chosen_value if i == chosen else v)
+                 for i, v in zip(*pair)]  # (the chosen token shows its own value there)
+                for pair, chosen, chosen_value in zip(zip(top_ids, top_values), new, logprobs["token_logprobs"])]
         if key == "plain":
             cut += n < len(new)
             assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(n)]
@@ -255,12 +259,15 @@ def test_logprobs_are_the_log_of_each_kept_tokens_confidence(shipped):
                 for text_, v in sorted([*top, (token, value)], key=lambda pair: -pair[1]):
                     likelier.setdefault(text_, v)
                 assert listed == pytest.approx(likelier, rel=1e-6) and len(listed) <= 4
+                assert listed[token] == value  # the chosen token shows its own value among the likeliest too
         else:
             assert [[(t["token"], t["logprob"]) for t in entry["top_logprobs"]]
                     for entry in reply["logprobs"]["content"]] == [pytest.approx(top, rel=1e-6) for top in tops]
             assert all(t["bytes"] == list(t["token"].encode()) and
                        all(alt["bytes"] == list(alt["token"].encode()) for alt in t["top_logprobs"])
                        for t in reply["logprobs"]["content"])
+            assert all(alt["logprob"] == t["logprob"] for t in reply["logprobs"]["content"]
+                       for alt in t["top_logprobs"] if alt["token"] == t["token"])
     assert cut  # a stop string or an EOS left tokens out
 
 
@@ -690,7 +697,7 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
 
 @pytest.mark.parametrize("path, body, status, param, message", [
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", "in [-2, 2]"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": "high"}, 400, "presence_penalty", "a number"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": "high"}, 400, "presence_penalty", "a finite number"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", "in [-100, 100]"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "at most 20"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", "integer >= 0"),
@@ -707,6 +714,7 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100.0, "6": True}},
      400, "logit_bias", "logit_bias True for token 6"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": -100}}, 400, "logit_bias", "'a' is not a token id"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\uff15": 3}}, 400, "logit_bias", "is not a token id"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": -100}}, 400, "logit_bias", "not a token id"),
     ("/v1/completions", {"prompt": "x", "logit_bias": [5]}, 400, "logit_bias", "an object of token id -> bias"),
     ("/v1/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "messages", "unknown field"),
@@ -717,14 +725,30 @@ def test_a_burst_of_connections_waits_in_the_kernels_queue(shipped):
     ("/v1/completions", {}, 400, "prompt", "a string, a list of token ids"),
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None, "max_position_embeddings"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "max_position_embeddings"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
-    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "a number"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "a finite number"),
     ("/v1/completions", {"prompt": "x", "top_k": 5}, 400, "top_k", "temperature > 0"),
     ("/v1/completions", {"prompt": "x", "top_p": 0.5, "temperature": 0}, 400, "top_p", "temperature > 0"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "temperature > 0"),
-    ("/v1/completions", {"prompt": "x", "threshold": 0.5}, 400, None, "threshold=0.5"),
-    ("/v1/completions", {"prompt": "x", "strategy": "beam"}, 400, None, "strategy"),
+    ("/v1/completions", {"prompt": "x", "threshold": 0.5}, 400, "threshold", "threshold=0.5"),
+    ("/v1/completions", {"prompt": "x", "strategy": "beam"}, 400, "strategy", "strategy"),
+    ("/v1/completions", {"prompt": "x", "seed": -1, "temperature": 1}, 400, "seed", "seed=-1"),
+    ("/v1/completions", {"prompt": "x", "strategy": "direct", "mrp_scale": 1e39}, 400, "mrp_scale", "float32"),
+    ("/v1/completions", {"prompt": "x", "strategy": "speculative", "mrp_steps": 17}, 400, "mrp_steps",
+     "at most block_length (16)"),
+    ("/v1/completions", {"prompt": "x", "temperature": float("nan")}, 400, "temperature", "a finite number"),
+    ("/v1/completions", {"prompt": "x", "top_p": float("inf"), "temperature": 1}, 400, "top_p", "a finite number"),
+    ("/v1/completions", {"prompt": "x", "stream": "true"}, 400, "stream", "true or false"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": "yes"}, 400, "stream_options",
+     "an object with include_usage"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options", "true or false"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1, "n": 9}, 400, "n", "9 completions, more than the 8 rows"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1, "n": 2**70, "stream": True}, 400, "n", "more than the 8"),
+    ("/v1/completions", {"prompt": ["x"] * 9}, 400, "prompt", "9 prompts ask for 9 completions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages", "part of type 'image_url' is not supported"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "non-empty string"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "non-empty list"),
@@ -758,16 +782,23 @@ def test_a_body_too_large_or_with_a_bad_length_is_refused_before_it_is_read(ship
     tokenizer, model = shipped
     with serving(tokenizer, model) as url:
         answers = []
-        for length in (str(2**30), "many"):
+        nested = b"[" * 100_000 + b"]" * 100_000
+        for header, value, body in (("Content-Length", str(2**30), b""), ("Content-Length", "many", b""),
+                                    ("Content-Length", "-1", b'{"prompt": "x"}'),
+                                    ("Transfer-Encoding", "chunked", b'f\r\n{"prompt": "x"}\r\n0\r\n\r\n'),
+                                    ("Content-Length", str(len(nested)), nested)):
             connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
             connection.putrequest("POST", "/v1/completions")
-            connection.putheader("Content-Length", length)
-            connection.endheaders()
+            connection.putheader(header, value)
+            connection.endheaders(body)
             response = connection.getresponse()
             answers.append((response.status, json.loads(response.read())["error"]["message"]))
             connection.close()
     assert answers[0][0] == 413 and "more than the 16777216" in answers[0][1]
     assert answers[1] == (400, "Content-Length is not a number: 'many'")
+    assert answers[2] == (400, "Content-Length must be >= 0, got -1")  # (read to the end: the answer never came)
+    assert answers[3][0] == 411 and "not one sent in chunks" in answers[3][1]
+    assert answers[4] == (400, "the body nests its JSON arrays or objects too deeply to read")
 
 
 def test_a_failure_while_decoding_is_answered_with_a_500_and_the_server_goes_on(shipped, monkeypatch):
@@ -793,6 +824,28 @@ def test_a_failure_while_decoding_is_answered_with_a_500_and_the_server_goes_on(
     assert served[0] == 200
     assert metrics["generate_calls_total"] == 3 and metrics["failed_generate_calls_total"] == 2
     assert metrics["new_tokens_total"] == served[1]["usage"]["completion_tokens"]
+
+
+def test_a_client_gone_before_its_answer_is_sent_gets_no_500(shipped, monkeypatch):
+    """A client that leaves as its answer is being written (a broken pipe) is not answered again with a 500 (one more
+    failed write, and a traceback in the log); the server goes on."""
+    from hf_integration.server import Handler
+
+    tokenizer, model = shipped
+    sent, send_text = [], Handler.send_text
+
+    def breaking(self, text, status=200, kind="application/json"):
+        sent.append(status)
+        if len(sent) == 1:
+            raise BrokenPipeError(32, "Broken pipe")
+        return send_text(self, text, status, kind)
+
+    monkeypatch.setattr(Handler, "send_text", breaking)
+    with serving(tokenizer, model) as url:
+        with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
+            post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        served = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert sent == [200, 200] and served[0] == 200
 
 
 def metrics_of(url: str) -> dict[str, float]:
@@ -829,12 +882,16 @@ def test_metrics_count_what_the_server_decoded(shipped):
 def test_tokenize_gives_the_ids_a_requests_prompt_takes_and_detokenize_their_text(shipped):
     """vLLM's token utilities: /tokenize gives a prompt's ids as /v1/completions tokenizes it (its usage's
     prompt_tokens is their count) and chat messages' as /v1/chat/completions renders them; /detokenize decodes ids
-    back to text, special tokens included."""
+    back to text, special tokens included. A message's content given as OpenAI's list of text parts is their texts,
+    one a line."""
     tokenizer, model = shipped
-    messages = [{"role": "user", "content": "def parse(line):"}]
+    messages = [{"role": "user", "content": "def parse(line):\n    pass"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def parse(line):"},
+                                          {"type": "text", "text": "    pass"}]}]
     with serving(tokenizer, model) as url:
         prompt = post(url + "/tokenize", {"prompt": "import os\nimport sys", "model": "sdar"})
         chat = post(url + "/tokenize", {"messages": messages})
+        in_parts = post(url + "/tokenize", {"messages": parts})
         empty = post(url + "/tokenize", {"prompt": ""})
         completion = post(url + "/v1/completions", {"prompt": "import os\nimport sys", "max_tokens": 4})
         text = post(url + "/detokenize", {"tokens": prompt[1]["tokens"]})
@@ -843,7 +900,7 @@ def test_tokenize_gives_the_ids_a_requests_prompt_takes_and_detokenize_their_tex
     assert prompt == (200, {"count": len(ids), "max_model_len": model.config.max_position_embeddings, "tokens": ids})
     assert completion[1]["usage"]["prompt_tokens"] == len(ids)
     assert chat[1]["tokens"] == list(chat_ids(tokenizer, messages, "sdar"))
-    assert chat[1]["count"] == len(chat[1]["tokens"])
+    assert chat[1]["count"] == len(chat[1]["tokens"]) and in_parts == chat
     assert empty[1]["count"] == 0
     assert text == (200, {"prompt": "import os\nimport sys"})
     assert special == (200, {"prompt": tokenizer.eos_token})
@@ -917,6 +974,9 @@ def test_a_server_with_an_api_key_answers_only_requests_that_send_it(shipped):
                 assert response.status == 200
             client = openai.OpenAI(base_url=url + "/v1", api_key="sk-local", max_retries=0)
             assert client.completions.create(model="sdar", prompt="x", max_tokens=2).usage.completion_tokens == 2
+            request = urllib.request.Request(url + "/v1/models", headers={"Authorization": "bearer  sk-local"})
+            with urllib.request.urlopen(request, timeout=60) as response:  # the scheme's case is free (RFC 9110)
+                assert response.status == 200
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=url + "/v1", api_key="sk-other", max_retries=0).models.list()
     finally:
