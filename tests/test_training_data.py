@@ -90,6 +90,11 @@ def test_chats_split_by_their_messages_and_the_forced_picks_are_the_extreme_draw
     assert max(draws) < 0.99 and min(draws) > 1e-9
     assert split_by_hash(items, 1e-9)[1] == [items[draws.index(min(draws))]]  # nothing below: the lowest goes
     assert split_by_hash(items, 0.99)[0] == [items[draws.index(max(draws))]]  # all below: the highest stays
+    # the forced picks take an item's copies with it
+    low, high = items[draws.index(min(draws))], items[draws.index(max(draws))]
+    assert split_by_hash([low, *items, low], 1e-9)[1] == [low] * 3
+    assert split_by_hash([high, *items, high], 0.99)[0] == [high] * 3
+    assert split_by_hash([low, low], 0.5) == ([low, low], [])  # copies of one item: all kept
     assert record_key(chats[0]) != record_key(chats[1])
 
 
@@ -106,6 +111,11 @@ def test_bad_inputs(tmp_path, tok):
         read_records([str(bad)])
     with pytest.raises(ConfigError, match="--data"):
         read_records([str(tmp_path / "missing.txt")])
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')  # latin-1
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not UTF-8 .*at byte 13"):
+        read_records([str(bad)])
+    bad.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9"}\n')  # UTF-8 with a byte-order mark, as some editors write
+    assert read_records([str(bad)]) == [{"text": "caf\u00e9"}]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="--data.*empty"):
@@ -158,13 +168,16 @@ def test_stdlib_files_leave_out_tests_and_other_files_and_a_tiny_list_holds_one_
 
 
 def test_a_manifest_leaves_out_empty_and_non_utf8_files(tmp_path):
-    from training.stdlib_corpus import build_manifest
+    from training.stdlib_corpus import build_manifest, manifest_records
 
     files = {"a.py": b"x = 1\n", "b.py": b"y = 2\n", "blank.py": b"\n  \n", "latin1.py": b"x = '\xe9'\n"}
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     manifest = build_manifest(0.5, seed=0, root=str(tmp_path))
     assert sorted(manifest["train"] + manifest["heldout"]) == ["a.py", "b.py"]
+    # --heldout-fraction 0 holds out none: a manifest with no held-out file reads (its train files only)
+    assert manifest_records(build_manifest(0.0, seed=0, root=str(tmp_path))) == ([{"text": "x = 1\n"},
+                                                                                  {"text": "y = 2\n"}], [])
 
 
 def test_a_manifest_from_another_machine_reads_this_pythons_files_of_its_names(tmp_path, capsys):

@@ -459,11 +459,44 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     with pytest.raises(ConfigError, match="--resume: the checkpoint was made with min_lr_ratio=0.1, this run has "
                                           "min_lr_ratio=0.5"):
         run(_cli_args(env, bb, "--max-steps", "3", "--resume", "--min-lr-ratio", "0.5"))
+    # and the clipping, and an MRP run's loss (its K, kind and KD precision), which no state holds either
+    with pytest.raises(ConfigError, match="--resume: the checkpoint was made with grad_clip=1.0, this run has "
+                                          "grad_clip=0.5"):
+        run(_cli_args(env, bb, "--max-steps", "3", "--resume", "--grad-clip", "0.5"))
+    again = ["mrp", "--model", str(bb), "--data", env["paths"]["pairs"], "--out", str(mrp), "--seq-len", str(T),
+             "--mrp-layers", "1", "--micro-batch-size", "2", "--max-steps", "3", "--no-progress", "--resume"]
+    for flags, message in ((["--unroll-k", "3"], "unroll_k=2, this run has unroll_k=3"),
+                           (["--unroll-k", "2", "--mrp-loss", "direct"], "mrp_loss='kd_diff_sum', this run has "
+                                                                          "mrp_loss='direct'"),
+                           (["--unroll-k", "2", "--kd-precision", "bf16"], "kd_precision='tf32', this run has "
+                                                                            "kd_precision='bf16'")):
+        with pytest.raises(ConfigError, match="--resume: the checkpoint was made with " + message):
+            run([*again, *flags])
     # and the model the flags build: its shapes (the restore would crash on them), and a setting that changes none
     for flags, message in ((["--hidden-size", "48"], "config.hidden_size=32, this run has config.hidden_size=48"),
                            (["--rope-theta", "500"], "config.rope_parameters=")):
         with pytest.raises(ConfigError, match="--resume: the checkpoint was made with " + message):
             run(_cli_args(env, bb, "--max-steps", "3", "--resume", *flags))
+
+
+def test_a_tokenizer_with_more_ids_than_the_models_vocabulary_is_refused_before_tokenizing(env, tmp_path,
+                                                                                           monkeypatch):
+    """mrp-train mrp --tokenizer whose ids the model's embeddings do not hold: refused naming the flag before the
+    data is tokenized (an IndexError mid-training before; on CUDA, a device-side assert)."""
+    import shutil
+
+    from training import cli, data
+
+    small = tmp_path / "small"
+    shutil.copytree(env["backbone"], small)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = len(env["tok"]) - 1
+    (small / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(data, "build_datasets", lambda *a, **k: pytest.fail("tokenized the data"))
+    with pytest.raises(ConfigError, match=rf"--tokenizer: its {len(env['tok'])} token ids are more than the model's "
+                                          rf"vocabulary \({len(env['tok']) - 1}\)"):
+        cli.run(["mrp", "--model", str(small), "--data", env["paths"]["pairs"], "--out", str(tmp_path / "out"),
+                 "--seq-len", str(T), "--max-steps", "1", "--no-progress"])
 
 
 def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatch):
@@ -494,10 +527,10 @@ def test_cli_takes_hub_repo_ids_from_the_offline_cache(env, tmp_path, monkeypatc
 
 
 def test_push_to_hub_uploads_the_model_folder_without_checkpoints(env, tmp_path, monkeypatch):
-    """--push-to-hub REPO: checked before training (a repo id that cannot be, offline, no login: refused, nothing
-    trained), then the exported folder is uploaded in one commit, its checkpoints left out, the repo created if
-    missing (--private), the card titled and loaded by the repo id; a failed upload keeps the model and says how to
-    upload it by hand. (huggingface_hub's HfApi is replaced: no network here.)"""
+    """--push-to-hub REPO: checked before training (a repo id that cannot be, offline, no login, a login the Hub does
+    not confirm: refused, nothing trained), then the exported folder is uploaded in one commit, its checkpoints left
+    out, the repo created if missing (--private), the card titled and loaded by the repo id; a failed upload keeps the
+    model and says how to upload it by hand. (huggingface_hub's HfApi is replaced: no network here.)"""
     from huggingface_hub import HfApi, constants
 
     from training import hub
@@ -515,6 +548,7 @@ def test_push_to_hub_uploads_the_model_folder_without_checkpoints(env, tmp_path,
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)))
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     monkeypatch.setattr(hub, "get_token", lambda: "hf_token")
+    monkeypatch.setattr(HfApi, "whoami", lambda self, token=None: {"name": "someone"})
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     out = tmp_path / "bb"
     res = run(_cli_args(env, out, "--max-steps", "2", "--push-to-hub", "someone/tiny", "--private"))
@@ -540,6 +574,13 @@ def test_push_to_hub_uploads_the_model_folder_without_checkpoints(env, tmp_path,
                            (["--private"], "--private goes with --push-to-hub")):
         with pytest.raises(ConfigError, match=message):
             run(_cli_args(env, tmp_path / "refused", "--max-steps", "1", *flags))
+
+    def unreachable(self, token=None):
+        raise ConnectionError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(HfApi, "whoami", unreachable)  # no network (or a token the Hub refuses): refused before
+    with pytest.raises(ConfigError, match=r"the Hub did not confirm the login \(ConnectionError: .*name resolution\)"):
+        run(_cli_args(env, tmp_path / "refused", "--max-steps", "1", "--push-to-hub", "someone/tiny"))
     monkeypatch.setattr(hub, "get_token", lambda: None)
     with pytest.raises(ConfigError, match="no Hub token: log in first"):
         run(_cli_args(env, tmp_path / "refused", "--max-steps", "1", "--push-to-hub", "someone/tiny"))
@@ -560,10 +601,18 @@ def test_push_to_hub_uploads_the_model_folder_without_checkpoints(env, tmp_path,
     (["--max-position-embeddings", "8"], r"--max-position-embeddings \(8\) must be >= --seq-len \(256\)"),
     (["--rope-theta", "0"], "--rope-theta must be > 0"),
     (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    (["--adam-beta2", "1.5"], r"--adam-beta2 must be in \[0, 1\), got 1.5"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+    pytest.param(["--device", "cuda"], "--device cuda: this machine has no CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine trains there")),
+    pytest.param(["--attention", "flex"], "--attention flex needs a CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine trains there")),
 ])
 def test_backbone_flags_are_refused_before_the_data_is_read(flags, message, tmp_path, monkeypatch):
-    """Sizes that make no model end the run before it reads the data and trains a tokenizer (minutes on a
-    large corpus), with the flag named."""
+    """Flags that make no model or no run (sizes, optimizer values, a device this machine lacks or an attention it
+    cannot run) end the run before it reads the data and trains a tokenizer (minutes on a large corpus), with the
+    flag named."""
     from training import cli, data
 
     monkeypatch.setattr(data, "read_records", lambda *a, **k: pytest.fail("read the data despite bad flags"))
@@ -571,6 +620,20 @@ def test_backbone_flags_are_refused_before_the_data_is_read(flags, message, tmp_
     corpus.write_text('{"text": "def f(): pass"}\n')
     with pytest.raises(ConfigError, match=message):
         cli.run(["backbone", "--data", str(corpus), "--out", str(tmp_path / "out"), *flags])
+
+
+def test_device_cuda_is_this_processs_gpu_and_a_gpu_it_lacks_is_refused(monkeypatch):
+    """--device cuda (no index) is the process's own GPU, cuda:LOCAL_RANK as under torchrun (torch.cuda.set_device
+    refused a device without an index); a GPU the machine lacks is refused naming the flag."""
+    from training.trainer import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda", local_rank=1) == resolve_device(None, local_rank=1) == torch.device("cuda:1")
+    assert resolve_device("cuda:0", local_rank=1) == torch.device("cuda:0")
+    assert resolve_device("cpu", local_rank=1) == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"--device cuda:2: GPU 2 does not exist \(this machine has 2\)"):
+        resolve_device("cuda:2")
 
 
 @pytest.mark.parametrize("flags", [["--max-position-embeddings", "256"], ["--vocab-size", "258"]])
@@ -833,6 +896,10 @@ def test_bad_configs_rejected(env, tmp_path, monkeypatch):
     ("eval_batches", -1, 0, "--eval-batches"), ("save_every", -1, 0, "--save-every"),
     ("keep_checkpoints", 0, 1, "--keep-checkpoints"), ("unroll_k", 0, 1, "--unroll-k"),
     ("num_mrp_layers", 0, 1, "--mrp-layers"), ("mrp_init_std", 0.0, 1e-6, "--mrp-init-std"),
+    ("lr", float("inf"), 1e9, "--lr"), ("weight_decay", -0.01, 0.0, "--weight-decay"),
+    ("weight_decay", float("nan"), 1e3, "--weight-decay"), ("adam_beta2", 1.0, 0.999, "--adam-beta2"),
+    ("adam_beta2", -0.01, 0.0, "--adam-beta2"), ("adam_beta2", float("nan"), 0.5, "--adam-beta2"),
+    ("grad_clip", float("nan"), -1.0, "--grad-clip"), ("mrp_init_std", float("inf"), 1e6, "--mrp-init-std"),
 ])
 def test_config_bounds_are_exact(field, refused, accepted, flag):
     """Each bound refuses the first value outside it, naming the flag, and takes the last one inside."""

@@ -313,7 +313,7 @@ def run_eval(args) -> dict:
     from .data import build_datasets
     from .models import load_model
     from .tokenizer import load_tokenizer, special_token_ids
-    from .trainer import LossModule, evaluate
+    from .trainer import LossModule, evaluate, resolve_device
 
     records = _model_records(args, "held-out data", heldout=True)
     _eval_defaults(args)
@@ -325,7 +325,7 @@ def run_eval(args) -> dict:
         raise ConfigError(f"--eval-batches must be >= 1, got {cfg.eval_batches}")
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
     data, _ = build_datasets(None, tokenizer, cfg.seq_len, cfg.block_size, records=(records, []))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     model = load_model(args.model).to(device).eval()
     if not model.has_mrp:
         raise ConfigError(f"--model: {args.model!r} has no MRP head to evaluate")
@@ -399,7 +399,7 @@ def run(argv: list[str] | None = None) -> dict:
     from .data import build_datasets, read_records, record_texts, split_records
     from .hub import check_push, push
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
-    from .trainer import barrier, check_out_dir, init_distributed, train
+    from .trainer import barrier, check_device_support, check_out_dir, init_distributed, train
 
     base_model = None  # the card's: --model when it names a Hub repo
     if args.command == "mrp":
@@ -433,6 +433,7 @@ def run(argv: list[str] | None = None) -> dict:
 
     check_out_dir(cfg.out_dir, cfg.resume)  # before a tokenizer or a manifest is written there
     rank, world, device = init_distributed(cfg.device)
+    check_device_support(cfg, device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if rank == 0:
@@ -465,6 +466,11 @@ def run(argv: list[str] | None = None) -> dict:
     if args.command == "mrp":
         tok_dir = args.tokenizer or args.model
         tokenizer = load_tokenizer(tok_dir, "--tokenizer" if args.tokenizer else "--tokenizer (none in --model)")
+        with open(os.path.join(args.model, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        if len(tokenizer) > vocab:
+            raise ConfigError(f"--tokenizer: its {len(tokenizer)} token ids are more than the model's vocabulary "
+                              f"({vocab}), whose embeddings would not hold them: give the model's own tokenizer")
     else:
         tok_dir = args.tokenizer
         if tok_dir is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from .kd_loss import PRECISIONS as KD_PRECISIONS
@@ -72,11 +73,17 @@ class TrainConfig:
         need(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
         need(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be >= 1, got {self.max_steps}")
         need(self.epochs > 0, f"--epochs must be > 0, got {self.epochs}")
-        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(0 < self.lr < math.inf, f"--lr must be a finite number > 0, got {self.lr}")
         need(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(0.0 <= self.warmup_ratio < 1.0, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         need(self.warmup_steps is None or self.warmup_steps >= 0,
              f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        need(0.0 <= self.weight_decay < math.inf,
+             f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        for flag, beta in (("adam_beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            need(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}")
+        need(0 < self.adam_eps < math.inf, f"adam_eps must be a finite number > 0, got {self.adam_eps}")
+        need(not math.isnan(self.grad_clip), f"--grad-clip must be a number (<= 0: no clipping), got {self.grad_clip}")
         need(self.attention in ("auto", "flex", "sdpa"),
              f"--attention must be 'auto', 'flex' or 'sdpa', got {self.attention!r}")
         need(0.0 < self.noise_eps < 1.0, f"--noise-eps must be in (0, 1), got {self.noise_eps}")
@@ -93,7 +100,7 @@ class TrainConfig:
         need(self.num_mrp_layers >= 1, f"--mrp-layers must be >= 1, got {self.num_mrp_layers}")
         need(self.mrp_init in ("default", "normal", "continued"),
              f"--mrp-init must be 'default' or 'normal', got {self.mrp_init!r}")
-        need(self.mrp_init_std > 0, f"--mrp-init-std must be > 0, got {self.mrp_init_std}")
+        need(0 < self.mrp_init_std < math.inf, f"--mrp-init-std must be a finite number > 0, got {self.mrp_init_std}")
         return self
 
     def to_dict(self) -> dict:

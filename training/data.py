@@ -72,8 +72,13 @@ def read_records(paths: Sequence[str], flag: str = "--data") -> list[dict]:
     records: list[dict] = []
     for path in iter_files(paths, flag):
         if path.endswith(JSON_EXTS):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    try:  # (a byte-order mark opening the file is no data)
+                        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                    except UnicodeDecodeError as e:
+                        raise ConfigError(f"{flag}: {path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start}); "
+                                          "JSON text is UTF-8: convert the file (e.g. iconv -t UTF-8)") from None
                     if not line.strip():
                         continue
                     try:
@@ -181,17 +186,17 @@ def hash_draw(key: str, seed: int = 0) -> float:
 def split_by_hash(items: Sequence, heldout_fraction: float, seed: int = 0, key=str) -> tuple[list, list]:
     """``(kept, heldout)``, both in the order of ``items``: an item is held out when the :func:`hash_draw` of its
     ``key(item)`` is below the fraction, so membership depends on the key alone (not on the order or the other
-    items; a larger fraction holds out a superset). One item is always kept (the largest draw), and with
-    ``fraction > 0`` and >= 2 items one is held out (the smallest). Raises ``ConfigError`` for a fraction outside
-    [0, 1)."""
+    items; a larger fraction holds out a superset; items of one key fall on one side). One item is always kept (the
+    largest draw, with its copies), and with ``fraction > 0`` and >= 2 items one is held out (the smallest, with its
+    copies), unless all are copies of one. Raises ``ConfigError`` for a fraction outside [0, 1)."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ConfigError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
     draws = [hash_draw(key(item), seed) for item in items]
     held = {i for i, d in enumerate(draws) if d < heldout_fraction}
     if heldout_fraction > 0 and not held and len(items) >= 2:
-        held = {min(range(len(items)), key=draws.__getitem__)}
+        held = {i for i, d in enumerate(draws) if d == min(draws)}  # (copies of an item draw alike: all of them)
     if held and len(held) == len(items):
-        held.discard(max(range(len(items)), key=draws.__getitem__))
+        held -= {i for i, d in enumerate(draws) if d == max(draws)}
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
 
 

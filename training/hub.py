@@ -14,7 +14,8 @@ LOCAL_ONLY = ["checkpoints/*"]
 
 
 def check_push(repo_id: str) -> None:
-    """Refuse a ``--push-to-hub`` that cannot succeed, before training: an invalid repo id, offline mode, no token."""
+    """Refuse a ``--push-to-hub`` that cannot succeed, before training: an invalid repo id, offline mode, no token, a
+    token the Hub does not accept or a Hub it cannot reach."""
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
@@ -24,8 +25,15 @@ def check_push(repo_id: str) -> None:
     if constants.HF_HUB_OFFLINE:
         raise ConfigError(f"--push-to-hub {repo_id}: HF_HUB_OFFLINE is set, so nothing can be uploaded (unset it, "
                           "or drop --push-to-hub and upload the folder later with hf upload)")
-    if get_token() is None:
+    token = get_token()
+    if token is None:
         raise ConfigError(f"--push-to-hub {repo_id}: no Hub token: log in first (hf auth login) or set HF_TOKEN")
+    try:
+        HfApi().whoami(token=token)
+    except Exception as err:  # no network, or a token the Hub refuses (huggingface_hub's errors have no common base)
+        raise ConfigError(f"--push-to-hub {repo_id}: the Hub did not confirm the login ({type(err).__name__}: {err}); "
+                          "check the network and the token (hf auth whoami), or drop --push-to-hub and upload the "
+                          "folder later with hf upload") from None
 
 
 def push(out_dir: str, repo_id: str, private: bool, message: str) -> str:

@@ -110,8 +110,8 @@ def manifest_root(manifest: dict) -> str:
 
 def manifest_records(manifest: dict) -> tuple[list[dict], list[dict]]:
     """``(train, heldout)`` records ``{"text": source}`` for :func:`training.data.build_datasets`, read from
-    :func:`manifest_root`; a file it lacks is left out (a note on stderr counts them), and a split left with no file
-    raises a ``ConfigError``."""
+    :func:`manifest_root`; a file it lacks is left out (a note on stderr counts them), and a split whose files are
+    all missing raises a ``ConfigError``."""
     root = manifest_root(manifest)
     missing: list[str] = []
 
@@ -132,7 +132,7 @@ def manifest_records(manifest: dict) -> tuple[list[dict], list[dict]]:
               f"files are not in {root}, left out: {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}",
               file=sys.stderr)
     for name, records in (("train", train), ("heldout", held)):
-        if not records:
+        if not records and manifest[name]:  # (--heldout-fraction 0 holds out none)
             raise ConfigError(f"none of the stdlib manifest's {name} files is in {root}: rebuild the manifest on this "
                               "machine (python -m training.stdlib_corpus --out stdlib_manifest.json) and pass it "
                               "with --stdlib-manifest")

@@ -60,10 +60,7 @@ def init_distributed(device: str | None = None) -> tuple[int, int, torch.device]
     nccl on CUDA, gloo on CPU. Without torchrun (no ``WORLD_SIZE``) this is a no-op.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
@@ -71,6 +68,26 @@ def init_distributed(device: str | None = None) -> tuple[int, int, torch.device]
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), dev
     return 0, 1, dev
+
+
+def resolve_device(device: str | None, local_rank: int = 0) -> torch.device:
+    """``--device`` as a torch device: None is ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU; ``cuda``
+    without an index is this process's GPU (``cuda:LOCAL_RANK``, as torchrun gives each process its own). Raises
+    :class:`ConfigError` naming ``--device`` for what is no device, or a GPU this machine does not have."""
+    if device is None:
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: this machine has no CUDA GPU torch can use; train on --device cpu")
+        dev = dev if dev.index is not None else torch.device("cuda", local_rank)
+        if dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: GPU {dev.index} does not exist (this machine has "
+                              f"{torch.cuda.device_count()})")
+    return dev
 
 
 def _world() -> tuple[int, int]:
@@ -326,6 +343,15 @@ def _autocasts(cfg: TrainConfig, device: torch.device) -> bool:
     return device.type == "cuda" and cfg.bf16
 
 
+def check_device_support(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse what ``cfg`` asks that ``device`` cannot run (``mrp-train`` checks it before it reads the data too):
+    ``--attention flex`` off CUDA, and :func:`check_gpu_support`'s."""
+    if cfg.attention == "flex" and device.type != "cuda":
+        raise ConfigError(f"--attention flex needs a CUDA device (FlexAttention has no backward on {device.type}); "
+                          "use --attention sdpa or auto")
+    check_gpu_support(cfg, device)
+
+
 def check_gpu_support(cfg: TrainConfig, device: torch.device) -> None:
     """Refuse what an NVIDIA GPU before sm_80 (Turing's T4) cannot run well, naming the way out: bf16 autocast (the
     default on CUDA; ``--no-bf16`` trains in fp32) and ``--attention flex`` (``sdpa``, which ``auto`` picks there)."""
@@ -406,10 +432,7 @@ def train(
     cfg.validate()
     if device is None:
         device = next(model.parameters()).device
-    if cfg.attention == "flex" and device.type != "cuda":
-        raise ConfigError(f"--attention flex needs a CUDA device (FlexAttention has no backward on {device.type}); "
-                          "use --attention sdpa or auto")
-    check_gpu_support(cfg, device)
+    check_device_support(cfg, device)
     if train_ds.seq_len != cfg.seq_len:
         raise ConfigError(f"--seq-len is {cfg.seq_len} but the packed data has length {train_ds.seq_len}")
     if len(train_ds) == 0 or train_ds.num_answer_tokens() == 0:
@@ -452,7 +475,10 @@ def _train_steps(cfg: TrainConfig, model: nn.Module, train_ds: PackedDataset, ev
     fingerprint = train_ds.fingerprint()
     data_info = {"fingerprint": fingerprint, "num_sequences": len(train_ds), "global_batch": G,
                  "seq_len": cfg.seq_len, "block_size": cfg.block_size, "seed": cfg.seed, "total_steps": total,
-                 "warmup_steps": warmup, "min_lr_ratio": cfg.min_lr_ratio}  # the schedule (LambdaLR saves no lambda)
+                 "warmup_steps": warmup, "min_lr_ratio": cfg.min_lr_ratio,  # the schedule (LambdaLR saves no lambda)
+                 "grad_clip": cfg.grad_clip}
+    if cfg.mode == "mrp":  # the loss the steps take
+        data_info.update(unroll_k=cfg.unroll_k, mrp_loss=cfg.mrp_loss, kd_precision=cfg.kd_precision)
     data_info.update({f"config.{k}": getattr(model.config, k) for k in ARCHITECTURE})  # the model the flags built
 
     start_step, tokens_seen = 0, 0
