@@ -31,6 +31,7 @@ from .prompts import PromptBatch
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "shipped" / "sdar-stdlib-mrp"
 BATCH_SIZE = 8  # --prompts: prompts decoded together
+SEEDS = 2**64  # the seeds generate() takes: record r (turn t) samples with (--seed + r) mod SEEDS
 OUTPUT_KEYS = ("completion", "stats", "sample")  # what --prompts adds to each record (sample: with samples)
 COMPARE = [
     ("static", {}),
@@ -183,7 +184,13 @@ def load(model_path: str, device: str, dtype: str | None):
 
     from .modeling_sdar_mrp import SDARMRPForCausalLM
 
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: mrp-generate decodes on cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: this torch sees no CUDA GPU (torch {torch.__version__}); "
                          "use --device cpu")
     if dtype is None:
@@ -197,6 +204,9 @@ def load(model_path: str, device: str, dtype: str | None):
     except OSError as err:  # no such folder or repo, a folder without a checkpoint, offline without a cached copy
         raise UsageError(f"--model: {model_path!r} is neither a checkpoint folder nor a Hub repo that could be "
                          f"fetched ({type(err).__name__}: {' '.join(str(err).split())})") from err
+    except Exception as err:  # noqa: BLE001 - found, but not an SDAR checkpoint: no tokenizer, another config, ...
+        raise UsageError(f"--model: {model_path!r} could not be loaded as an SDAR checkpoint ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())})") from err
     return tokenizer, model.to(device).eval()
 
 
@@ -329,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--system needs --chat")
     if args.prompts is not None and (args.prompt is not None or args.prompt_file is not None):
         parser.error("--prompts reads every prompt from its file: drop the prompt / --prompt-file")
+    if args.prompt_file is not None and args.prompt is not None:
+        parser.error("--prompt-file holds the prompt: drop the prompt given on the command line")
     if args.interactive and (args.prompt is not None or args.prompt_file is not None or args.prompts is not None
                              or args.compare):
         parser.error("--interactive reads its prompts from standard input: drop the prompt / --prompt-file / "
@@ -341,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                      "strategies on a file of prompts: python benchmarks/bench_e2e.py --prompt-file FILE)")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_return_sequences is not None and args.num_return_sequences < 1:
+        parser.error(f"--num-return-sequences must be >= 1, got {args.num_return_sequences}")
+    if args.output is not None and (args.output.is_dir() or not args.output.parent.is_dir()):
+        parser.error(f"--output {args.output}: not a file in an existing folder")
     if args.compare and args.strategy is not None:
         parser.error("--compare runs every strategy: drop --strategy")
     if args.compare and args.show_steps:
@@ -468,8 +484,8 @@ def converse(args: argparse.Namespace) -> int:
         if not args.chat:
             print(line, end="", flush=True)
         try:
-            reply = complete_streamed(model, tokenizer, ids, {**settings, "seed": args.seed + turn}, args.show_steps,
-                                      first=turn == 0)
+            reply = complete_streamed(model, tokenizer, ids, {**settings, "seed": (args.seed + turn) % SEEDS},
+                                      args.show_steps, first=turn == 0)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 0
@@ -530,7 +546,7 @@ def generate_file(args: argparse.Namespace) -> int:
     records = read_prompt_records(args.prompts, tokenizer, args.chat, args.system, args.model, option="--prompts")
     if not records:
         raise UsageError(f"--prompts {args.prompts}: no prompts")
-    samples = args.num_return_sequences or 1
+    samples = 1 if args.num_return_sequences is None else args.num_return_sequences
     settings = {**generate_settings(args, tokenizer), "strategy": args.strategy, "num_return_sequences": samples}
     check_settings(model, torch.tensor([records[0].ids[:1]]), [settings])  # the options, before any record's line
     for record in records:
@@ -548,7 +564,7 @@ def generate_file(args: argparse.Namespace) -> int:
         for start in range(0, len(records), size):
             batch = records[start : start + size]
             ids, mask = left_padded([record.ids for record in batch], args.device)
-            seeds = [args.seed + start + row for row in range(len(batch))]
+            seeds = [(args.seed + start + row) % SEEDS for row in range(len(batch))]
             out, took = run_one(model, ids, {**settings, "attention_mask": mask, "seed": seeds})
             for row, result in enumerate(completions(tokenizer, out, ids.shape[1])):  # a prompt's samples together
                 sample = {"sample": row % samples} if samples > 1 else {}

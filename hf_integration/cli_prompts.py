@@ -79,9 +79,9 @@ def read_prompt_records(path: Path, tokenizer, chat: bool, system: str | None, m
                 messages = messages[:-1]  # the reference answer: the model writes its own
             if system is not None and messages and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": system}, *messages]
-            ids = chat_ids(tokenizer, messages, model)
+            ids = _rendered(tokenizer, messages, model, where, by_chat=False)
         elif isinstance(rec.get("prompt"), str):
-            ids = (chat_ids(tokenizer, user_turn(rec["prompt"], system), model) if chat
+            ids = (_rendered(tokenizer, user_turn(rec["prompt"], system), model, where, by_chat=True) if chat
                    else tokenizer(rec["prompt"]).input_ids)
         elif isinstance(rec.get("text"), str):
             ids = tokenizer(rec["text"]).input_ids
@@ -92,6 +92,26 @@ def read_prompt_records(path: Path, tokenizer, chat: bool, system: str | None, m
             raise UsageError(f"{where}: the prompt is empty")
         records.append(PromptRecord(rec, list(ids), where))
     return records
+
+
+def _rendered(tokenizer, messages: list[dict], model: str, where: str, by_chat: bool) -> list[int]:
+    """:func:`chat_ids` of a record's conversation (``by_chat``: a prompt ``--chat`` sends through the template, whose
+    lack is the flag's fault, not the record's); a conversation the template cannot render (none left once the
+    reference answer is left out, a role it refuses) or a ``messages`` record for a tokenizer without a template
+    raises :class:`UsageError` naming the record (``where``)."""
+    if not messages:
+        raise UsageError(f"{where}: the conversation holds only the reference answer (its last assistant turn, left "
+                         "out): give the turns before it")
+    if not by_chat and not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"{where}: a 'messages' record goes through the tokenizer's chat template, and {model}'s "
+                         "has none: give the record as a 'prompt' or 'text'")
+    try:
+        return chat_ids(tokenizer, messages, model)
+    except UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the template's own refusal (jinja2's raise_exception), or transformers'
+        raise UsageError(f"{where}: the chat template cannot render the conversation ({type(err).__name__}: "
+                         f"{err})") from None
 
 
 def left_padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

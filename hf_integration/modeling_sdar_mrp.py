@@ -296,8 +296,14 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         backbone's) are left out. A model without a head gets one with as many layers as the keys name.
 
         Nothing changes unless every key fits: with ``strict``, the head's keys must be exactly the head's
-        parameters; in any case a key of the wrong shape, or one given twice, raises a ``ValueError``."""
+        parameters; in any case a key of the wrong shape, or one given twice, a value that is no tensor, and a state
+        dict none of whose keys is the head's (``strict=False`` would attach an untrained head) raise a
+        ``ValueError``."""
         renamed = _mrp_head_keys(state_dict, strict)
+        odd = [k for k, v in renamed.items() if not isinstance(v, torch.Tensor) or v.is_meta]
+        if odd:
+            raise ValueError(f"load_mrp_state_dict: {odd[:4]} hold no weights (a value that is not a tensor, or a "
+                             "tensor on the meta device)")
         head = self.mrp_modules[0] if self.mrp_modules else None
         if head is None:
             layers = {int(m.group(1)) for k in renamed if (m := re.match(r"model\.layers\.(\d+)\.", k))}
@@ -305,6 +311,10 @@ class SDARMRPForCausalLM(SDARMRPPreTrainedModel, GenerationMixin):
         expected = head.state_dict()
         missing = sorted(set(expected) - set(renamed))
         unexpected = sorted(set(renamed) - set(expected))
+        if not set(expected) & set(renamed):  # (strict=False would attach an untrained head, or change nothing)
+            raise ValueError(f"load_mrp_state_dict: none of the state dict's {len(renamed)} keys is a weight of this "
+                             f"{len(head.model.layers)}-layer MRP head (e.g. {sorted(renamed)[:2]}; the head's: "
+                             f"{sorted(expected)[:2]}); strip a prefix such as 'module.' first")
         if strict and (missing or unexpected):
             raise ValueError(f"load_mrp_state_dict: the state dict does not fit this {len(head.model.layers)}-layer "
                              f"MRP head (missing: {missing[:4]}, unexpected: {unexpected[:4]}); pass the head's "

@@ -225,24 +225,34 @@ def test_load_mrp_state_dict_takes_a_whole_checkpoint_head_keys_first_or_last():
         SDARMRPForCausalLM(tiny_config(num_nextn_predict_layers=0)).load_mrp_state_dict(twice)
 
 
-@pytest.mark.parametrize("case", ["wrong_hidden", "missing_layer", "unexpected_key"])
+@pytest.mark.parametrize("case", ["wrong_hidden", "missing_layer", "unexpected_key", "prefixed", "empty",
+                                  "not_a_tensor"])
 def test_a_refused_mrp_state_dict_leaves_the_model_as_it_was(case):
     """A head that does not fit raises a ValueError naming the keys, and changes nothing: a plain backbone stays
-    without a head (no random one to decode with), a model's own head keeps its weights and its config."""
+    without a head (no random one to decode with), a model's own head keeps its weights and its config. With
+    strict=False too where no key is the head's (a DDP-saved head's 'module.' keys, an empty dict), and for a value
+    that is no tensor."""
     head = {k[len("mrp_modules.0."):]: v for k, v in tiny_model(seed=3).state_dict().items()
             if k.startswith("mrp_modules.")}
+    strict = True
     if case == "wrong_hidden":
         head = {k: torch.zeros(*(2 * n for n in v.shape)) for k, v in head.items()}
         message = "shapes do not fit"
     elif case == "missing_layer":
         head = {k: v for k, v in head.items() if not k.startswith("model.layers.0.")}
         message = "missing"
-    else:
+    elif case == "unexpected_key":
         head["model.extra.weight"] = torch.zeros(1)
         message = "unexpected"
+    elif case in ("prefixed", "empty"):
+        head, strict = ({"module." + k: v for k, v in head.items()} if case == "prefixed" else {}), False
+        message = "none of the state dict's .* keys is a weight of this"
+    else:
+        head["model.enorm.weight"] = 1.0
+        message = r"\['model.enorm.weight'\] hold no weights"
     plain = SDARMRPForCausalLM(tiny_config(num_nextn_predict_layers=0)).double()
     with pytest.raises(ValueError, match=message):
-        plain.load_mrp_state_dict(head)
+        plain.load_mrp_state_dict(head, strict=strict)
     assert not plain.has_mrp and plain.config.num_nextn_predict_layers == 0
     with pytest.raises(ValueError, match="needs MRP weights"):
         plain.generate(random_prompts(1, 4), max_new_tokens=4, strategy="direct")
@@ -250,7 +260,7 @@ def test_a_refused_mrp_state_dict_leaves_the_model_as_it_was(case):
     before = {k: v.clone() for k, v in model.mrp_modules.state_dict().items()}
     layers = model.config.num_nextn_predict_layers
     with pytest.raises(ValueError, match=message):
-        model.load_mrp_state_dict(head)
+        model.load_mrp_state_dict(head, strict=strict)
     after = model.mrp_modules.state_dict()
     assert model.config.num_nextn_predict_layers == layers and all(torch.equal(after[k], before[k]) for k in before)
 

@@ -393,6 +393,10 @@ def test_mrp_generate_on_a_model_without_an_mrp_head(tmp_path, capsys):
     (["--model", "~/no-such-mrp-model"], "--model: no folder '~/no-such-mrp-model'"),  # a path, not a Hub repo
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--draft-vocab", "{tmp}/words.json"], "--strategy speculative: draft_vocab must be an int"),  # a TypeError
+    (["--device", "gpu0"], "--device 'gpu0' is not a device (cpu, cuda, cuda:N)"),
+    (["--device", "mps"], "--device mps: mrp-generate decodes on cpu or cuda"),
+    (["--model", "{tmp}/gpt2"], "--model: '{tmp}/gpt2' could not be loaded as an SDAR checkpoint"),  # found, not SDAR
+    (["--prompt-file", "{tmp}/words.json"], "--prompt-file holds the prompt: drop the prompt given on the command"),
 ])
 def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, message, tmp_path, monkeypatch, capsys):
     """Bad options end mrp-generate with exit status 2 and one line naming the option, before anything is decoded."""
@@ -403,6 +407,8 @@ def test_mrp_generate_refuses_bad_input_with_a_message_and_no_traceback(args, me
     monkeypatch.setattr(cli, "run_one", lambda *a: pytest.fail("decoded despite bad input"))
     (tmp_path / "words.json").write_text('["def", "f"]')  # a JSON list, of words instead of token ids
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00def")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50}))
     with pytest.raises(SystemExit) as exit_:
         cli.main(["def f():", *(a.format(tmp=tmp_path) for a in args)])
     err = capsys.readouterr().err  # after the weights' loading bar, if it got that far
@@ -483,10 +489,10 @@ def test_mrp_generate_prompts_completes_each_record_as_generate_does_alone(strat
 
 
 def test_mrp_generate_prompts_samples_each_record_with_its_own_seed(tmp_path, monkeypatch):
-    """Sampled record r draws with seed --seed + r (a seed per prompt of each batch): a prompt repeated across records
-    gets fresh samples, and a record's samples do not depend on --batch-size. With --num-return-sequences N each
-    record gets N lines, numbered by "sample", each one of generate()'s N copies of the prompt (batches of
-    --batch-size prompts, N rows each)."""
+    """Sampled record r draws with seed --seed + r (modulo 2**64; a seed per prompt of each batch): a prompt repeated
+    across records gets fresh samples, and a record's samples do not depend on --batch-size. With
+    --num-return-sequences N each record gets N lines, numbered by "sample", each one of generate()'s N copies of the
+    prompt (batches of --batch-size prompts, N rows each)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_integration import cli
@@ -504,6 +510,10 @@ def test_mrp_generate_prompts_samples_each_record_with_its_own_seed(tmp_path, mo
         completions.append([json.loads(line)["completion"] for line in (tmp_path / "o.jsonl").read_text().splitlines()])
     assert seeds == [([7, 8], 2), ([9, 10], 2), ([11], 1), ([7, 8, 9], 3), ([10, 11], 2)]
     assert completions[0] == completions[1] and len(set(completions[0])) > 1
+    seeds.clear()  # past the last seed generate() takes, the records' seeds go on from 0 (a ValueError mid-file before)
+    assert cli.main(["--prompts", str(path), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "5",
+                     "--do-sample", "--seed", str(2**64 - 2), "--max-new-tokens", "2"]) == 0
+    assert seeds == [([2**64 - 2, 2**64 - 1, 0, 1, 2], 5)]
 
     path.write_text('{"id": "a", "prompt": "def f(x):"}\n{"id": "b", "text": "import os"}\n')
     assert cli.main(["--prompts", str(path), "--output", str(tmp_path / "o.jsonl"), "--batch-size", "2",
@@ -535,6 +545,14 @@ def test_mrp_generate_prompts_samples_each_record_with_its_own_seed(tmp_path, mo
      "--prompts {file}:2: --strategy speculative: prompt + max_new_tokens need"),
     (["--prompts", "{file}"], [{"prompt": "a"}, {"prompt": "b <|MASK|>"}], "--prompts {file}:2: the prompt: input_ids "
      "contain the mask token"),
+    (["--prompts", "{file}", "--do-sample", "--num-return-sequences", "0"], None,
+     "--num-return-sequences must be >= 1, got 0"),
+    (["--prompts", "{file}", "--output", "{tmp}/no/o.jsonl"], None,
+     "--output {tmp}/no/o.jsonl: not a file in an existing folder"),
+    (["--prompts", "{file}"], [{"prompt": "a"}, {"messages": [{"role": "user", "content": "hi"}]}],
+     "--prompts {file}:2: a 'messages' record goes through the tokenizer's chat template, and "),
+    (["--prompts", "{file}"], [{"messages": [{"role": "assistant", "content": "only"}]}],
+     "--prompts {file}:1: the conversation holds only the reference answer"),
 ])
 def test_mrp_generate_prompts_refuses_bad_input_naming_the_option_and_line(args, records, message, tmp_path,
                                                                             monkeypatch, capsys):
