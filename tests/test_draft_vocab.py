@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import mrp_triton
 from hf_integration.draft_vocab import draft_head, normalize_draft_vocab
 from tiny_models import MASK_ID, VOCAB, random_prompts, spy_on_drafts, tiny_model
+from training.config import ConfigError
 from training.draft_vocab import coverage, most_frequent_ids
 
 ODD_IDS = tuple(range(1, VOCAB, 2))  # without the mask token (66)
@@ -204,6 +205,15 @@ def test_draft_vocab_command_feeds_mrp_generate(tmp_path, capsys):
         generate_cli.draft_vocab_arg(str(tmp_path / "not_a_list.json"))
     with pytest.raises(argparse.ArgumentTypeError, match="neither a number of ids nor a readable JSON list"):
         generate_cli.draft_vocab_arg("-5")
+    # refused before the data is counted, naming the flag: an --out in no folder, a --model that is no model folder
+    (tmp_path / "tokenizer_only").mkdir()
+    for flags, message in ((["--model", str(SHIPPED_MODEL), "--out", str(tmp_path / "no" / "ids.json")],
+                            "--out .*ids.json: its folder does not exist"),
+                           (["--model", str(tmp_path / "tokenizer_only"), "--out", str(out)],
+                            "--model: .*tokenizer_only' is not a model folder")):
+        with pytest.raises(ConfigError, match=message):
+            train_cli.run_draft_vocab(train_cli.build_parser().parse_args(
+                ["draft-vocab", *flags, "--data", str(corpus), "--size", "64"]))
 
 
 def test_a_checkpoint_carries_its_draft_vocabulary(tmp_path, monkeypatch):

@@ -382,7 +382,7 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     card = ModelCard.load(bb / "README.md")  # the Hub's metadata and what the model is, how to load it, its training
     assert (card.data.library_name, card.data.pipeline_tag, card.data.base_model) == ("transformers",
                                                                                    "text-generation", None)
-    assert "mrp-triton" in card.data.tags and card.text.startswith("\n# bb\n")
+    assert "mrp-triton" in card.data.tags and "mrp" not in card.data.tags and card.text.startswith("\n# bb\n")
     assert "without an MRP head" in card.text and 'strategy="static"' in card.text
     assert f"Held-out loss at step 3: {res['eval_loss']:.4g}." in card.text and "| steps | 3 |" in card.text
     mrp = tmp_path / "mrp"
@@ -398,7 +398,9 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
     base = SDARMRPForCausalLM.from_pretrained(str(bb))
     for k, v in base.state_dict().items():  # the backbone did not move
         assert torch.equal(v, m.state_dict()[k]), k
-    card = ModelCard.load(mrp / "README.md").text
+    card = ModelCard.load(mrp / "README.md")
+    assert "mrp" in card.data.tags
+    card = card.text
     assert "with a 1-layer Multi-token Residual Prediction (MRP) head" in card and 'strategy="speculative"' in card
     assert f"{res['eval_token_agreement']}" in card and "| unroll K | 2 |" in card and "--mrp-init normal" in card
     exported = AutoTokenizer.from_pretrained(str(mrp))
@@ -445,9 +447,10 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
         with pytest.raises(ConfigError, match=message):
             run([*on, "--out", str(tmp_path / "refused"), *flags])
     (tmp_path / "more").mkdir()
-    (tmp_path / "more" / "README.md").write_text("# my own card\n")  # a card mrp-train did not write is kept
+    own_card = "---\ntags: [unclosed\n---\n# my own card\n"  # metadata the Hub's reader cannot parse
+    (tmp_path / "more" / "README.md").write_text(own_card)  # a card mrp-train did not write is kept
     run([*on, "--out", str(tmp_path / "more"), "--mrp-layers", "1"])
-    assert (tmp_path / "more" / "README.md").read_text() == "# my own card\n"
+    assert (tmp_path / "more" / "README.md").read_text() == own_card
     record = json.load(open(tmp_path / "more" / "training_config.json"))
     assert (record["num_mrp_layers"], record["mrp_init"]) == (1, "continued")
     carried = json.load(open(tmp_path / "more" / "generation_config.json"))
@@ -477,6 +480,19 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
                            (["--rope-theta", "500"], "config.rope_parameters=")):
         with pytest.raises(ConfigError, match="--resume: the checkpoint was made with " + message):
             run(_cli_args(env, bb, "--max-steps", "3", "--resume", *flags))
+
+
+def test_an_mrp_run_longer_than_the_models_positions_is_refused_before_the_data_is_read(env, tmp_path, monkeypatch):
+    """As mrp-train backbone refuses a --seq-len past --max-position-embeddings, mrp-train mrp refuses one past the
+    model's."""
+    from training import cli, data
+
+    positions = json.loads(open(os.path.join(env["backbone"], "config.json")).read())["max_position_embeddings"]
+    monkeypatch.setattr(data, "read_records", lambda *a, **k: pytest.fail("read the data despite bad flags"))
+    with pytest.raises(ConfigError, match=rf"--seq-len \({2 * positions}\) must be <= --model's "
+                                          rf"max_position_embeddings \({positions}\)"):
+        cli.run(["mrp", "--model", env["backbone"], "--data", env["paths"]["pairs"], "--out", str(tmp_path / "o"),
+                 "--seq-len", str(2 * positions), "--no-progress"])
 
 
 def test_a_tokenizer_with_more_ids_than_the_models_vocabulary_is_refused_before_tokenizing(env, tmp_path,

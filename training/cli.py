@@ -262,14 +262,19 @@ def _local_folder(path_or_repo: str, flag: str) -> str:
                           f"({type(err).__name__}: {err})") from err
 
 
+def _model_config(model: str) -> dict:
+    """The ``--model`` folder's config.json (:class:`ConfigError` when it has none)."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--model: {model!r} is not a model folder (no config.json)")
+    with open(path) as f:
+        return json.load(f)
+
+
 def _model_block_size(args) -> int:
     """``--block-size``, else the ``--model`` folder's (4 when its config has none)."""
-    if not os.path.isdir(args.model) or not os.path.exists(os.path.join(args.model, "config.json")):
-        raise ConfigError(f"--model: {args.model!r} is not a model folder (no config.json)")
-    if args.block_size is not None:
-        return args.block_size
-    with open(os.path.join(args.model, "config.json")) as f:
-        return json.load(f).get("block_size") or 4
+    config = _model_config(args.model)
+    return args.block_size if args.block_size is not None else config.get("block_size") or 4
 
 
 def _model_records(args, what: str, heldout: bool) -> list[dict]:
@@ -350,10 +355,11 @@ def run_draft_vocab(args) -> dict:
         raise ConfigError(f"--into-generation-config writes into a model folder, and {args.model!r} is not one (a Hub "
                           "repo's cached snapshot is not to be edited): download it with `hf download REPO "
                           "--local-dir DIR` and pass --model DIR")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ConfigError(f"--out {args.out}: its folder does not exist")
     records = _model_records(args, "data to count", heldout=False)
+    vocab_size = _model_config(args.model)["vocab_size"]
     tokenizer = load_tokenizer(args.model, "--model (its tokenizer)")
-    with open(os.path.join(args.model, "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
     counts = token_counts(records, tokenizer)
     if not counts:
         raise ConfigError("--data: no tokens found to count")
@@ -411,6 +417,9 @@ def run(argv: list[str] | None = None) -> dict:
                   sys.argv[1:] if argv is None else list(argv))
     if args.private and not args.push_to_hub:
         raise ConfigError("--private goes with --push-to-hub (the repo it creates)")
+    positions = _model_config(args.model).get("max_position_embeddings") if args.command == "mrp" else None
+    if positions is not None and cfg.seq_len > positions:
+        raise ConfigError(f"--seq-len ({cfg.seq_len}) must be <= --model's max_position_embeddings ({positions})")
     if args.push_to_hub:
         check_push(args.push_to_hub)
     if args.stdlib and args.data:
@@ -466,8 +475,7 @@ def run(argv: list[str] | None = None) -> dict:
     if args.command == "mrp":
         tok_dir = args.tokenizer or args.model
         tokenizer = load_tokenizer(tok_dir, "--tokenizer" if args.tokenizer else "--tokenizer (none in --model)")
-        with open(os.path.join(args.model, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
+        vocab = _model_config(args.model)["vocab_size"]
         if len(tokenizer) > vocab:
             raise ConfigError(f"--tokenizer: its {len(tokenizer)} token ids are more than the model's vocabulary "
                               f"({vocab}), whose embeddings would not hold them: give the model's own tokenizer")

@@ -36,8 +36,8 @@ def model_card(name: str, config, training: dict, evaluation: dict | None, base_
     run's ``training_config.json``), ``evaluation`` (:func:`last_evaluation`), ``base_model`` (a Hub repo id the
     run started from, or None)."""
     mrp = config.num_nextn_predict_layers > 0
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=TAGS,
-                         base_model=base_model)
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
+                         tags=[tag for tag in TAGS if mrp or tag != "mrp"], base_model=base_model)
     size = (f"{config.num_hidden_layers} layers, hidden size {config.hidden_size}, vocabulary {config.vocab_size}, "
             f"block size {config.block_size}")
     what = (f"An SDAR block-diffusion language model ({size}) with a {config.num_nextn_predict_layers}-layer "
@@ -103,9 +103,14 @@ def write_model_card(out_dir: str, config, training: dict, base_model: str | Non
     ``base_model``: the Hub repo the run started from, or None), unless the folder holds a card this module did not
     write (its tags lack ``mrp-triton``), which is kept."""
     path = os.path.join(out_dir, CARD)
-    if os.path.exists(path) and "mrp-triton" not in (ModelCard.load(path).data.tags or []):
-        print(f"kept the model card {path}, which mrp-train did not write", file=sys.stderr)
-        return
+    if os.path.exists(path):
+        try:
+            tags = ModelCard.load(path).data.tags or []
+        except Exception:  # noqa: BLE001 - metadata the Hub's reader cannot parse: a card mrp-train did not write
+            tags = []
+        if "mrp-triton" not in tags:
+            print(f"kept the model card {path}, which mrp-train did not write", file=sys.stderr)
+            return
     name = repo_id or os.path.basename(os.path.normpath(out_dir))
     card = model_card(name, config, training, last_evaluation(out_dir), base_model)
     with open(path, "w", encoding="utf-8") as f:
