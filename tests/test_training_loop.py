@@ -364,7 +364,7 @@ def test_killed_subprocess_resumes(env, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
+def test_cli_backbone_then_mrp_export(env, tmp_path, caplog, capfd):
     from transformers import AutoTokenizer
 
     from hf_integration import SDARMRPForCausalLM
@@ -390,6 +390,7 @@ def test_cli_backbone_then_mrp_export(env, tmp_path, caplog):
                "--mrp-layers", "1", "--unroll-k", "2", "--micro-batch-size", "2", "--max-steps", "3",
                "--mrp-init", "normal", "--no-progress", "--gradient-checkpointing"])
     assert res["step"] == 3
+    assert "Loading weights" not in capfd.readouterr().err  # --no-progress: transformers' bars hidden too
     setup = json.loads(open(mrp / "metrics.jsonl").readline())["setup"]
     assert setup["activation_checkpointing"] is True  # transformers' older name for the flag
     assert "no MRP head" not in caplog.text  # loading the backbone to give it a head does not warn that it has none

@@ -16,6 +16,7 @@ Exit status 2 with a message naming the flag on a bad configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -402,6 +403,29 @@ def run(argv: list[str] | None = None) -> dict:
         return run_eval(args)
     if args.command == "draft-vocab":
         return run_draft_vocab(args)
+    with _progress_bars(not args.no_progress):
+        return run_training(args, sys.argv[1:] if argv is None else list(argv))
+
+
+@contextlib.contextmanager
+def _progress_bars(shown: bool):
+    """transformers' progress bars (loading and saving weights) shown or not while the block runs (``--no-progress``
+    hides them as it hides the training's own), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    hide = not shown and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
+
+
+def run_training(args, argv: list[str]) -> dict:
+    """``mrp-train backbone`` / ``mrp-train mrp``: train and export as ``args`` (parsed from ``argv``, which the
+    checkpoints record) say (:func:`run`)."""
     from .data import build_datasets, read_records, record_texts, split_records
     from .hub import check_push, push
     from .tokenizer import load_tokenizer, special_token_ids, train_tokenizer
@@ -413,8 +437,7 @@ def run(argv: list[str] | None = None) -> dict:
         args.model = _local_folder(args.model, "--model")
     if args.tokenizer is not None:
         args.tokenizer = _local_folder(args.tokenizer, "--tokenizer")
-    cfg = _config(args, _model_block_size(args) if args.command == "mrp" else args.block_size,
-                  sys.argv[1:] if argv is None else list(argv))
+    cfg = _config(args, _model_block_size(args) if args.command == "mrp" else args.block_size, argv)
     if args.private and not args.push_to_hub:
         raise ConfigError("--private goes with --push-to-hub (the repo it creates)")
     positions = _model_config(args.model).get("max_position_embeddings") if args.command == "mrp" else None
