@@ -26,6 +26,19 @@ def check_kernel_device(device: torch.device, op: str) -> None:
                            f"mrp_triton.{op}() (reference path on CPU)")
 
 
+def wide(*operands: torch.Tensor | None) -> bool:
+    """Whether an operand is float64: the kernels compute in fp32, so the public ops run the reference for it."""
+    return any(t is not None and t.dtype == torch.float64 for t in operands)
+
+
+def check_ids_on_cpu(name: str, ids: torch.Tensor, low: int, high: int) -> None:
+    """Refuse ids outside [low, high) (an ``IndexError``, as torch's gathers raise) where that costs no host sync:
+    on CPU, where the interpreter would read past a table and the reference would wrap a negative id around. On
+    CUDA the ids are the caller's to keep in range."""
+    if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < low or int(ids.max()) >= high):
+        raise IndexError(f"{name} must lie in [{low}, {high}), got values in [{int(ids.min())}, {int(ids.max())}]")
+
+
 def check_block(block, desc: str = "[B, L]") -> tuple[int, int]:
     """``block`` must be an int64 tensor [B, L]; returns (B, L). ``desc`` extends the shape in the message."""
     if not isinstance(block, torch.Tensor) or block.dim() != 2 or block.dtype != torch.int64:

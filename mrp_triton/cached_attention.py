@@ -33,12 +33,13 @@ bf16 is broken, so tiles are cast to fp32 there. float64 always runs the referen
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_kernel_device
+from ._checks import check_ids_on_cpu, check_kernel_device
 from .backend import before_ampere, fit_stages, interpreter_on, num_sms, select_backend, shared_memory_limit
 from .reference.cached_attention import cached_attention as cached_attention_reference
 
@@ -192,7 +193,9 @@ def _merge_splits_kernel(part_ptr, ml_ptr, place_ptr, o_ptr, spl_b, spl_t, so_b,
     tl.store(o_ptr + b * so_b + h * so_h + at * so_t + dims, out.to(o_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places, rows=None) -> None:
+def _check_args(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places, rows=None) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if q.dim() != 4 or k.dim() != 4 or cache_k.dim() != 4:
         raise ValueError("q must be [B, Hq, T, D], k and v [B, Hkv, T, D], cache_k and cache_v [B, Hkv, W, D]")
     Bq, Hq, Tq, D = q.shape
@@ -220,6 +223,7 @@ def _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places,
         raise TypeError("q, k, v, cache_k and cache_v must share one floating dtype")
     if lengths.shape != (B,) or lengths.dtype != torch.int64:
         raise ValueError(f"lengths must be an int64 tensor [{B}]")
+    check_ids_on_cpu("lengths", lengths, 0, cache_k.shape[2] + 1)  # (at most the cache's width W)
     if positions.shape != (B, T) or positions.dtype != torch.int64:
         raise ValueError(f"positions must be an int64 tensor [{B}, {T}]")
     if segments is not None and segments.shape != (T,):
@@ -241,7 +245,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     a program may use, which the tiles are fitted to, and ``async_copy``: whether the GPU pipelines loads through it
     (defaults: the GPU's, :func:`~mrp_triton.backend.shared_memory_limit` and :func:`~mrp_triton.backend
     .before_ampere`; tests set them)."""
-    _check_args(q, k, v, cache_k, cache_v, lengths, positions, segments, places, rows)
+    _check_args(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places, rows)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
     if cache_v.stride() != cache_k.stride():
@@ -361,5 +365,5 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     args = (q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places, rows)
     if q.dtype != torch.float64 and select_backend(q.device, q, k, v, cache_k, cache_v) == "triton":
         return cached_attention_triton(*args)
-    _check_args(*args[:7], segments, places, rows)
+    _check_args(*args)
     return cached_attention_reference(*args)

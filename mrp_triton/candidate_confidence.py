@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (MAX_TOP_M, check_penalty, check_skip_rows, penalty_args, penalty_operands,
-                      temperature_operands)
+from ._checks import (MAX_TOP_M, check_ids_on_cpu, check_kernel_device, check_penalty, check_skip_rows, penalty_args,
+                      penalty_operands, temperature_operands)
 from .backend import select_backend
 from .confidence import check_sampling, comparable, penalized, penalty_factors
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
@@ -76,6 +76,7 @@ def _listed_kernel(h_ptr, hs_ptr, w_ptr, mean_ptr, ids_ptr, rest_ptr, skip_ptr, 
                       safe_max + tl.log(tl.maximum(tl.sum(tl.exp(z - safe_max), axis=0), 1e-30)))
     outside = tl.load(rest_ptr + row) + tl.sum(moved, axis=0) * inv_t
     top = tl.maximum(inside, outside)
+    top = tl.where(outside != outside, outside, top)  # a NaN rest makes the normaliser NaN, as the reference's
     safe_top = tl.where(top == float("-inf"), 0.0, top)
     lse = tl.where(top == float("-inf"), float("-inf"),
                    safe_top + tl.log(tl.maximum(tl.exp(inside - safe_top) + tl.exp(outside - safe_top), 1e-30)))
@@ -110,6 +111,7 @@ def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, t
                     ("vocab_mean", vocab_mean)):
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_ids_on_cpu("ids", ids, -1, weight.shape[0])
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
     check_sampling(N, hidden.device, "hidden", temperature, do_sample, noise_keys, **cuts)
     check_penalty(**penalty, rows=N, vocab=weight.shape[0], device=hidden.device, data="hidden")
@@ -121,13 +123,14 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
                                 repetition_penalty=None, seen_tokens=None, seen_rows=None, logit_offsets=None,
                                 logit_bias=None, block_h: int | None = None):
     """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
-    chunk, for tests). Ids must lie in [-1, V): the kernel gathers their rows unchecked (a host check would
-    synchronise)."""
+    chunk, for tests). Ids must lie in [-1, V): on CUDA the kernel gathers their rows unchecked (a host check would
+    synchronise; CPU ids are checked)."""
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
     penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts,
                 penalty)
+    check_kernel_device(hidden.device, "candidate_confidence")
     N, H = hidden.shape
     M = ids.shape[1]
     dev = hidden.device

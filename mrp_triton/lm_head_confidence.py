@@ -66,10 +66,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._checks import (ban_operands, check_banned, check_penalty, check_skip_rows, check_top_m, penalty_args,
-                      penalty_operands)
+from ._checks import (ban_operands, check_banned, check_kernel_device, check_penalty, check_skip_rows, check_token_id,
+                      check_top_m, penalty_args, penalty_operands)
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
-from .confidence import comparable, penalized, penalty_factors, rescaled_terms, softmax_entropy
+from .confidence import check_temperature, comparable, penalized, penalty_factors, rescaled_terms, softmax_entropy
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
 from .reference.lm_head_confidence import top_by_value
 
@@ -331,12 +331,12 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, base_logits: torch.T
         if base_logits.device != hidden.device:
             raise ValueError(f"hidden is on {hidden.device} but base_logits is on {base_logits.device}")
     if mask_token_id is not None:
+        check_token_id(mask_token_id)
         if not 0 <= int(mask_token_id) < V:
             raise ValueError(f"mask_token_id {int(mask_token_id)} is outside the vocabulary [0, {V})")
         if V == 1:
             raise ValueError("the vocabulary has only the mask token: nothing left to pick")
-    if not float(temperature) > 0.0:
-        raise ValueError(f"temperature must be > 0, got {float(temperature)}")
+    check_temperature(temperature)
     check_banned(banned_tokens, ban_rows, N, V, hidden.device, "hidden")
     check_penalty(**penalty, rows=N, vocab=V, device=hidden.device, data="hidden")
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
@@ -357,6 +357,7 @@ def lm_head_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor, *, bas
     penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     _check_args(hidden, weight, base_logits, mask_token_id, banned_tokens, ban_rows, temperature, skip_rows, top_m,
                 penalty)
+    check_kernel_device(hidden.device, "lm_head_confidence")
     if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"weight must be fp32, fp16 or bf16, got {weight.dtype}")
     (N, H), V = hidden.shape, weight.shape[0]

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_ids_on_cpu, check_kernel_device, wide
 from .backend import differentiated, select_backend
 from .reference.mrp_input import mrp_input as mrp_input_reference
 from .rms_norm import rms_norm_backward, row_settings
@@ -65,7 +66,8 @@ def _in_hidden_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 def _check_args(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor, enorm_weight: torch.Tensor,
                 hnorm_weight: torch.Tensor) -> None:
     """:func:`mrp_input`'s argument checks, run on either backend (the reference would broadcast a norm weight of
-    another shape). Not the range of the ids: see :func:`mrp_input_triton`."""
+    another shape, and read a negative id from the table's end); the ids' range on CPU only (:func:`check_ids_on_cpu`:
+    on CUDA it would need a host sync)."""
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"ids must be int64 or int32, got {ids.dtype}")
     for name, t in (("embed_weight", embed_weight), ("hidden", hidden),
@@ -84,17 +86,15 @@ def _check_args(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Ten
     if enorm_weight.shape != (H,) or hnorm_weight.shape != (H,):
         raise ValueError(f"enorm_weight and hnorm_weight must have shape ({H},), got "
                          f"{tuple(enorm_weight.shape)} and {tuple(hnorm_weight.shape)}")
+    check_ids_on_cpu("ids", ids, 0, embed_weight.shape[0])
 
 
 def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
                      enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton launcher of :func:`mrp_input` (same arguments and result). CPU ids are range-checked here (the
-    interpreter would read an out-of-range id as a zero row; the reference's gather raises on its own; on CUDA the
-    check would need a host sync)."""
+    """Triton launcher of :func:`mrp_input` (same arguments and result)."""
     _check_args(ids, embed_weight, hidden, enorm_weight, hnorm_weight)
+    check_kernel_device(hidden.device, "mrp_input")
     (N, H), V = hidden.shape, embed_weight.shape[0]
-    if ids.device.type == "cpu" and N > 0 and (int(ids.min()) < 0 or int(ids.max()) >= V):
-        raise IndexError(f"ids must lie in [0, {V}), got values in [{int(ids.min())}, {int(ids.max())}]")
     out_dtype = torch.promote_types(hidden.dtype, torch.promote_types(enorm_weight.dtype, hnorm_weight.dtype))
     out = torch.empty((N, 2 * H), dtype=out_dtype, device=hidden.device)
     BLOCK, num_warps = row_settings(H)
@@ -144,7 +144,7 @@ def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tenso
     dtype of ``hidden`` and both norm weights; each half is rounded to its own ``promote(hidden, weight)`` first.
     """
     floats = (embed_weight, hidden, enorm_weight, hnorm_weight)
-    if select_backend(hidden.device, *floats, backward=True) == "triton":
+    if not wide(*floats) and select_backend(hidden.device, *floats, backward=True) == "triton":
         if differentiated(*floats):
             return _MRPInput.apply(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)
         return mrp_input_triton(ids, embed_weight, hidden, enorm_weight, hnorm_weight, eps)

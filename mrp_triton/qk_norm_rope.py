@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_float
+from ._checks import check_float, check_kernel_device, wide
 from .backend import differentiated, select_backend
 from .rms_norm import backward_grid
 from .reference.qk_norm_rope import qk_norm_rope as qk_norm_rope_reference
@@ -153,6 +153,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor
                         cos: torch.Tensor, sin: torch.Tensor, eps: float):
     """Triton launcher of :func:`qk_norm_rope` (same arguments and results)."""
     _check_args(q, k, q_weight, k_weight, cos, sin)
+    check_kernel_device(q.device, "qk_norm_rope")
     (B, T, Hq, D), Hkv = q.shape, k.shape[2]
     cos, sin = _rope_table(cos, B, T, D), _rope_table(sin, B, T, D)
     qc, kc = _heads_packed(q), _heads_packed(k)
@@ -272,7 +273,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     Returns (q [B, T, Hq, D], k [B, T, Hkv, D]) of dtypes ``promote(q, q_weight)`` and ``promote(k, k_weight)``.
     """
     tables_differentiated = differentiated(cos, sin)
-    if select_backend(q.device, q, k, q_weight, k_weight, cos, sin, backward=not tables_differentiated) == "triton":
+    operands = (q, k, q_weight, k_weight, cos, sin)
+    if not wide(*operands) and select_backend(q.device, *operands, backward=not tables_differentiated) == "triton":
         if differentiated(q, k, q_weight, k_weight):
             return _QKNormRope.apply(q, k, q_weight, k_weight, cos, sin, eps)
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import as_rows, check_float
+from ._checks import as_rows, check_float, check_kernel_device, wide
 from .backend import differentiated, num_sms, select_backend
 from .reference.rms_norm import rms_norm as rms_norm_reference
 
@@ -96,6 +96,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None):
     """Triton launcher of :func:`rms_norm` (same arguments and results)."""
     _check_args(x, weight, residual)
+    check_kernel_device(x.device, "rms_norm")
     H = x.shape[-1]
     BLOCK, num_warps = row_settings(H)
     x2 = as_rows(x)
@@ -203,7 +204,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     ``s = x + residual`` [..., H] (dtype promote(x, residual), the new residual stream) and ``y = rms_norm(s)``
     (dtype promote(s, weight)).
     """
-    if select_backend(x.device, x, weight, residual, backward=True) == "triton":
+    if not wide(x, weight, residual) and select_backend(x.device, x, weight, residual, backward=True) == "triton":
         if differentiated(x, weight, residual):
             return _RMSNorm.apply(x, weight, eps, residual)
         return rms_norm_triton(x, weight, eps, residual)

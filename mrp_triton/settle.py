@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_kernel_device,
+from ._checks import (check_block, check_block_shaped, check_contiguous_block, check_ids_on_cpu, check_kernel_device,
                       check_on_block_device, check_token_id)
 from .backend import select_backend
 from .reference.settle import settle_rows as settle_rows_reference
@@ -51,6 +51,7 @@ def _check_args(block, positions, starts, ends, is_eos, mask_token_id, filler):
     if not isinstance(is_eos, torch.Tensor) or is_eos.dtype != torch.bool or is_eos.dim() != 1:
         raise ValueError("is_eos must be a bool tensor [V], indexed by token id (True at the EOS ids)")
     check_on_block_device(block, positions=positions, starts=starts, ends=ends, is_eos=is_eos)
+    check_ids_on_cpu("block", block, 0, is_eos.shape[0])  # (is_eos is read by token id)
     check_token_id(mask_token_id)
     if isinstance(filler, bool) or not isinstance(filler, numbers.Integral) or filler == mask_token_id:
         raise ValueError(f"filler must be a token id (an int) other than the mask token {mask_token_id}, got "

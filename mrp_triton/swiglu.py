@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import as_rows, check_float, check_matches
+from ._checks import as_rows, check_float, check_kernel_device, check_matches, wide
 from .backend import differentiated, select_backend
 from .reference.swiglu import swiglu as swiglu_reference
 
@@ -53,6 +53,7 @@ def _check_args(gate: torch.Tensor, up: torch.Tensor) -> None:
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Triton launcher of :func:`swiglu` (same arguments and result)."""
     _check_args(gate, up)
+    check_kernel_device(gate.device, "swiglu")
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() > 0:
         g, u = as_rows(gate), as_rows(up)
@@ -99,7 +100,7 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``; gate, up: [..., F] (same dtype) -> [..., F] (same dtype)."""
-    if select_backend(gate.device, gate, up, backward=True) == "triton":
+    if not wide(gate, up) and select_backend(gate.device, gate, up, backward=True) == "triton":
         return _SwiGLU.apply(gate, up) if differentiated(gate, up) else swiglu_triton(gate, up)
     _check_args(gate, up)
     return swiglu_reference(gate, up)

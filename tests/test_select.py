@@ -60,6 +60,7 @@ def _cases(draw):
         threshold = None
         entropy = torch.randint(0, 17, (B, L), generator=g).float() / 8
         entropy[torch.rand(B, L, generator=g) < 0.05] = float("nan")
+        entropy[torch.rand(B, L, generator=g) < 0.05] = float("inf")  # ties with NaN (both rank last)
         bound = draw(st.sampled_from([0.0, 0.125, 0.5, 1.0, 3.0]))
     return block, tokens, conf, n, threshold, entropy, bound, draw(st.booleans()), draw(st.booleans())
 

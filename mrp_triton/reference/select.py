@@ -43,7 +43,7 @@ def select_commit(block, tokens, conf, *, mask_token_id, n, threshold=None, entr
     B, L = block.shape
     cand = (block == mask_token_id) & (tokens >= 0) & (tokens != mask_token_id)
     if entropy is not None:
-        h = entropy.float().nan_to_num(nan=float("inf"))
+        h = entropy.float().nan_to_num(nan=float("inf"), posinf=float("inf"))  # (NaN ties with +inf, kept as it is)
         c = -h
     else:
         c = conf.float()
