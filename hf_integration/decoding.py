@@ -370,14 +370,15 @@ class BlockDecoder:
     def split_top(self, picks: tuple, top_m: int) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor] | None]:
         """The picks of :meth:`pick_hidden` asked for :meth:`top_lists` ``(top_m)`` lists -> (the picks as asked for
         with ``top_m`` (their lists cut to top_m; none for 0), with ``output_top_logprobs=k`` the first k of the
-        lists as log-probabilities (the top logits over temperature minus the lse) and their token ids, [..., k] each,
+        lists as log-probabilities (the top logits over temperature minus the lse, at most 0: both are fp32 numbers,
+        whose rounding at a small temperature may put a top logit past the lse) and their token ids, [..., k] each,
         else None)."""
         k = self.settings.output_top_logprobs
         if not k:
             return picks, None
         *head, top, ids = picks
         lists = (top[..., :top_m], ids[..., :top_m]) if top_m else ()
-        return (*head, *lists), (top[..., :k] - picks[2][..., None], ids[..., :k])
+        return (*head, *lists), ((top[..., :k] - picks[2][..., None]).clamp(max=0.0), ids[..., :k])
 
     def top_lists(self, top_m: int = 0) -> int:
         """How many top logits a committing pick asks :meth:`pick_hidden` for: ``top_m`` (a draft's candidates), and

@@ -223,7 +223,6 @@ def _check_args(q, k, v, cache_k, cache_v, lengths, positions, block_size, segme
         raise TypeError("q, k, v, cache_k and cache_v must share one floating dtype")
     if lengths.shape != (B,) or lengths.dtype != torch.int64:
         raise ValueError(f"lengths must be an int64 tensor [{B}]")
-    check_ids_on_cpu("lengths", lengths, 0, cache_k.shape[2] + 1)  # (at most the cache's width W)
     if positions.shape != (B, T) or positions.dtype != torch.int64:
         raise ValueError(f"positions must be an int64 tensor [{B}, {T}]")
     if segments is not None and segments.shape != (T,):
@@ -246,6 +245,7 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     (defaults: the GPU's, :func:`~mrp_triton.backend.shared_memory_limit` and :func:`~mrp_triton.backend
     .before_ampere`; tests set them)."""
     _check_args(q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places, rows)
+    check_ids_on_cpu("lengths", lengths, 0, cache_k.shape[2] + 1)  # (at most W: the reference clamps them there)
     check_kernel_device(q.device, "cached_attention")
     q, k, v, cache_k, cache_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cache_k, cache_v))
     if cache_v.stride() != cache_k.stride():

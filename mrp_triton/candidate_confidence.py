@@ -111,7 +111,6 @@ def _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, t
                     ("vocab_mean", vocab_mean)):
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    check_ids_on_cpu("ids", ids, -1, weight.shape[0])
     check_skip_rows(skip_rows, N, hidden.device, "hidden")
     check_sampling(N, hidden.device, "hidden", temperature, do_sample, noise_keys, **cuts)
     check_penalty(**penalty, rows=N, vocab=weight.shape[0], device=hidden.device, data="hidden")
@@ -124,13 +123,14 @@ def candidate_confidence_triton(hidden, weight, ids, rest, *, seed_hidden, vocab
                                 logit_bias=None, block_h: int | None = None):
     """Triton launcher of :func:`candidate_confidence` (same arguments and results; ``block_h`` overrides the H
     chunk, for tests). Ids must lie in [-1, V): on CUDA the kernel gathers their rows unchecked (a host check would
-    synchronise; CPU ids are checked)."""
+    synchronise; CPU ids are checked here)."""
     cuts = dict(top_k=top_k, top_p=top_p, min_p=min_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                 top_h=top_h, typical_p=typical_p)
     penalty = penalty_args(repetition_penalty, seen_tokens, seen_rows, logit_offsets, logit_bias)
     _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts,
                 penalty)
     check_kernel_device(hidden.device, "candidate_confidence")
+    check_ids_on_cpu("ids", ids, -1, weight.shape[0])  # (the reference's gather raises on its own)
     N, H = hidden.shape
     M = ids.shape[1]
     dev = hidden.device

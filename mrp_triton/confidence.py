@@ -327,10 +327,16 @@ def _pick_config(N: int, V: int, device: torch.device, splits=None, block_v=None
     return s, block_v, nw
 
 
+TEMPERATURES = (1e-20, 1e20)  # the temperatures the kernels take (see check_temperature)
+
+
 def check_temperature(temperature: float) -> None:
-    """A temperature the kernel can use: finite, > 0 and with 1 / temperature finite in fp32."""
-    if not (float(temperature) > 0) or not math.isfinite(float(temperature)) or 1.0 / float(temperature) > 3.4e38:
-        raise ValueError(f"temperature must be a finite float > 0 (and > 3e-39), got {temperature}; "
+    """A temperature the kernels can use: in :data:`TEMPERATURES`, where ``logits / temperature`` stays a finite,
+    nonzero fp32 number for logits up to 1e18 in magnitude (below 1e-20 the largest logits would all saturate to
+    the largest float and tie; above 1e20 they would all round towards 0, and tie)."""
+    low, high = TEMPERATURES
+    if not low <= float(temperature) <= high:
+        raise ValueError(f"temperature must be a finite float in [{low:g}, {high:g}], got {temperature}; "
                          "use do_sample=False for greedy decoding")
 
 

@@ -66,8 +66,7 @@ def _in_hidden_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 def _check_args(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor, enorm_weight: torch.Tensor,
                 hnorm_weight: torch.Tensor) -> None:
     """:func:`mrp_input`'s argument checks, run on either backend (the reference would broadcast a norm weight of
-    another shape, and read a negative id from the table's end); the ids' range on CPU only (:func:`check_ids_on_cpu`:
-    on CUDA it would need a host sync)."""
+    another shape). Not the range of the ids: see :func:`mrp_input_triton`."""
     if ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"ids must be int64 or int32, got {ids.dtype}")
     for name, t in (("embed_weight", embed_weight), ("hidden", hidden),
@@ -86,14 +85,16 @@ def _check_args(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Ten
     if enorm_weight.shape != (H,) or hnorm_weight.shape != (H,):
         raise ValueError(f"enorm_weight and hnorm_weight must have shape ({H},), got "
                          f"{tuple(enorm_weight.shape)} and {tuple(hnorm_weight.shape)}")
-    check_ids_on_cpu("ids", ids, 0, embed_weight.shape[0])
 
 
 def mrp_input_triton(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
                      enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton launcher of :func:`mrp_input` (same arguments and result)."""
+    """Triton launcher of :func:`mrp_input` (same arguments and result). CPU ids are range-checked here (the
+    interpreter would read an out-of-range id as a zero row; the reference's gather raises on its own; on CUDA, and
+    inside the decoder's steps, the check would need a host sync)."""
     _check_args(ids, embed_weight, hidden, enorm_weight, hnorm_weight)
     check_kernel_device(hidden.device, "mrp_input")
+    check_ids_on_cpu("ids", ids, 0, embed_weight.shape[0])
     (N, H), V = hidden.shape, embed_weight.shape[0]
     out_dtype = torch.promote_types(hidden.dtype, torch.promote_types(enorm_weight.dtype, hnorm_weight.dtype))
     out = torch.empty((N, 2 * H), dtype=out_dtype, device=hidden.device)

@@ -51,7 +51,6 @@ def _check_args(block, positions, starts, ends, is_eos, mask_token_id, filler):
     if not isinstance(is_eos, torch.Tensor) or is_eos.dtype != torch.bool or is_eos.dim() != 1:
         raise ValueError("is_eos must be a bool tensor [V], indexed by token id (True at the EOS ids)")
     check_on_block_device(block, positions=positions, starts=starts, ends=ends, is_eos=is_eos)
-    check_ids_on_cpu("block", block, 0, is_eos.shape[0])  # (is_eos is read by token id)
     check_token_id(mask_token_id)
     if isinstance(filler, bool) or not isinstance(filler, numbers.Integral) or filler == mask_token_id:
         raise ValueError(f"filler must be a token id (an int) other than the mask token {mask_token_id}, got "
@@ -62,6 +61,7 @@ def settle_rows_triton(block, positions, starts, ends, is_eos, *, mask_token_id,
     """Triton launcher (see :func:`settle_rows`)."""
     _check_args(block, positions, starts, ends, is_eos, mask_token_id, filler)
     check_kernel_device(block.device, "settle_rows")
+    check_ids_on_cpu("block", block, 0, is_eos.shape[0])  # (is_eos is read by token id; the reference's gather raises)
     check_contiguous_block(block)
     if not ends.is_contiguous():
         raise ValueError("ends must be contiguous (it is updated in place)")

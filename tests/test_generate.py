@@ -764,6 +764,8 @@ BAD_INPUTS = [
     (dict(temperature=0.5), ValueError, "temperature=0.5 steers sampling, which this call does not do"),
     (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
     (dict(do_sample=True, temperature=float("inf")), ValueError, "temperature must be a finite float"),
+    (dict(do_sample=True, temperature=1e-21), ValueError, r"temperature must be a finite float in \[1e-20, 1e\+20\]"),
+    (dict(do_sample=True, temperature=1e21), ValueError, r"temperature must be a finite float in \[1e-20, 1e\+20\]"),
     (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
     (dict(do_sample=True, top_k=-1), ValueError, r"top_k=-1 must be >= 0 \(0 or None: no top-k cut\)"),
     (dict(do_sample=True, top_k=2.5), TypeError, "top_k must be an int"),
@@ -824,7 +826,7 @@ BAD_INPUTS = [
     (dict(do_sample=True, temperature=[0.5, 1.0]), ValueError, "temperature has 2 values for 1 prompts: give one "
                                                                 "per row of input_ids"),
     (dict(do_sample=True, temperature=[]), ValueError, "temperature has 0 values"),
-    (dict(do_sample=True, temperature=[0.0]), ValueError, "temperature must be a finite float > 0"),
+    (dict(do_sample=True, temperature=[0.0]), ValueError, "temperature must be a finite float in "),
     (dict(do_sample=True, temperature=["hot"]), TypeError, "temperature must be a number, got str"),
     (dict(temperature=[0.5]), ValueError, r"temperature=\[0.5\] steers sampling, which this call does not do"),
     (dict(do_sample=True, top_p=[0.5, 0.9]), ValueError, "top_p has 2 values for 1 prompts"),
@@ -1368,6 +1370,26 @@ def test_top_k_reaches_the_steps_with_a_bound_of_a_few_sizes(model, monkeypatch)
         model.generate(random_prompts(2, 5, seed=2), max_new_tokens=4, do_sample=True, top_k=ks, cuda_graphs=False)
         values = [3, 100] if bound else [3, 2**31 - 1]
         assert bounds and all(k.view(2, -1)[:, 0].tolist() == values and m == bound for k, m in bounds)
+
+
+def test_extreme_sampling_settings_decode_as_their_limits():
+    """The smallest temperature taken (1e-20: logits / temperature stays within fp32; 1e-38 was taken and every
+    positive logit saturated to the largest float, tying them) samples the greedy tokens; a top_k past any
+    vocabulary (sys.maxsize: its step bound overflowed int64) cuts nothing; a float64 model's top log-probabilities
+    at a tiny temperature stay <= 0 (fp32 rounding of the top logits and the lse put them above 0)."""
+    import sys
+
+    model32 = tiny_model(seed=2, dtype=torch.float32)
+    ids = random_prompts(2, 6, seed=4)
+    greedy = model32.generate(ids, max_new_tokens=8, strategy="sequential")
+    cold = model32.generate(ids, max_new_tokens=8, strategy="sequential", do_sample=True, seed=[1, 2],
+                            temperature=1e-20)
+    assert torch.equal(cold, greedy)
+    sampled = dict(max_new_tokens=8, do_sample=True, seed=[1, 2])
+    assert torch.equal(model32.generate(ids, top_k=sys.maxsize, **sampled), model32.generate(ids, **sampled))
+    out = tiny_model(seed=2).generate(ids, temperature=1e-6, strategy="sequential", output_top_logprobs=2,
+                                      return_dict_in_generate=True, **sampled)
+    assert out.top_logprobs[:, 6:].max() <= 0 and (out.top_logprobs[:, 6:, 0] == 0).any()
 
 
 def test_lists_of_temperatures_and_new_tokens_share_the_step_key(model):

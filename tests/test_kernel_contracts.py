@@ -29,7 +29,7 @@ def test_lm_head_confidence_refuses_what_confidence_refuses(backend):
     is no int (True blanked every row of the reference; 2.7 became column 2 in the kernel)."""
     h, w = torch.randn(2, 4), torch.randn(5, 4)
     with use_backend(backend):
-        with pytest.raises(ValueError, match="temperature must be a finite float > 0"):
+        with pytest.raises(ValueError, match=r"temperature must be a finite float in \[1e-20, 1e\+20\]"):
             mrp_triton.lm_head_confidence(h, w, temperature=1e-40)
         for bad in (True, 2.7):
             with pytest.raises(TypeError, match="mask_token_id must be an int"):
@@ -39,21 +39,25 @@ def test_lm_head_confidence_refuses_what_confidence_refuses(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ids_outside_their_table_are_refused_on_cpu(backend):
     """An MRP input id of -1 (the reference read the table's last row), a listed candidate id of V (the kernel read
-    past the lm_head), cache lengths past the cache's width (the kernel read past the cache) and a block size < 1."""
+    past the lm_head) and a block size < 1: refused on CPU by both backends (the references' gathers raise on their
+    own, with no host sync inside the decoder's steps; the launchers check CPU ids, which the interpreter would read
+    out of bounds); cache lengths past the cache's width, which the reference clamps, by the kernel."""
     embed, norm, hidden = torch.randn(3, 4), torch.ones(4), torch.randn(1, 4)
     q = k = v = torch.randn(1, 1, 2, 16)
     cache = torch.randn(1, 1, 8, 16)
+    triton = backend == "triton"
     with use_backend(backend):
-        with pytest.raises(IndexError, match=r"ids must lie in \[0, 3\), got values in \[-1, -1\]"):
+        with pytest.raises(IndexError, match=r"ids must lie in \[0, 3\)" if triton else "index out of range"):
             mrp_triton.mrp_input(torch.tensor([-1]), embed, hidden, norm, norm, 1e-6)
-        with pytest.raises(IndexError, match=r"ids must lie in \[-1, 10\)"):
+        with pytest.raises(IndexError, match=r"ids must lie in \[-1, 10\)" if triton else "index"):
             mrp_triton.candidate_confidence(torch.randn(1, 8), torch.randn(10, 8), torch.tensor([[1, 10, -1]]),
                                             torch.tensor([-1.0]), seed_hidden=torch.randn(1, 8),
                                             vocab_mean=torch.randn(8))
-        with pytest.raises(IndexError, match=r"lengths must lie in \[0, 9\)"):
-            mrp_triton.cached_attention(q, k, v, cache, cache, torch.tensor([11]), torch.tensor([[11, 12]]), 4)
         with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
             mrp_triton.cached_attention(q, k, v, cache, cache, torch.tensor([4]), torch.tensor([[4, 5]]), 0)
+    if triton:
+        with pytest.raises(IndexError, match=r"lengths must lie in \[0, 9\)"):
+            mrp_triton.cached_attention_triton(q, k, v, cache, cache, torch.tensor([11]), torch.tensor([[11, 12]]), 4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -61,7 +65,8 @@ def test_settle_refuses_tokens_outside_the_eos_table(backend):
     """is_eos is read by token id: -1 read the table's last entry in the reference, V read past it in the kernel."""
     is_eos = torch.tensor([False, False, False, True])
     for token in (-1, 4):
-        with use_backend(backend), pytest.raises(IndexError, match=r"block must lie in \[0, 4\)"):
+        message = r"block must lie in \[0, 4\)" if backend == "triton" else "index out of range"
+        with use_backend(backend), pytest.raises(IndexError, match=message):
             mrp_triton.settle_rows(torch.tensor([[token, 1, 1]]), torch.tensor([[10, 11, 12]]), torch.tensor([0]),
                                    torch.tensor([100]), is_eos, mask_token_id=1, filler=0)
 

@@ -13,7 +13,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     """Softmax attention (scale 1/sqrt(D), grouped-query heads) of T new positions.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] (the new positions); cache_k, cache_v: [B, Hkv, W, D] of
-    which row b's first ``lengths[b]`` slots are committed (the rest is ignored); lengths: int64 [B];
+    which row b's first ``lengths[b]`` slots are committed (the rest is ignored, but must be finite here: SDPA
+    weighs it by zero, and 0 x NaN is NaN; the static cache starts zeroed); lengths: int64 [B];
     positions: int64 [B, T] (absolute, past the row's committed prefix); segments: int [T] or None.
     A new position sees every committed slot of its row and the new keys of its own or an earlier
     block (block = position // block_size) in its own segment or in a negative (shared) one: a finished

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .rms_norm import rms_norm
 
@@ -15,5 +16,5 @@ def mrp_input(ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tenso
     half is :func:`rms_norm`'s output (dtype ``promote(hidden, its weight)``), and the cat promotes both halves to
     the promoted dtype of ``hidden`` and both weights.
     """
-    e = embed_weight[ids].to(hidden.dtype)
+    e = F.embedding(ids, embed_weight).to(hidden.dtype)  # (an id outside the table raises, -1 too)
     return torch.cat([rms_norm(e, enorm_weight, eps), rms_norm(hidden, hnorm_weight, eps)], dim=-1)

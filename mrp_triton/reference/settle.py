@@ -18,7 +18,7 @@ def settle_rows(block, positions, starts, ends, is_eos, *, mask_token_id, filler
     """block: int64 [B, L] (in place), positions: int64 [B, L], starts: int64 [B], ends: int64 [B] (in place),
     is_eos: bool [V] (indexed by token id)."""
     if block.shape[1]:
-        eos = is_eos[block] & (positions >= starts[:, None])
+        eos = is_eos.index_select(0, block.flatten()).view_as(block) & (positions >= starts[:, None])  # (-1 raises)
         ends.copy_(torch.minimum(ends, torch.where(eos, positions + 1, ends[:, None]).amin(-1)))
     masked = block == mask_token_id
     settled = ~(masked & (positions < ends[:, None])).any(-1, keepdim=True)

@@ -514,8 +514,9 @@ class GenerationSettings:
         for value in values:
             if not (value is None and name in NO_CUT):
                 _check_sampling_value(name, value)
-        if name == "top_k":  # 0 and None both cut nothing
-            values = tuple(value or None for value in values)
+        if name == "top_k":  # 0, None and a top_k past any vocabulary cut nothing
+            values = tuple(None if type(value) is int and (value == 0 or value >= NO_CUT["top_k"]) else value
+                           for value in values)
         if len(set(values)) == 1:
             setattr(self, name, values[0])
         else:
@@ -606,8 +607,8 @@ class GenerationSettings:
             self.threshold = DEFAULT_THRESHOLD.get(self.strategy)
         if self.entropy_bound is None and self.strategy == "entropy_bounded":
             self.entropy_bound = DEFAULT_ENTROPY_BOUND
-        if self.top_k == 0 and type(self.top_k) is int:  # transformers' "no top-k cut" (a checkpoint may carry it)
-            self.top_k = None
+        if type(self.top_k) is int and (self.top_k == 0 or self.top_k >= NO_CUT["top_k"]):  # transformers' "no
+            self.top_k = None  # top-k cut" (0; a checkpoint may carry it), or one past any vocabulary (sys.maxsize)
         for name, neutral in NEUTRAL.items():  # asks nothing: nothing for the steps to do
             if getattr(self, name) == neutral and not isinstance(getattr(self, name), bool):
                 setattr(self, name, None)
