@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_ids_on_cpu, check_kernel_device
+from ._checks import check_ids_on_cpu, check_kernel_device, wide
 from .backend import before_ampere, fit_stages, interpreter_on, num_sms, select_backend, shared_memory_limit
 from .reference.cached_attention import cached_attention as cached_attention_reference
 
@@ -363,7 +363,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     nor a key); the result is [1, Hq, L, D]. ``rows`` (ragged; int64 [R] or None): grid rows that hold every
     computed place, which the reference attends alone (the kernel skips empty query tiles anyway)."""
     args = (q, k, v, cache_k, cache_v, lengths, positions, block_size, segments, places, rows)
-    if q.dtype != torch.float64 and select_backend(q.device, q, k, v, cache_k, cache_v) == "triton":
+    if not wide(q) and select_backend(q.device, q, k, v, cache_k, cache_v) == "triton":
         return cached_attention_triton(*args)
     _check_args(*args)
     return cached_attention_reference(*args)

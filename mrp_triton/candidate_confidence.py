@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ._checks import (MAX_TOP_M, check_ids_on_cpu, check_kernel_device, check_penalty, check_skip_rows, penalty_args,
-                      penalty_operands, temperature_operands)
+                      penalty_operands, temperature_operands, wide)
 from .backend import select_backend
 from .confidence import check_sampling, comparable, penalized, penalty_factors
 from .reference.candidate_confidence import candidate_confidence as candidate_confidence_reference
@@ -185,8 +185,7 @@ def candidate_confidence(hidden, weight, ids, rest, *, seed_hidden, vocab_mean, 
     kw = dict(seed_hidden=seed_hidden, vocab_mean=vocab_mean, temperature=temperature, skip_rows=skip_rows,
               do_sample=do_sample, seed=seed, noise_keys=noise_keys, **cuts, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device.
-    if weight.dtype != torch.float64 and hidden.dtype != torch.float64 and \
-            select_backend(hidden.device, hidden, weight, seed_hidden) == "triton":
+    if not wide(weight, hidden) and select_backend(hidden.device, hidden, weight, seed_hidden) == "triton":
         return candidate_confidence_triton(hidden, weight, ids, rest, **kw)
     _check_args(hidden, weight, ids, rest, seed_hidden, vocab_mean, skip_rows, temperature, do_sample, noise_keys, cuts,
                 penalty)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ._checks import (ban_operands, check_banned, check_device_scalar, check_kernel_device, check_penalty,
                       check_row_flags, check_skip_rows, penalty_args, penalty_operands, sample_operands,
-                      temperature_operands)
+                      temperature_operands, wide)
 from .backend import interpreter_on, num_sms, select_backend
 from .reference.confidence import confidence as confidence_reference
 from .reference.confidence import cuts_anything, effective_logits, may_sample, row_slice, sampling_cut, seed_hash
@@ -561,7 +561,7 @@ def confidence(logits, residual=None, *, scale=1.0, temperature=1.0, skip_rows=N
               banned_tokens=banned_tokens, ban_rows=ban_rows, do_sample=do_sample, seed=seed, noise_keys=noise_keys,
               entropy=entropy, **cuts, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device: the kernel works in fp32.
-    if logits.dtype != torch.float64 and select_backend(logits.device, logits, residual) == "triton":
+    if not wide(logits) and select_backend(logits.device, logits, residual) == "triton":
         return confidence_triton(logits, residual, **kw)
     _check_args(logits, residual, scale, temperature, skip_rows, mask_token_id, banned_tokens, ban_rows, do_sample,
                 noise_keys, cuts, penalty)

@@ -67,7 +67,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (ban_operands, check_banned, check_kernel_device, check_penalty, check_skip_rows, check_token_id,
-                      check_top_m, penalty_args, penalty_operands)
+                      check_top_m, penalty_args, penalty_operands, wide)
 from .backend import fit_stages, interpreter_on, select_backend, shared_memory_limit
 from .confidence import check_temperature, comparable, penalized, penalty_factors, rescaled_terms, softmax_entropy
 from .reference.lm_head_confidence import lm_head_confidence as lm_head_confidence_reference
@@ -464,7 +464,7 @@ def lm_head_confidence(hidden: torch.Tensor, weight: torch.Tensor, *, base_logit
     kw = dict(base_logits=base_logits, mask_token_id=mask_token_id, banned_tokens=banned_tokens, ban_rows=ban_rows,
               temperature=temperature, skip_rows=skip_rows, top_m=top_m, entropy=entropy, **penalty)
     # float64 (exact-comparison tests) is computed by the reference on any device.
-    if weight.dtype != torch.float64 and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
+    if not wide(weight) and select_backend(hidden.device, hidden, weight, base_logits) == "triton":
         return lm_head_confidence_triton(hidden, weight, **kw)
     _check_args(hidden, weight, base_logits, mask_token_id, banned_tokens, ban_rows, temperature, skip_rows, top_m,
                 penalty)
